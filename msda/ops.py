@@ -1,0 +1,184 @@
+"""Multi-scale deformable attention: validation, kernel launch, autograd Function, public entry point.
+
+Dimensions, named once: N batch, S flattened value positions (sum of H_l * W_l), M heads, D channels per
+head, Lq queries, L levels, P sampling points per level and head.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import multi_scale_deformable_attention_reference
+
+IMPLS = ("triton", "pytorch", "auto")
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------------
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {_describe(t)}")
+
+
+def level_start_index_from_shapes(spatial_shapes: torch.Tensor) -> torch.Tensor:
+    """(L,) int64 offsets of each level in the flattened S axis: 0, H_0*W_0, H_0*W_0 + H_1*W_1, ..."""
+    sizes = spatial_shapes.prod(dim=1)
+    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+
+
+def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Check the contract of ``multi_scale_deformable_attention``; returns level_start_index (computed if None).
+
+    Raises TypeError for a non-tensor or an unsupported dtype and ValueError for a wrong shape, an
+    inconsistent level layout or mixed devices; each message names the argument, the expected and the actual.
+    """
+    _check_tensor("value", value, 4, "(N, S, M, D)")
+    _check_tensor("spatial_shapes", spatial_shapes, 2, "(L, 2)")
+    _check_tensor("sampling_locations", sampling_locations, 6, "(N, Lq, M, L, P, 2)")
+    _check_tensor("attention_weights", attention_weights, 5, "(N, Lq, M, L, P)")
+    if level_start_index is not None:
+        _check_tensor("level_start_index", level_start_index, 1, "(L,)")
+
+    if value.dtype not in VALUE_DTYPES:
+        raise TypeError(f"value must be float32, float16, bfloat16 or float64, got {value.dtype}")
+    for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
+        if t.dtype not in (torch.float32, value.dtype):
+            raise TypeError(
+                f"{name} must be float32 or value's dtype ({value.dtype}), got {t.dtype}")
+    for name, t in (("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
+        if t is not None and t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be an integer tensor (int64), got {t.dtype}")
+
+    devices = {name: t.device for name, t in (
+        ("value", value), ("spatial_shapes", spatial_shapes), ("sampling_locations", sampling_locations),
+        ("attention_weights", attention_weights), ("level_start_index", level_start_index)) if t is not None}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listed}")
+
+    N, S, M, D = value.shape
+    L = spatial_shapes.shape[0]
+    if spatial_shapes.shape[1] != 2 or L == 0:
+        raise ValueError(f"spatial_shapes must be (L, 2) with L >= 1 rows of (H, W), got {_describe(spatial_shapes)}")
+    if bool((spatial_shapes <= 0).any()):
+        raise ValueError(f"spatial_shapes must hold positive (H, W), got {spatial_shapes.tolist()}")
+    total = int(spatial_shapes.prod(dim=1).sum())
+    if total != S:
+        raise ValueError(
+            f"value's S dimension must equal sum(H*W) over spatial_shapes = {total}, got S = {S} "
+            f"(value {_describe(value)}, spatial_shapes {spatial_shapes.tolist()})")
+
+    expected_start = level_start_index_from_shapes(spatial_shapes.long())
+    if level_start_index is None:
+        level_start_index = expected_start
+    elif level_start_index.shape[0] != L or not torch.equal(level_start_index.long(), expected_start):
+        raise ValueError(
+            f"level_start_index must be the cumulative sizes of spatial_shapes, {expected_start.tolist()}, "
+            f"got {level_start_index.tolist()}")
+
+    Nq, Lq, Mq, Lq_levels, P, two = sampling_locations.shape
+    if (Nq, Mq, Lq_levels, two) != (N, M, L, 2):
+        raise ValueError(
+            f"sampling_locations must be (N={N}, Lq, M={M}, L={L}, P, 2), got {_describe(sampling_locations)}")
+    if P == 0:
+        raise ValueError(f"sampling_locations must have P >= 1 points, got {_describe(sampling_locations)}")
+    if tuple(attention_weights.shape) != (N, Lq, M, L, P):
+        raise ValueError(
+            f"attention_weights must be (N, Lq, M, L, P) = {(N, Lq, M, L, P)} to match sampling_locations, "
+            f"got {_describe(attention_weights)}")
+    if D == 0:
+        raise ValueError(f"value must have D >= 1 channels per head, got {_describe(value)}")
+    return level_start_index.long()
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """Map impl ("triton" | "pytorch" | "auto") to "triton" or "pytorch" for tensors on ``device``."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "pytorch"
+    if impl == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors, got tensors on {device}; move them to a GPU, use impl='pytorch' "
+            f"(or 'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")
+    return impl
+
+
+# ----------------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------------
+class MultiScaleDeformableAttentionFunction(torch.autograd.Function):
+    """Triton forward and backward. Inputs must already be validated and contiguous.
+
+    grad_value is accumulated with atomic adds, so it is nondeterministic run to run in the last bits.
+    """
+
+    @staticmethod
+    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        from . import launch  # triton is imported only when the Triton path is used
+
+        output = launch.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from . import launch
+
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
+        need_value, _, _, need_loc, need_weight = ctx.needs_input_grad
+        grad_value, grad_loc, grad_weight = launch.backward(
+            grad_output.contiguous(), value, spatial_shapes, level_start_index, sampling_locations,
+            attention_weights)
+        return (grad_value if need_value else None, None, None,
+                grad_loc if need_loc else None, grad_weight if need_weight else None)
+
+
+def multi_scale_deformable_attention(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor | None,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Multi-scale deformable attention, the original Deformable DETR op's semantics.
+
+    value               (N, S, M, D)        float32 | float16 | bfloat16 (float64 for testing)
+    spatial_shapes      (L, 2) int64        (H_l, W_l) per level, S = sum(H_l * W_l)
+    level_start_index   (L,) int64 or None  computed from spatial_shapes when None
+    sampling_locations  (N, Lq, M, L, P, 2) normalized (x, y); [0, 1] spans the map, outside reads zeros;
+                                            float32 or value's dtype
+    attention_weights   (N, Lq, M, L, P)    already softmaxed over L*P by the caller; float32 or value's dtype
+    impl                "triton" (CUDA, or CPU under TRITON_INTERPRET=1) | "pytorch" | "auto"
+    returns             (N, Lq, M*D) in value's dtype; each gradient comes back in its input's dtype.
+
+    Bilinear sampling as grid_sample(align_corners=False, padding_mode="zeros") at 2*loc-1, accumulated in
+    float32 by the Triton path. Its grad_value uses atomics: nondeterministic in the last bits.
+    """
+    level_start_index = validate_inputs(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    impl = resolve_impl(impl, value.device)
+    N, _, M, D = value.shape
+    Lq = sampling_locations.shape[1]
+    if N == 0 or Lq == 0:
+        # Nothing to gather: no launch, but stay connected to the inputs so backward gives zero gradients.
+        connected = 0 * (value.sum() + sampling_locations.sum() + attention_weights.sum())
+        return value.new_zeros((N, Lq, M * D)) + connected.to(value.dtype)
+    if impl == "pytorch":
+        return multi_scale_deformable_attention_reference(
+            value, spatial_shapes, sampling_locations, attention_weights)
+    return MultiScaleDeformableAttentionFunction.apply(
+        value.contiguous(), spatial_shapes.long().contiguous(), level_start_index.contiguous(),
+        sampling_locations.contiguous(), attention_weights.contiguous())
