@@ -1,0 +1,77 @@
+"""Launchers for the Triton kernels: allocate outputs, pick block sizes, build the grid, launch.
+
+Inputs arrive validated and contiguous (see ops.py). Imported lazily so that ``import msda`` works without
+triton being importable, and the reference path never touches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import msda_backward_kernel, msda_forward_kernel
+
+_COMPUTE_DTYPES = {torch.float64: tl.float64}  # everything else computes in float32
+
+
+def launch_config(Lq: int, D: int, backward: bool) -> tuple[int, int]:
+    """(BLOCK_Q, num_warps) for a workload, from measurements on an H200 (bench/results/msda_h200.md).
+
+    One program holds BLOCK_Q x next_pow2(D) tiles of the four corners (and of the upstream gradient in
+    the backward), so wide heads get fewer queries per program to stay in registers.
+    """
+    block_d = triton.next_power_of_2(D)
+    if backward:
+        block_q = 64 if block_d <= 32 else 32 if block_d <= 64 else 16
+        return block_q, 4
+    block_q = 64 if block_d <= 32 else 32 if block_d <= 64 else 16
+    return block_q, 4
+
+
+def _grid(N: int, M: int, Lq: int, block_q: int):
+    return (triton.cdiv(Lq, block_q), N * M)
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            block_q: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Returns (N, Lq, M*D) in value's dtype. block_q / num_warps override the tuned table (benchmarks)."""
+    N, S, M, D = value.shape
+    _, Lq, _, L, P, _ = sampling_locations.shape
+    default_q, default_warps = launch_config(Lq, D, backward=False)
+    block_q = block_q or default_q
+    output = torch.empty((N, Lq, M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
+    with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
+        msda_forward_kernel[_grid(N, M, Lq, block_q)](
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, output,
+            S, Lq, M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
+            COMPUTE_DTYPE=_COMPUTE_DTYPES.get(value.dtype, tl.float32),
+            num_warps=num_warps or default_warps)
+    return output.view(N, Lq, M * D)
+
+
+def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             block_q: int | None = None, num_warps: int | None = None):
+    """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
+
+    grad_value is accumulated with atomics in a float32 buffer (float64 for float64 value) and cast once,
+    so it is run-to-run nondeterministic in the last bits.
+    """
+    N, S, M, D = value.shape
+    _, Lq, _, L, P, _ = sampling_locations.shape
+    default_q, default_warps = launch_config(Lq, D, backward=True)
+    block_q = block_q or default_q
+    accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+    grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
+    grad_loc = torch.empty_like(sampling_locations)  # (N, Lq, M, L, P, 2)
+    grad_weight = torch.empty_like(attention_weights)  # (N, Lq, M, L, P)
+    with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
+        msda_backward_kernel[_grid(N, M, Lq, block_q)](
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            grad_value, grad_loc, grad_weight,
+            S, Lq, M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
+            COMPUTE_DTYPE=_COMPUTE_DTYPES.get(value.dtype, tl.float32),
+            num_warps=num_warps or default_warps)
+    return grad_value.to(value.dtype), grad_loc, grad_weight

@@ -1,0 +1,17 @@
+"""Shared test setup.
+
+Without a GPU the Triton kernels run under Triton's CPU interpreter, which must be switched on before
+triton decorates any kernel, so it is set here, ahead of every test module's imports.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests import the project's top-level packages (msda, models, datasets, ...) from the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
