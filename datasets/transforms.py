@@ -1,0 +1,234 @@
+"""The published Deformable DETR augmentations, on torchvision.transforms.v2 and tv_tensors.
+
+Every transform is a callable ``(image, target) -> (image, target)``:
+
+- ``image``: ``tv_tensors.Image`` (3, H, W) uint8 until :class:`NormalizeAndFinalize`, which returns a
+  plain float32 tensor normalized with the ImageNet mean/std.
+- ``target``: dict with ``boxes`` (``tv_tensors.BoundingBoxes``, XYXY, absolute pixels,
+  ``canvas_size`` = (H, W) of the current image), ``labels`` (n,) int64, ``area`` (n,) float32,
+  ``iscrowd`` (n,) int64, ``image_id`` () int64, ``orig_size`` (2,) int64 as (h, w). After
+  :class:`NormalizeAndFinalize`, ``boxes`` is a plain (n, 4) float32 tensor in normalized cxcywh and
+  ``size`` (2,) int64 is the (h, w) of the transformed image.
+
+torchvision's v2 kernels move and clamp the boxes together with the pixels (flip, resize, crop); the
+random choices are drawn from torch's global RNG so that DataLoader worker seeding makes them
+reproducible. :func:`make_coco_transforms` composes the recipe of the original repository.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# The published recipe (Deformable DETR, inherited from DETR).
+COCO_TRAIN_SCALES = tuple(range(480, 801, 32))  # 480, 512, ..., 800
+COCO_MAX_SIZE = 1333
+COCO_VAL_SIZE = 800
+COCO_CROP_SCALES = (400, 500, 600)
+COCO_CROP_MIN_SIZE = 384
+COCO_CROP_MAX_SIZE = 600
+
+Transform = Callable[[torch.Tensor, dict], tuple]
+
+
+def _randint(low: int, high: int) -> int:
+    """Uniform integer in [low, high] (inclusive) from torch's global RNG."""
+    return int(torch.randint(low, high + 1, ()).item())
+
+
+def size_with_aspect_ratio(*, height: int, width: int, size: int, max_size: int | None) -> tuple[int, int]:
+    """Output (h, w) whose short side is ``size`` and long side at most ``max_size``, keeping aspect.
+
+    Same arithmetic as the original repository's ``get_size_with_aspect_ratio`` (floor on the long
+    side, rounding when the long-side cap lowers the short side), so images and boxes get the same
+    pixel sizes as in published training runs.
+    """
+    if max_size is not None:
+        short, long = float(min(height, width)), float(max(height, width))
+        if long / short * size > max_size:
+            size = int(round(max_size * short / long))
+    if (width <= height and width == size) or (height <= width and height == size):
+        return height, width
+    if width < height:
+        return int(size * height / width), size
+    return size, int(size * width / height)
+
+
+def drop_degenerate_boxes(target: dict) -> dict:
+    """Remove boxes with zero width or height, together with their labels, area and iscrowd.
+
+    Written by hand rather than with ``v2.SanitizeBoundingBoxes`` because that one refuses a
+    ``min_size`` below one pixel, while the original keeps every box of positive extent (COCO has
+    sub-pixel annotations that become visible after upscaling).
+    """
+    boxes = target["boxes"]  # (n, 4) XYXY
+    keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])  # (n,)
+    if bool(keep.all()):
+        return target
+    target = dict(target)
+    for key in ("labels", "area", "iscrowd"):
+        if key in target:
+            target[key] = target[key][keep]
+    kept = boxes[keep]
+    if isinstance(boxes, tv_tensors.BoundingBoxes):
+        # Indexing a tv_tensor returns a plain tensor; re-wrap so later v2 kernels still see boxes.
+        kept = tv_tensors.wrap(kept, like=boxes)
+    target["boxes"] = kept
+    return target
+
+
+class RandomHorizontalFlip:
+    """Mirror image and boxes with probability ``p`` (v2 kernel: x -> W - x on both box edges)."""
+
+    def __init__(self, *, p: float = 0.5) -> None:
+        self.flip = v2.RandomHorizontalFlip(p=p)
+
+    def __call__(self, image, target):
+        return self.flip(image, target)
+
+
+class RandomResize:
+    """Resize so the short side is a size drawn from ``sizes``, long side capped at ``max_size``.
+
+    Boxes are scaled by (new_w / w, new_h / h) through the v2 kernel; ``area`` by their product.
+    """
+
+    def __init__(self, *, sizes: Sequence[int], max_size: int | None = None) -> None:
+        if len(sizes) == 0:
+            raise ValueError("RandomResize needs at least one size, got an empty list")
+        self.sizes = [int(s) for s in sizes]
+        self.max_size = max_size
+
+    def __call__(self, image, target):
+        size = self.sizes[_randint(0, len(self.sizes) - 1)]
+        height, width = image.shape[-2:]
+        new_h, new_w = size_with_aspect_ratio(height=height, width=width, size=size, max_size=self.max_size)
+        image = F.resize(image, size=[new_h, new_w], antialias=True)
+        target = dict(target)
+        target["boxes"] = F.resize(target["boxes"], size=[new_h, new_w])
+        target["area"] = target["area"] * ((new_w / width) * (new_h / height))
+        return image, target
+
+
+def crop(image, target: dict, *, top: int, left: int, height: int, width: int):
+    """Cut the window [top, top + height) x [left, left + width) out of image and boxes.
+
+    Boxes are shifted and clipped to the window by the v2 kernel; those left with zero width or
+    height are dropped; ``area`` is recomputed from the clipped box, as in the original.
+    """
+    image = F.crop(image, top=top, left=left, height=height, width=width)
+    target = dict(target)
+    boxes = F.crop(target["boxes"], top=top, left=left, height=height, width=width)  # (n, 4) clamped
+    target["boxes"] = boxes
+    target["area"] = ((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).as_subclass(torch.Tensor)
+    return image, drop_degenerate_boxes(target)
+
+
+class RandomSizeCrop:
+    """Crop a random window of h, w in [min_size, min(side, max_size)] at a random place (see :func:`crop`).
+
+    When the image is smaller than ``min_size`` the window spans that whole side (the original
+    would raise).
+    """
+
+    def __init__(self, *, min_size: int, max_size: int) -> None:
+        if min_size > max_size:
+            raise ValueError(f"RandomSizeCrop needs min_size <= max_size, got {min_size} > {max_size}")
+        self.min_size = int(min_size)
+        self.max_size = int(max_size)
+
+    def __call__(self, image, target):
+        height, width = image.shape[-2:]
+        crop_w = _randint(min(self.min_size, width), min(width, self.max_size))
+        crop_h = _randint(min(self.min_size, height), min(height, self.max_size))
+        top = _randint(0, height - crop_h)
+        left = _randint(0, width - crop_w)
+        return crop(image, target, top=top, left=left, height=crop_h, width=crop_w)
+
+
+class RandomSelect:
+    """Apply ``first`` with probability ``p``, otherwise ``second``."""
+
+    def __init__(self, *, first: Transform, second: Transform, p: float = 0.5) -> None:
+        self.first, self.second, self.p = first, second, p
+
+    def __call__(self, image, target):
+        if float(torch.rand(())) < self.p:
+            return self.first(image, target)
+        return self.second(image, target)
+
+
+class Compose:
+    """Apply transforms in order."""
+
+    def __init__(self, transforms: Sequence[Transform]) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, image, target):
+        for transform in self.transforms:
+            image, target = transform(image, target)
+        return image, target
+
+
+class NormalizeAndFinalize:
+    """Image to float32 normalized (ImageNet mean/std); boxes to normalized cxcywh plain tensors.
+
+    Output: image (3, H, W) float32; target ``boxes`` (n, 4) float32 cxcywh in [0, 1] relative to
+    the transformed (H, W); ``size`` = (H, W) int64. tv_tensor subclasses are stripped so that the
+    model and criterion see ordinary tensors.
+    """
+
+    def __call__(self, image, target):
+        height, width = image.shape[-2:]
+        image = F.to_dtype(image, torch.float32, scale=True)
+        image = F.normalize(image, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+        target = dict(target)
+        boxes = F.convert_bounding_box_format(target["boxes"], new_format=tv_tensors.BoundingBoxFormat.CXCYWH)
+        scale = torch.tensor([width, height, width, height], dtype=torch.float32)
+        target["boxes"] = boxes.as_subclass(torch.Tensor).to(torch.float32) / scale  # (n, 4) cxcywh
+        target["area"] = target["area"].to(torch.float32)
+        target["size"] = torch.tensor([height, width], dtype=torch.int64)
+        return image.as_subclass(torch.Tensor), target
+
+
+def make_coco_transforms(
+    *,
+    train: bool,
+    train_scales: Sequence[int] = COCO_TRAIN_SCALES,
+    max_size: int = COCO_MAX_SIZE,
+    val_size: int = COCO_VAL_SIZE,
+    crop: bool = True,
+    crop_scales: Sequence[int] = COCO_CROP_SCALES,
+    crop_min_size: int = COCO_CROP_MIN_SIZE,
+    crop_max_size: int = COCO_CROP_MAX_SIZE,
+) -> Compose:
+    """The original recipe; defaults are the published COCO values.
+
+    train: flip, then either RandomResize(train_scales, max_size) or (with ``crop``, half the time)
+    RandomResize(crop_scales) -> RandomSizeCrop(crop_min_size, crop_max_size) ->
+    RandomResize(train_scales, max_size); then normalize. val: RandomResize([val_size], max_size),
+    normalize. The sizes are parameters so that small synthetic images can use small scales.
+    """
+    finalize = NormalizeAndFinalize()
+    if not train:
+        return Compose([RandomResize(sizes=[val_size], max_size=max_size), finalize])
+    resize = RandomResize(sizes=train_scales, max_size=max_size)
+    if crop:
+        resize = RandomSelect(
+            first=resize,
+            second=Compose(
+                [
+                    RandomResize(sizes=crop_scales),
+                    RandomSizeCrop(min_size=crop_min_size, max_size=crop_max_size),
+                    RandomResize(sizes=train_scales, max_size=max_size),
+                ]
+            ),
+        )
+    return Compose([RandomHorizontalFlip(p=0.5), resize, finalize])
