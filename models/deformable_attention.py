@@ -1,0 +1,119 @@
+"""MSDeformAttn: the multi-scale deformable attention module, its projections and initialization.
+
+Dimensions, named once: N batch, Lq queries, S flattened value positions (sum of H_l * W_l), C d_model,
+M heads, D = C // M channels per head, L levels, P sampling points per level and head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import msda
+
+
+class MSDeformAttn(nn.Module):
+    """Each query reads P points per head and level around its reference point and mixes them.
+
+    The attention itself is ``msda.multi_scale_deformable_attention`` with ``impl`` ("auto" | "triton" |
+    "pytorch"). Sampling locations are computed in float32 with autocast off: in bf16 a location on a
+    167-wide level is off by up to a pixel.
+    """
+
+    def __init__(self, *, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
+                 impl: str = "auto"):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model must be divisible by n_heads, got d_model={d_model}, n_heads={n_heads}")
+        if impl not in msda.IMPLS:
+            raise ValueError(f"msda impl must be one of {msda.IMPLS}, got {impl!r}")
+        self.d_model = d_model
+        self.n_levels = n_levels
+        self.n_heads = n_heads
+        self.n_points = n_points
+        self.impl = impl
+
+        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = nn.Linear(d_model, d_model)
+        self.output_proj = nn.Linear(d_model, d_model)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """Offsets start as a fixed pattern: head h points along angle 2*pi*h/M, point p at distance p+1
+        (in units of the level's pixels), so heads look in different directions before any training."""
+        M, L, P = self.n_heads, self.n_levels, self.n_points
+        nn.init.constant_(self.sampling_offsets.weight, 0.0)
+        thetas = torch.arange(M, dtype=torch.float32) * (2.0 * math.pi / M)
+        grid_init = torch.stack([thetas.cos(), thetas.sin()], -1)  # (M, 2)
+        # Normalize so the larger of |cos|, |sin| is 1: the first point lands on a neighbouring pixel.
+        grid_init = (grid_init / grid_init.abs().max(-1, keepdim=True)[0]).view(M, 1, 1, 2).repeat(1, L, P, 1)
+        for i in range(P):
+            grid_init[:, :, i, :] *= i + 1
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_(grid_init.view(-1))
+        nn.init.constant_(self.attention_weights.weight, 0.0)
+        nn.init.constant_(self.attention_weights.bias, 0.0)
+        nn.init.xavier_uniform_(self.value_proj.weight)
+        nn.init.constant_(self.value_proj.bias, 0.0)
+        nn.init.xavier_uniform_(self.output_proj.weight)
+        nn.init.constant_(self.output_proj.bias, 0.0)
+
+    def forward(self, query: torch.Tensor, reference_points: torch.Tensor, input_flatten: torch.Tensor,
+                input_spatial_shapes: torch.Tensor, input_level_start_index: torch.Tensor,
+                input_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        query                  (N, Lq, C)    query features (with position embedding added)
+        reference_points       (N, Lq, L, 2) normalized (x, y) per level, or (N, Lq, L, 4) boxes (cx, cy, w, h)
+        input_flatten          (N, S, C)     the values, all levels flattened
+        input_spatial_shapes   (L, 2) int64  (H_l, W_l)
+        input_level_start_index (L,) int64
+        input_padding_mask     (N, S) bool   True on padding, or None
+        returns                (N, Lq, C)
+        """
+        N, Lq, _ = query.shape
+        _, S, _ = input_flatten.shape
+        M, L, P = self.n_heads, self.n_levels, self.n_points
+        D = self.d_model // M
+        if input_spatial_shapes.shape[0] != L:
+            raise ValueError(f"MSDeformAttn built for {L} levels got spatial_shapes of {input_spatial_shapes.shape[0]}")
+
+        value = self.value_proj(input_flatten)  # (N, S, C)
+        if input_padding_mask is not None:
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(N, S, M, D)  # (N, S, M, D)
+
+        attention_weights = self.attention_weights(query).view(N, Lq, M, L * P)
+        attention_weights = F.softmax(attention_weights, -1).view(N, Lq, M, L, P)  # (N, Lq, M, L, P)
+
+        with torch.autocast(device_type=query.device.type, enabled=False):
+            # float32 offsets and locations even under autocast (see the class docstring).
+            dtype = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64 (gradcheck)
+            lin = self.sampling_offsets
+            sampling_offsets = F.linear(query.to(dtype), lin.weight.to(dtype), lin.bias.to(dtype))
+            sampling_offsets = sampling_offsets.view(N, Lq, M, L, P, 2)  # (N, Lq, M, L, P, 2)
+            reference_points = reference_points.to(dtype)
+            if reference_points.shape[-1] == 2:
+                # Offsets are in pixels of each level: divide by (W_l, H_l).
+                offset_normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)
+                sampling_locations = (reference_points[:, :, None, :, None, :]
+                                      + sampling_offsets / offset_normalizer[None, None, None, :, None, :])
+            elif reference_points.shape[-1] == 4:
+                # Offsets are relative to the reference box: half its size reached at the last point.
+                sampling_locations = (reference_points[:, :, None, :, None, :2]
+                                      + sampling_offsets / P * reference_points[:, :, None, :, None, 2:] * 0.5)
+            else:
+                raise ValueError(
+                    f"reference_points must end in 2 (points) or 4 (boxes), got shape {tuple(reference_points.shape)}")
+            # (N, Lq, M, L, P, 2) float32
+
+        if attention_weights.dtype != value.dtype:
+            # msda takes float32 weights with low-precision values, but not the other way round.
+            attention_weights = attention_weights.float()
+        output = msda.multi_scale_deformable_attention(
+            value, input_spatial_shapes, input_level_start_index, sampling_locations, attention_weights,
+            impl=self.impl)  # (N, Lq, C)
+        return self.output_proj(output)

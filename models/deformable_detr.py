@@ -1,0 +1,235 @@
+"""Deformable DETR: backbone, input projections, deformable transformer and prediction heads; build_model.
+
+Dimensions, named once: B batch, Q queries, K decoder layers, L feature levels, C hidden_dim. Boxes are
+normalized (cx, cy, w, h) in [0, 1] of each image's valid (unpadded) region.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import msda
+from models.backbone import RESNET_CHANNELS, Joiner, build_backbone, downsample_mask
+from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
+from models.position_encoding import POSITION_EMBEDDINGS, build_position_encoding
+
+
+class MLP(nn.Module):
+    """num_layers Linear layers with ReLU between them (``layers.K`` names as the original)."""
+
+    def __init__(self, input_dim: int, hidden_dim: int, output_dim: int, num_layers: int):
+        super().__init__()
+        self.num_layers = num_layers
+        h = [hidden_dim] * (num_layers - 1)
+        self.layers = nn.ModuleList(nn.Linear(n, k) for n, k in zip([input_dim] + h, h + [output_dim]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = F.relu(layer(x)) if i < self.num_layers - 1 else layer(x)
+        return x
+
+
+class DeformableDETR(nn.Module):
+    """forward(images (B, 3, H, W) float, mask (B, H, W) bool True on padding) -> dict:
+
+    pred_logits (B, Q, num_classes) logits of the last decoder layer (sigmoid per class, no background),
+    pred_boxes  (B, Q, 4) normalized cxcywh (sigmoid),
+    aux_outputs [{pred_logits, pred_boxes}] for decoder layers 0..K-2 (when aux_loss),
+    enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage).
+    """
+
+    def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
+                 num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,
+                 two_stage: bool = False):
+        super().__init__()
+        self.num_queries = num_queries
+        self.transformer = transformer
+        C = transformer.d_model
+        self.class_embed = nn.Linear(C, num_classes)
+        self.bbox_embed = MLP(C, C, 4, 3)
+        self.num_feature_levels = num_feature_levels
+        if not two_stage:
+            self.query_embed = nn.Embedding(num_queries, C * 2)  # (Q, 2C): query_pos then tgt
+
+        num_backbone_outs = len(backbone.strides)
+        if num_feature_levels > 1:
+            if num_feature_levels < num_backbone_outs:
+                raise ValueError(f"num_feature_levels must be 1 or >= {num_backbone_outs}, got {num_feature_levels}")
+            proj = [nn.Sequential(nn.Conv2d(ch, C, kernel_size=1), nn.GroupNorm(32, C))
+                    for ch in backbone.num_channels]
+            in_channels = backbone.num_channels[-1]
+            for _ in range(num_feature_levels - num_backbone_outs):
+                # Extra coarser levels: stride-2 3x3 convs, the first on the last backbone map.
+                proj.append(nn.Sequential(nn.Conv2d(in_channels, C, kernel_size=3, stride=2, padding=1),
+                                          nn.GroupNorm(32, C)))
+                in_channels = C
+            self.input_proj = nn.ModuleList(proj)
+        else:
+            self.input_proj = nn.ModuleList([
+                nn.Sequential(nn.Conv2d(backbone.num_channels[0], C, kernel_size=1), nn.GroupNorm(32, C))])
+        self.backbone = backbone
+        self.aux_loss = aux_loss
+        self.with_box_refine = with_box_refine
+        self.two_stage = two_stage
+
+        # Focal-loss prior: every class starts at probability 0.01.
+        prior_prob = 0.01
+        nn.init.constant_(self.class_embed.bias, -math.log((1 - prior_prob) / prior_prob))
+        nn.init.constant_(self.bbox_embed.layers[-1].weight, 0)
+        nn.init.constant_(self.bbox_embed.layers[-1].bias, 0)
+        for proj in self.input_proj:
+            nn.init.xavier_uniform_(proj[0].weight, gain=1)
+            nn.init.constant_(proj[0].bias, 0)
+
+        K = transformer.decoder.num_layers
+        num_pred = K + 1 if two_stage else K  # two-stage: one more head for the encoder proposals
+        if with_box_refine:
+            self.class_embed = nn.ModuleList([copy.deepcopy(self.class_embed) for _ in range(num_pred)])
+            self.bbox_embed = nn.ModuleList([copy.deepcopy(self.bbox_embed) for _ in range(num_pred)])
+            # As the original: only the first layer's head starts with small boxes (sigmoid(-2) ~ 0.12).
+            nn.init.constant_(self.bbox_embed[0].layers[-1].bias[2:], -2.0)
+            # The decoder refines its reference points with these same heads.
+            self.transformer.decoder.bbox_embed = self.bbox_embed
+        else:
+            nn.init.constant_(self.bbox_embed.layers[-1].bias[2:], -2.0)
+            # One head shared by all layers; listing it per layer keeps the official state_dict names.
+            self.class_embed = nn.ModuleList([self.class_embed for _ in range(num_pred)])
+            self.bbox_embed = nn.ModuleList([self.bbox_embed for _ in range(num_pred)])
+            self.transformer.decoder.bbox_embed = None
+        if two_stage:
+            self.transformer.decoder.class_embed = self.class_embed
+            for box_embed in self.bbox_embed:
+                nn.init.constant_(box_embed.layers[-1].bias[2:], 0.0)
+
+    def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
+        if mask is None:
+            mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
+        if mask.shape != (images.shape[0], *images.shape[-2:]) or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be (B, H, W) bool matching images {tuple(images.shape)}, "
+                             f"got {tuple(mask.shape)} {mask.dtype}")
+        features, masks, pos = self.backbone(images, mask)
+        srcs = [proj(feat) for proj, feat in zip(self.input_proj, features)]  # [(B, C, H_l, W_l)]
+        masks = list(masks)
+        for lvl in range(len(srcs), self.num_feature_levels):
+            src = self.input_proj[lvl](features[-1] if lvl == len(features) else srcs[-1])
+            # Extra levels' masks come from the image mask directly, as the original.
+            lvl_mask = downsample_mask(mask, src.shape[-2:])
+            srcs.append(src)
+            masks.append(lvl_mask)
+            pos.append(self.backbone[1](lvl_mask).to(src.dtype))
+
+        query_embed = None if self.two_stage else self.query_embed.weight
+        hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
+            srcs, masks, pos, query_embed)  # hs (K, B, Q, C)
+
+        outputs_classes, outputs_coords = [], []
+        for lvl in range(hs.shape[0]):
+            reference = inverse_sigmoid(init_reference if lvl == 0 else inter_references[lvl - 1])
+            outputs_class = self.class_embed[lvl](hs[lvl])  # (B, Q, num_classes)
+            tmp = self.bbox_embed[lvl](hs[lvl])  # (B, Q, 4)
+            if reference.shape[-1] == 4:
+                tmp = tmp + reference
+            else:
+                tmp = torch.cat([tmp[..., :2] + reference, tmp[..., 2:]], -1)
+            outputs_classes.append(outputs_class)
+            outputs_coords.append(tmp.sigmoid())
+        outputs_class = torch.stack(outputs_classes)  # (K, B, Q, num_classes)
+        outputs_coord = torch.stack(outputs_coords)  # (K, B, Q, 4)
+
+        out = {"pred_logits": outputs_class[-1], "pred_boxes": outputs_coord[-1]}
+        if self.aux_loss:
+            out["aux_outputs"] = [{"pred_logits": a, "pred_boxes": b}
+                                  for a, b in zip(outputs_class[:-1], outputs_coord[:-1])]
+        if self.two_stage:
+            out["enc_outputs"] = {"pred_logits": enc_outputs_class, "pred_boxes": enc_outputs_coord_unact.sigmoid()}
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# config adapter
+# ----------------------------------------------------------------------------------------------------
+_OPTIONAL = {"pretrained": "none", "train_backbone": True, "msda": "auto"}
+_INTS = ("hidden_dim", "nheads", "enc_layers", "dec_layers", "dim_feedforward", "num_feature_levels",
+         "enc_n_points", "dec_n_points", "num_queries", "num_classes")
+_BOOLS = ("with_box_refine", "two_stage", "aux_loss", "dilation", "train_backbone")
+
+
+def _get(cfg, key):
+    if hasattr(cfg, key):
+        return getattr(cfg, key)
+    try:
+        return cfg[key]
+    except (KeyError, TypeError):
+        if key in _OPTIONAL:
+            return _OPTIONAL[key]
+        raise ValueError(f"model config is missing key {key!r} (see configs/model/deformable_detr.yaml)") from None
+
+
+def _check_config(cfg) -> dict:
+    """Read and validate the architecture keys; every message names the key, the rule and the value."""
+    c = {key: _get(cfg, key) for key in _INTS + _BOOLS + ("dropout", "backbone", "position_embedding",
+                                                          "pretrained", "msda")}
+    for key in _INTS:
+        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
+            raise ValueError(f"model.{key} must be an integer >= 1, got {c[key]!r}")
+    for key in _BOOLS:
+        if not isinstance(c[key], bool):
+            raise ValueError(f"model.{key} must be true or false, got {c[key]!r}")
+    if isinstance(c["dropout"], bool) or not isinstance(c["dropout"], (int, float)) or not 0 <= c["dropout"] < 1:
+        raise ValueError(f"model.dropout must be a number in [0, 1), got {c['dropout']!r}")
+    C, M = c["hidden_dim"], c["nheads"]
+    if C % M:
+        raise ValueError(f"model.hidden_dim must be divisible by model.nheads, got hidden_dim={C}, nheads={M}")
+    if C % 32:
+        raise ValueError(f"model.hidden_dim must be a multiple of 32 (GroupNorm(32) in input_proj), got {C}")
+    if c["num_feature_levels"] == 2:
+        raise ValueError("model.num_feature_levels must be 1 (layer4 only) or >= 3 (layer2-4 plus extra "
+                         "stride-2 levels), got 2")
+    if c["two_stage"] and not c["with_box_refine"]:
+        raise ValueError("model.two_stage=true needs model.with_box_refine=true (as in the original, whose "
+                         "two-stage decoder uses the per-layer box heads)")
+    if c["backbone"] not in RESNET_CHANNELS:
+        raise ValueError(f"model.backbone must be one of {sorted(RESNET_CHANNELS)}, got {c['backbone']!r}")
+    if c["position_embedding"] not in POSITION_EMBEDDINGS:
+        raise ValueError(f"model.position_embedding must be one of {POSITION_EMBEDDINGS}, got "
+                         f"{c['position_embedding']!r}")
+    if c["msda"] not in msda.IMPLS:
+        raise ValueError(f"model.msda must be one of {msda.IMPLS}, got {c['msda']!r}")
+    if c["pretrained"] is None:
+        c["pretrained"] = "none"
+    return c
+
+
+def build_deformable_detr(cfg) -> DeformableDETR:
+    """The model alone from the model config (keys as in configs/model/deformable_detr.yaml)."""
+    c = _check_config(cfg)
+    position_encoding = build_position_encoding(hidden_dim=c["hidden_dim"],
+                                                position_embedding=c["position_embedding"])
+    backbone = build_backbone(backbone=c["backbone"], train_backbone=c["train_backbone"],
+                              num_feature_levels=c["num_feature_levels"], dilation=c["dilation"],
+                              pretrained=str(c["pretrained"]), position_encoding=position_encoding)
+    transformer = DeformableTransformer(
+        d_model=c["hidden_dim"], nhead=c["nheads"], num_encoder_layers=c["enc_layers"],
+        num_decoder_layers=c["dec_layers"], dim_feedforward=c["dim_feedforward"], dropout=float(c["dropout"]),
+        num_feature_levels=c["num_feature_levels"], dec_n_points=c["dec_n_points"],
+        enc_n_points=c["enc_n_points"], two_stage=c["two_stage"], two_stage_num_proposals=c["num_queries"],
+        msda_impl=c["msda"])
+    return DeformableDETR(backbone=backbone, transformer=transformer, num_classes=c["num_classes"],
+                          num_queries=c["num_queries"], num_feature_levels=c["num_feature_levels"],
+                          aux_loss=c["aux_loss"], with_box_refine=c["with_box_refine"], two_stage=c["two_stage"])
+
+
+def build_model(cfg):
+    """cfg.model -> (model, criterion, postprocess). The criterion reads the loss keys of the same config."""
+    from models.criterion import build_criterion  # the loss side lives in its own files
+
+    model = build_deformable_detr(cfg)
+    criterion, postprocess = build_criterion(cfg)
+    return model, criterion, postprocess
