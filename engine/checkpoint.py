@@ -1,0 +1,176 @@
+"""Checkpoints: atomic writes, loading with clear errors, fitting a model to one, and finding the one to resume.
+
+Our checkpoint is a dict:
+    model          state_dict of the unwrapped model (names as in the official checkpoints)
+    optimizer, lr_scheduler, grad_scaler   their state_dicts
+    epoch          epochs completed; steps_in_epoch  batches done in the epoch in progress (0 at a boundary)
+    step           optimizer steps done in the whole run
+    config         the composed run config (plain dict), so a checkpoint knows its model variant
+    rng            python, numpy, torch (and cuda) generator states (engine.rng)
+An official Deformable DETR checkpoint is {"model": state_dict, "args": argparse.Namespace, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LATEST = "checkpoint.pth"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not fit the model; the message names the file."""
+
+
+def epoch_checkpoint_name(epoch: int) -> str:
+    return f"checkpoint_epoch{epoch:04d}.pth"
+
+
+def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
+    """Write ``state`` to ``path`` so that a reader sees either the old file or the whole new one.
+
+    torch.save goes to a temporary file in the same directory, which is flushed to disk and then renamed
+    over ``path`` (rename is atomic on POSIX within one filesystem). An interrupted save leaves at most a
+    stray ``.tmp`` file, never a truncated checkpoint.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Make ``dst`` hold the same bytes as the finished checkpoint ``src``, atomically.
+
+    A hard link costs no second write of a large file; where links are not supported it is a copy. Either
+    way the new name appears by rename, and replacing ``dst`` later leaves ``src`` untouched.
+    """
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    if tmp.exists():
+        tmp.unlink()
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a checkpoint onto the CPU; raise CheckpointError naming the path and what was expected.
+
+    Loads with ``weights_only=True`` (no arbitrary code from a downloaded file); argparse.Namespace is
+    allowed because the official checkpoints record their arguments in one.
+    """
+    path = Path(path)
+    expected = ("a torch.save file holding a dict with a 'model' state_dict "
+                "(a checkpoint of this trainer or an official Deformable DETR checkpoint)")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist (expected {expected})")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"could not read checkpoint {path}: {type(e).__name__}: {first}. "
+            f"The file is truncated, corrupt or not {expected}") from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+        got = type(obj).__name__ if not isinstance(obj, dict) else f"dict with keys {sorted(obj)[:10]}"
+        raise CheckpointError(f"checkpoint {path} holds {got}; expected {expected}")
+    return obj
+
+
+def recorded_model_config(ckpt: dict) -> dict:
+    """The model hyperparameters a checkpoint records: our 'config'['model'] or the official 'args'."""
+    config = ckpt.get("config")
+    if isinstance(config, dict) and isinstance(config.get("model"), dict):
+        return dict(config["model"])
+    args = ckpt.get("args")
+    if isinstance(args, argparse.Namespace):
+        return vars(args).copy()
+    if isinstance(args, dict):
+        return dict(args)
+    return {}
+
+
+# Model keys that say how to run, not what was trained: never taken from a checkpoint.
+RUNTIME_MODEL_KEYS = frozenset({"msda", "pretrained", "train_backbone"})
+
+
+def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike) -> dict:
+    """``cfg_model`` with the architecture the checkpoint records (variant, sizes, classes) put in.
+
+    The weights fix the architecture, so where the checkpoint records a value (our config, or the official
+    args such as with_box_refine / two_stage) it wins over the composed config; keys it does not record
+    (e.g. num_classes in the official args, 91 there) come from the config. ``pretrained`` is set to none:
+    the checkpoint replaces the backbone weights, and there is no need to fetch ImageNet ones.
+    """
+    recorded = recorded_model_config(ckpt)
+    merged = dict(cfg_model)
+    for key, value in recorded.items():
+        if key in merged and key not in RUNTIME_MODEL_KEYS and merged[key] != value:
+            log.info("model.%s=%r as recorded in %s (config said %r)", key, value, path, merged[key])
+            merged[key] = value
+    if "pretrained" in merged:
+        merged["pretrained"] = "none"
+    return merged
+
+
+def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
+    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it."""
+    state = ckpt["model"]
+    if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
+        state = {k[len("module."):]: v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False)
+    problems = []
+    if result.missing_keys:
+        problems.append(f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[:3]})")
+    if result.unexpected_keys:
+        problems.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[:3]})")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model: parameters {'; '.join(problems)}. Check the variant "
+            f"(model.with_box_refine, model.two_stage) and the model sizes against the checkpoint")
+
+
+def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path) -> Path | None:
+    """The checkpoint that ``resume`` names.
+
+    None/empty: start fresh. A path: that file (it must exist). ``auto``: ``checkpoint.pth`` in this run's
+    directory if present, else the most recently written ``<search_root>/*/*/checkpoint.pth`` (Hydra's
+    outputs/<date>/<time>/ layout), else None (start fresh).
+    """
+    if not resume:
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if path.is_dir():
+            path = path / LATEST
+        if not path.is_file():
+            raise CheckpointError(f"resume={resume}: no checkpoint file at {path}")
+        return path
+    own = Path(output_dir) / LATEST
+    if own.is_file():
+        return own
+    found = sorted(Path(search_root).glob(f"*/*/{LATEST}"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None

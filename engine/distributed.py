@@ -1,0 +1,121 @@
+"""Process group set-up for torchrun (env://) and the few collectives the trainer needs.
+
+A plain ``python train.py`` is a world of one: every helper here then degrades to a no-op, so the
+trainer has a single code path for one and many processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits: rank among world_size processes and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool = False  # this call created the process group, so it also destroys it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank() -> int:
+    """This process's rank as the launcher set it (0 outside torchrun); readable before init."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
+    """``auto`` picks CUDA when present; under torchrun each process takes GPU ``local_rank``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda was asked for but torch.cuda.is_available() is False; use device=cpu")
+        return torch.device("cuda", local_rank)
+    if name != "cpu" and not name.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return torch.device(name)
+
+
+def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
+    """Join the process group torchrun describes (env://), or return a world of one.
+
+    NCCL on CUDA, gloo on CPU. Safe to call when a group already exists (tests spawn their own).
+    """
+    if not launched_by_torchrun():
+        return DistContext(rank=0, world_size=1, local_rank=0, device=resolve_device(device))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device, local_rank=local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
+                       owns_group=owns_group)
+
+
+def shutdown_distributed(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj, ctx: DistContext):
+    """Rank 0's ``obj`` on every rank (any picklable object)."""
+    if not ctx.distributed:
+        return obj
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Mean of ``t`` over ranks (a NaN on any rank makes the mean NaN on all of them)."""
+    if not ctx.distributed:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / ctx.world_size
+
+
+def argv_for_rank(argv: list[str], rank: int) -> list[str]:
+    """Hydra command line for this process.
+
+    Hydra names the run directory after the clock at start-up, and torchrun's processes do not start in the
+    same second, so each would make its own directory. Only rank 0 keeps Hydra's directory; the others point
+    Hydra at the working directory with no ``.hydra/`` and no log file, and take rank 0's directory by
+    broadcast once the process group exists (see ``train.resolve_output_dir``).
+    """
+    if rank == 0:
+        return list(argv)
+    own = ("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=", "hydra.job_logging=")
+    kept = [a for a in argv[1:] if not a.lstrip("+~").startswith(own)]
+    return [argv[0], *kept, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none"]

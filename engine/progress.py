@@ -1,0 +1,49 @@
+"""Console progress for the training loop: one ``logging`` line every ``log_every`` steps, with ETA.
+
+A log line rather than a redrawn bar so that the same text reads well in a terminal, in Hydra's train.log
+and in a batch system's captured stdout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+log = logging.getLogger("train")
+
+
+def format_duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=max(0, round(seconds))))
+
+
+class Progress:
+    """Tracks steps done in this process against ``total_steps`` and reports rate and ETA.
+
+    The rate is the mean wall time per step over the steps this process has run (evaluation and
+    checkpointing included, so the ETA covers them too).
+    """
+
+    def __init__(self, *, total_steps: int, start_step: int, enabled: bool):
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.enabled = enabled
+        self._t0 = time.perf_counter()
+
+    def eta_seconds(self, step: int) -> float:
+        done = step - self.start_step
+        if done <= 0:
+            return float("nan")
+        per_step = (time.perf_counter() - self._t0) / done
+        return per_step * (self.total_steps - step)
+
+    def report(self, *, step: int, epoch: int, epochs: int, loss: float, parts: dict[str, float],
+               lr: float, step_ms: float, data_ms: float, images_per_s: float) -> None:
+        if not self.enabled:
+            return
+        pct = 100.0 * step / max(1, self.total_steps)
+        eta = self.eta_seconds(step)
+        parts_txt = " ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in parts.items())
+        log.info("epoch %d/%d step %d/%d [%3.0f%%] loss %.4f (%s) lr %.2e | step %.0f ms data %.0f ms "
+                 "%.1f img/s | ETA %s", epoch + 1, epochs, step, self.total_steps, pct, loss, parts_txt, lr,
+                 step_ms, data_ms, images_per_s, "?" if eta != eta else format_duration(eta))

@@ -1,0 +1,54 @@
+"""Random number generators: seeding per run and per epoch, and saving/restoring their states.
+
+Each epoch re-seeds python, numpy and torch from (seed, epoch, rank), so an epoch's augmentation and
+dropout depend only on those three numbers: a run resumed at an epoch boundary draws exactly what an
+uninterrupted one draws. Mid-epoch resumes restore the saved states instead (see train.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device as well
+
+
+def epoch_seed(seed: int, *, epoch: int, rank: int) -> int:
+    """A seed per (run seed, epoch, rank); ranks differ so their augmentations are independent."""
+    return seed + 100_003 * (epoch + 1) + 1_009 * rank
+
+
+def capture_rng_state() -> dict:
+    """Generator states of python, numpy, torch and every CUDA device, in weights_only-loadable types."""
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]),
+                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))  # setstate needs tuples, a reader may give lists
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    # CUDA states only when the device count matches: a checkpoint moved to another machine resumes
+    # with fresh CUDA generators rather than failing.
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
