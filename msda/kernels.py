@@ -55,8 +55,7 @@ def _bilinear_corners(loc_x, loc_y, H, W, COMPUTE_DTYPE: tl.constexpr):
 @triton.jit
 def msda_forward_kernel(
     value_ptr,        # (N, S, M, D)
-    shapes_ptr,       # (L, 2) int64: H_l, W_l
-    level_start_ptr,  # (L,) int64
+    levels_ptr,       # (L, 3) int64: H_l, W_l, first flat row of level l
     loc_ptr,          # (N, Lq, M, L, P, 2)
     weight_ptr,       # (N, Lq, M, L, P)
     out_ptr,          # (N, Lq, M, D)
@@ -84,9 +83,9 @@ def msda_forward_kernel(
 
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_D)
     for l in tl.static_range(L):
-        H = tl.load(shapes_ptr + 2 * l).to(tl.int32)
-        W = tl.load(shapes_ptr + 2 * l + 1).to(tl.int32)
-        level_row0 = value_row0 + tl.load(level_start_ptr + l)
+        H = tl.load(levels_ptr + 3 * l).to(tl.int32)
+        W = tl.load(levels_ptr + 3 * l + 1).to(tl.int32)
+        level_row0 = value_row0 + tl.load(levels_ptr + 3 * l + 2)
         for p in tl.static_range(P):
             # ---- load: one location and weight per query, through separate x / y / w pointers
             sample = query_row * (L * P) + (l * P + p)  # (BLOCK_Q,)
@@ -134,8 +133,7 @@ def msda_forward_kernel(
 def msda_backward_kernel(
     grad_out_ptr,     # (N, Lq, M, D)
     value_ptr,        # (N, S, M, D)
-    shapes_ptr,       # (L, 2) int64
-    level_start_ptr,  # (L,) int64
+    levels_ptr,       # (L, 3) int64: H_l, W_l, first flat row of level l
     loc_ptr,          # (N, Lq, M, L, P, 2)
     weight_ptr,       # (N, Lq, M, L, P)
     grad_value_ptr,   # (N, S, M, D) accumulation buffer (float32, or float64 for float64 value), zeroed
@@ -169,9 +167,9 @@ def msda_backward_kernel(
     g = g.to(COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_D)
 
     for l in tl.static_range(L):
-        H = tl.load(shapes_ptr + 2 * l).to(tl.int32)
-        W = tl.load(shapes_ptr + 2 * l + 1).to(tl.int32)
-        level_row0 = value_row0 + tl.load(level_start_ptr + l)
+        H = tl.load(levels_ptr + 3 * l).to(tl.int32)
+        W = tl.load(levels_ptr + 3 * l + 1).to(tl.int32)
+        level_row0 = value_row0 + tl.load(levels_ptr + 3 * l + 2)
         for p in tl.static_range(P):
             sample = query_row * (L * P) + (l * P + p)  # (BLOCK_Q,)
             loc_x = tl.load(loc_ptr + 2 * sample, mask=q_in, other=0.0)

@@ -7,12 +7,14 @@ triton being importable, and the reference path never touches it.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .kernels import msda_backward_kernel, msda_forward_kernel
+from .ops import level_starts
 
 _COMPUTE_DTYPES = {torch.float64: tl.float64}  # everything else computes in float32
 
@@ -31,13 +33,24 @@ def launch_config(Lq: int, D: int, backward: bool) -> tuple[int, int]:
     return block_q, 4
 
 
+@functools.lru_cache(maxsize=256)
+def level_table(levels: tuple, device: torch.device) -> torch.Tensor:
+    """(L, 3) int64 rows (H, W, first flat row) on ``device``, made once per level layout.
+
+    Cached so that a training loop, which sees a handful of layouts, pays the host->device copy once
+    per layout instead of once per attention call.
+    """
+    rows = [(h, w, start) for (h, w), start in zip(levels, level_starts(levels))]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
 def _grid(N: int, M: int, Lq: int, block_q: int):
     return (triton.cdiv(Lq, block_q), N * M)
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+def forward(value, levels, sampling_locations, attention_weights,
             block_q: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """Returns (N, Lq, M*D) in value's dtype. block_q / num_warps override the tuned table (benchmarks)."""
+    """levels: [(H, W), ...]. Returns (N, Lq, M*D) in value's dtype. block_q / num_warps override the tuned table (benchmarks)."""
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     default_q, default_warps = launch_config(Lq, D, backward=False)
@@ -45,14 +58,14 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     output = torch.empty((N, Lq, M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
     with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
         msda_forward_kernel[_grid(N, M, Lq, block_q)](
-            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, output,
+            value, level_table(tuple(levels), value.device), sampling_locations, attention_weights, output,
             S, Lq, M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
             COMPUTE_DTYPE=_COMPUTE_DTYPES.get(value.dtype, tl.float32),
             num_warps=num_warps or default_warps)
     return output.view(N, Lq, M * D)
 
 
-def backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+def backward(grad_output, value, levels, sampling_locations, attention_weights,
              block_q: int | None = None, num_warps: int | None = None):
     """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
 
@@ -69,8 +82,8 @@ def backward(grad_output, value, spatial_shapes, level_start_index, sampling_loc
     grad_weight = torch.empty_like(attention_weights)  # (N, Lq, M, L, P)
     with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
         msda_backward_kernel[_grid(N, M, Lq, block_q)](
-            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-            grad_value, grad_loc, grad_weight,
+            grad_output, value, level_table(tuple(levels), value.device), sampling_locations,
+            attention_weights, grad_value, grad_loc, grad_weight,
             S, Lq, M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
             COMPUTE_DTYPE=_COMPUTE_DTYPES.get(value.dtype, tl.float32),
             num_warps=num_warps or default_warps)

@@ -13,6 +13,7 @@ import torch
 from .reference import multi_scale_deformable_attention_reference
 
 IMPLS = ("triton", "pytorch", "auto")
+LAYOUT_ARGS = ("spatial_shapes", "level_start_index")
 VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -30,14 +31,22 @@ def _check_tensor(name: str, t, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {_describe(t)}")
 
 
+def level_starts(levels) -> list[int]:
+    """Offsets of each level in the flattened S axis: 0, H_0*W_0, H_0*W_0 + H_1*W_1, ..."""
+    starts = [0]
+    for h, w in levels[:-1]:
+        starts.append(starts[-1] + h * w)
+    return starts
+
+
 def level_start_index_from_shapes(spatial_shapes: torch.Tensor) -> torch.Tensor:
-    """(L,) int64 offsets of each level in the flattened S axis: 0, H_0*W_0, H_0*W_0 + H_1*W_1, ..."""
-    sizes = spatial_shapes.prod(dim=1)
+    """(L,) int64 level_start_index on spatial_shapes' device."""
+    sizes = spatial_shapes.long().prod(dim=1)
     return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
 
 
 def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Check the contract of ``multi_scale_deformable_attention``; returns level_start_index (computed if None).
+    """Check the contract of ``multi_scale_deformable_attention``; returns the levels as [(H, W), ...].
 
     Raises TypeError for a non-tensor or an unsupported dtype and ValueError for a wrong shape, an
     inconsistent level layout or mixed devices; each message names the argument, the expected and the actual.
@@ -59,32 +68,33 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
         if t is not None and t.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{name} must be an integer tensor (int64), got {t.dtype}")
 
-    devices = {name: t.device for name, t in (
-        ("value", value), ("spatial_shapes", spatial_shapes), ("sampling_locations", sampling_locations),
-        ("attention_weights", attention_weights), ("level_start_index", level_start_index)) if t is not None}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {listed}")
+    # The level layout may live on the CPU beside GPU tensors: reading it then costs no device sync.
+    device = value.device
+    for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights),
+                    ("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
+        if t is not None and t.device != device and not (name in LAYOUT_ARGS and t.device.type == "cpu"):
+            raise ValueError(
+                f"all tensors must be on value's device ({device}; spatial_shapes and level_start_index may "
+                f"also be on the CPU), got {name} on {t.device}")
 
     N, S, M, D = value.shape
-    L = spatial_shapes.shape[0]
-    if spatial_shapes.shape[1] != 2 or L == 0:
+    if spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] == 0:
         raise ValueError(f"spatial_shapes must be (L, 2) with L >= 1 rows of (H, W), got {_describe(spatial_shapes)}")
-    if bool((spatial_shapes <= 0).any()):
-        raise ValueError(f"spatial_shapes must hold positive (H, W), got {spatial_shapes.tolist()}")
-    total = int(spatial_shapes.prod(dim=1).sum())
+    levels = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]  # the one device->host read, if any
+    L = len(levels)
+    if any(h <= 0 or w <= 0 for h, w in levels):
+        raise ValueError(f"spatial_shapes must hold positive (H, W), got {levels}")
+    total = sum(h * w for h, w in levels)
     if total != S:
         raise ValueError(
             f"value's S dimension must equal sum(H*W) over spatial_shapes = {total}, got S = {S} "
-            f"(value {_describe(value)}, spatial_shapes {spatial_shapes.tolist()})")
-
-    expected_start = level_start_index_from_shapes(spatial_shapes.long())
-    if level_start_index is None:
-        level_start_index = expected_start
-    elif level_start_index.shape[0] != L or not torch.equal(level_start_index.long(), expected_start):
-        raise ValueError(
-            f"level_start_index must be the cumulative sizes of spatial_shapes, {expected_start.tolist()}, "
-            f"got {level_start_index.tolist()}")
+            f"(value {_describe(value)}, spatial_shapes {levels})")
+    if level_start_index is not None:
+        expected_start = level_starts(levels)
+        if level_start_index.tolist() != expected_start:
+            raise ValueError(
+                f"level_start_index must be the cumulative sizes of spatial_shapes, {expected_start}, "
+                f"got {level_start_index.tolist()}")
 
     Nq, Lq, Mq, Lq_levels, P, two = sampling_locations.shape
     if (Nq, Mq, Lq_levels, two) != (N, M, L, 2):
@@ -98,7 +108,7 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
             f"got {_describe(attention_weights)}")
     if D == 0:
         raise ValueError(f"value must have D >= 1 channels per head, got {_describe(value)}")
-    return level_start_index.long()
+    return levels
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -119,29 +129,28 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 # autograd
 # ----------------------------------------------------------------------------------------------------
 class MultiScaleDeformableAttentionFunction(torch.autograd.Function):
-    """Triton forward and backward. Inputs must already be validated and contiguous.
+    """Triton forward and backward on validated, contiguous tensors; ``levels`` is [(H, W), ...] on the host.
 
     grad_value is accumulated with atomic adds, so it is nondeterministic run to run in the last bits.
     """
 
     @staticmethod
-    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    def forward(ctx, value, levels, sampling_locations, attention_weights):
         from . import launch  # triton is imported only when the Triton path is used
 
-        output = launch.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-        return output
+        ctx.levels = levels
+        ctx.save_for_backward(value, sampling_locations, attention_weights)
+        return launch.forward(value, levels, sampling_locations, attention_weights)
 
     @staticmethod
     def backward(ctx, grad_output):
         from . import launch
 
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
-        need_value, _, _, need_loc, need_weight = ctx.needs_input_grad
+        value, sampling_locations, attention_weights = ctx.saved_tensors
         grad_value, grad_loc, grad_weight = launch.backward(
-            grad_output.contiguous(), value, spatial_shapes, level_start_index, sampling_locations,
-            attention_weights)
-        return (grad_value if need_value else None, None, None,
+            grad_output.contiguous(), value, ctx.levels, sampling_locations, attention_weights)
+        need_value, _, need_loc, need_weight = ctx.needs_input_grad
+        return (grad_value if need_value else None, None,
                 grad_loc if need_loc else None, grad_weight if need_weight else None)
 
 
@@ -156,8 +165,9 @@ def multi_scale_deformable_attention(
     """Multi-scale deformable attention, the original Deformable DETR op's semantics.
 
     value               (N, S, M, D)        float32 | float16 | bfloat16 (float64 for testing)
-    spatial_shapes      (L, 2) int64        (H_l, W_l) per level, S = sum(H_l * W_l)
-    level_start_index   (L,) int64 or None  computed from spatial_shapes when None
+    spatial_shapes      (L, 2) int64        (H_l, W_l) per level, S = sum(H_l * W_l); on value's device or
+                                            the CPU (a CPU tensor saves the one device->host read per call)
+    level_start_index   (L,) int64 or None  checked against spatial_shapes when given, else computed
     sampling_locations  (N, Lq, M, L, P, 2) normalized (x, y); [0, 1] spans the map, outside reads zeros;
                                             float32 or value's dtype
     attention_weights   (N, Lq, M, L, P)    already softmaxed over L*P by the caller; float32 or value's dtype
@@ -167,7 +177,7 @@ def multi_scale_deformable_attention(
     Bilinear sampling as grid_sample(align_corners=False, padding_mode="zeros") at 2*loc-1, accumulated in
     float32 by the Triton path. Its grad_value uses atomics: nondeterministic in the last bits.
     """
-    level_start_index = validate_inputs(
+    levels = validate_inputs(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     impl = resolve_impl(impl, value.device)
     N, _, M, D = value.shape
@@ -177,8 +187,6 @@ def multi_scale_deformable_attention(
         connected = 0 * (value.sum() + sampling_locations.sum() + attention_weights.sum())
         return value.new_zeros((N, Lq, M * D)) + connected.to(value.dtype)
     if impl == "pytorch":
-        return multi_scale_deformable_attention_reference(
-            value, spatial_shapes, sampling_locations, attention_weights)
+        return multi_scale_deformable_attention_reference(value, levels, sampling_locations, attention_weights)
     return MultiScaleDeformableAttentionFunction.apply(
-        value.contiguous(), spatial_shapes.long().contiguous(), level_start_index.contiguous(),
-        sampling_locations.contiguous(), attention_weights.contiguous())
+        value.contiguous(), tuple(levels), sampling_locations.contiguous(), attention_weights.contiguous())

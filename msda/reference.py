@@ -13,22 +13,24 @@ import torch.nn.functional as F
 
 def multi_scale_deformable_attention_reference(
     value: torch.Tensor,
-    spatial_shapes: torch.Tensor,
+    spatial_shapes,
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Reference op. Shapes as in ``msda.multi_scale_deformable_attention``; returns (N, Lq, M*D).
 
+    spatial_shapes is an (L, 2) tensor or a list of (H, W) pairs.
     Computation happens in value's dtype (as the original); sampling locations are cast to it.
     """
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    level_sizes = [int(h) * int(w) for h, w in spatial_shapes.tolist()]
+    levels = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
+    level_sizes = [int(h) * int(w) for h, w in levels]
     value_per_level = value.split(level_sizes, dim=1)
     # grid_sample takes grids in [-1, 1] with align_corners=False pixel-centre convention.
     sampling_grids = (2 * sampling_locations - 1).to(value.dtype)  # (N, Lq, M, L, P, 2)
     sampled_per_level = []
-    for level, (H, W) in enumerate(spatial_shapes.tolist()):
+    for level, (H, W) in enumerate(levels):
         # (N, H*W, M, D) -> (N*M, D, H, W)
         value_l = value_per_level[level].flatten(2).transpose(1, 2).reshape(N * M, D, H, W)
         # (N, Lq, M, P, 2) -> (N*M, Lq, P, 2)

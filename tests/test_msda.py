@@ -214,7 +214,9 @@ BAD_INPUTS = [
     (dict(value=[1.0]), TypeError, r"value must be a torch.Tensor of shape \(N, S, M, D\), got list"),
     (dict(spatial_shapes=torch.tensor([[6, 4], [3, 0]])), ValueError, r"spatial_shapes must hold positive"),
     (dict(sampling_locations=lambda a: a["sampling_locations"].to("meta")), ValueError,
-     r"all tensors must be on one device, got value on cpu, .*sampling_locations on meta"),
+     r"all tensors must be on value's device \(cpu; .*\), got sampling_locations on meta"),
+    (dict(attention_weights=lambda a: a["attention_weights"].to("meta")), ValueError,
+     r"all tensors must be on value's device \(cpu; .*\), got attention_weights on meta"),
 ]
 
 
