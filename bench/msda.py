@@ -145,6 +145,8 @@ def run(args):
                               f"fwd {t['fwd']:.3f} bwd {t['bwd']:.3f} ms", flush=True)
                 rows.append(row)
                 print(summary_line(row), flush=True)
+                # Keep what is measured so far: a run cut short by its time limit still reports.
+                (args.out / "msda_h200.partial.json").write_text(json.dumps({"rows": rows, "sweeps": sweeps}))
                 del value, loc, weights, grad_out
                 torch.cuda.empty_cache()
     return rows, sweeps
@@ -221,6 +223,7 @@ def main():
     rows, sweeps = run(args)
     (args.out / "msda_h200.json").write_text(json.dumps({"header": header, "rows": rows, "sweeps": sweeps}, indent=1))
     write_markdown(rows, sweeps, args.out / "msda_h200.md", header)
+    (args.out / "msda_h200.partial.json").unlink()
     plot(rows, args.out / "msda_h200.png", f"msda on {header['gpu']}, {header['date']} (uniform locations)")
 
 
