@@ -90,14 +90,24 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"could not read checkpoint {path}: {type(e).__name__}: {first}. "
-            f"The file is truncated, corrupt or not {expected}") from e
+            f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, corrupt or not "
+            f"{expected}") from e
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
         got = type(obj).__name__ if not isinstance(obj, dict) else f"dict with keys {sorted(obj)[:10]}"
         raise CheckpointError(f"checkpoint {path} holds {got}; expected {expected}")
     return obj
+
+
+def _load_failure(e: Exception) -> str:
+    """The informative part of torch.load's error (its weights_only text is advice for trusted files)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if isinstance(e, pickle.UnpicklingError):
+        unsupported = [ln for ln in lines if "Unsupported" in ln]
+        return unsupported[0] if unsupported else "not a pickle of tensors and containers"
+    if isinstance(e, EOFError) or not lines:
+        return f"{type(e).__name__}: ended early"
+    return f"{type(e).__name__}: {lines[0].split('. ')[0]}"
 
 
 def recorded_model_config(ckpt: dict) -> dict:
