@@ -107,16 +107,21 @@ class DeformableDETR(nn.Module):
                 nn.init.constant_(box_embed.layers[-1].bias[2:], 0.0)
 
     def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+        """images (B, 3, H, W), mask (B, H, W) bool True on padding (None: no padding) -> output dict."""
+        return self.predict(*self.features(images, mask))
+
+    def features(self, images: torch.Tensor, mask: torch.Tensor | None = None):
+        """Projected feature levels: (srcs [(B, C, H_l, W_l)], masks [(B, H_l, W_l)], pos [(B, C, H_l, W_l)])."""
         if images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
         if mask is None:
             mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
-        if mask.shape != (images.shape[0], *images.shape[-2:]) or mask.dtype != torch.bool:
+        if tuple(mask.shape) != (images.shape[0], *images.shape[-2:]) or mask.dtype != torch.bool:
             raise ValueError(f"mask must be (B, H, W) bool matching images {tuple(images.shape)}, "
                              f"got {tuple(mask.shape)} {mask.dtype}")
         features, masks, pos = self.backbone(images, mask)
         srcs = [proj(feat) for proj, feat in zip(self.input_proj, features)]  # [(B, C, H_l, W_l)]
-        masks = list(masks)
+        masks, pos = list(masks), list(pos)
         for lvl in range(len(srcs), self.num_feature_levels):
             src = self.input_proj[lvl](features[-1] if lvl == len(features) else srcs[-1])
             # Extra levels' masks come from the image mask directly, as the original.
@@ -124,7 +129,10 @@ class DeformableDETR(nn.Module):
             srcs.append(src)
             masks.append(lvl_mask)
             pos.append(self.backbone[1](lvl_mask).to(src.dtype))
+        return srcs, masks, pos
 
+    def predict(self, srcs, masks, pos) -> dict:
+        """Transformer and heads on projected levels (as returned by ``features``) -> output dict."""
         query_embed = None if self.two_stage else self.query_embed.weight
         hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
             srcs, masks, pos, query_embed)  # hs (K, B, Q, C)

@@ -1,0 +1,314 @@
+"""Deformable DETR model tests (CPU, tiny configs): shapes, official layout, reload, gradients, padding, config.
+
+Tiny config: hidden_dim 64, 2 heads, 1 encoder and 2 decoder layers, 8 queries, ResNet-50 without
+pretrained weights, 64x64 images (levels 8x8, 4x4, 2x2, 1x1).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import msda
+from models import build_model
+from models.backbone import Backbone
+from models.deformable_attention import MSDeformAttn
+from models.deformable_detr import build_deformable_detr
+from models.deformable_transformer import inverse_sigmoid
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_YAML = ROOT / "configs" / "model" / "deformable_detr.yaml"
+OFFICIAL_TSV = ROOT.parent / "shared" / "reference" / "official_state_dict.tsv"
+
+VARIANTS = {
+    "base": {},
+    "box_refine": {"with_box_refine": True},
+    "two_stage": {"with_box_refine": True, "two_stage": True},
+}
+TINY = dict(hidden_dim=64, nheads=2, enc_layers=1, dec_layers=2, dim_feedforward=64, num_queries=8, num_classes=5,
+            pretrained="none", msda="pytorch", dropout=0.0)
+
+
+def model_cfg(**overrides):
+    """The shipped model config with ``overrides`` (pretrained weights off)."""
+    cfg = OmegaConf.load(MODEL_YAML)
+    cfg.pretrained = "none"
+    return OmegaConf.merge(cfg, overrides)
+
+
+def tiny_cfg(variant="base", **overrides):
+    return model_cfg(**{**TINY, **VARIANTS[variant], **overrides})
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+
+
+def _batch(B=2, H=64, W=64, pad_w=0):
+    """Images (B, 3, H, W) and masks; the last image's right ``pad_w`` columns are padding (zeros)."""
+    images = torch.randn(B, 3, H, W)
+    mask = torch.zeros(B, H, W, dtype=torch.bool)
+    if pad_w:
+        mask[-1, :, W - pad_w:] = True
+        images[-1, :, :, W - pad_w:] = 0
+    return images, mask
+
+
+def _targets(B=2):
+    return [{"labels": torch.tensor([1, 3]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.3, 0.6, 0.1, 0.1]])}
+            for _ in range(B)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# outputs
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_output_shapes_and_keys(seeded, variant):
+    model = build_deformable_detr(tiny_cfg(variant)).eval()
+    images, mask = _batch(pad_w=16)
+    with torch.no_grad():
+        out = model(images, mask)
+    B, Q, K, S = 2, 8, 5, 8 * 8 + 4 * 4 + 2 * 2 + 1
+    expected = {"pred_logits", "pred_boxes", "aux_outputs"} | ({"enc_outputs"} if variant == "two_stage" else set())
+    assert set(out) == expected
+    assert out["pred_logits"].shape == (B, Q, K)
+    assert out["pred_boxes"].shape == (B, Q, 4)
+    assert ((out["pred_boxes"] >= 0) & (out["pred_boxes"] <= 1)).all()
+    assert len(out["aux_outputs"]) == 1  # dec_layers - 1
+    for aux in out["aux_outputs"]:
+        assert aux["pred_logits"].shape == (B, Q, K) and aux["pred_boxes"].shape == (B, Q, 4)
+    if variant == "two_stage":
+        assert out["enc_outputs"]["pred_logits"].shape == (B, S, K)
+        assert out["enc_outputs"]["pred_boxes"].shape == (B, S, 4)
+    assert all(torch.isfinite(t).all() for t in (out["pred_logits"], out["pred_boxes"]))
+
+
+def test_no_aux_outputs_without_aux_loss(seeded):
+    model = build_deformable_detr(tiny_cfg(aux_loss=False)).eval()
+    with torch.no_grad():
+        out = model(*_batch(B=1))
+    assert set(out) == {"pred_logits", "pred_boxes"}
+
+
+def test_single_level_and_dilation(seeded):
+    """num_feature_levels=1 uses layer4 only; dilation keeps layer4 at stride 16."""
+    model = build_deformable_detr(tiny_cfg(num_feature_levels=1, dilation=True)).eval()
+    assert model.backbone.strides == [16]
+    srcs, masks, pos = model.features(*_batch(B=1))
+    assert [tuple(s.shape) for s in srcs] == [(1, 64, 4, 4)]
+    assert masks[0].shape == (1, 4, 4) and pos[0].shape == (1, 64, 4, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# official layout
+# ----------------------------------------------------------------------------------------------------
+def _official(variant):
+    rows = [line.rstrip("\n").split("\t") for line in OFFICIAL_TSV.read_text().splitlines() if not line.startswith("#")]
+    return {name: shape for var, name, shape in rows if var == variant}
+
+
+@pytest.mark.skipif(not OFFICIAL_TSV.exists(), reason="shared/reference/official_state_dict.tsv not present")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_state_dict_matches_official(variant):
+    """Default config: every official tensor name and shape, nothing more (no num_batches_tracked)."""
+    model = build_deformable_detr(model_cfg(**VARIANTS[variant]))
+    got = {name: "x".join(map(str, t.shape)) for name, t in model.state_dict().items()}
+    official = _official(variant)
+    assert sorted(set(official) - set(got)) == [], "missing"
+    assert sorted(set(got) - set(official)) == [], "unexpected"
+    assert {n: got[n] for n in official if got[n] != official[n]} == {}
+    # A state dict in the official layout loads strictly.
+    model.load_state_dict({n: torch.zeros_like(t) for n, t in model.state_dict().items()}, strict=True)
+
+
+def test_head_sharing_as_official():
+    base = build_deformable_detr(tiny_cfg("base"))
+    assert base.class_embed[0] is base.class_embed[1] and base.bbox_embed[0] is base.bbox_embed[1]
+    assert base.transformer.decoder.bbox_embed is None
+    assert (base.bbox_embed[0].layers[-1].bias[2:] == -2).all()
+    assert torch.allclose(base.class_embed[0].bias, torch.full((5,), -math.log(99)))
+    refine = build_deformable_detr(tiny_cfg("box_refine"))
+    assert refine.class_embed[0] is not refine.class_embed[1]
+    assert refine.transformer.decoder.bbox_embed is refine.bbox_embed
+    two = build_deformable_detr(tiny_cfg("two_stage"))
+    assert len(two.class_embed) == 3 and two.transformer.decoder.class_embed is two.class_embed
+    assert not hasattr(two, "query_embed") and not hasattr(two.transformer, "reference_points")
+
+
+def test_msdeformattn_init_and_fp32_locations_under_autocast(monkeypatch, seeded):
+    attn = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2, impl="pytorch")
+    bias = attn.sampling_offsets.bias.view(4, 2, 2, 2)  # (M, L, P, xy)
+    assert torch.allclose(bias[0, :, 0], torch.tensor([1.0, 0.0]))  # head 0 looks right, 1 pixel
+    assert torch.allclose(bias[1, :, 1], torch.tensor([0.0, 2.0]), atol=1e-6)  # head 1 down, 2 pixels
+    seen = {}
+    original = msda.multi_scale_deformable_attention
+
+    def spy(value, shapes, start, loc, weights, impl):
+        seen.update(value=value.dtype, loc=loc.dtype, impl=impl)
+        return original(value, shapes, start, loc, weights, impl="pytorch")
+
+    monkeypatch.setattr(msda, "multi_scale_deformable_attention", spy)
+    shapes = torch.tensor([[4, 4], [2, 2]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(torch.randn(1, 3, 32), torch.rand(1, 3, 2, 2), torch.randn(1, 20, 32), shapes,
+                   torch.tensor([0, 16]), torch.zeros(1, 20, dtype=torch.bool))
+    assert seen == {"value": torch.bfloat16, "loc": torch.float32, "impl": "pytorch"}
+    assert out.shape == (1, 3, 32)
+
+
+def test_inverse_sigmoid_clamps():
+    x = torch.tensor([-0.5, 0.0, 0.5, 1.0, 2.0])
+    expected = torch.tensor([math.log(1e-5), math.log(1e-5), 0.0, -math.log(1e-5), -math.log(1e-5)])
+    assert torch.allclose(inverse_sigmoid(x), expected)
+
+
+# ----------------------------------------------------------------------------------------------------
+# reload, loss, gradients
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_save_and_reload_gives_identical_outputs(tmp_path, seeded, variant):
+    model = build_deformable_detr(tiny_cfg(variant)).eval()
+    torch.save({"model": model.state_dict()}, tmp_path / "ckpt.pth")
+    torch.manual_seed(123)  # a differently initialized model, then overwritten by the file
+    reloaded = build_deformable_detr(tiny_cfg(variant)).eval()
+    reloaded.load_state_dict(torch.load(tmp_path / "ckpt.pth", weights_only=True)["model"], strict=True)
+    images, mask = _batch(pad_w=16)
+    with torch.no_grad():
+        a, b = model(images, mask), reloaded(images, mask)
+    assert torch.equal(a["pred_logits"], b["pred_logits"]) and torch.equal(a["pred_boxes"], b["pred_boxes"])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_loss_finite_and_every_trainable_parameter_gets_a_gradient(seeded, variant):
+    model, criterion, postprocess = build_model(tiny_cfg(variant))
+    model.train()
+    out = model(*_batch(pad_w=16))
+    losses = criterion(out, _targets())
+    loss = sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses)
+    assert torch.isfinite(loss)
+    loss.backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert [n for n, p in trainable.items() if p.grad is None] == []
+    assert [n for n, p in trainable.items() if not torch.isfinite(p.grad).all()] == []
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.startswith("backbone.0.body.") and "layer2" not in n and "layer3" not in n
+                          and "layer4" not in n for n in frozen)
+    with torch.no_grad():
+        results = postprocess(out, torch.tensor([[64, 64], [64, 48]]))
+    assert len(results) == 2 and results[0]["boxes"].shape[-1] == 4
+
+
+def test_train_backbone_false_freezes_the_whole_backbone():
+    model = build_deformable_detr(tiny_cfg(train_backbone=False))
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------
+# padding
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["base", "box_refine"])
+def test_padded_image_gives_the_same_detections_as_alone(seeded, variant):
+    """Transformer and heads are exactly padding-invariant (tolerance 1e-5): padding is masked out of the
+    values, reference points and offsets are scaled by valid ratios, the sine encoding is normalized by the
+    valid extent, and boxes are relative to the valid region.
+
+    The full model, like the original, is NOT invariant, so it is not compared end to end: input_proj's
+    GroupNorm takes its statistics over the whole padded map, and a trained backbone's receptive fields
+    see the padded pixels. We check instead that the projected levels of an image and of its padded copy
+    differ only through those, by feeding the transformer the alone image's levels padded with garbage.
+    Two-stage is not invariant either (padded positions get a constant, finite class-0 logit and can
+    enter the top-k proposals), so it is left out.
+    """
+    model = build_deformable_detr(tiny_cfg(variant)).eval()
+    images, _ = _batch(B=1, H=64, W=128)
+    with torch.no_grad():
+        srcs, masks, pos = model.features(images)
+        alone = model.predict(srcs, masks, pos)
+        # The same image inside a 128x192 batch canvas: every level gets padding right and below.
+        padded_srcs, padded_masks = [], []
+        for src in srcs:
+            h, w = src.shape[-2:]
+            canvas = torch.randn(2, src.shape[1], 2 * h, w + w // 2 + 1) * 5  # garbage where padded
+            canvas[0, :, :h, :w] = src[0]
+            mask = torch.ones(2, 2 * h, w + w // 2 + 1, dtype=torch.bool)
+            mask[0, :h, :w] = False
+            mask[1] = False
+            padded_srcs.append(canvas)
+            padded_masks.append(mask)
+        padded_pos = [model.backbone[1](m) for m in padded_masks]
+        padded = model.predict(padded_srcs, padded_masks, padded_pos)
+    torch.testing.assert_close(padded["pred_logits"][0], alone["pred_logits"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded["pred_boxes"][0], alone["pred_boxes"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_backbone_masks_follow_the_padding():
+    model = build_deformable_detr(tiny_cfg())
+    images, mask = _batch(B=2, H=128, W=128, pad_w=64)
+    _, masks, _ = model.features(images, mask)
+    for m in masks:  # 16, 8, 4, 2 wide: the right half is padding at every level
+        w = m.shape[-1]
+        assert not m[0].any() and m[1, :, w // 2:].all() and not m[1, :, :w // 2].any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# config and weights errors
+# ----------------------------------------------------------------------------------------------------
+BAD_CONFIGS = [
+    ({"hidden_dim": 48, "nheads": 5}, "divisible by model.nheads"),
+    ({"hidden_dim": 40, "nheads": 2}, "multiple of 32"),
+    ({"num_feature_levels": 2}, "num_feature_levels"),
+    ({"two_stage": True, "with_box_refine": False}, "with_box_refine"),
+    ({"backbone": "vgg16"}, "model.backbone"),
+    ({"position_embedding": "rope"}, "position_embedding"),
+    ({"msda": "cuda"}, "model.msda"),
+    ({"dropout": 1.5}, "dropout"),
+    ({"enc_layers": 0}, "enc_layers"),
+    ({"aux_loss": "yes"}, "aux_loss"),
+    ({"pretrained": "/nonexistent/resnet.pth"}, "neither 'none', 'imagenet' nor an existing file"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CONFIGS)
+def test_bad_config_values_raise_clear_errors(overrides, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        build_deformable_detr(tiny_cfg(**overrides))
+
+
+def test_missing_key_is_named():
+    cfg = OmegaConf.to_container(tiny_cfg())
+    del cfg["nheads"]
+    with pytest.raises(ValueError, match="missing key 'nheads'"):
+        build_deformable_detr(cfg)
+
+
+def test_imagenet_weights_unavailable_offline(monkeypatch, tmp_path):
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+    def offline(self, *args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(type(torchvision.models.ResNet18_Weights.IMAGENET1K_V1), "get_state_dict", offline)
+    with pytest.raises(RuntimeError, match="resnet18-f37072fd.pth.*pretrained=none"):
+        Backbone(name="resnet18", pretrained="imagenet")
+
+
+def test_pretrained_from_a_file(tmp_path, seeded):
+    source = Backbone(name="resnet18")
+    state = {k: torch.randn_like(v) for k, v in source.body.state_dict().items()}
+    torch.save({"model": {"backbone.0.body." + k: v for k, v in state.items()}}, tmp_path / "r18.pth")
+    loaded = Backbone(name="resnet18", pretrained=str(tmp_path / "r18.pth"))
+    assert all(torch.equal(loaded.body.state_dict()[k], v) for k, v in state.items())
+    bad = copy.deepcopy(state)
+    bad.pop("conv1.weight")
+    torch.save(bad, tmp_path / "bad.pth")
+    with pytest.raises(ValueError, match="missing.*conv1.weight"):
+        Backbone(name="resnet18", pretrained=str(tmp_path / "bad.pth"))
