@@ -1,0 +1,127 @@
+"""COCO box AP with pycocotools' COCOeval, gathered over distributed ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+# Names of COCOeval.stats[0..5] (bbox): AP at IoU .50:.95, .50, .75, then by object area.
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _xyxy_to_xywh(boxes: torch.Tensor) -> torch.Tensor:
+    """(n, 4) xyxy -> (n, 4) xywh (COCO's results format)."""
+    x0, y0, x1, y1 = boxes.unbind(-1)
+    return torch.stack([x0, y0, x1 - x0, y1 - y0], dim=-1)
+
+
+class CocoEvaluator:
+    """Collects detections, then computes COCO bbox AP against ``coco_gt``.
+
+    Usage on every rank::
+
+        evaluator = CocoEvaluator(coco_gt=dataset.coco)
+        evaluator.update({image_id: {"scores": (k,), "labels": (k,), "boxes": (k, 4)}})  # per batch
+        stats = evaluator.summarize()   # gathers, evaluates on rank 0, broadcasts; same dict everywhere
+
+    ``boxes`` are xyxy in absolute pixels of the original image (PostProcess with target_sizes =
+    orig_size); ``labels`` are COCO category ids. Every updated image id counts in the evaluation,
+    also with no detections (its ground truth then counts as missed).
+    """
+
+    def __init__(self, coco_gt: COCO) -> None:
+        self.coco_gt = coco_gt
+        # image id -> COCO result dicts; keyed by image so that repeats (DistributedSampler pads the
+        # last batch with images other ranks also see) are counted once: a repeat replaces.
+        self.results: dict[int, list[dict]] = {}
+        self.stats: dict[str, float] | None = None
+        self._gathered = False
+
+    def update(self, predictions: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Add detections of some images: image_id -> {"scores" (k,), "labels" (k,), "boxes" (k, 4) xyxy}."""
+        for image_id, prediction in predictions.items():
+            image_id = int(image_id)
+            if image_id not in self.coco_gt.imgs:
+                raise KeyError(f"image id {image_id} is not in the ground-truth annotations")
+            boxes = _xyxy_to_xywh(prediction["boxes"].detach().float().cpu()).tolist()
+            scores = prediction["scores"].detach().float().cpu().tolist()
+            labels = prediction["labels"].detach().cpu().tolist()
+            self.results[image_id] = [
+                {"image_id": image_id, "category_id": int(label), "bbox": box, "score": score}
+                for box, score, label in zip(boxes, scores, labels)
+            ]
+        self._gathered = False
+
+    def gather(self) -> None:
+        """Merge every rank's detections into every rank (no-op without torch.distributed)."""
+        if self._gathered:
+            return
+        if _distributed():
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self.results)
+            merged: dict[int, list[dict]] = {}
+            for part in parts:
+                for image_id, detections in part.items():
+                    merged.setdefault(image_id, detections)
+            self.results = merged
+        self._gathered = True
+
+    @property
+    def detections(self) -> list[dict]:
+        """All detections in COCO results format (bbox xywh), ordered by image id."""
+        return [d for image_id in sorted(self.results) for d in self.results[image_id]]
+
+    def summarize(self) -> dict[str, float]:
+        """{"AP", "AP50", "AP75", "APs", "APm", "APl"}: COCOeval stats[0..5], the same on every rank.
+
+        Prints pycocotools' summary table on rank 0. With no detections at all every figure is 0.0
+        (pycocotools' loadRes cannot take an empty list). Figures are -1.0 where COCO defines none
+        (e.g. APs when no ground-truth box is small).
+        """
+        self.gather()
+        stats = None
+        if not _distributed() or dist.get_rank() == 0:
+            stats = self._evaluate()
+        if _distributed():
+            box = [stats]
+            dist.broadcast_object_list(box, src=0)
+            stats = box[0]
+        self.stats = stats
+        return stats
+
+    def _evaluate(self) -> dict[str, float]:
+        detections = self.detections
+        if not detections:
+            print(f"COCO bbox evaluation: no detections on {len(self.results)} images; AP = 0")
+            return {name: 0.0 for name in STAT_NAMES}
+        coco_dt = self.coco_gt.loadRes(detections)
+        coco_eval = COCOeval(self.coco_gt, coco_dt, iouType="bbox")
+        # Only the images that were evaluated: a partial pass (max_steps, a subset) is not scored
+        # against ground truth it never saw.
+        coco_eval.params.imgIds = sorted(self.results)
+        coco_eval.evaluate()
+        coco_eval.accumulate()
+        coco_eval.summarize()
+        return {name: float(coco_eval.stats[i]) for i, name in enumerate(STAT_NAMES)}
+
+    def save_detections(self, path: str | Path) -> None:
+        """Write the detections as a COCO results json (list of {image_id, category_id, bbox xywh, score}).
+
+        Call after :meth:`summarize` (or :meth:`gather`) and on one rank only; written atomically.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.detections, f)
+        os.replace(tmp, path)
