@@ -299,7 +299,12 @@ class DeformableTransformer(nn.Module):
             query_pos, tgt = torch.split(query_embed, C, dim=1)  # (Q, C) each
             query_pos = query_pos.unsqueeze(0).expand(N, -1, -1)  # (N, Q, C)
             tgt = tgt.unsqueeze(0).expand(N, -1, -1)  # (N, Q, C)
-            reference_points = self.reference_points(query_pos).sigmoid()  # (N, Q, 2)
+            with torch.autocast(device_type=query_pos.device.type, enabled=False):
+                # float32 under autocast: a bf16 reference point is off by up to a pixel on a large level.
+                dtype = torch.promote_types(query_pos.dtype, torch.float32)
+                lin = self.reference_points
+                reference_points = F.linear(query_pos.to(dtype), lin.weight.to(dtype), lin.bias.to(dtype))
+                reference_points = reference_points.sigmoid()  # (N, Q, 2)
             init_reference_out = reference_points
 
         hs, inter_references = self.decoder(tgt, reference_points, memory, spatial_shapes, level_start_index,

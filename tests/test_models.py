@@ -163,6 +163,26 @@ def test_msdeformattn_init_and_fp32_locations_under_autocast(monkeypatch, seeded
     assert out.shape == (1, 3, 32)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bf16_autocast_keeps_locations_and_boxes_fp32(monkeypatch, seeded, variant):
+    """Under autocast every msda call gets float32 locations and the boxes come out float32."""
+    model, criterion, _ = build_model(tiny_cfg(variant))
+    original, loc_dtypes = msda.multi_scale_deformable_attention, set()
+
+    def spy(value, shapes, start, loc, weights, impl):
+        loc_dtypes.add((value.dtype, loc.dtype))
+        return original(value, shapes, start, loc, weights, impl=impl)
+
+    monkeypatch.setattr(msda, "multi_scale_deformable_attention", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(*_batch(pad_w=16))
+        losses = criterion(out, _targets())
+    loss = sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses)
+    loss.backward()
+    assert loc_dtypes == {(torch.bfloat16, torch.float32)}
+    assert out["pred_boxes"].dtype == torch.float32 and torch.isfinite(loss)
+
+
 def test_inverse_sigmoid_clamps():
     x = torch.tensor([-0.5, 0.0, 0.5, 1.0, 2.0])
     expected = torch.tensor([math.log(1e-5), math.log(1e-5), 0.0, -math.log(1e-5), -math.log(1e-5)])
