@@ -420,3 +420,17 @@ def test_data_loader_yields_padded_batches(synthetic_root, train, batch_size, ex
         seen += [int(t["image_id"]) for t in targets]
     if not train:
         assert seen == dataset.ids[: len(seen)], "validation keeps file order"
+
+
+def test_worker_loading_is_reproducible_from_the_seed(synthetic_root):
+    dataset = build_dataset("train", {"name": "coco", "root": str(synthetic_root), **SMALL_TRANSFORMS})
+
+    def first_epoch(seed: int) -> list:
+        loader = build_data_loader(dataset, batch_size=2, num_workers=1, train=True, seed=seed)
+        return [(images, [t["boxes"] for t in targets]) for images, _, targets in loader]
+
+    a, b, c = first_epoch(0), first_epoch(0), first_epoch(1)
+    assert len(a) == len(b) == SMALL["num_train"] // 2
+    for (images_a, boxes_a), (images_b, boxes_b) in zip(a, b):
+        assert torch.equal(images_a, images_b) and all(torch.equal(x, y) for x, y in zip(boxes_a, boxes_b))
+    assert any(x[0].shape != y[0].shape or not torch.equal(x[0], y[0]) for x, y in zip(a, c))
