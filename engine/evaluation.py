@@ -12,17 +12,20 @@ import torch
 from datasets import CocoEvaluator
 
 from .precision import Precision
+from .rng import rng_preserved
 
 log = logging.getLogger("train")
 
 
 @torch.no_grad()
+@rng_preserved()
 def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
                   precision: Precision) -> dict[str, float]:
     """COCO bbox AP/AP50/AP75/APs/APm/APl of ``model`` on ``loader``; the same dict on every rank.
 
     ``model`` is the unwrapped module (not DDP: inference needs no gradient sync). Each rank runs its
-    share of the images; the evaluator gathers detections from all ranks before scoring.
+    share of the images; the evaluator gathers detections from all ranks before scoring. The random
+    generators are left as they were (engine.rng.rng_preserved).
     """
     was_training = model.training
     model.eval()

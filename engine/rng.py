@@ -7,6 +7,7 @@ uninterrupted one draws. Mid-epoch resumes restore the saved states instead (see
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -52,3 +53,18 @@ def restore_rng_state(state: dict) -> None:
     # with fresh CUDA generators rather than failing.
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_preserved():
+    """Run a block (evaluation) without moving the generators training draws from.
+
+    Validation transforms draw from ``random`` even with a single size; without this, whether and when a
+    run evaluates would change its training batches, and a run resumed from a checkpoint written after an
+    evaluation would not match one that never stopped.
+    """
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)

@@ -1,0 +1,188 @@
+"""The trainer end to end on a tiny synthetic run (CPU): outputs, eval_only, resume, DDP, failures.
+
+One session-scoped run (2 epochs of 4 steps) is shared by most tests; the others start from its
+checkpoints so that each adds only a few steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import train as trainer
+from engine.checkpoint import CheckpointError, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS_PER_EPOCH = 4  # 16 training images, batch 4
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_overrides(data_root: Path) -> list[str]:
+    return [
+        f"dataset.root={data_root}", "dataset.num_train=16", "dataset.num_val=8", "dataset.image_size=64",
+        "dataset.train_scales=[64]", "dataset.max_size=80", "dataset.val_size=64",
+        "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=2",
+        "model.dim_feedforward=64", "model.num_queries=10", "model.num_feature_levels=3", "model.msda=pytorch",
+        "epochs=2", "batch_size=4", "num_workers=0", "log_every=1", "eval_every=1", "checkpoint_every=1",
+        "optim.lr=1e-3", "device=cpu",
+    ]
+
+
+def compose_run(data_root: Path, output_dir: Path, *extra: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="train",
+                       overrides=[*tiny_overrides(data_root), f"output_dir={output_dir}", *extra])
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_root):
+    """The reference run: 2 epochs, checkpoints after each, evaluation after each."""
+    output_dir = tmp_path_factory.mktemp("run")
+    result = trainer.train(compose_run(data_root, output_dir))
+    return result
+
+
+def scalars(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
+    run_dir = tiny_run["output_dir"]
+    assert tiny_run["step"] == 2 * STEPS_PER_EPOCH and len(tiny_run["losses"]) == 2 * STEPS_PER_EPOCH
+    tags = set(scalars(run_dir).Tags()["scalars"])
+    for tag in ("train/step_time_ms", "train/data_time_ms", "train/images_per_s", "train/loss", "train/lr",
+                "train/lr_backbone", "train/loss_ce", "train/loss_bbox_unscaled", "eval/AP", "eval/AP50"):
+        assert tag in tags, tag
+    step_times = scalars(run_dir).Scalars("train/step_time_ms")
+    assert [e.step for e in step_times] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    assert all(e.value > 0 for e in step_times)
+
+    for name in ("checkpoint.pth", "checkpoint_epoch0001.pth", "checkpoint_epoch0002.pth"):
+        assert (run_dir / name).is_file(), name
+    ckpt = load_checkpoint(run_dir / "checkpoint.pth")
+    assert {"model", "optimizer", "lr_scheduler", "grad_scaler", "epoch", "step", "config", "rng"} <= set(ckpt)
+    assert (ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"]) == (2, 2 * STEPS_PER_EPOCH, 0)
+    assert ckpt["config"]["model"]["hidden_dim"] == 32
+    assert {"python", "numpy", "torch"} <= set(ckpt["rng"])
+
+    evaluation = json.loads((run_dir / "eval_epoch0002.json").read_text())
+    assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step"}
+    assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 8, "epoch_complete": True})
+    assert all(-1.0 <= evaluation[k] <= 1.0 for k in ("AP", "AP50", "AP75"))
+
+
+def test_eval_only_reproduces_the_final_evaluation(tiny_run, data_root, tmp_path):
+    cfg = compose_run(data_root, tmp_path, "eval_only=true",
+                      f"checkpoint={tiny_run['output_dir'] / 'checkpoint.pth'}",
+                      # the architecture comes from the checkpoint's recorded config, not from these
+                      "model.hidden_dim=64", "model.num_queries=30")
+    result = trainer.evaluate(cfg)
+    assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-12)
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert written["AP"] == pytest.approx(tiny_run["eval"]["AP"], abs=1e-12)
+    assert "eval/AP" in scalars(tmp_path).Tags()["scalars"]
+
+
+def test_resume_at_an_epoch_boundary_continues_identically(tiny_run, data_root, tmp_path):
+    ckpt = tiny_run["output_dir"] / "checkpoint_epoch0001.pth"
+    result = trainer.train(compose_run(data_root, tmp_path, f"resume={ckpt}"))
+    assert result["step"] == 2 * STEPS_PER_EPOCH
+    assert result["losses"] == pytest.approx(tiny_run["losses"][STEPS_PER_EPOCH:], rel=1e-5)
+    assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-4)
+
+
+def test_resume_mid_epoch_continues_identically(tiny_run, data_root, tmp_path):
+    ckpt = tiny_run["output_dir"] / "checkpoint_epoch0001.pth"
+    stop = STEPS_PER_EPOCH + 2
+    first = trainer.train(compose_run(data_root, tmp_path / "a", f"resume={ckpt}", f"max_steps={stop}"))
+    mid = load_checkpoint(tmp_path / "a" / "checkpoint.pth")
+    assert (mid["epoch"], mid["steps_in_epoch"], mid["step"]) == (1, 2, stop)
+    # resume=auto finds the run directory's own checkpoint.pth first
+    second = trainer.train(compose_run(data_root, tmp_path / "a", "resume=auto"))
+    assert first["losses"] + second["losses"] == pytest.approx(tiny_run["losses"][STEPS_PER_EPOCH:], rel=1e-5)
+
+
+def test_unreadable_checkpoint_is_a_clear_error(data_root, tmp_path):
+    bad = tmp_path / "corrupt.pth"
+    bad.write_bytes(b"\x80\x02 not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"could not read checkpoint .*corrupt\.pth"):
+        trainer.evaluate(compose_run(data_root, tmp_path / "eval", "eval_only=true", f"checkpoint={bad}"))
+    with pytest.raises(CheckpointError, match=r"corrupt\.pth"):
+        trainer.train(compose_run(data_root, tmp_path / "resume", f"resume={bad}"))
+
+
+def test_checkpoint_of_another_variant_is_a_clear_error(tiny_run, data_root, tmp_path):
+    ckpt = load_checkpoint(tiny_run["output_dir"] / "checkpoint.pth")
+    del ckpt["config"]  # as if it recorded nothing: the config's variant is then used, and does not fit
+    path = tmp_path / "no_config.pth"
+    torch.save(ckpt, path)
+    cfg = compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={path}", "experiment=box_refine")
+    with pytest.raises(CheckpointError, match=r"no_config\.pth does not fit the model.*with_box_refine"):
+        trainer.evaluate(cfg)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data_root, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    build_model = trainer.build_model
+
+    def build_model_with_nan_on_step_6(cfg_model):
+        model, criterion, postprocess = build_model(cfg_model)
+        forward = criterion.forward
+
+        def nan_loss(outputs, targets):
+            losses = forward(outputs, targets)
+            calls["n"] += 1
+            if calls["n"] == STEPS_PER_EPOCH + 2:
+                losses["loss_bbox"] = losses["loss_bbox"] * float("nan")
+            return losses
+
+        criterion.forward = nan_loss
+        return model, criterion, postprocess
+
+    monkeypatch.setattr(trainer, "build_model", build_model_with_nan_on_step_6)
+    with pytest.raises(trainer.NonFiniteLossError, match=r"non-finite loss .* epoch 2, step 6 .*loss_bbox=nan"
+                                                         r".*checkpoint\.pth, is kept"):
+        trainer.train(compose_run(data_root, tmp_path))
+    kept = load_checkpoint(tmp_path / "checkpoint.pth")
+    assert (kept["epoch"], kept["step"]) == (1, STEPS_PER_EPOCH)
+    good = load_checkpoint(tiny_run["output_dir"] / "checkpoint_epoch0001.pth")
+    assert all(torch.equal(kept["model"][k], good["model"][k]) for k in good["model"])
+    assert all(torch.isfinite(v).all() for v in kept["model"].values() if v.is_floating_point())
+
+
+def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(data_root, tmp_path):
+    """torchrun, two CPU processes: one run directory, DDP steps, evaluation gathered from both ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *tiny_overrides(data_root), "epochs=1", "batch_size=2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1, run_dirs  # rank 1 did not make a directory of its own
+    run_dir = run_dirs[0]
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "checkpoint.pth").is_file()
+    log_text = (run_dir / "train.log").read_text()
+    assert "2 processes on cpu" in log_text
+    ddp_eval = json.loads((run_dir / "eval_epoch0001.json").read_text())
+    ckpt = load_checkpoint(run_dir / "checkpoint.pth")
+    assert ckpt["step"] == STEPS_PER_EPOCH  # 16 images / (2 per process x 2 processes)
+
+    # Scored on every validation image: the same figures as one process evaluating the same weights
+    # (each rank alone sees half the images, which would score differently).
+    single = trainer.evaluate(compose_run(data_root, tmp_path / "single", "eval_only=true",
+                                          f"checkpoint={run_dir / 'checkpoint.pth'}"))
+    assert {k: ddp_eval[k] for k in single["eval"]} == pytest.approx(single["eval"], abs=1e-12)
