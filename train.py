@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from datasets import build_data_loader, build_dataset
-from engine.checkpoint import (LATEST, epoch_checkpoint_name, find_resume_checkpoint, load_checkpoint,
-                               load_model_weights, model_config_for_checkpoint, publish_as, save_checkpoint)
+from engine.checkpoint import (LATEST, check_training_state, epoch_checkpoint_name, find_resume_checkpoint,
+                               load_checkpoint, load_model_weights, model_config_for_checkpoint, publish_as,
+                               save_checkpoint)
 from engine.distributed import (DistContext, all_reduce_mean, argv_for_rank, barrier, broadcast_object, env_rank,
                                 init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, write_eval_json
@@ -108,9 +109,13 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                          f"{cfg.batch_size} x {ctx.world_size} processes")
 
     start_epoch, step, skip_in_epoch, resume_rng = 0, 0, 0, None
-    resume_path = find_resume_checkpoint(cfg.resume, output_dir=output_dir, search_root=Path("outputs"))
+    resume_path = None
+    if ctx.is_main:  # rank 0 picks (resume=auto looks at file times), so every rank resumes from the same file
+        resume_path = find_resume_checkpoint(cfg.resume, output_dir=output_dir, search_root=Path("outputs"))
+    resume_path = broadcast_object(resume_path, ctx)
     if resume_path is not None:
         ckpt = load_checkpoint(resume_path)
+        check_training_state(ckpt, path=resume_path)
         load_model_weights(model, ckpt, path=resume_path)
         optimizer.load_state_dict(ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
@@ -233,13 +238,14 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                 lr_scheduler.step()
             last = step >= total_steps or epoch + 1 == cfg.epochs
             if last or (epoch_done and (epoch + 1) % cfg.eval_every == 0):
-                stats = evaluate_coco(model=model_without_ddp, postprocess=postprocess, loader=val_loader,
-                                      coco_gt=data["val"].coco, device=device, precision=precision)
+                stats, num_images = evaluate_coco(model=model_without_ddp, postprocess=postprocess,
+                                                  loader=val_loader, coco_gt=data["val"].coco, device=device,
+                                                  precision=precision)
                 if ctx.is_main:
                     writer.add("eval", stats, step)
                     write_eval_json(output_dir / f"eval_epoch{epoch + 1:04d}.json", stats=stats, epoch=epoch + 1,
-                                    step=step, epoch_complete=epoch_done)
-                    log.info("evaluation after epoch %d (step %d): %s", epoch + 1, step,
+                                    step=step, epoch_complete=epoch_done, num_images=num_images)
+                    log.info("evaluation after epoch %d (step %d, %d images): %s", epoch + 1, step, num_images,
                              " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
             if ctx.is_main:
                 state = checkpoint_state(epoch=epoch + 1 if epoch_done else epoch,
@@ -287,17 +293,18 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         val_set = build_datasets(cfg, ctx, ("val",))["val"]
-        stats = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
-                              coco_gt=val_set.coco, device=ctx.device,
-                              precision=Precision(amp=cfg.amp, device=ctx.device))
+        stats, num_images = evaluate_coco(model=model, postprocess=postprocess,
+                                          loader=build_val_loader(val_set, cfg, ctx), coco_gt=val_set.coco,
+                                          device=ctx.device, precision=Precision(amp=cfg.amp, device=ctx.device))
         if ctx.is_main:
             step = int(ckpt.get("step", 0) or 0)
             writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
             writer.add("eval", stats, step)
             writer.close()
             write_eval_json(output_dir / "eval.json", stats=stats, checkpoint=str(Path(cfg.checkpoint).resolve()),
-                            step=step)
-            log.info("evaluation of %s: %s", cfg.checkpoint, " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+                            step=step, num_images=num_images)
+            log.info("evaluation of %s (%d images): %s", cfg.checkpoint, num_images,
+                     " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
         return {"output_dir": output_dir, "eval": stats}
     finally:
         shutdown_distributed(ctx)

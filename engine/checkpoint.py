@@ -110,6 +110,18 @@ def _load_failure(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0].split('. ')[0]}"
 
 
+TRAINING_STATE = ("optimizer", "lr_scheduler", "grad_scaler", "epoch", "steps_in_epoch", "step", "rng")
+
+
+def check_training_state(ckpt: dict, *, path: str | os.PathLike) -> None:
+    """Resuming needs the whole training state, which only this trainer's checkpoints hold."""
+    missing = [k for k in TRAINING_STATE if k not in ckpt]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be resumed: it has no {', '.join(missing)} (resume needs a checkpoint.pth "
+            f"written by this trainer; an official checkpoint can be evaluated with eval_only=true checkpoint=PATH)")
+
+
 def recorded_model_config(ckpt: dict) -> dict:
     """The model hyperparameters a checkpoint records: our 'config'['model'] or the official 'args'."""
     config = ckpt.get("config")

@@ -20,9 +20,10 @@ log = logging.getLogger("train")
 @torch.no_grad()
 @rng_preserved()
 def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
-                  precision: Precision) -> dict[str, float]:
-    """COCO bbox AP/AP50/AP75/APs/APm/APl of ``model`` on ``loader``; the same dict on every rank.
+                  precision: Precision) -> tuple[dict[str, float], int]:
+    """(COCO bbox AP/AP50/AP75/APs/APm/APl, number of images scored) of ``model`` on ``loader``.
 
+    The same on every rank.
     ``model`` is the unwrapped module (not DDP: inference needs no gradient sync). Each rank runs its
     share of the images; the evaluator gathers detections from all ranks before scoring. The random
     generators are left as they were (engine.rng.rng_preserved).
@@ -40,9 +41,9 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
         outputs = {k: v.float() for k, v in outputs.items() if k in ("pred_logits", "pred_boxes")}
         results = postprocess(outputs, orig_sizes)
         evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})
-    stats = evaluator.summarize()
+    stats = evaluator.summarize()  # gathers every rank's detections first
     model.train(was_training)
-    return stats
+    return stats, len(evaluator.results)
 
 
 def write_eval_json(path: str | Path, *, stats: dict[str, float], **info) -> Path:

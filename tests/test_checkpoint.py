@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import (CheckpointError, find_resume_checkpoint, load_checkpoint, load_model_weights,
-                               model_config_for_checkpoint, publish_as, save_checkpoint)
+from engine.checkpoint import (CheckpointError, check_training_state, find_resume_checkpoint, load_checkpoint,
+                               load_model_weights, model_config_for_checkpoint, publish_as, save_checkpoint)
 from engine.rng import capture_rng_state, restore_rng_state
 
 
@@ -124,3 +124,8 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     restore_rng_state(load_checkpoint(tmp_path / "c.pth")["rng"])
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_official_checkpoint_cannot_be_resumed():
+    with pytest.raises(CheckpointError, match=r"official\.pth cannot be resumed: it has no optimizer.*eval_only"):
+        check_training_state({"model": {}, "args": argparse.Namespace(), "epoch": 49}, path="official.pth")

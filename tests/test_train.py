@@ -81,7 +81,8 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
 
     evaluation = json.loads((run_dir / "eval_epoch0002.json").read_text())
     assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step"}
-    assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 8, "epoch_complete": True})
+    assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 8, "epoch_complete": True,
+                                        "num_images": 8})
     assert all(-1.0 <= evaluation[k] <= 1.0 for k in ("AP", "AP50", "AP75"))
 
 
@@ -181,8 +182,9 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(data_root, t
     ckpt = load_checkpoint(run_dir / "checkpoint.pth")
     assert ckpt["step"] == STEPS_PER_EPOCH  # 16 images / (2 per process x 2 processes)
 
-    # Scored on every validation image: the same figures as one process evaluating the same weights
-    # (each rank alone sees half the images, which would score differently).
+    # Scored on every validation image (each rank ran 4 of the 8), with the same figures as one process
+    # evaluating the same weights.
+    assert ddp_eval["num_images"] == 8
     single = trainer.evaluate(compose_run(data_root, tmp_path / "single", "eval_only=true",
                                           f"checkpoint={run_dir / 'checkpoint.pth'}"))
     assert {k: ddp_eval[k] for k in single["eval"]} == pytest.approx(single["eval"], abs=1e-12)
