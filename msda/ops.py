@@ -7,6 +7,7 @@ head, Lq queries, L levels, P sampling points per level and head.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -45,6 +46,32 @@ def level_start_index_from_shapes(spatial_shapes: torch.Tensor) -> torch.Tensor:
     return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
 
 
+_HOST_COPIES: dict[int, tuple[int, list]] = {}  # id(tensor) -> (its _version when read, its values)
+
+
+def host_values(t: torch.Tensor) -> list:
+    """t.tolist(), read from the device once per tensor and version rather than once per call.
+
+    A model passes the same spatial_shapes tensor to every attention layer; reading it each time would
+    stall the host on the GPU queue a dozen times per step. The entry is dropped when the tensor dies
+    (so its id cannot be reused stale) and ignored once the tensor is modified in place (_version).
+    """
+    if t.device.type == "cpu":
+        return t.tolist()
+    try:
+        version = t._version
+    except RuntimeError:  # inference-mode tensors keep no version counter: read every time
+        return t.tolist()
+    cached = _HOST_COPIES.get(id(t))
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    values = t.tolist()
+    if cached is None:
+        weakref.finalize(t, _HOST_COPIES.pop, id(t), None)
+    _HOST_COPIES[id(t)] = (version, values)
+    return values
+
+
 def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     """Check the contract of ``multi_scale_deformable_attention``; returns the levels as [(H, W), ...].
 
@@ -80,7 +107,7 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
     N, S, M, D = value.shape
     if spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] == 0:
         raise ValueError(f"spatial_shapes must be (L, 2) with L >= 1 rows of (H, W), got {_describe(spatial_shapes)}")
-    levels = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]  # the one device->host read, if any
+    levels = [(int(h), int(w)) for h, w in host_values(spatial_shapes)]
     L = len(levels)
     if any(h <= 0 or w <= 0 for h, w in levels):
         raise ValueError(f"spatial_shapes must hold positive (H, W), got {levels}")
@@ -91,7 +118,7 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
             f"(value {_describe(value)}, spatial_shapes {levels})")
     if level_start_index is not None:
         expected_start = level_starts(levels)
-        if level_start_index.tolist() != expected_start:
+        if host_values(level_start_index) != expected_start:
             raise ValueError(
                 f"level_start_index must be the cumulative sizes of spatial_shapes, {expected_start}, "
                 f"got {level_start_index.tolist()}")
