@@ -188,3 +188,12 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(data_root, t
     single = trainer.evaluate(compose_run(data_root, tmp_path / "single", "eval_only=true",
                                           f"checkpoint={run_dir / 'checkpoint.pth'}"))
     assert {k: ddp_eval[k] for k in single["eval"]} == pytest.approx(single["eval"], abs=1e-12)
+
+
+def test_missing_coco_annotations_is_a_clear_error(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "dataset=coco", f"dataset.root={tmp_path / 'coco'}", "model=tiny", f"output_dir={tmp_path / 'run'}",
+            "device=cpu"])
+    with pytest.raises(FileNotFoundError, match=r"annotation file not found: .*instances_train2017\.json"):
+        trainer.train(cfg)
