@@ -7,14 +7,11 @@ trainer has a single code path for one and many processes.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

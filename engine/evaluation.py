@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -13,8 +12,6 @@ from datasets import CocoEvaluator
 
 from .precision import Precision
 from .rng import rng_preserved
-
-log = logging.getLogger("train")
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ One session-scoped run (2 epochs of 4 steps) is shared by most tests; the others
 checkpoints so that each adds only a few steps.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -96,6 +97,18 @@ def test_eval_only_reproduces_the_final_evaluation(tiny_run, data_root, tmp_path
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["AP"] == pytest.approx(tiny_run["eval"]["AP"], abs=1e-12)
     assert "eval/AP" in scalars(tmp_path).Tags()["scalars"]
+
+
+def test_eval_only_reads_the_variant_from_official_style_args(tiny_run, data_root, tmp_path):
+    """An official checkpoint is {"model", "args": Namespace}; its args, not the config, set the sizes."""
+    ours = load_checkpoint(tiny_run["output_dir"] / "checkpoint.pth")
+    args = argparse.Namespace(**ours["config"]["model"], lr=1e-3, output_dir="exps/tiny", dataset_file="coco")
+    del args.num_classes  # the official args do not record it (91, from the dataset)
+    path = tmp_path / "official_style.pth"
+    torch.save({"model": ours["model"], "args": args, "epoch": 1}, path)
+    result = trainer.evaluate(compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={path}",
+                                          "model.hidden_dim=64", "model.dec_layers=6"))
+    assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-12)
 
 
 def test_resume_at_an_epoch_boundary_continues_identically(tiny_run, data_root, tmp_path):
