@@ -35,6 +35,7 @@ from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
 from engine.precision import Precision
 from engine.progress import Progress, format_duration
 from engine.rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
+from engine.settings import check_run_settings
 from engine.tensorboard import ScalarWriter
 from models import build_model
 
@@ -81,6 +82,7 @@ def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
 
 def train(cfg: DictConfig) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval"}."""
+    check_run_settings(cfg)
     ctx = init_distributed(device=cfg.device)
     try:
         return _train(cfg, ctx)
@@ -283,6 +285,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if not cfg.checkpoint:
         raise ValueError("eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official "
                          "Deformable DETR one)")
+    check_run_settings(cfg)
     ctx = init_distributed(device=cfg.device)
     try:
         output_dir = resolve_output_dir(cfg, ctx)

@@ -11,6 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.distributed import argv_for_rank
 from engine.optim import build_optimizer, build_lr_scheduler
 from engine.precision import Precision
+from engine.settings import check_run_settings
 from models import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -91,6 +92,16 @@ def test_command_line_choice_wins_over_the_dataset_default():
 def test_bad_overrides_fail_at_compose(overrides):
     with pytest.raises((HydraException, OmegaConfBaseException)):
         compose_train(overrides)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("epochs=abc", "epochs must be an integer >= 1, got 'abc'"), ("batch_size=0", "batch_size must be"),
+    ("max_steps=-3", "max_steps must be null or an integer >= 1"), ("amp=fp8", "amp must be one of"),
+    ("eval_only=maybe", "eval_only must be true or false"), ("log_every=1.5", "log_every must be an integer")])
+def test_bad_run_settings_name_the_override(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_run_settings(compose_train([override]))
+    check_run_settings(compose_train())  # the defaults pass
 
 
 def test_bad_amp_is_a_clear_error():
