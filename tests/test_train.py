@@ -50,9 +50,7 @@ def data_root(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, data_root):
     """The reference run: 2 epochs, checkpoints after each, evaluation after each."""
-    output_dir = tmp_path_factory.mktemp("run")
-    result = trainer.train(compose_run(data_root, output_dir))
-    return result
+    return trainer.train(compose_run(data_root, tmp_path_factory.mktemp("run")))
 
 
 def scalars(run_dir: Path) -> EventAccumulator:
