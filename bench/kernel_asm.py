@@ -43,7 +43,7 @@ def main():
         loc = torch.rand(N, Lq, M, L, P, 2, device="cuda")
         weights = torch.rand(N, Lq, M, L, P, device="cuda")
         table = level_table(LEVELS, value.device)
-        block_q, warps = launch_config(Lq, D, backward=True)
+        block_q, warps = launch_config(D, value.element_size(), backward=True)
         common = dict(M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
                       COMPUTE_DTYPE=tl.float32, num_warps=warps)
         grid = (triton.cdiv(Lq, block_q), N * M)

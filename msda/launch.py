@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
@@ -19,13 +20,21 @@ from .ops import level_starts
 _COMPUTE_DTYPES = {torch.float64: tl.float64}  # everything else computes in float32
 
 
-def launch_config(Lq: int, D: int, backward: bool) -> tuple[int, int]:
-    """(BLOCK_Q, num_warps) for a workload, from a sweep on an H200 (bench/results/msda_sweep_h200.md).
+def launch_config(D: int, element_size: int, backward: bool) -> tuple[int, int]:
+    """(BLOCK_Q, num_warps) from a sweep on an H200 (bench/results/msda_h200.md, "Block-size sweep").
 
-    On the encoder workload (D=32) 16 queries per program with 4 warps was fastest for both kernels
-    (fwd 0.246 ms vs 0.460 ms at 64/4; bwd 1.064 vs 1.806 ms): small programs keep more of them resident
-    to hide the latency of the scattered gathers, and 4 corner tiles (5 in the backward) stay in registers.
+    On the encoder workload (D=32) 16 queries per program was fastest for both kernels (fp32 fwd 0.247 ms
+    vs 0.460 ms at 64 queries; bwd 1.064 vs 1.806 ms): small programs keep more of them resident to hide
+    the latency of the scattered gathers, and the 4 corner tiles (5 in the backward) stay in registers.
+    A 2-byte value's forward was faster with 2 warps (bf16 0.195 vs 0.264 ms); its backward, bound by the
+    same fp32 atomics as fp32's, kept 4. D is not in the table yet: only D=32 was measured.
+    Triton's CPU interpreter runs programs one after another at a fixed cost each, so there 64-query
+    programs make the tests several times faster; block size changes no result, only the masking pattern.
     """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 64, 4
+    if element_size == 2 and not backward:
+        return 16, 2
     return 16, 4
 
 
@@ -49,7 +58,7 @@ def forward(value, levels, sampling_locations, attention_weights,
     """levels: [(H, W), ...]. Returns (N, Lq, M*D) in value's dtype. block_q / num_warps override the tuned table (benchmarks)."""
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    default_q, default_warps = launch_config(Lq, D, backward=False)
+    default_q, default_warps = launch_config(D, value.element_size(), backward=False)
     block_q = block_q or default_q
     output = torch.empty((N, Lq, M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
     with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
@@ -70,7 +79,7 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights,
     """
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    default_q, default_warps = launch_config(Lq, D, backward=True)
+    default_q, default_warps = launch_config(D, value.element_size(), backward=True)
     block_q = block_q or default_q
     accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
     grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
