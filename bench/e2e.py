@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -240,6 +241,8 @@ def tensorboard_scalar(run_dir: Path, tag: str) -> tuple[list[int], list[float]]
 
 
 def run_parity(args, device, work: Path) -> dict:
+    if work.exists():  # a reused run directory would mix old TensorBoard events and checkpoints in
+        shutil.rmtree(work)
     runs = [train_run(args, impl="triton", seed=0, out_dir=work / "triton_s0"),
             train_run(args, impl="pytorch", seed=0, out_dir=work / "pytorch_s0"),
             train_run(args, impl="triton", seed=1, out_dir=work / "triton_s1")]
@@ -300,6 +303,16 @@ def write_report(results: dict, out: Path, header: dict) -> None:
     (out / "e2e_h200.md").write_text("\n".join(lines) + "\n")
 
 
+def split_runs(steps: list[int], values: list[float]) -> list[tuple[list[int], list[float]]]:
+    """Cut a scalar series where its step goes back: two runs that wrote into one TensorBoard directory."""
+    runs, start = [], 0
+    for i in range(1, len(steps) + 1):
+        if i == len(steps) or steps[i] <= steps[i - 1]:
+            runs.append((steps[start:i], values[start:i]))
+            start = i
+    return sorted(runs, key=lambda r: len(r[0]))  # the shorter, this bench's own run first
+
+
 def plot(results: dict, out: Path, title: str) -> None:
     import matplotlib
 
@@ -320,7 +333,9 @@ def plot(results: dict, out: Path, title: str) -> None:
         fig.savefig(out / "e2e_loss_curves.png", dpi=110)
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for name, (steps, values) in parity["tensorboard_step_time_ms"].items():
-            ax.plot(steps, values, label=name, linewidth=0.8)
+            for i, (run_steps, run_values) in enumerate(split_runs(steps, values)):
+                ax.plot(run_steps, run_values, label=name if i == 0 else f"{name} (an earlier run in the same directory)",
+                        linewidth=0.8)
         ax.set_xlabel("step")
         ax.set_ylabel("train/step_time_ms (TensorBoard)")
         ax.set_title(f"Step time as TensorBoard shows it: {title}")
@@ -363,9 +378,15 @@ def main():
     parser.add_argument("--num-val", type=int, default=64, help="parity runs: synthetic validation images")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_e2e"))
     parser.add_argument("--score-threshold", type=float, default=0.3)
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="only redraw the plots of a saved e2e_h200.json into --out")
     args = parser.parse_args()
-    device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        plot(saved, args.out, f"{saved['header']['gpu']}, {saved['header']['date']}")
+        return
+    device = torch.device(args.device)
     header = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "python": platform.python_version(),
