@@ -1,0 +1,80 @@
+"""Rank parity: one global batch split over 2 gloo ranks gives the loss and gradients of 1 process.
+
+The loss is normalized by the number of boxes averaged over processes (SetCriterion), and DDP averages
+gradients over ranks, so the mean of the per-rank losses and the averaged gradients must equal what one
+process computes on the whole batch. Images share one size so that padding is the same either way.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+from torch.nn.parallel import DistributedDataParallel
+
+from models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+
+
+def tiny_model_config():
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model=tiny", "model.msda=pytorch"])
+    return cfg.model
+
+
+def global_batch():
+    """Two 96x128 images with different numbers of targets (so the num_boxes averaging matters)."""
+    gen = torch.Generator().manual_seed(3)
+    images = torch.randn(WORLD, 3, 96, 128, generator=gen)
+    masks = torch.zeros(WORLD, 96, 128, dtype=torch.bool)
+    targets = []
+    for n in (1, 4):
+        boxes = torch.cat([torch.rand(n, 2, generator=gen) * 0.5 + 0.25, torch.rand(n, 2, generator=gen) * 0.3 + 0.1], 1)
+        targets.append({"labels": torch.randint(1, 7, (n,), generator=gen), "boxes": boxes})
+    return images, masks, targets
+
+
+def loss_and_grads(model, criterion, images, masks, targets):
+    outputs = model(images, masks)
+    losses = criterion(outputs, targets)
+    loss = sum(losses[k] * criterion.weight_dict[k] for k in losses if k in criterion.weight_dict)
+    loss.backward()
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _rank_main(rank: int, work: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model, criterion, _ = build_model(tiny_model_config())
+        ddp = DistributedDataParallel(model)
+        images, masks, targets = global_batch()
+        loss, grads = loss_and_grads(ddp, criterion, images[rank:rank + 1], masks[rank:rank + 1], [targets[rank]])
+        dist.all_reduce(loss)
+        # A file, not a queue: tensors sent through a queue live in the sender's shared memory, gone at exit.
+        torch.save({"loss": (loss / WORLD).item(), "grads": grads}, f"{work}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_batch_over_two_ranks_equals_one_process(tmp_path):
+    torch.manual_seed(0)
+    model, criterion, _ = build_model(tiny_model_config())
+    loss_single, grads_single = loss_and_grads(model, criterion, *global_batch())
+
+    mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=WORLD)
+
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        loss, grads = result["loss"], result["grads"]
+        assert abs(loss - loss_single.item()) <= 1e-5 * abs(loss_single.item()), f"rank {rank}"
+        assert grads.keys() == grads_single.keys()
+        for name, grad in grads.items():
+            scale = grads_single[name].abs().max().clamp_min(1e-12)
+            assert ((grad - grads_single[name]).abs().max() / scale) < 1e-4, f"rank {rank}: {name}"
