@@ -15,6 +15,7 @@ from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou, sigmoid_focal_loss
 
 from models.matcher import HungarianMatcher
+from models.model_config import model_config_value
 from models.postprocess import PostProcess
 
 _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
@@ -184,15 +185,6 @@ _REQUIRED_KEYS = (
 )
 
 
-def _cfg_get(cfg, key):
-    if hasattr(cfg, key):
-        return getattr(cfg, key)
-    try:
-        return cfg[key]
-    except (KeyError, TypeError):
-        raise ValueError(f"build_criterion: model config is missing key {key!r}") from None
-
-
 def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     """Build (SetCriterion, PostProcess) from the model config (DictConfig or mapping).
 
@@ -200,7 +192,7 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     {cls,bbox,giou}_loss_coef, focal_alpha. weight_dict holds loss_ce/loss_bbox/loss_giou, copies
     suffixed _0.._{dec_layers-2} when aux_loss, and _enc copies when two_stage.
     """
-    c = {key: _cfg_get(cfg, key) for key in _REQUIRED_KEYS}
+    c = {key: model_config_value(cfg, key) for key in _REQUIRED_KEYS}
     num_classes, dec_layers = c["num_classes"], c["dec_layers"]
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"build_criterion: num_classes must be an integer >= 1, got {num_classes!r}")

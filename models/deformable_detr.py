@@ -16,6 +16,7 @@ from torch import nn
 import msda
 from models.backbone import RESNET_CHANNELS, Joiner, build_backbone, downsample_mask
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
+from models.model_config import model_config_value
 from models.position_encoding import POSITION_EMBEDDINGS, build_position_encoding
 
 
@@ -169,21 +170,10 @@ _INTS = ("hidden_dim", "nheads", "enc_layers", "dec_layers", "dim_feedforward", 
 _BOOLS = ("with_box_refine", "two_stage", "aux_loss", "dilation", "train_backbone")
 
 
-def _get(cfg, key):
-    if hasattr(cfg, key):
-        return getattr(cfg, key)
-    try:
-        return cfg[key]
-    except (KeyError, TypeError):
-        if key in _OPTIONAL:
-            return _OPTIONAL[key]
-        raise ValueError(f"model config is missing key {key!r} (see configs/model/deformable_detr.yaml)") from None
-
-
 def _check_config(cfg) -> dict:
     """Read and validate the architecture keys; every message names the key, the rule and the value."""
-    c = {key: _get(cfg, key) for key in _INTS + _BOOLS + ("dropout", "backbone", "position_embedding",
-                                                          "pretrained", "msda")}
+    keys = _INTS + _BOOLS + ("dropout", "backbone", "position_embedding", "pretrained", "msda")
+    c = {key: model_config_value(cfg, key, _OPTIONAL) for key in keys}
     for key in _INTS:
         if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
             raise ValueError(f"model.{key} must be an integer >= 1, got {c[key]!r}")
