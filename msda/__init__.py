@@ -1,16 +1,14 @@
 """Multi-scale deformable attention with Triton forward and backward kernels (``import msda``)."""
 
-from .ops import (
-    IMPLS,
-    MultiScaleDeformableAttentionFunction,
-    level_start_index_from_shapes,
-    multi_scale_deformable_attention,
-)
+from .layout import as_levels, level_start_index_from_shapes
+from .ops import attention_op, multi_scale_deformable_attention
 from .reference import multi_scale_deformable_attention_reference
+from .validation import IMPLS
 
 __all__ = [
     "IMPLS",
-    "MultiScaleDeformableAttentionFunction",
+    "as_levels",
+    "attention_op",
     "level_start_index_from_shapes",
     "multi_scale_deformable_attention",
     "multi_scale_deformable_attention_reference",

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .kernels import msda_backward_kernel, msda_forward_kernel
-from .ops import level_starts
+from .layout import level_starts
 
 _COMPUTE_DTYPES = {torch.float64: tl.float64}  # everything else computes in float32
 
@@ -70,13 +70,15 @@ def forward(value, levels, sampling_locations, attention_weights,
     return output.view(N, Lq, M * D)
 
 
-def backward(grad_output, value, levels, sampling_locations, attention_weights,
+def backward(grad_output, value, levels, sampling_locations, attention_weights, *, deterministic: bool = False,
              block_q: int | None = None, num_warps: int | None = None):
     """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
 
     grad_value is accumulated with atomics in a float32 buffer (float64 for float64 value) and cast once,
     so it is run-to-run nondeterministic in the last bits.
     """
+    if deterministic:
+        raise NotImplementedError("deterministic=True: the deterministic backward is not implemented yet")
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     default_q, default_warps = launch_config(D, value.element_size(), backward=True)

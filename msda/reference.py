@@ -25,7 +25,7 @@ def multi_scale_deformable_attention_reference(
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     levels = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
-    level_sizes = [int(h) * int(w) for h, w in levels]
+    level_sizes = [h * w for h, w in levels]  # no int(): sizes may be symbolic under torch.compile
     value_per_level = value.split(level_sizes, dim=1)
     # grid_sample takes grids in [-1, 1] with align_corners=False pixel-centre convention.
     sampling_grids = (2 * sampling_locations - 1).to(value.dtype)  # (N, Lq, M, L, P, 2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import msda
-from msda.ops import level_start_index_from_shapes
+from msda.layout import level_start_index_from_shapes
 
 # Kernels run on the CPU only under the interpreter (set by conftest.py when there is no GPU).
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
@@ -281,7 +281,7 @@ def test_level_layout_read_once_but_never_stale(gen):
     """The host copy of a CUDA spatial_shapes is reused across calls, and dropped once it is modified."""
     value, shapes, loc, weights = make_inputs(gen, D=8, dtype=torch.float32, device="cuda")
     first = msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl="triton")
-    assert id(shapes) in msda.ops._HOST_COPIES
+    assert id(shapes) in msda.layout._HOST_COPIES
     again = msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl="triton")
     assert torch.equal(first, again)
     shapes[0, 0] = 5  # in place: S no longer matches, and the cached layout must not hide it
@@ -289,4 +289,4 @@ def test_level_layout_read_once_but_never_stale(gen):
         msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl="triton")
     key = id(shapes)
     del shapes
-    assert key not in msda.ops._HOST_COPIES
+    assert key not in msda.layout._HOST_COPIES
