@@ -13,31 +13,44 @@ import torch.nn.functional as F
 from torch import nn
 
 import msda
+from msda import IMPLS
+
+
+def level_sizes_xy(levels, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(L, 2) tensor of (W_l, H_l) made from host ints, with no device sync.
+
+    A plain ``torch.tensor(..., device="cuda")`` waits for the GPU queue; the copy from page-locked
+    memory is asynchronous. Under torch.compile the sizes may be symbolic and the tensor part of the graph.
+    """
+    sizes = torch.tensor([[w, h] for h, w in levels], dtype=dtype)
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        sizes = sizes.pin_memory()
+    return sizes.to(device, non_blocking=True)
 
 
 class MSDeformAttn(nn.Module):
     """Each query reads P points per head and level around its reference point and mixes them.
 
-    The attention itself is ``msda.multi_scale_deformable_attention`` with ``impl`` ("auto" | "triton" |
-    "pytorch"). Sampling locations are computed in float32 with autocast off: in bf16 a location on a
+    The attention itself is ``msda.multi_scale_deformable_attention`` through ``msda`` ("auto" | "triton" |
+    "pytorch"); it follows ``torch.use_deterministic_algorithms`` for a deterministic backward. Sampling locations are computed in float32 with autocast off: in bf16 a location on a
     167-wide level is off by up to a pixel.
     """
 
-    def __init__(self, *, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
-                 impl: str = "auto"):
+    def __init__(self, *, d_model: int = 256, n_levels: int = 4, nheads: int = 8, n_points: int = 4,
+                 msda: str = "auto"):
         super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"d_model must be divisible by n_heads, got d_model={d_model}, n_heads={n_heads}")
-        if impl not in msda.IMPLS:
-            raise ValueError(f"msda impl must be one of {msda.IMPLS}, got {impl!r}")
+        if d_model % nheads != 0:
+            raise ValueError(f"d_model must be divisible by nheads, got d_model={d_model}, nheads={nheads}")
+        if msda not in IMPLS:
+            raise ValueError(f"msda must be one of {IMPLS}, got {msda!r}")
         self.d_model = d_model
         self.n_levels = n_levels
-        self.n_heads = n_heads
+        self.nheads = nheads
         self.n_points = n_points
-        self.impl = impl
+        self.msda = msda
 
-        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
-        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.sampling_offsets = nn.Linear(d_model, nheads * n_levels * n_points * 2)
+        self.attention_weights = nn.Linear(d_model, nheads * n_levels * n_points)
         self.value_proj = nn.Linear(d_model, d_model)
         self.output_proj = nn.Linear(d_model, d_model)
         self._reset_parameters()
@@ -45,7 +58,7 @@ class MSDeformAttn(nn.Module):
     def _reset_parameters(self) -> None:
         """Offsets start as a fixed pattern: head h points along angle 2*pi*h/M, point p at distance p+1
         (in units of the level's pixels), so heads look in different directions before any training."""
-        M, L, P = self.n_heads, self.n_levels, self.n_points
+        M, L, P = self.nheads, self.n_levels, self.n_points
         nn.init.constant_(self.sampling_offsets.weight, 0.0)
         thetas = torch.arange(M, dtype=torch.float32) * (2.0 * math.pi / M)
         grid_init = torch.stack([thetas.cos(), thetas.sin()], -1)  # (M, 2)
@@ -63,23 +76,25 @@ class MSDeformAttn(nn.Module):
         nn.init.constant_(self.output_proj.bias, 0.0)
 
     def forward(self, query: torch.Tensor, reference_points: torch.Tensor, input_flatten: torch.Tensor,
-                input_spatial_shapes: torch.Tensor, input_level_start_index: torch.Tensor,
+                input_spatial_shapes, input_level_start_index: torch.Tensor | None = None,
                 input_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """
         query                  (N, Lq, C)    query features (with position embedding added)
         reference_points       (N, Lq, L, 2) normalized (x, y) per level, or (N, Lq, L, 4) boxes (cx, cy, w, h)
         input_flatten          (N, S, C)     the values, all levels flattened
-        input_spatial_shapes   (L, 2) int64  (H_l, W_l)
-        input_level_start_index (L,) int64
+        input_spatial_shapes   ((H_l, W_l), ...) host ints, as the model passes them; an (L, 2) int64
+                                             tensor is accepted too (read on the host once per tensor)
+        input_level_start_index (L,) int64 or None (checked when given; the layout implies it)
         input_padding_mask     (N, S) bool   True on padding, or None
         returns                (N, Lq, C)
         """
         N, Lq, _ = query.shape
         _, S, _ = input_flatten.shape
-        M, L, P = self.n_heads, self.n_levels, self.n_points
+        M, L, P = self.nheads, self.n_levels, self.n_points
         D = self.d_model // M
-        if input_spatial_shapes.shape[0] != L:
-            raise ValueError(f"MSDeformAttn built for {L} levels got spatial_shapes of {input_spatial_shapes.shape[0]}")
+        levels = msda.as_levels(input_spatial_shapes)
+        if len(levels) != L:
+            raise ValueError(f"MSDeformAttn built for {L} levels got spatial shapes of {len(levels)}: {levels}")
 
         value = self.value_proj(input_flatten)  # (N, S, C)
         if input_padding_mask is not None:
@@ -98,7 +113,7 @@ class MSDeformAttn(nn.Module):
             reference_points = reference_points.to(dtype)
             if reference_points.shape[-1] == 2:
                 # Offsets are in pixels of each level: divide by (W_l, H_l).
-                offset_normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)
+                offset_normalizer = level_sizes_xy(levels, dtype=dtype, device=query.device)  # (L, 2)
                 sampling_locations = (reference_points[:, :, None, :, None, :]
                                       + sampling_offsets / offset_normalizer[None, None, None, :, None, :])
             elif reference_points.shape[-1] == 4:
@@ -114,6 +129,6 @@ class MSDeformAttn(nn.Module):
             # msda takes float32 weights with low-precision values, but not the other way round.
             attention_weights = attention_weights.float()
         output = msda.multi_scale_deformable_attention(
-            value, input_spatial_shapes, input_level_start_index, sampling_locations, attention_weights,
-            impl=self.impl)  # (N, Lq, C)
+            value, levels, input_level_start_index, sampling_locations, attention_weights,
+            impl=self.msda)  # (N, Lq, C)
         return self.output_proj(output)

@@ -214,11 +214,11 @@ def build_deformable_detr(cfg) -> DeformableDETR:
                               num_feature_levels=c["num_feature_levels"], dilation=c["dilation"],
                               pretrained=str(c["pretrained"]), position_encoding=position_encoding)
     transformer = DeformableTransformer(
-        d_model=c["hidden_dim"], nhead=c["nheads"], num_encoder_layers=c["enc_layers"],
+        d_model=c["hidden_dim"], nheads=c["nheads"], num_encoder_layers=c["enc_layers"],
         num_decoder_layers=c["dec_layers"], dim_feedforward=c["dim_feedforward"], dropout=float(c["dropout"]),
         num_feature_levels=c["num_feature_levels"], dec_n_points=c["dec_n_points"],
         enc_n_points=c["enc_n_points"], two_stage=c["two_stage"], two_stage_num_proposals=c["num_queries"],
-        msda_impl=c["msda"])
+        msda=c["msda"])
     return DeformableDETR(backbone=backbone, transformer=transformer, num_classes=c["num_classes"],
                           num_queries=c["num_queries"], num_feature_levels=c["num_feature_levels"],
                           aux_loss=c["aux_loss"], with_box_refine=c["with_box_refine"], two_stage=c["two_stage"])

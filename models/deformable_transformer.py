@@ -30,11 +30,11 @@ def _clones(module: nn.Module, n: int) -> nn.ModuleList:
 class DeformableTransformerEncoderLayer(nn.Module):
     """Post-norm: deformable self-attention, residual, norm1; FFN (linear1, relu, linear2), residual, norm2."""
 
-    def __init__(self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, n_heads: int, n_points: int,
-                 impl: str):
+    def __init__(self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int,
+                 msda: str):
         super().__init__()
-        self.self_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, n_heads=n_heads, n_points=n_points,
-                                      impl=impl)
+        self.self_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points,
+                                      msda=msda)
         self.dropout1 = nn.Dropout(dropout)
         self.norm1 = nn.LayerNorm(d_model)
         self.linear1 = nn.Linear(d_model, d_ffn)
@@ -43,9 +43,9 @@ class DeformableTransformerEncoderLayer(nn.Module):
         self.dropout3 = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(d_model)
 
-    def forward(self, src, pos, reference_points, spatial_shapes, level_start_index, padding_mask):
-        """src, pos (N, S, C); reference_points (N, S, L, 2) -> (N, S, C)."""
-        src2 = self.self_attn(src + pos, reference_points, src, spatial_shapes, level_start_index, padding_mask)
+    def forward(self, src, pos, reference_points, spatial_shapes, padding_mask):
+        """src, pos (N, S, C); reference_points (N, S, L, 2); spatial_shapes ((H, W), ...) -> (N, S, C)."""
+        src2 = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
         src = self.norm1(src + self.dropout1(src2))
         src2 = self.linear2(self.dropout2(F.relu(self.linear1(src))))
         return self.norm2(src + self.dropout3(src2))
@@ -58,11 +58,11 @@ class DeformableTransformerEncoder(nn.Module):
         self.num_layers = num_layers
 
     @staticmethod
-    def get_reference_points(spatial_shapes: torch.Tensor, valid_ratios: torch.Tensor, device) -> torch.Tensor:
+    def get_reference_points(spatial_shapes, valid_ratios: torch.Tensor, device) -> torch.Tensor:
         """Pixel centres of every level, normalized by the level's valid size, then projected onto every
         level with that level's valid ratio: (N, S, L, 2) as (x, y)."""
         reference_points_list = []
-        for lvl, (H, W) in enumerate(spatial_shapes.tolist()):
+        for lvl, (H, W) in enumerate(spatial_shapes):
             ref_y, ref_x = torch.meshgrid(
                 torch.linspace(0.5, H - 0.5, H, dtype=torch.float32, device=device),
                 torch.linspace(0.5, W - 0.5, W, dtype=torch.float32, device=device), indexing="ij")
@@ -72,26 +72,26 @@ class DeformableTransformerEncoder(nn.Module):
         reference_points = torch.cat(reference_points_list, 1)  # (N, S, 2)
         return reference_points[:, :, None] * valid_ratios[:, None]  # (N, S, L, 2)
 
-    def forward(self, src, spatial_shapes, level_start_index, valid_ratios, pos, padding_mask):
-        """src, pos (N, S, C); padding_mask (N, S) bool -> memory (N, S, C)."""
+    def forward(self, src, spatial_shapes, valid_ratios, pos, padding_mask):
+        """src, pos (N, S, C); spatial_shapes ((H, W), ...); padding_mask (N, S) bool -> memory (N, S, C)."""
         reference_points = self.get_reference_points(spatial_shapes, valid_ratios, device=src.device)
         output = src
         for layer in self.layers:
-            output = layer(output, pos, reference_points, spatial_shapes, level_start_index, padding_mask)
+            output = layer(output, pos, reference_points, spatial_shapes, padding_mask)
         return output
 
 
 class DeformableTransformerDecoderLayer(nn.Module):
     """Post-norm: self-attention -> norm2, deformable cross-attention -> norm1, FFN -> norm3 (official names)."""
 
-    def __init__(self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, n_heads: int, n_points: int,
-                 impl: str):
+    def __init__(self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int,
+                 msda: str):
         super().__init__()
-        self.cross_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, n_heads=n_heads, n_points=n_points,
-                                       impl=impl)
+        self.cross_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points,
+                                       msda=msda)
         self.dropout1 = nn.Dropout(dropout)
         self.norm1 = nn.LayerNorm(d_model)
-        self.self_attn = nn.MultiheadAttention(d_model, n_heads, dropout=dropout)
+        self.self_attn = nn.MultiheadAttention(d_model, nheads, dropout=dropout)
         self.dropout2 = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(d_model)
         self.linear1 = nn.Linear(d_model, d_ffn)
@@ -100,14 +100,13 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.dropout4 = nn.Dropout(dropout)
         self.norm3 = nn.LayerNorm(d_model)
 
-    def forward(self, tgt, query_pos, reference_points, src, spatial_shapes, level_start_index, padding_mask):
+    def forward(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
         """tgt, query_pos (N, Q, C); reference_points (N, Q, L, 2 or 4); src (N, S, C) -> (N, Q, C)."""
         q = k = tgt + query_pos
         # nn.MultiheadAttention is sequence-first here, as in the original.
         tgt2 = self.self_attn(q.transpose(0, 1), k.transpose(0, 1), tgt.transpose(0, 1))[0].transpose(0, 1)
         tgt = self.norm2(tgt + self.dropout2(tgt2))
-        tgt2 = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, level_start_index,
-                               padding_mask)
+        tgt2 = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout1(tgt2))
         tgt2 = self.linear2(self.dropout3(F.relu(self.linear1(tgt))))
         return self.norm3(tgt + self.dropout4(tgt2))
@@ -128,8 +127,7 @@ class DeformableTransformerDecoder(nn.Module):
         self.bbox_embed: nn.ModuleList | None = None
         self.class_embed: nn.ModuleList | None = None
 
-    def forward(self, tgt, reference_points, src, spatial_shapes, level_start_index, valid_ratios, query_pos,
-                padding_mask):
+    def forward(self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask):
         """tgt, query_pos (N, Q, C); reference_points (N, Q, 2 or 4) in [0, 1] of the valid region;
         -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer."""
         output = tgt
@@ -140,8 +138,7 @@ class DeformableTransformerDecoder(nn.Module):
             else:
                 ratios = valid_ratios[:, None]  # (N, 1, L, 2)
             reference_points_input = reference_points[:, :, None] * ratios  # (N, Q, L, 2 or 4)
-            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, level_start_index,
-                           padding_mask)
+            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, padding_mask)
             if self.bbox_embed is not None:
                 tmp = self.bbox_embed[lid](output)  # (N, Q, 4) unnormalized delta
                 if reference_points.shape[-1] == 4:
@@ -163,23 +160,23 @@ class DeformableTransformer(nn.Module):
     (K, N, Q, 2 or 4), enc_outputs_class (N, S, num_classes) | None, enc_outputs_coord_unact (N, S, 4) | None).
     """
 
-    def __init__(self, *, d_model: int = 256, nhead: int = 8, num_encoder_layers: int = 6,
+    def __init__(self, *, d_model: int = 256, nheads: int = 8, num_encoder_layers: int = 6,
                  num_decoder_layers: int = 6, dim_feedforward: int = 1024, dropout: float = 0.1,
                  num_feature_levels: int = 4, dec_n_points: int = 4, enc_n_points: int = 4, two_stage: bool = False,
-                 two_stage_num_proposals: int = 300, msda_impl: str = "auto"):
+                 two_stage_num_proposals: int = 300, msda: str = "auto"):
         super().__init__()
         self.d_model = d_model
-        self.nhead = nhead
+        self.nheads = nheads
         self.two_stage = two_stage
         self.two_stage_num_proposals = two_stage_num_proposals
 
         encoder_layer = DeformableTransformerEncoderLayer(
-            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, n_heads=nhead,
-            n_points=enc_n_points, impl=msda_impl)
+            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, nheads=nheads,
+            n_points=enc_n_points, msda=msda)
         self.encoder = DeformableTransformerEncoder(encoder_layer, num_encoder_layers)
         decoder_layer = DeformableTransformerDecoderLayer(
-            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, n_heads=nhead,
-            n_points=dec_n_points, impl=msda_impl)
+            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, nheads=nheads,
+            n_points=dec_n_points, msda=msda)
         self.decoder = DeformableTransformerDecoder(decoder_layer, num_decoder_layers)
 
         self.level_embed = nn.Parameter(torch.empty(num_feature_levels, d_model))
@@ -225,7 +222,7 @@ class DeformableTransformer(nn.Module):
         N, S, C = memory.shape
         proposals = []
         cur = 0
-        for lvl, (H, W) in enumerate(spatial_shapes.tolist()):
+        for lvl, (H, W) in enumerate(spatial_shapes):
             mask_flatten = memory_padding_mask[:, cur:cur + H * W].view(N, H, W, 1)
             valid_H = torch.sum(~mask_flatten[:, :, 0, 0], 1)  # (N,)
             valid_W = torch.sum(~mask_flatten[:, 0, :, 0], 1)  # (N,)
@@ -260,20 +257,19 @@ class DeformableTransformer(nn.Module):
     def forward(self, srcs, masks, pos_embeds, query_embed=None):
         if not self.two_stage and query_embed is None:
             raise ValueError("DeformableTransformer needs query_embed (Q, 2*d_model) unless two_stage")
-        src_flatten, mask_flatten, lvl_pos_embed_flatten, shapes = [], [], [], []
+        src_flatten, mask_flatten, lvl_pos_embed_flatten = [], [], []
+        # The level layout as host ints from the maps' shapes: no tensor of it, nothing read back from the GPU.
+        spatial_shapes = tuple((src.shape[-2], src.shape[-1]) for src in srcs)  # ((H_l, W_l), ...)
         for lvl, (src, mask, pos_embed) in enumerate(zip(srcs, masks, pos_embeds)):
-            shapes.append(src.shape[-2:])
             src_flatten.append(src.flatten(2).transpose(1, 2))  # (N, H*W, C)
             mask_flatten.append(mask.flatten(1))  # (N, H*W)
             lvl_pos_embed_flatten.append(pos_embed.flatten(2).transpose(1, 2) + self.level_embed[lvl].view(1, 1, -1))
         src_flatten = torch.cat(src_flatten, 1)  # (N, S, C)
         mask_flatten = torch.cat(mask_flatten, 1)  # (N, S)
         lvl_pos_embed_flatten = torch.cat(lvl_pos_embed_flatten, 1)  # (N, S, C)
-        spatial_shapes = torch.as_tensor(shapes, dtype=torch.long, device=src_flatten.device)  # (L, 2)
-        level_start_index = torch.cat((spatial_shapes.new_zeros((1,)), spatial_shapes.prod(1).cumsum(0)[:-1]))
         valid_ratios = torch.stack([self.get_valid_ratio(m) for m in masks], 1)  # (N, L, 2)
 
-        memory = self.encoder(src_flatten, spatial_shapes, level_start_index, valid_ratios, lvl_pos_embed_flatten,
+        memory = self.encoder(src_flatten, spatial_shapes, valid_ratios, lvl_pos_embed_flatten,
                               mask_flatten)  # (N, S, C)
 
         N, _, C = memory.shape
@@ -307,6 +303,6 @@ class DeformableTransformer(nn.Module):
                 reference_points = reference_points.sigmoid()  # (N, Q, 2)
             init_reference_out = reference_points
 
-        hs, inter_references = self.decoder(tgt, reference_points, memory, spatial_shapes, level_start_index,
-                                            valid_ratios, query_pos, mask_flatten)
+        hs, inter_references = self.decoder(tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos,
+                                            mask_flatten)
         return hs, init_reference_out, inter_references, enc_outputs_class, enc_outputs_coord_unact

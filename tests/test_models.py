@@ -144,7 +144,7 @@ def test_head_sharing_as_official():
 
 
 def test_msdeformattn_init_and_fp32_locations_under_autocast(monkeypatch, seeded):
-    attn = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2, impl="pytorch")
+    attn = MSDeformAttn(d_model=32, n_levels=2, nheads=4, n_points=2, msda="pytorch")
     bias = attn.sampling_offsets.bias.view(4, 2, 2, 2)  # (M, L, P, xy)
     assert torch.allclose(bias[0, :, 0], torch.tensor([1.0, 0.0]))  # head 0 looks right, 1 pixel
     assert torch.allclose(bias[1, :, 1], torch.tensor([0.0, 2.0]), atol=1e-6)  # head 1 down, 2 pixels

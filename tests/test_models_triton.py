@@ -44,7 +44,7 @@ def test_triton_and_pytorch_give_the_same_outputs_and_gradients(variant):
     triton_model = copy.deepcopy(reference)
     for m in triton_model.modules():
         if isinstance(m, MSDeformAttn):
-            m.impl = "triton"
+            m.msda = "triton"
 
     images, mask = _batch(pad_w=16)
     images, mask = images.to(DEVICE), mask.to(DEVICE)
