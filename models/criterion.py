@@ -8,7 +8,9 @@ proposals with class-agnostic targets (suffix _enc).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,105 +60,149 @@ class SetCriterion(nn.Module):
         self.losses = tuple(losses)
         self.focal_alpha = focal_alpha
 
-    # -- individual losses: (outputs, targets, indices, num_boxes) -> dict --------------------------
-
-    def loss_labels(self, outputs, targets, indices, num_boxes, log=True):
-        """Sigmoid focal loss over all B*Q*K logits; unmatched queries have all-zero targets."""
-        src_logits = outputs["pred_logits"]  # (B, Q, K)
-        if src_logits.dtype in (torch.float16, torch.bfloat16):
-            # The loss sums B*Q*K small terms; accumulate them in fp32 (the gradient flows through the cast).
-            src_logits = src_logits.float()
-        B, Q, K = src_logits.shape
-        batch_idx, src_idx = _src_permutation_idx(indices)
-        target_classes_o = torch.cat([t["labels"][J] for t, (_, J) in zip(targets, indices)]).to(
-            src_logits.device, torch.int64
-        )
-        # Index K is the "no object" class: its one-hot column is dropped below, leaving zeros.
-        target_classes = torch.full((B, Q), K, dtype=torch.int64, device=src_logits.device)  # (B, Q)
-        target_classes[batch_idx, src_idx] = target_classes_o
-        onehot = torch.zeros((B, Q, K + 1), dtype=src_logits.dtype, device=src_logits.device)  # (B, Q, K+1)
-        onehot.scatter_(2, target_classes.unsqueeze(-1), 1)
-        onehot = onehot[:, :, :-1]  # (B, Q, K)
-
-        focal = sigmoid_focal_loss(src_logits, onehot, alpha=self.focal_alpha, gamma=2.0, reduction="none")
-        # The original normalizes as mean over queries, sum over the rest, / num_boxes, then * Q.
-        loss_ce = focal.mean(1).sum() / num_boxes * Q
-        losses = {"loss_ce": loss_ce}
-        if log:
-            losses["class_error"] = 100 - _top1_accuracy(src_logits[batch_idx, src_idx], target_classes_o)
-        return losses
-
-    @torch.no_grad()
-    def loss_cardinality(self, outputs, targets, indices, num_boxes):
-        """|#queries whose argmax is not the last class - #targets|, averaged over images.
-
-        Logged only, no gradient. Kept exactly as the original computes it (a DETR carry-over that
-        treats the last logit as "no object"), so logged numbers compare with published logs.
-        """
-        pred_logits = outputs["pred_logits"]  # (B, Q, K)
-        tgt_lengths = torch.as_tensor([len(t["labels"]) for t in targets], device=pred_logits.device)  # (B,)
-        card_pred = (pred_logits.argmax(-1) != pred_logits.shape[-1] - 1).sum(1)  # (B,)
-        return {"cardinality_error": F.l1_loss(card_pred.float(), tgt_lengths.float())}
-
-    def loss_boxes(self, outputs, targets, indices, num_boxes):
-        """L1 on normalized cxcywh and 1 - GIoU on xyxy, over matched pairs, each / num_boxes."""
-        batch_idx, src_idx = _src_permutation_idx(indices)
-        src_boxes = outputs["pred_boxes"][batch_idx, src_idx]  # (M, 4)
-        if src_boxes.dtype in (torch.float16, torch.bfloat16):
-            src_boxes = src_boxes.float()
-        target_boxes = torch.cat([t["boxes"][J] for t, (_, J) in zip(targets, indices)]).to(
-            src_boxes.device, src_boxes.dtype
-        )  # (M, 4)
-        loss_bbox = F.l1_loss(src_boxes, target_boxes, reduction="none")
-        # diag of the pairwise matrix (no eps), as the original; torchvision's generalized_box_iou_loss
-        # adds eps terms that change the numbers slightly.
-        giou = torch.diag(
-            generalized_box_iou(box_convert(src_boxes, "cxcywh", "xyxy"), box_convert(target_boxes, "cxcywh", "xyxy"))
-        )  # (M,)
-        return {"loss_bbox": loss_bbox.sum() / num_boxes, "loss_giou": (1 - giou).sum() / num_boxes}
-
-    def get_loss(self, loss, outputs, targets, indices, num_boxes, **kwargs):
-        fn = {"labels": self.loss_labels, "boxes": self.loss_boxes, "cardinality": self.loss_cardinality}[loss]
-        return fn(outputs, targets, indices, num_boxes, **kwargs)
-
     # -- forward --------------------------------------------------------------------------------------
 
-    def forward(self, outputs: dict, targets: list[dict]) -> dict[str, torch.Tensor]:
-        main_outputs = {k: v for k, v in outputs.items() if k not in ("aux_outputs", "enc_outputs")}
+    def forward(self, outputs: dict, targets: list[dict],
+                num_boxes: float | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Unweighted losses (see the class docstring).
+
+        num_boxes normalizes every loss: the number of target boxes per process, at least 1. None counts
+        this process's targets; a multi-process trainer passes the average over processes (a device
+        tensor, so that no value is read back to the host).
+        """
+        if num_boxes is None:
+            num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
+        groups = _prediction_groups(outputs, targets)
+        matched = self.matcher.match_groups([(logits, boxes, tgts) for _, logits, boxes, tgts in groups])
         device = outputs["pred_logits"].device
-        num_boxes = _num_boxes(targets, device)
-
+        matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device)
         losses = {}
-        indices = self.matcher(main_outputs, targets)
-        for loss in self.losses:
-            losses.update(self.get_loss(loss, main_outputs, targets, indices, num_boxes))
-
-        for i, aux_outputs in enumerate(outputs.get("aux_outputs", [])):
-            indices = self.matcher(aux_outputs, targets)
-            losses.update(self._suffixed(aux_outputs, targets, indices, num_boxes, f"_{i}"))
-
-        if "enc_outputs" in outputs:
-            enc_outputs = outputs["enc_outputs"]
-            # Encoder proposals are class-agnostic: every target is class 0 (the original's bin_targets).
-            bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
-            indices = self.matcher(enc_outputs, bin_targets)
-            losses.update(self._suffixed(enc_outputs, bin_targets, indices, num_boxes, "_enc"))
+        for (suffixes, logits, boxes, tgts), group_matches in zip(groups, matches):
+            losses.update(self._group_losses(suffixes, logits, boxes, tgts, group_matches, tgt_lengths, num_boxes))
         return losses
 
-    def _suffixed(self, outputs, targets, indices, num_boxes, suffix):
-        out = {}
-        for loss in self.losses:
-            # class_error is logged for the final layer only.
-            kwargs = {"log": False} if loss == "labels" else {}
-            out.update({k + suffix: v for k, v in self.get_loss(loss, outputs, targets, indices, num_boxes, **kwargs).items()})
-        return out
+    def _group_losses(self, suffixes, logits, boxes, targets, m: "_Matches", tgt_lengths, num_boxes) -> dict:
+        """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix."""
+        per_layer = {}
+        labels = torch.cat([t["labels"] for t in targets]).to(logits.device, torch.int64)  # (T,)
+        if "labels" in self.losses:
+            per_layer["loss_ce"] = self._loss_labels(logits, labels, m, num_boxes)
+        if "boxes" in self.losses:
+            tgt_boxes = torch.cat([t["boxes"] for t in targets])  # (T, 4)
+            per_layer.update(_loss_boxes(boxes, tgt_boxes, m, num_boxes, num_layers=len(suffixes)))
+        if "cardinality" in self.losses:
+            per_layer["cardinality_error"] = _loss_cardinality(logits, tgt_lengths)
+        losses = {name + suffix: value for name, values in per_layer.items()
+                  for suffix, value in zip(suffixes, values.unbind())}
+        if "labels" in self.losses and "" in suffixes:
+            # class_error is logged for the final layer only; its matches are one contiguous slice.
+            g = suffixes.index("")
+            first = sum(m.per_layer[:g])
+            rows = slice(first, first + m.per_layer[g])
+            losses["class_error"] = 100 - _top1_accuracy(logits[g, m.batch[rows], m.query[rows]],
+                                                         labels[m.target[rows]])
+        return losses
+
+    def _loss_labels(self, logits, labels, m: "_Matches", num_boxes) -> torch.Tensor:
+        """(G,) sigmoid focal loss over all B*Q*K logits per layer; unmatched queries have all-zero targets."""
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            # The loss sums B*Q*K small terms; accumulate them in fp32 (the gradient flows through the cast).
+            logits = logits.float()
+        G, B, Q, K = logits.shape
+        # Index K is the "no object" class: its one-hot column is dropped below, leaving zeros.
+        target_classes = torch.full((G, B, Q), K, dtype=torch.int64, device=logits.device)  # (G, B, Q)
+        target_classes[m.layer, m.batch, m.query] = labels[m.target]
+        onehot = F.one_hot(target_classes, K + 1)[..., :K].to(logits.dtype)  # (G, B, Q, K)
+        focal = sigmoid_focal_loss(logits, onehot, alpha=self.focal_alpha, gamma=2.0, reduction="none")
+        # The original normalizes as mean over queries, sum over the rest, / num_boxes, then * Q.
+        return focal.mean(2).sum((1, 2)) / num_boxes * Q
 
 
-def _src_permutation_idx(indices):
-    """(batch_idx, query_idx) int64 tensors addressing the matched predictions in (B, Q, ...)."""
-    batch_idx = torch.cat([torch.full_like(src, b) for b, (src, _) in enumerate(indices)])
-    src_idx = torch.cat([src for src, _ in indices])
-    return batch_idx, src_idx
+class _Matches(NamedTuple):
+    """The matched (prediction, target) pairs of G stacked layers, as device index tensors (M,).
+
+    Pairs are ordered layer by layer; per_layer (host ints) says how many each layer has.
+    """
+
+    layer: torch.Tensor
+    batch: torch.Tensor
+    query: torch.Tensor
+    target: torch.Tensor  # index into the batch's targets concatenated image after image
+    per_layer: list[int]
+
+
+def _prediction_groups(outputs: dict, targets: list[dict]) -> list[tuple[list[str], torch.Tensor, torch.Tensor, list]]:
+    """[(suffixes, logits (G, B, Q, K), boxes (G, B, Q, 4), targets)]: the decoder layers stacked
+    (aux outputs _0, _1, ..., then the final layer ""), and the two-stage encoder proposals ("_enc")."""
+    layers = [*outputs.get("aux_outputs", []), outputs]
+    suffixes = [f"_{i}" for i in range(len(layers) - 1)] + [""]
+    groups = [(suffixes, torch.stack([o["pred_logits"] for o in layers]),
+               torch.stack([o["pred_boxes"] for o in layers]), targets)]
+    if "enc_outputs" in outputs:
+        enc = outputs["enc_outputs"]
+        # Encoder proposals are class-agnostic: every target is class 0 (the original's bin_targets).
+        bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
+        groups.append((["_enc"], enc["pred_logits"][None], enc["pred_boxes"][None], bin_targets))
+    return groups
+
+
+def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device) -> tuple[list[_Matches], torch.Tensor]:
+    """The matcher's host indices of every group, and the targets per image, in one host->device copy.
+
+    Indexing a CUDA tensor with CPU indices copies them one by one, each copy waiting for the GPU; packing
+    them into one page-locked buffer makes a single asynchronous copy.
+    """
+    starts = np.cumsum([0] + tgt_lengths)
+    arrays, layouts = [], []
+    for layers in matched:
+        columns = [[], [], [], []]  # layer, batch, query, target
+        per_layer = []
+        for g, per_image in enumerate(layers):
+            count = 0
+            for b, (rows, cols) in enumerate(per_image):
+                columns[0].append(np.full(len(rows), g))
+                columns[1].append(np.full(len(rows), b))
+                columns[2].append(rows.numpy())
+                columns[3].append(cols.numpy() + starts[b])
+                count += len(rows)
+            per_layer.append(count)
+        arrays.extend(np.concatenate(c).astype(np.int64) if c else np.empty(0, np.int64) for c in columns)
+        layouts.append(per_layer)
+    arrays.append(np.asarray(tgt_lengths, dtype=np.int64))
+    host = torch.from_numpy(np.concatenate(arrays))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True).split([len(a) for a in arrays])
+    matches = [_Matches(*flat[4 * i:4 * i + 4], per_layer=per_layer) for i, per_layer in enumerate(layouts)]
+    return matches, flat[-1]
+
+
+def _loss_boxes(boxes, tgt_boxes, m: _Matches, num_boxes, *, num_layers: int) -> dict[str, torch.Tensor]:
+    """(G,) L1 on normalized cxcywh and 1 - GIoU on xyxy, over each layer's matched pairs, / num_boxes."""
+    src_boxes = boxes[m.layer, m.batch, m.query]  # (M, 4)
+    if src_boxes.dtype in (torch.float16, torch.bfloat16):
+        src_boxes = src_boxes.float()
+    target_boxes = tgt_boxes[m.target].to(src_boxes.device, src_boxes.dtype)  # (M, 4)
+    l1 = (src_boxes - target_boxes).abs().sum(-1)  # (M,)
+    # diag of the pairwise matrix (no eps), as the original; torchvision's generalized_box_iou_loss
+    # adds eps terms that change the numbers slightly.
+    giou = torch.diag(
+        generalized_box_iou(box_convert(src_boxes, "cxcywh", "xyxy"), box_convert(target_boxes, "cxcywh", "xyxy"))
+    )  # (M,)
+    zeros = src_boxes.new_zeros(num_layers)
+    return {"loss_bbox": zeros.index_add(0, m.layer, l1) / num_boxes,
+            "loss_giou": zeros.index_add(0, m.layer, 1 - giou) / num_boxes}
+
+
+@torch.no_grad()
+def _loss_cardinality(logits, tgt_lengths) -> torch.Tensor:
+    """(G,) |#queries whose argmax is not the last class - #targets|, averaged over images.
+
+    Logged only, no gradient. Kept exactly as the original computes it (a DETR carry-over that
+    treats the last logit as "no object"), so logged numbers compare with published logs.
+    """
+    card_pred = (logits.argmax(-1) != logits.shape[-1] - 1).sum(2)  # (G, B)
+    return (card_pred.float() - tgt_lengths.float()).abs().mean(1)
 
 
 @torch.no_grad()
@@ -165,16 +211,6 @@ def _top1_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if labels.numel() == 0:
         return torch.zeros([], device=logits.device)
     return (logits.argmax(-1) == labels).float().mean() * 100
-
-
-def _num_boxes(targets: list[dict], device) -> float:
-    """Total target boxes, averaged over processes, at least 1: the normalizer of every box loss."""
-    num_boxes = torch.as_tensor([float(sum(len(t["labels"]) for t in targets))], device=device)
-    world_size = 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(num_boxes)
-        world_size = torch.distributed.get_world_size()
-    return torch.clamp(num_boxes / world_size, min=1).item()
 
 
 # -- config adapter -----------------------------------------------------------------------------------

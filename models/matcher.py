@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
@@ -60,24 +61,78 @@ class HungarianMatcher(nn.Module):
         Columns are the targets of image 0, then image 1, ... Rows are image-major queries.
         """
         logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
+        return self.layer_costs(logits[None], boxes[None], targets)[0]
+
+    def layer_costs(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict]) -> torch.Tensor:
+        """Cost matrices of G stacked predictions against the same targets: (G, B*Q, T).
+
+        logits (G, B, Q, K), boxes (G, B, Q, 4): e.g. every decoder layer's output at once.
+        """
         if logits.dtype in (torch.float16, torch.bfloat16):
             # Costs of nearby queries differ by less than a bf16 ulp; match in fp32.
             logits, boxes = logits.float(), boxes.float()
-        out_prob = logits.flatten(0, 1).sigmoid()  # (B*Q, K)
-        out_bbox = boxes.flatten(0, 1)  # (B*Q, 4)
+        G = logits.shape[0]
+        out_prob = logits.flatten(1, 2).sigmoid()  # (G, B*Q, K)
+        out_bbox = boxes.flatten(0, 2)  # (G*B*Q, 4)
         tgt_ids = torch.cat([t["labels"] for t in targets]).to(device=logits.device, dtype=torch.int64)  # (T,)
         tgt_bbox = torch.cat([t["boxes"] for t in targets]).to(device=boxes.device, dtype=out_bbox.dtype)  # (T, 4)
 
         alpha, gamma = self.focal_alpha, self.focal_gamma
-        neg_cost = (1 - alpha) * (out_prob**gamma) * (-(1 - out_prob + 1e-8).log())  # (B*Q, K)
-        pos_cost = alpha * ((1 - out_prob) ** gamma) * (-(out_prob + 1e-8).log())  # (B*Q, K)
-        cost_class = pos_cost[:, tgt_ids] - neg_cost[:, tgt_ids]  # (B*Q, T)
+        prob = out_prob[:, :, tgt_ids]  # (G, B*Q, T): only the targets' classes are needed
+        neg_cost = (1 - alpha) * (prob**gamma) * (-(1 - prob + 1e-8).log())
+        pos_cost = alpha * ((1 - prob) ** gamma) * (-(prob + 1e-8).log())
+        cost_class = pos_cost - neg_cost  # (G, B*Q, T)
 
-        cost_bbox = torch.cdist(out_bbox, tgt_bbox, p=1)  # (B*Q, T)
+        cost_bbox = torch.cdist(out_bbox, tgt_bbox, p=1)  # (G*B*Q, T)
         cost_giou = -generalized_box_iou(
             box_convert(out_bbox, "cxcywh", "xyxy"), box_convert(tgt_bbox, "cxcywh", "xyxy")
-        )  # (B*Q, T)
-        return self.cost_bbox * cost_bbox + self.cost_class * cost_class + self.cost_giou * cost_giou
+        )  # (G*B*Q, T)
+        cost_boxes = (self.cost_bbox * cost_bbox + self.cost_giou * cost_giou).view(G, -1, tgt_ids.shape[0])
+        return cost_boxes + self.cost_class * cost_class
+
+    @torch.no_grad()
+    def match_groups(self, groups: list[tuple[torch.Tensor, torch.Tensor, list[dict]]]) -> list[list[list]]:
+        """Match every layer of every group, with one device->host transfer for all cost matrices.
+
+        groups: [(logits (G, B, Q, K), boxes (G, B, Q, 4), targets)], e.g. the decoder layers stacked and
+        the two-stage encoder proposals with their class-agnostic targets. Returns, per group, per layer,
+        per image, (index_i, index_j) as int64 CPU tensors of length min(Q, n_i): prediction index_i[k]
+        is assigned to target index_j[k]. Images without targets get two empty tensors.
+
+        Non-finite predictions (a diverging run) are matched as if they cost the most, so that the loss,
+        which they make non-finite, is what reports them.
+        """
+        costs, layouts = [], []
+        for logits, boxes, targets in groups:
+            G, B, Q = logits.shape[:3]
+            if len(targets) != B:
+                raise ValueError(f"HungarianMatcher: got {len(targets)} target dicts for a batch of {B} images")
+            sizes = [len(t["boxes"]) for t in targets]
+            layouts.append((G, B, Q, sizes))
+            if sum(sizes):
+                costs.append(self.layer_costs(logits, boxes, targets).flatten())
+        # linear_sum_assignment needs float64-compatible numbers on the host: one transfer for everything.
+        flat = torch.cat(costs).float().cpu() if costs else torch.empty(0)
+        empty = torch.empty(0, dtype=torch.int64)
+        matched, offset = [], 0
+        for G, B, Q, sizes in layouts:
+            T = sum(sizes)
+            if T == 0:
+                matched.append([[(empty, empty) for _ in range(B)] for _ in range(G)])
+                continue
+            C = flat[offset:offset + G * B * Q * T].view(G, B, Q, T).numpy()
+            offset += G * B * Q * T
+            C = np.nan_to_num(C, nan=np.finfo(np.float32).max, posinf=np.finfo(np.float32).max)
+            starts = np.cumsum([0] + sizes)
+            layers = []
+            for g in range(G):
+                per_image = []
+                for b in range(B):
+                    rows, cols = linear_sum_assignment(C[g, b, :, starts[b]:starts[b + 1]])
+                    per_image.append((torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(cols.astype(np.int64))))
+                layers.append(per_image)
+            matched.append(layers)
+        return matched
 
     @torch.no_grad()
     def forward(self, outputs: dict, targets: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,25 +142,5 @@ class HungarianMatcher(nn.Module):
         min(Q, n_i): prediction index_i[k] is assigned to target index_j[k]. Images without
         targets get two empty tensors. Other keys in outputs/targets are ignored.
         """
-        logits = outputs["pred_logits"]
-        B, Q = logits.shape[:2]
-        if len(targets) != B:
-            raise ValueError(f"HungarianMatcher: got {len(targets)} target dicts for a batch of {B} images")
-        sizes = [len(t["boxes"]) for t in targets]
-        if sum(sizes) == 0:
-            # Nothing to assign; skip the cost computation (cat of empty lists, cdist of empty sets).
-            empty = torch.empty(0, dtype=torch.int64)
-            return [(empty, empty) for _ in targets]
-
-        # linear_sum_assignment needs float64-compatible numbers on the host.
-        C = self.cost_matrix(outputs, targets).view(B, Q, -1).float().cpu()  # (B, Q, T)
-        if not torch.isfinite(C).all():
-            raise ValueError(
-                "HungarianMatcher: the cost matrix has NaN/inf entries; check pred_logits/pred_boxes for "
-                "non-finite values"
-            )
-        indices = []
-        for b, c in enumerate(C.split(sizes, dim=-1)):
-            rows, cols = linear_sum_assignment(c[b].numpy())
-            indices.append((torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64)))
-        return indices
+        logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
+        return self.match_groups([(logits[None], boxes[None], targets)])[0][0]

@@ -120,11 +120,16 @@ def test_matcher_on_batch_without_targets(gen, sizes):
         assert rows.numel() == 0 and cols.numel() == 0 and rows.dtype == torch.int64
 
 
-def test_matcher_rejects_non_finite_predictions(gen):
+def test_matcher_matches_non_finite_predictions_last_and_the_loss_reports_them(gen):
+    """A diverging run is stopped by its non-finite loss (the training step's check), not by the matcher."""
     outputs = rand_outputs(1, 4, gen)
     outputs["pred_boxes"][0, 1, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN/inf"):
-        HungarianMatcher()(outputs, rand_targets([2], gen))
+    outputs["pred_logits"][0, 2] = float("nan")
+    (rows, cols), = HungarianMatcher()(outputs, rand_targets([2], gen))
+    assert sorted(rows.tolist()) == [0, 3]  # the two finite queries take the two targets
+    outputs["pred_boxes"][:] = float("nan")
+    losses = make_criterion(aux_loss=False)(outputs, rand_targets([2], gen))
+    assert not torch.isfinite(losses["loss_bbox"]) and not torch.isfinite(losses["loss_giou"])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -258,18 +263,31 @@ def test_num_boxes_normalization(gen):
     torch.testing.assert_close(empty["loss_ce"], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_num_boxes_is_averaged_over_processes(gen, monkeypatch):
-    """Simulate a 2-process job whose other rank holds 8 boxes: num_boxes = (4 + 8) / 2 = 6."""
+def test_num_boxes_given_by_the_trainer_normalizes_every_loss(gen):
+    """A 2-process job whose other rank holds 8 boxes passes num_boxes = (4 + 8) / 2 = 6, as a tensor."""
     criterion = make_criterion(aux_loss=False)
     targets, outputs = rand_targets([4], gen), rand_outputs(1, 8, gen)
     local = criterion(outputs, targets)  # normalized by 4
-    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: t.add_(8.0))
-    distributed = criterion(outputs, targets)
-    for key in ("loss_ce", "loss_bbox", "loss_giou"):
-        torch.testing.assert_close(distributed[key], local[key] * 4 / 6, rtol=1e-5, atol=1e-6)
+    for num_boxes in (6.0, torch.tensor(6.0)):
+        distributed = criterion(outputs, targets, num_boxes=num_boxes)
+        for key in ("loss_ce", "loss_bbox", "loss_giou"):
+            torch.testing.assert_close(distributed[key], local[key] * 4 / 6, rtol=1e-5, atol=1e-6)
+
+
+def test_losses_of_all_layers_at_once_equal_each_layer_alone(gen):
+    """The decoder layers are matched and scored together; each equals its own single-layer criterion."""
+    targets = rand_targets([3, 0, 2], gen)
+    layers = [rand_outputs(3, 7, gen) for _ in range(3)]
+    outputs = {**layers[-1], "aux_outputs": layers[:-1], "enc_outputs": rand_outputs(3, 7, gen)}
+    losses = make_criterion(dec_layers=3, two_stage=True)(outputs, targets)
+    single = make_criterion(aux_loss=False)
+    bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
+    for suffix, layer, layer_targets in [("_0", layers[0], targets), ("_1", layers[1], targets),
+                                         ("", layers[2], targets), ("_enc", outputs["enc_outputs"], bin_targets)]:
+        alone = single(layer, layer_targets, num_boxes=5.0)
+        for key in ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"):
+            torch.testing.assert_close(losses[key + suffix], alone[key], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(losses["class_error"], single(layers[2], targets)["class_error"])
 
 
 # -- build_criterion --------------------------------------------------------------------------------------
