@@ -103,6 +103,21 @@ def all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return t / ctx.world_size
 
 
+def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tensor:
+    """Mean of a per-process number over ranks, at least 1, as a device tensor (no host read).
+
+    The criterion divides every loss by the number of target boxes averaged this way, as the original.
+    """
+    if not ctx.distributed:
+        return max(1.0, value)
+    host = torch.tensor([value], dtype=torch.float32)
+    if ctx.device.type == "cuda":
+        host = host.pin_memory()  # an asynchronous copy: nothing waits for the GPU
+    total = host.to(ctx.device, non_blocking=True)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return (total / ctx.world_size).clamp(min=1.0)[0]
+
+
 def argv_for_rank(argv: list[str], rank: int) -> list[str]:
     """Hydra command line for this process.
 

@@ -31,9 +31,11 @@ def check_run_settings(cfg: DictConfig) -> None:
         problems.append(f"max_steps must be null or an integer >= 1, got {max_steps!r}")
     if cfg.get("amp") not in AMP_DTYPES:
         problems.append(f"amp must be one of {', '.join(AMP_DTYPES)}, got {cfg.get('amp')!r}")
-    for key in ("eval_only", "find_unused_parameters"):
+    for key in ("eval_only", "find_unused_parameters", "compile"):
         if not isinstance(cfg.get(key), bool):
             problems.append(f"{key} must be true or false, got {cfg.get(key)!r}")
+    if not isinstance(cfg.get("compile_backend"), str) or not cfg.get("compile_backend"):
+        problems.append(f"compile_backend must be a torch.compile backend name, got {cfg.get('compile_backend')!r}")
     resume = cfg.get("resume")
     if resume is not None and not isinstance(resume, str):
         problems.append(f"resume must be null, auto or a path, got {resume!r}")

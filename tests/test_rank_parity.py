@@ -1,8 +1,9 @@
 """Rank parity: one global batch split over 2 gloo ranks gives the loss and gradients of 1 process.
 
-The loss is normalized by the number of boxes averaged over processes (SetCriterion), and DDP averages
-gradients over ranks, so the mean of the per-rank losses and the averaged gradients must equal what one
-process computes on the whole batch. Images share one size so that padding is the same either way.
+The loss is normalized by the number of boxes averaged over processes (engine.step.TrainStep with
+engine.distributed.average_over_processes), and DDP averages gradients over ranks, so the mean of the
+per-rank losses and the averaged gradients must equal what one process computes on the whole batch.
+Both sides run the trainer's own step. Images share one size so that padding is the same either way.
 """
 
 from pathlib import Path
@@ -13,6 +14,9 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.distributed import DistContext, average_over_processes
+from engine.precision import Precision
+from engine.step import TrainStep
 from models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,14 +41,15 @@ def global_batch():
     return images, masks, targets
 
 
-def loss_and_grads(model, criterion, images, masks, targets):
-    outputs = model(images, masks)
-    losses = criterion(outputs, targets)
-    loss = sum(losses[k] * criterion.weight_dict[k] for k in losses if k in criterion.weight_dict)
-    loss.backward()
+def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext):
+    """The trainer's step (no clipping, lr 0); returns its loss and the gradients it computed."""
     module = model.module if isinstance(model, DistributedDataParallel) else model
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.0, fused=True)
+    step = TrainStep(model=model, criterion=criterion, optimizer=optimizer, precision=Precision(amp="none", device=ctx.device),
+                     clip_max_norm=0.0, average_num_boxes=lambda n: average_over_processes(n, ctx))
+    values = step(images, masks, targets)
     grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+    return values[0], grads
 
 
 def _rank_main(rank: int, work: str) -> None:
@@ -55,7 +60,8 @@ def _rank_main(rank: int, work: str) -> None:
         model, criterion, _ = build_model(tiny_model_config())
         ddp = DistributedDataParallel(model)
         images, masks, targets = global_batch()
-        loss, grads = loss_and_grads(ddp, criterion, images[rank:rank + 1], masks[rank:rank + 1], [targets[rank]])
+        ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=torch.device("cpu"))
+        loss, grads = loss_and_grads(ddp, criterion, images[rank:rank + 1], masks[rank:rank + 1], [targets[rank]], ctx)
         dist.all_reduce(loss)
         # A file, not a queue: tensors sent through a queue live in the sender's shared memory, gone at exit.
         torch.save({"loss": (loss / WORLD).item(), "grads": grads}, f"{work}/rank{rank}.pt")
@@ -66,7 +72,8 @@ def _rank_main(rank: int, work: str) -> None:
 def test_split_batch_over_two_ranks_equals_one_process(tmp_path):
     torch.manual_seed(0)
     model, criterion, _ = build_model(tiny_model_config())
-    loss_single, grads_single = loss_and_grads(model, criterion, *global_batch())
+    single = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    loss_single, grads_single = loss_and_grads(model, criterion, *global_batch(), single)
 
     mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=WORLD)
 

@@ -155,8 +155,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
         model, criterion, postprocess = build_model(cfg_model)
         forward = criterion.forward
 
-        def nan_loss(outputs, targets):
-            losses = forward(outputs, targets)
+        def nan_loss(outputs, targets, **kwargs):
+            losses = forward(outputs, targets, **kwargs)
             calls["n"] += 1
             if calls["n"] == STEPS_PER_EPOCH + 2:
                 losses["loss_bbox"] = losses["loss_bbox"] * float("nan")

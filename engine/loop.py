@@ -1,0 +1,220 @@
+"""The training loop: epochs of TrainStep, log intervals, the epoch's checkpoint, then evaluation.
+
+Order at the end of an epoch: the lr schedule steps, the checkpoint is written, and only then does the
+evaluation run, so that a failure in evaluation (a bad validation image, say) loses no training. Losses
+and timings are read from the GPU once per log interval (engine.step_log); a non-finite loss found
+there stops the run before the next checkpoint, so checkpoint.pth stays the last good state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
+from .distributed import DistContext, all_reduce_mean, barrier
+from .evaluation import evaluate_coco, write_eval_json
+from .optim import group_lrs
+from .progress import Progress, format_duration
+from .rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
+from .step import TrainStep
+from .step_log import Interval, StepLog
+from .tensorboard import ScalarWriter
+
+log = logging.getLogger("train")
+
+# Per-decoder-layer (loss_ce_0 ...) and encoder (loss_ce_enc) copies of a loss; logged only inside the total.
+AUX_LOSS = re.compile(r"_(\d+|enc)$")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss or gradient norm; the run stops without saving that state."""
+
+
+@dataclass
+class Position:
+    """Where training stands: epochs completed, optimizer steps done, batches done in the current epoch."""
+
+    epoch: int = 0
+    step: int = 0
+    steps_in_epoch: int = 0
+    rng: dict | None = None  # generator states to restore after skipping a resumed epoch's done batches
+
+
+class Trainer:
+    """Runs ``cfg``'s schedule from ``position``; ``fit()`` returns {"losses", "eval", "step"}.
+
+    model            the unwrapped module (checkpoints, evaluation)
+    step             TrainStep over the module to train (DDP-wrapped and/or compiled)
+    eval_model       what evaluation calls (the module, or its compiled form)
+    config_record    the composed config as a plain dict, stored in every checkpoint
+    """
+
+    def __init__(self, *, cfg, ctx: DistContext, output_dir: Path, model: torch.nn.Module, step: TrainStep,
+                 eval_model: torch.nn.Module, postprocess, lr_scheduler, train_loader, val_loader, coco_gt,
+                 position: Position, config_record: dict):
+        self.cfg, self.ctx, self.output_dir = cfg, ctx, Path(output_dir)
+        self.model, self.step, self.eval_model, self.postprocess = model, step, eval_model, postprocess
+        self.optimizer, self.precision = step.optimizer, step.precision
+        self.lr_scheduler, self.train_loader, self.val_loader, self.coco_gt = (
+            lr_scheduler, train_loader, val_loader, coco_gt)
+        self.position, self.config_record = position, config_record
+        self.steps_per_epoch = len(train_loader)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.writer = ScalarWriter(log_dir=self.output_dir / "tensorboard", enabled=ctx.is_main)
+        self.progress = Progress(total_steps=self.total_steps, start_step=position.step, enabled=ctx.is_main)
+        self.step_log = StepLog(device=ctx.device)
+        self.losses: list[float] = []
+        self.eval_stats: dict | None = None
+
+    # -- the schedule -----------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t_start = time.perf_counter()
+        pos = self.position
+        try:
+            for epoch in range(pos.epoch, self.cfg.epochs):
+                if pos.step >= self.total_steps:
+                    break
+                self._train_epoch(epoch)
+                self._close_epoch(epoch)
+        finally:
+            self.writer.close()
+        if self.ctx.is_main:
+            log.info("done: %d steps in %s; outputs in %s", pos.step,
+                     format_duration(time.perf_counter() - t_start), self.output_dir)
+        return {"losses": self.losses, "eval": self.eval_stats, "step": pos.step}
+
+    def _train_epoch(self, epoch: int) -> None:
+        pos, device = self.position, self.ctx.device
+        self.train_loader.sampler.set_epoch(epoch)
+        seed_all(epoch_seed(self.cfg.seed, epoch=epoch, rank=self.ctx.rank))
+        batches = iter(self.train_loader)
+        if pos.steps_in_epoch:
+            # Mid-epoch resume: the sampler gives this epoch's order again; draw past the batches already
+            # trained on, then put back the generators as they were at the checkpoint.
+            for _ in range(pos.steps_in_epoch):
+                next(batches)
+            if pos.rng is not None:
+                restore_rng_state(pos.rng)
+        self.step.model.train()
+        self.step.criterion.train()
+        self.step_log.restart_clock()
+        t_data = time.perf_counter()
+        for images, masks, targets in batches:
+            images = images.to(device, non_blocking=True)
+            masks = masks.to(device, non_blocking=True)
+            targets = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
+                       for t in targets]
+            self.step_log.begin(step=pos.step, data_ms=(time.perf_counter() - t_data) * 1e3)
+            values = self.step(images, masks, targets)
+            self.step_log.end(values, images=len(targets) * self.ctx.world_size)
+            pos.step += 1
+            pos.steps_in_epoch += 1
+            if pos.step % self.cfg.log_every == 0 or pos.step == self.total_steps:
+                self._report(epoch)
+            t_data = time.perf_counter()
+            if pos.step >= self.total_steps:
+                break
+
+    def _close_epoch(self, epoch: int) -> None:
+        """Checkpoint first, then evaluate: nothing trained is lost to a failure in evaluation."""
+        pos = self.position
+        self._report(epoch)  # a non-finite loss stops the run here, before anything is saved
+        epoch_done = pos.steps_in_epoch == self.steps_per_epoch
+        if epoch_done:
+            try:
+                self.lr_scheduler.step()
+            except Exception:
+                self._save(epoch_done=False)  # every step of the epoch kept; resuming retries the close
+                raise
+            pos.epoch, pos.steps_in_epoch = epoch + 1, 0
+        self._save(epoch_done=epoch_done)
+        last = pos.step >= self.total_steps or epoch + 1 == self.cfg.epochs
+        if last or (epoch_done and (epoch + 1) % self.cfg.eval_every == 0):
+            self._evaluate(epoch=epoch + 1, epoch_complete=epoch_done)
+        barrier(self.ctx)
+        self.writer.flush()
+
+    # -- reporting ----------------------------------------------------------------------------------------
+    def _report(self, epoch: int) -> None:
+        """Read the interval's results (the one sync of the interval), stop on a non-finite loss, log."""
+        step = self.step
+        if not len(self.step_log):
+            return
+        average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
+        interval = self.step_log.flush(step.value_names, average)
+        checked = ("loss",) if self.precision.scaler.is_enabled() else ("loss", "grad_norm")  # fp16 skips overflows
+        bad = interval.first_non_finite(checked)
+        if bad is not None:
+            index, row = bad
+            what = "loss" if not math.isfinite(row["loss"]) else "gradient norm"
+            raise NonFiniteLossError(self._non_finite_message(what, row, epoch=epoch, step=index))
+        self.losses.extend(r["loss"] for r in interval.rows)
+        if self.ctx.is_main:
+            self._log_interval(interval, epoch)
+
+    def _log_interval(self, interval: Interval, epoch: int) -> None:
+        weights = self.step.criterion.weight_dict
+        last = interval.last
+        lrs = group_lrs(self.optimizer)
+        weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_LOSS.search(k)}
+        scalars = {"loss": last["loss"], **weighted, **{f"{k}_unscaled": last[k] for k in weighted},
+                   "lr": lrs.get("rest", next(iter(lrs.values()))), "step_time_ms": interval.step_ms,
+                   "data_time_ms": interval.data_ms, "images_per_s": interval.images_per_s,
+                   "grad_norm": last["grad_norm"]}
+        if "backbone" in lrs:
+            scalars["lr_backbone"] = lrs["backbone"]
+        if self.ctx.device.type == "cuda":
+            scalars["max_memory_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
+        step = self.position.step
+        self.writer.add("train", scalars, step)
+        self.progress.report(step=step, epoch=epoch, epochs=self.cfg.epochs, loss=last["loss"], parts=weighted,
+                             lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
+                             images_per_s=interval.images_per_s)
+
+    def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:
+        latest = self.output_dir / LATEST
+        kept = (f"the last good checkpoint, {latest}, is kept (resume={latest})" if latest.exists()
+                else "no checkpoint had been written yet")
+        losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_LOSS.search(k))
+        return (f"non-finite {what} ({row['loss'] if what == 'loss' else row['grad_norm']}) at epoch {epoch + 1}, "
+                f"step {step + 1} ({losses}); that update was skipped and the run stops without saving: {kept}. "
+                f"Try a lower optim.lr, amp=none, or check the data")
+
+    # -- checkpoint and evaluation ------------------------------------------------------------------------
+    def _save(self, *, epoch_done: bool) -> None:
+        pos = self.position
+        if self.ctx.is_main:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "lr_scheduler": self.lr_scheduler.state_dict(),
+                     "grad_scaler": self.precision.scaler.state_dict(), "epoch": pos.epoch,
+                     "steps_in_epoch": pos.steps_in_epoch, "step": pos.step, "config": self.config_record,
+                     "rng": capture_rng_state()}
+            if epoch_done and pos.epoch % self.cfg.checkpoint_every == 0:
+                saved = save_checkpoint(state, self.output_dir / epoch_checkpoint_name(pos.epoch))
+                publish_as(saved, self.output_dir / LATEST)
+            else:
+                save_checkpoint(state, self.output_dir / LATEST)
+        self.step_log.restart_clock()
+
+    def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
+        stats, num_images = evaluate_coco(model=self.eval_model, postprocess=self.postprocess,
+                                          loader=self.val_loader, coco_gt=self.coco_gt, device=self.ctx.device,
+                                          precision=self.precision)
+        self.eval_stats = stats
+        step = self.position.step
+        if self.ctx.is_main:
+            self.writer.add("eval", stats, step)
+            write_eval_json(self.output_dir / f"eval_epoch{epoch:04d}.json", stats=stats, epoch=epoch, step=step,
+                            epoch_complete=epoch_complete, num_images=num_images)
+            log.info("evaluation after epoch %d (step %d, %d images): %s", epoch, step, num_images,
+                     " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+        self.step_log.restart_clock()

@@ -1,0 +1,136 @@
+"""engine.step.TrainStep: one optimizer step, a non-finite one skipped on the device, and no host syncs.
+
+Also torch.compile of the tiny model's forward and backward (fullgraph, aot_eager) with model.msda=triton
+(under the interpreter without a GPU) and pytorch: no graph break, the outputs and gradients of eager.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.optim import build_optimizer
+from engine.precision import Precision
+from engine.step import TrainStep
+from models import build_model
+from models.deformable_attention import MSDeformAttn
+from test_models import _batch, _targets, tiny_cfg
+
+SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)  # compile traces every layer: keep it short
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+
+
+def make_step(variant="base", msda="pytorch", **overrides):
+    model, criterion, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL, **overrides))
+    optimizer = build_optimizer(model, _optim_cfg())
+    return TrainStep(model=model, criterion=criterion, optimizer=optimizer,
+                     precision=Precision(amp="none", device=torch.device("cpu")), clip_max_norm=0.1)
+
+
+def _optim_cfg():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(dict(lr=1e-3, lr_backbone=1e-4, lr_linear_proj_mult=0.1, weight_decay=1e-4,
+                                 lr_backbone_names=["backbone.0"],
+                                 lr_linear_proj_names=["reference_points", "sampling_offsets"]))
+
+
+def _state(step: TrainStep):
+    params = {n: p.detach().clone() for n, p in step.model.named_parameters()}
+    moments = [{k: v.clone() for k, v in s.items()} for s in step.optimizer.state.values()]
+    return params, moments
+
+
+def test_a_step_returns_its_losses_and_updates_the_weights(seeded):
+    step = make_step()
+    before, _ = _state(step)
+    values = step(*_batch(), _targets())
+    names = step.value_names
+    assert names[:2] == ("loss", "grad_norm") and "loss_ce" in names and values.shape == (len(names),)
+    assert values.dtype == torch.float32 and torch.isfinite(values).all()
+    weights = step.criterion.weight_dict
+    row = dict(zip(names, values.tolist()))
+    assert row["loss"] == pytest.approx(sum(row[k] * w for k, w in weights.items()), rel=1e-5)
+    after, _ = _state(step)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_non_finite_step_is_skipped_without_touching_weights_or_moments(seeded):
+    step = make_step()
+    step(*_batch(), _targets())  # one good step, so that the optimizer has moments to protect
+    before, moments_before = _state(step)
+    counts_before = [s["step"].clone() for s in step.optimizer.state.values()]
+    images, mask = _batch()
+    images[0, 0, 0, 0] = float("nan")
+    values = step(images, mask, _targets())
+    assert not torch.isfinite(values[0]) and not torch.isfinite(values[1])
+    after, moments_after = _state(step)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    for m_before, m_after in zip(moments_before, moments_after):
+        assert all(torch.equal(m_before[k], m_after[k]) for k in m_before)
+    assert all(torch.equal(c, s["step"]) for c, s in zip(counts_before, step.optimizer.state.values()))
+    assert torch.isfinite(step(*_batch(), _targets())).all()  # and training goes on
+
+
+def test_the_step_needs_a_non_negative_clip_norm():
+    model, criterion, _ = build_model(tiny_cfg(msda="pytorch", **SMALL))
+    with pytest.raises(ValueError, match="clip_max_norm must be >= 0"):
+        TrainStep(model=model, criterion=criterion, optimizer=build_optimizer(model, _optim_cfg()),
+                  precision=Precision(amp="none", device=torch.device("cpu")), clip_max_norm=-1.0)
+
+
+def _loss(out):
+    loss = out["pred_logits"].sigmoid().square().sum() + out["pred_boxes"].square().sum()
+    for aux in out.get("aux_outputs", []):
+        loss = loss + aux["pred_logits"].sigmoid().square().sum() + aux["pred_boxes"].square().sum()
+    return loss
+
+
+# Tracing a whole model takes a while on a CPU: the two implementations, each on one variant (two-stage
+# covers box refinement, box reference points and the encoder proposals).
+@pytest.mark.parametrize("msda,variant", [("pytorch", "base"), ("triton", "two_stage")])
+def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, variant):
+    torch._dynamo.reset()
+    eager, _, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL))
+    with torch.no_grad():  # non-trivial offsets and weights, so that the attention gradients are not all zero
+        for m in eager.modules():
+            if isinstance(m, MSDeformAttn):
+                m.sampling_offsets.weight.normal_(0, 0.05)
+                m.attention_weights.weight.normal_(0, 0.05)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager", dynamic=True)
+    images, mask = _batch(pad_w=16)
+    out_eager, out_compiled = eager(images, mask), compiled(images, mask)
+    torch.testing.assert_close(out_compiled["pred_logits"], out_eager["pred_logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
+    _loss(out_eager).backward()
+    _loss(out_compiled).backward()
+    grads = dict(twin.named_parameters())
+    for name, p in eager.named_parameters():
+        if p.grad is not None:
+            scale = p.grad.abs().max().clamp(min=1e-3)
+            torch.testing.assert_close(grads[name].grad / scale, p.grad / scale, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("variant", ["base", "box_refine", "two_stage"])
+def test_model_forward_and_backward_never_sync_with_the_host(seeded, variant):
+    model, _, _ = build_model(tiny_cfg(variant, msda="triton"))
+    model.cuda()
+    images, mask = (t.cuda() for t in _batch(pad_w=16))
+    model(images, mask)  # warm-up: Triton compiles its kernels, the allocator fills
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(images, mask)
+        _loss(out).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
