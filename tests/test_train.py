@@ -178,7 +178,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
 
 def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(data_root, tmp_path):
     """torchrun, two CPU processes: one run directory, DDP steps, evaluation gathered from both ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # Keep the caller's PYTHONPATH (where packages may be installed) behind the repository root.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train.py"), *tiny_overrides(data_root), "epochs=1", "batch_size=2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
