@@ -1,18 +1,20 @@
 """End-to-end benchmark: whole training steps and detector parity, model.msda=triton against pytorch.
 
-    python bench/e2e.py --out bench/results                      # on a GPU: everything below
-    python bench/e2e.py --parts steptime --batches 2 4           # only the step-time table
+    python bench/e2e.py --out bench/results                           # on a GPU: everything below
+    python bench/e2e.py --parts steptime --compile-modes eager compiled   # only the step-time table
 
-steptime  Full training steps (forward, matching + losses, backward, clipping, AdamW) of the default
-          Deformable DETR on random 800x1333 batches, bf16 autocast and fp32, triton and pytorch in the
-          same process: median step time after warm-up, images/s, peak memory, and the share of GPU
-          kernel time spent in the attention op (torch.profiler: Triton's msda kernels, or grid_sampler
-          kernels for the reference).
+steptime  The trainer's own step (engine.step.TrainStep: forward, matching + losses, backward, clipping,
+          fused AdamW) of the default Deformable DETR, eager and torch.compile'd, triton and pytorch, in the
+          same process: on random 800x1333 batches (median step, GPU kernel time, launches and host syncs per
+          step, peak memory, attention share) and on batches of the COCO recipe's sizes (median, distinct
+          shapes, recompilations). See bench/e2e_steptime.py.
+trainpy   A real `python train.py` run (the default model on synthetic images resized as the COCO recipe
+          does) and its train/step_time_ms as TensorBoard shows it, beside the steptime figure.
 parity    The real trainer (train.train) on the synthetic set: triton with seeds 0 and 1 and pytorch with
           seed 0, same steps; loss curves, final AP, and the seed-to-seed spread that the triton/pytorch
           difference is compared with. Then one checkpoint evaluated through both implementations: AP and
           per-image agreement of the detections. Plots train/step_time_ms read back from TensorBoard.
-Writes e2e_h200.md, e2e_h200.json and PNG plots into --out.
+Writes e2e_h200.md, e2e_h200_steptime.json (one record per step-time row), e2e_h200.json and PNG plots.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import plot, write_report  # noqa: E402
-from engine.optim import build_optimizer  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
 
@@ -51,109 +52,58 @@ def compose_config(overrides: list[str]):
 # ----------------------------------------------------------------------------------------------------
 # step time
 # ----------------------------------------------------------------------------------------------------
-def random_batch(batch: int, height: int, width: int, num_classes: int, device, gen):
-    images = torch.randn(batch, 3, height, width, device=device, generator=gen)
-    masks = torch.zeros(batch, height, width, dtype=torch.bool, device=device)
-    targets = []
-    for _ in range(batch):
-        n = 6
-        centres = torch.rand(n, 2, device=device, generator=gen) * 0.6 + 0.2
-        sizes = torch.rand(n, 2, device=device, generator=gen) * 0.3 + 0.05
-        labels = torch.randint(1, num_classes, (n,), device=device, generator=gen)
-        targets.append({"labels": labels, "boxes": torch.cat([centres, sizes], -1)})
-    return images, masks, targets
-
-
-def _self_device_us(event) -> float:
-    # The attribute was renamed from *cuda* to *device* across torch releases.
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(event, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
-
-
-def kernel_time_share(step, sync, names: tuple[str, ...]) -> float:
-    """Share of GPU kernel time, over two steps, in kernels whose name contains one of ``names``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        sync()
-    total, matched = 0.0, 0.0
-    for event in prof.key_averages():
-        if not str(event.device_type).endswith("CUDA"):
-            continue
-        us = _self_device_us(event)
-        total += us
-        if any(n in event.key for n in names):
-            matched += us
-    return matched / max(total, 1e-9)
-
-
-def measure_steps(*, impl: str, batch: int, amp: str, height: int, width: int, warmup: int, steps: int,
-                  device) -> dict:
-    cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
-    torch.manual_seed(0)
-    model, criterion, _ = build_model(cfg.model)
-    model.to(device).train()
-    criterion.to(device)
-    optimizer = build_optimizer(model, cfg.optim)
-    precision = Precision(amp=amp, device=device)
-    weight_dict = criterion.weight_dict
-    gen = torch.Generator(device=device).manual_seed(0)
-    images, masks, targets = random_batch(batch, height, width, cfg.model.num_classes, device, gen)
-
-    def step():
-        with precision.autocast():
-            outputs = model(images, masks)
-        loss_dict = criterion(outputs, targets)
-        loss = sum(loss_dict[k] * weight_dict[k] for k in loss_dict if k in weight_dict)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_max_norm)
-        optimizer.step()
-        return loss
-
-    cuda = device.type == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        step()
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else float("nan")
-    attention_share = kernel_time_share(step, sync, ATTENTION_KERNELS[impl]) if cuda else float("nan")
-    median = statistics.median(times)
-    del model, optimizer, images, masks, targets
-    torch.cuda.empty_cache()
-    return {"impl": impl, "batch": batch, "amp": amp, "step_ms": median, "images_per_s": batch / median * 1e3,
-            "peak_gib": peak, "attention_share": attention_share, "all_ms": times}
-
-
 def run_steptime(args, device) -> list[dict]:
+    from bench.e2e_steptime import measure
+
     rows = []
     for batch in args.batches:
-        for amp in ("bf16", "none"):
-            for impl in args.impls:
-                row = measure_steps(impl=impl, batch=batch, amp=amp, height=args.height, width=args.width,
-                                    warmup=args.warmup, steps=args.steps, device=device)
-                rows.append(row)
-                print(f"steptime batch {batch} {amp:<4} {impl:<7} {row['step_ms']:.1f} ms "
-                      f"{row['images_per_s']:.1f} img/s peak {row['peak_gib']:.2f} GiB "
-                      f"attention {100 * row['attention_share']:.1f}% of GPU time", flush=True)
+        for amp in args.amps:
+            for compiled in [m == "compiled" for m in args.compile_modes]:
+                for impl in args.impls:
+                    cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
+                    new = measure(cfg=cfg, impl=impl, amp=amp, compile=compiled, batch=batch, height=args.height,
+                                  width=args.width, warmup=args.warmup, steps=args.steps,
+                                  multishape_steps=args.multishape_steps, device=device)
+                    for row in new:
+                        print(f"steptime batch {batch} {amp:<4} {impl:<7} {'compiled' if compiled else 'eager':<8} "
+                              f"{row['shapes']:<18} {row['step_ms']:.1f} ms, GPU kernels "
+                              f"{row.get('gpu_kernel_ms') or float('nan'):.1f} ms, {row.get('syncs_per_step', '-')} "
+                              f"syncs, {row['peak_gib']:.2f} GiB, first step {row.get('first_step_s', 0):.1f} s, "
+                              f"recompiles {row.get('recompiles', '-')}", flush=True)
+                    rows.extend(new)
+                    torch.cuda.empty_cache()
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# a real train.py run, as TensorBoard shows it
+# ----------------------------------------------------------------------------------------------------
+def run_trainpy(args, work: Path) -> dict:
+    """`python train.py` on synthetic 1067-pixel images with the COCO recipe's resizing; its step times."""
+    import subprocess
+
+    run_dir = work / f"trainpy_{'compiled' if args.trainpy_compile else 'eager'}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    scales = "[" + ",".join(str(s) for s in range(480, 801, 32)) + "]"
+    cmd = [sys.executable, str(ROOT / "train.py"), "model=deformable_detr", "model.pretrained=none",
+           "model.msda=triton", f"compile={str(args.trainpy_compile).lower()}", "amp=bf16", "batch_size=2",
+           f"dataset.root={work / 'synthetic_coco_sizes'}", "dataset.image_size=1067", f"dataset.train_scales={scales}",
+           "dataset.max_size=1333", "dataset.val_size=800", f"dataset.num_train={2 * args.trainpy_steps}",
+           "dataset.num_val=8", "num_workers=4", "epochs=1", f"max_steps={args.trainpy_steps}", "log_every=10",
+           f"output_dir={run_dir}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    steps, values = tensorboard_scalar(run_dir, "train/step_time_ms")
+    settled = values[1:]  # the first interval holds the kernels' compilation (and the model's, compiled)
+    result = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": steps, "step_time_ms": values,
+              "median_step_time_ms": statistics.median(settled) if settled else float("nan"),
+              "compile": args.trainpy_compile}
+    print(f"trainpy: train/step_time_ms in TensorBoard {result['median_step_time_ms']:.1f} ms (median of "
+          f"{len(settled)} intervals after the first)", flush=True)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,15 +209,22 @@ def run_parity(args, device, work: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--parts", nargs="+", default=["steptime", "parity"], choices=["steptime", "parity"])
+    parser.add_argument("--parts", nargs="+", default=["steptime", "trainpy", "parity"],
+                        choices=["steptime", "trainpy", "parity"])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batches", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--batches", type=int, nargs="+", default=[2])
+    parser.add_argument("--amps", nargs="+", default=["bf16"], choices=["bf16", "fp16", "none"])
+    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--multishape-steps", type=int, default=60,
+                        help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones (0: none)")
+    parser.add_argument("--trainpy-steps", type=int, default=80)
+    parser.add_argument("--trainpy-compile", action="store_true")
     parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
                         help="steptime: implementations to time")
     parser.add_argument("--height", type=int, default=800)
     parser.add_argument("--width", type=int, default=1333)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=24, help="parity runs: epochs on the synthetic set")
     parser.add_argument("--amp", default="bf16", help="parity runs: bf16 | fp16 | none")
     parser.add_argument("--data-root", default="data/synthetic")
@@ -276,33 +233,37 @@ def main():
     parser.add_argument("--num-val", type=int, default=64, help="parity runs: synthetic validation images")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_e2e"))
     parser.add_argument("--score-threshold", type=float, default=0.3)
-    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                        help="only redraw the plots of a saved e2e_h200.json into --out")
+    parser.add_argument("--replot", action="store_true", help="only rewrite e2e_h200.md and the plots from --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.replot:
-        saved = json.loads(args.replot.read_text())
-        plot(saved, args.out, f"{saved['header']['gpu']}, {saved['header']['date']}")
-        return
+    if not args.replot:
+        run_parts(args)
+    write_report(args.out)
+    plot(args.out)
+
+
+def run_parts(args) -> None:
+    """Each part saves its own json as soon as it ends, so a later failure keeps what was measured."""
     device = torch.device(args.device)
     header = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "python": platform.python_version(),
               "command": "python " + " ".join(sys.argv), "height": args.height, "width": args.width,
-              "epochs": args.epochs, "amp": args.amp, "parity_batch": args.parity_batch, "score_threshold": args.score_threshold}
-    results = {"header": header}
+              "epochs": args.epochs, "amp": args.amp, "parity_batch": args.parity_batch,
+              "score_threshold": args.score_threshold}
 
-    def save():
-        (args.out / "e2e_h200.json").write_text(json.dumps(results, indent=1, default=str))
-        write_report(results, args.out, header)
+    def save(part: str, value) -> None:
+        (args.out / f"e2e_h200_{part}.json").write_text(json.dumps(value, indent=1, default=str))
+        write_report(args.out)
 
     if "steptime" in args.parts:
-        results["steptime"] = run_steptime(args, device)
-        save()
+        rows = run_steptime(args, device)
+        save("steptime", [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row}
+                          for row in rows])
+    if "trainpy" in args.parts:
+        save("trainpy", {"header": header, **run_trainpy(args, args.work)})
     if "parity" in args.parts:
-        results["parity"] = run_parity(args, device, args.work)
-        save()
-    plot(results, args.out, f"{header['gpu']}, {header['date']}")
+        save("parity", {"header": header, "parity": run_parity(args, device, args.work)})
 
 
 if __name__ == "__main__":

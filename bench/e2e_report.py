@@ -2,33 +2,86 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
-def write_report(results: dict, out: Path, header: dict) -> None:
-    lines = [f"# End-to-end training on {header['gpu']}: model.msda=triton vs pytorch", "",
-             f"Date {header['date']}; torch {header['torch']}, triton {header['triton']}, Python {header['python']}.",
-             f"Command: `{header['command']}`", ""]
-    rows = results.get("steptime", [])
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def steptime_lines(rows: list[dict], header: dict) -> list[str]:
+    lines = [f"## Training step, default model, batch {', '.join(sorted({str(r['batch']) for r in rows}))}", "",
+             f"{header['date']}, {header['gpu']}, torch {header['torch']}, triton {header['triton']}: "
+             f"`{header['command']}`. The trainer's own step (engine.step.TrainStep: forward, matching and "
+             "losses, backward, clipping, fused AdamW). Fixed: random 800x1333 batches, median of the timed "
+             "steps after warm-up. COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, "
+             "long side up to 1333), median after the first fifth. GPU kernels: device time of the step's CUDA "
+             "kernels (torch.profiler), and its share of the step. Syncs: host syncs in one step "
+             "(torch.cuda.set_sync_debug_mode). First step: wall time of the first step (kernel and model "
+             "compilation). Speed-up: pytorch's step time over this row's, same batch, precision, mode and sizes.",
+             "", "| batch | precision | msda | mode | sizes | step ms | GPU kernels ms | kernel share | launches "
+             "| syncs | peak GiB | attention share | first step s | recompiles | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def key(r):
+        return r["batch"], r["amp"], r["compile"], r["shapes"]
+
+    def pct(value) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    reference = {key(r): r for r in rows if r["impl"] == "pytorch"}
+    for r in rows:
+        base = reference.get(key(r))
+        cells = [r["batch"], r["amp"].replace("none", "fp32"), r["impl"], "compiled" if r["compile"] else "eager",
+                 r["shapes"] + (f" ({r['distinct_shapes']} shapes)" if "distinct_shapes" in r else ""),
+                 f"{r['step_ms']:.1f}", _ms(r.get("gpu_kernel_ms")), pct(r.get("kernel_share")),
+                 _ms(r.get("launches")).removesuffix(".0"), r.get("syncs_per_step", "-"), f"{r['peak_gib']:.2f}",
+                 pct(r.get("attention_share")), _ms(r.get("first_step_s")), r.get("recompiles", "-"),
+                 f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
+    mode = result["compile"]
+    bench = next((r for r in rows if r["impl"] == "triton" and r["amp"] == "bf16" and r["compile"] == mode
+                  and r["shapes"] == "COCO recipe sizes"), None)
+    lines = ["", "## train/step_time_ms of a real `python train.py` run", "",
+             f"`python {result['command']}` (synthetic images resized as the COCO recipe does; "
+             f"{'compiled' if mode else 'eager'}): median of the TensorBoard values after the first interval "
+             f"{result['median_step_time_ms']:.1f} ms."]
+    if bench:
+        ratio = result["median_step_time_ms"] / bench["step_ms"]
+        lines.append(f"The bench's step on the COCO recipe's sizes, same mode: {bench['step_ms']:.1f} ms; "
+                     f"TensorBoard / bench = {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.1 else 'outside'} 10%).")
+    return lines
+
+
+PARTS = ("steptime", "trainpy", "parity")
+
+
+def load_parts(out: Path) -> dict:
+    """The results bench/e2e.py saved in ``out``, one json per part: e2e_h200_<part>.json."""
+    return {name: json.loads((out / f"e2e_h200_{name}.json").read_text())
+            for name in PARTS if (out / f"e2e_h200_{name}.json").exists()}
+
+
+def write_report(out: Path) -> None:
+    """e2e_h200.md from the part files in ``out``."""
+    parts = load_parts(out)
+    lines = ["# End-to-end training: model.msda=triton vs pytorch", "",
+             "Written by `bench/e2e.py` from the json files beside this one; each part names its own run."]
+    rows = parts.get("steptime", [])
     if rows:
-        lines += [f"## Training step, default model, random {header['height']}x{header['width']} batches", "",
-                  "Median of the timed steps after warm-up (forward, matching and losses, backward, clipping, "
-                  "AdamW); peak = max GPU memory allocated; attention = share of GPU kernel time in the "
-                  "attention op (Triton msda kernels, or grid_sampler kernels for the reference).", "",
-                  "| batch | precision | msda | step ms | images/s | peak GiB | attention share | speed-up | memory ratio |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        ref = {(r["batch"], r["amp"]): r for r in rows if r["impl"] == "pytorch"}
-        for r in rows:
-            base = ref.get((r["batch"], r["amp"]))
-            speed = base["step_ms"] / r["step_ms"] if base else float("nan")
-            mem = r["peak_gib"] / base["peak_gib"] if base else float("nan")
-            lines.append(f"| {r['batch']} | {r['amp'].replace('none', 'fp32')} | {r['impl']} | {r['step_ms']:.1f} | "
-                         f"{r['images_per_s']:.1f} | {r['peak_gib']:.2f} | {100 * r['attention_share']:.1f}% "
-                         f"| {speed:.2f}x | {mem:.2f} |")
-    parity = results.get("parity")
+        lines += [""] + steptime_lines(rows, rows[0])
+    if "trainpy" in parts:
+        lines += trainpy_lines(parts["trainpy"], rows)
+    header = parts["parity"]["header"] if "parity" in parts else {}
+    parity = parts["parity"]["parity"] if "parity" in parts else None
     if parity:
         c = parity["comparison"]
         lines += ["", "## Parity on the synthetic set", "",
+                  f"{header['date']}, {header['gpu']}: `{header['command']}`. "
                   f"`train.train` with the synthetic defaults ({header['epochs']} epochs, batch {header['parity_batch']}, "
                   f"amp={header['amp']}); "
                   "every run from scratch.", "",
@@ -60,14 +113,16 @@ def split_runs(steps: list[int], values: list[float]) -> list[tuple[list[int], l
     return sorted(runs, key=lambda r: len(r[0]))  # the shorter, this bench's own run first
 
 
-def plot(results: dict, out: Path, title: str) -> None:
+def plot(out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parity = results.get("parity")
-    if parity:
+    parts = load_parts(out)
+    if "parity" in parts:
+        parity, header = parts["parity"]["parity"], parts["parity"]["header"]
+        title = f"{header['gpu']}, {header['date']}"
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for r in parity["runs"]:
             ax.plot(r["losses"], label=f"{r['impl']} seed {r['seed']}", linewidth=0.8)
@@ -89,17 +144,22 @@ def plot(results: dict, out: Path, title: str) -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "e2e_tensorboard_step_time.png", dpi=110)
-    rows = results.get("steptime")
+    rows = parts.get("steptime")
     if rows:
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        labels = sorted({(r["batch"], r["amp"]) for r in rows})
+        # One group of bars per (mode, sizes); the hatched inner bar is the GPU kernel time of the step.
+        groups = list(dict.fromkeys((r["batch"], r["amp"], r["compile"], r["shapes"]) for r in rows))
+        fig, ax = plt.subplots(figsize=(9, 4.8))
         for offset, impl in ((-0.2, "triton"), (0.2, "pytorch")):
-            ms = [next((r["step_ms"] for r in rows if (r["batch"], r["amp"]) == key and r["impl"] == impl), 0.0)
-                  for key in labels]
-            ax.bar([i + offset for i in range(len(labels))], ms, width=0.4, label=f"msda={impl}")
-        ax.set_xticks(range(len(labels)), [f"batch {b}\n{a.replace('none', 'fp32')}" for b, a in labels])
+            found = [next((r for r in rows if (r["batch"], r["amp"], r["compile"], r["shapes"]) == g
+                           and r["impl"] == impl), None) for g in groups]
+            xs = [i + offset for i in range(len(groups))]
+            ax.bar(xs, [r["step_ms"] if r else 0 for r in found], width=0.4, label=f"msda={impl} step")
+            ax.bar(xs, [(r.get("gpu_kernel_ms") or 0) if r else 0 for r in found], width=0.25, fill=False,
+                   hatch="//", label=f"msda={impl} GPU kernels")
+        ax.set_xticks(range(len(groups)), [f"B{b} {a.replace('none', 'fp32')}\n{'compiled' if c else 'eager'}\n{s}"
+                                           for b, a, c, s in groups], fontsize=8)
         ax.set_ylabel("median training step (ms)")
-        ax.set_title(f"Training step, 800x1333: {title}")
-        ax.legend()
+        ax.set_title(f"Training step, default model: {rows[0]['gpu']}, {rows[0]['date']}")
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "e2e_step_time.png", dpi=110)

@@ -1,0 +1,169 @@
+"""Training-step timing for bench/e2e.py: engine.step.TrainStep on the default model, eager or compiled.
+
+For each (msda, amp, compile, batch) the same TrainStep that train.py runs is timed on random batches of
+a fixed size (800x1333), then on batches drawn from the COCO recipe's sizes (short side 480-800 in steps
+of 32, long side up to 1333, padded to the batch's largest image). Per row:
+    step_ms         median wall time of a step (synchronized after each)
+    gpu_kernel_ms   device time of the CUDA kernels of one step (torch.profiler), and its share of step_ms
+    launches        kernel launches per step (profiler)
+    syncs_per_step  host syncs of one step, counted by torch.cuda.set_sync_debug_mode("warn")
+    peak_gib        max GPU memory allocated
+    attention_share share of the kernel time in the attention op
+    compile_s       wall time of the first (compiling) step; recompiles: graphs compiled after it
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+import warnings
+
+import torch
+
+from engine.compile import compile_module
+from engine.optim import build_optimizer
+from engine.precision import Precision
+from engine.step import TrainStep
+from models import build_model
+
+ATTENTION_KERNELS = {"triton": ("msda_",), "pytorch": ("grid_sampler",)}
+COCO_SHORT_SIDES = tuple(range(480, 801, 32))
+COCO_MAX_SIZE = 1333
+
+
+def coco_recipe_size(rng: random.Random) -> tuple[int, int]:
+    """(h, w) of one image as the COCO recipe resizes it: a random short side, the long side at most 1333,
+    aspect ratios of COCO photographs (mostly 4:3, some square, either orientation)."""
+    short = rng.choice(COCO_SHORT_SIDES)
+    long = min(round(short * rng.uniform(1.0, 4 / 3)), COCO_MAX_SIZE)
+    return (short, long) if rng.random() < 0.5 else (long, short)
+
+
+def random_batch(sizes: list[tuple[int, int]], num_classes: int, device, gen: torch.Generator):
+    """Images padded to the largest (h, w) with their masks, and 6 random boxes per image."""
+    H, W = max(h for h, _ in sizes), max(w for _, w in sizes)
+    images = torch.zeros(len(sizes), 3, H, W, device=device)
+    masks = torch.ones(len(sizes), H, W, dtype=torch.bool, device=device)
+    targets = []
+    for i, (h, w) in enumerate(sizes):
+        images[i, :, :h, :w] = torch.randn(3, h, w, device=device, generator=gen)
+        masks[i, :h, :w] = False
+        centres = torch.rand(6, 2, device=device, generator=gen) * 0.6 + 0.2
+        box_sizes = torch.rand(6, 2, device=device, generator=gen) * 0.3 + 0.05
+        labels = torch.randint(1, num_classes, (6,), device=device, generator=gen)
+        targets.append({"labels": labels, "boxes": torch.cat([centres, box_sizes], -1)})
+    return images, masks, targets
+
+
+def _device_us(event) -> float:
+    # The attribute was renamed from *cuda* to *device* across torch releases.
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
+    """GPU kernel time and launches per step, and the attention op's share of the kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            run_step()
+        sync()
+    kernel_us = attention_us = 0.0
+    launches = 0
+    for event in prof.key_averages():
+        if "LaunchKernel" in event.key:
+            launches += event.count
+        if not str(event.device_type).endswith("CUDA"):
+            continue
+        us = _device_us(event)
+        kernel_us += us
+        if any(name in event.key for name in attention_names):
+            attention_us += us
+    return {"gpu_kernel_ms": kernel_us / steps / 1e3, "launches": launches / steps,
+            "attention_share": attention_us / max(kernel_us, 1e-9)}
+
+
+def count_syncs(run_step) -> int:
+    """Host syncs during one step: each synchronizing CUDA call warns once under sync debug mode "warn"."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int, width: int, warmup: int,
+            steps: int, multishape_steps: int, device: torch.device, seed: int = 0) -> list[dict]:
+    """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row for this configuration."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model, criterion, _ = build_model(cfg.model)
+    model.to(device).train()
+    criterion.to(device)
+    optimizer = build_optimizer(model, cfg.optim)
+    step = TrainStep(model=compile_module(model) if compile else model, criterion=criterion, optimizer=optimizer,
+                     precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_classes = cfg.model.num_classes
+
+    cuda = device.type == "cuda"  # a CPU run only checks the bench itself
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def peak_gib() -> float:
+        return torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+
+    def timed(batch_data) -> float:
+        t0 = time.perf_counter()
+        step(*batch_data)
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    base = {"impl": impl, "amp": amp, "compile": compile, "batch": batch}
+    fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
+    graphs_before = _unique_graphs()
+    first_ms = timed(fixed)
+    for _ in range(warmup - 1):
+        timed(fixed)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = [timed(fixed) for _ in range(steps)]
+    row = {**base, "shapes": f"fixed {height}x{width}", "step_ms": statistics.median(times), "all_ms": times,
+           "images_per_s": batch / statistics.median(times) * 1e3, "first_step_s": first_ms / 1e3,
+           "peak_gib": peak_gib(), "syncs_per_step": count_syncs(lambda: step(*fixed)) if cuda else None,
+           **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}
+    row["kernel_share"] = row["gpu_kernel_ms"] / row["step_ms"]
+    rows = [row]
+    if multishape_steps:
+        rng = random.Random(seed)
+        graphs_fixed = _unique_graphs()
+        shapes, times = set(), []
+        for _ in range(multishape_steps):
+            sizes = [coco_recipe_size(rng) for _ in range(batch)]
+            data = random_batch(sizes, num_classes, device, gen)
+            shapes.add(tuple(data[0].shape[-2:]))
+            times.append(timed(data))
+        settled = times[len(times) // 5:]  # the first fifth holds any new-shape compilation
+        rows.append({**base, "shapes": "COCO recipe sizes", "step_ms": statistics.median(settled), "all_ms": times,
+                     "images_per_s": batch / statistics.median(settled) * 1e3, "distinct_shapes": len(shapes),
+                     "recompiles": _unique_graphs() - graphs_fixed, "max_step_s": max(times) / 1e3,
+                     "peak_gib": peak_gib()})
+    for r in rows:
+        r["graphs_compiled"] = _unique_graphs() - graphs_before
+    return rows

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One batch of GPU work in one call on a lent GPU machine: checks, then timings, logs and results under $OUT.
+#
+#   OUT=/tmp/out bash bench/h200_run.sh tests:1 msda:0 e2e:0      # step:GPU; steps on different GPUs run at once
+#
+# Steps: tests (the whole pytest suite on that GPU), msda (bench/msda.py), e2e (bench/e2e.py step times and the
+# train.py run), e2e-eager (eager rows only), ddp (bench/ddp.py on every GPU). Extra arguments for a step come
+# from the environment: MSDA_ARGS, E2E_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
+# antlr4, pycocotools) are installed from .whl/ when that folder holds their wheels.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the folder for results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv > "$OUT/gpus.csv" 2>&1
+
+run_step() {  # name gpu
+  local name=$1 gpu=$2
+  case $name in
+    tests) CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -p no:cacheprovider tests -x --durations=15 ;;
+    msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" ${MSDA_ARGS:-} ;;
+    e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
+    e2e-eager) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime \
+                 --compile-modes eager ${E2E_ARGS:-} ;;
+    ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
+    *) echo "unknown step $name"; return 2 ;;
+  esac
+}
+
+pids=()
+declare -A busy  # gpu -> the steps queued on it, run one after another
+for arg in "$@"; do
+  busy[${arg#*:}]+="${arg%%:*} "
+done
+for gpu in "${!busy[@]}"; do
+  (
+    for name in ${busy[$gpu]}; do
+      echo "== $name on GPU $gpu: $(date -u +%T)"
+      run_step "$name" "$gpu" > "$OUT/$name.log" 2>&1
+      echo "== $name on GPU $gpu: exit $? at $(date -u +%T)"
+      tail -n 25 "$OUT/$name.log"
+    done
+  ) &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
