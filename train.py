@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from datasets import build_data_loader, build_dataset
 from engine.checkpoint import (check_training_state, find_resume_checkpoint, load_checkpoint, load_model_weights,
                                model_config_for_checkpoint)
-from engine.compile import compile_module
+from engine.compile import compile_regions
 from engine.distributed import (DistContext, argv_for_rank, average_over_processes, barrier, broadcast_object,
                                 env_rank, init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, write_eval_json
@@ -73,10 +72,6 @@ def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
                              distributed=ctx.distributed, seed=cfg.seed)
 
 
-def maybe_compile(module: torch.nn.Module, cfg: DictConfig) -> torch.nn.Module:
-    return compile_module(module, backend=cfg.compile_backend) if cfg.compile else module
-
-
 def train(cfg: DictConfig) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step"}."""
     check_run_settings(cfg)
@@ -94,6 +89,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     model, criterion, postprocess = build_model(cfg.model)
     model.to(device)
     criterion.to(device)
+    if cfg.compile:
+        compile_regions(model, backend=cfg.compile_backend)  # in place: training and evaluation use it
     optimizer = build_optimizer(model, cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
     precision = Precision(amp=cfg.amp, device=device)
@@ -127,7 +124,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     if ctx.distributed:
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                           find_unused_parameters=cfg.find_unused_parameters)
-    step = TrainStep(model=maybe_compile(trained, cfg), criterion=criterion, optimizer=optimizer,
+    step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                      precision=precision, clip_max_norm=cfg.optim.clip_max_norm,
                      average_num_boxes=lambda n: average_over_processes(n, ctx))
     if ctx.is_main:
@@ -136,7 +133,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                  "epoch, %d epochs", output_dir, ctx.world_size, device, precision.name,
                  ", compiled" if cfg.compile else "", n_params / 1e6, len(train_loader), cfg.epochs)
     trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, model=model, step=step,
-                      eval_model=maybe_compile(model, cfg), postprocess=postprocess, lr_scheduler=lr_scheduler,
+                      eval_model=model, postprocess=postprocess, lr_scheduler=lr_scheduler,
                       train_loader=train_loader, val_loader=build_val_loader(data["val"], cfg, ctx),
                       coco_gt=data["val"].coco, position=position,
                       config_record=OmegaConf.to_container(cfg, resolve=True))
@@ -162,8 +159,10 @@ def evaluate(cfg: DictConfig) -> dict:
         model, _, postprocess = build_model(OmegaConf.create(model_cfg))
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
+        if cfg.compile:
+            compile_regions(model, backend=cfg.compile_backend)
         val_set = build_datasets(cfg, ctx, ("val",))["val"]
-        stats, num_images = evaluate_coco(model=maybe_compile(model, cfg), postprocess=postprocess,
+        stats, num_images = evaluate_coco(model=model, postprocess=postprocess,
                                           loader=build_val_loader(val_set, cfg, ctx), coco_gt=val_set.coco,
                                           device=ctx.device, precision=Precision(amp=cfg.amp, device=ctx.device))
         if ctx.is_main:

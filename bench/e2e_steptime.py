@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from engine.compile import compile_module
+from engine.compile import compile_regions
 from engine.optim import build_optimizer
 from engine.precision import Precision
 from engine.step import TrainStep
@@ -114,8 +114,10 @@ def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int,
     model, criterion, _ = build_model(cfg.model)
     model.to(device).train()
     criterion.to(device)
+    if compile:
+        compile_regions(model)
     optimizer = build_optimizer(model, cfg.optim)
-    step = TrainStep(model=compile_module(model) if compile else model, criterion=criterion, optimizer=optimizer,
+    step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
     gen = torch.Generator(device=device).manual_seed(seed)
     num_classes = cfg.model.num_classes

@@ -125,7 +125,8 @@ class Backbone(nn.Module):
 
     def forward(self, images: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         feats = self.body(images)  # {"0": (B, C_l, H_l, W_l), ...}
-        return [(x, downsample_mask(mask, x.shape[-2:])) for _, x in sorted(feats.items())]
+        # The getter returns the layers in order ("0", "1", ...): no sort, which torch.compile cannot trace.
+        return [(x, downsample_mask(mask, x.shape[-2:])) for x in feats.values()]
 
 
 class Joiner(nn.Sequential):

@@ -63,9 +63,11 @@ class DeformableTransformerEncoder(nn.Module):
         level with that level's valid ratio: (N, S, L, 2) as (x, y)."""
         reference_points_list = []
         for lvl, (H, W) in enumerate(spatial_shapes):
+            # Pixel centres 0.5, 1.5, ...: arange rather than linspace, whose step count torch.compile
+            # would fix to the traced size (a recompilation per feature-map size).
             ref_y, ref_x = torch.meshgrid(
-                torch.linspace(0.5, H - 0.5, H, dtype=torch.float32, device=device),
-                torch.linspace(0.5, W - 0.5, W, dtype=torch.float32, device=device), indexing="ij")
+                torch.arange(H, dtype=torch.float32, device=device) + 0.5,
+                torch.arange(W, dtype=torch.float32, device=device) + 0.5, indexing="ij")
             ref_y = ref_y.reshape(-1)[None] / (valid_ratios[:, None, lvl, 1] * H)  # (N, H*W)
             ref_x = ref_x.reshape(-1)[None] / (valid_ratios[:, None, lvl, 0] * W)  # (N, H*W)
             reference_points_list.append(torch.stack((ref_x, ref_y), -1))  # (N, H*W, 2)
@@ -130,7 +132,8 @@ class DeformableTransformerDecoder(nn.Module):
     def forward(self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask):
         """tgt, query_pos (N, Q, C); reference_points (N, Q, 2 or 4) in [0, 1] of the valid region;
         -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer."""
-        output = tgt
+        # Contiguous like every later layer's output, so that a compiled layer (compile=true) sees one layout.
+        output = tgt.contiguous()
         intermediate, intermediate_reference_points = [], []
         for lid, layer in enumerate(self.layers):
             if reference_points.shape[-1] == 4:
@@ -227,8 +230,8 @@ class DeformableTransformer(nn.Module):
             valid_H = torch.sum(~mask_flatten[:, :, 0, 0], 1)  # (N,)
             valid_W = torch.sum(~mask_flatten[:, 0, :, 0], 1)  # (N,)
             grid_y, grid_x = torch.meshgrid(
-                torch.linspace(0, H - 1, H, dtype=torch.float32, device=memory.device),
-                torch.linspace(0, W - 1, W, dtype=torch.float32, device=memory.device), indexing="ij")
+                torch.arange(H, dtype=torch.float32, device=memory.device),
+                torch.arange(W, dtype=torch.float32, device=memory.device), indexing="ij")
             grid = torch.cat([grid_x.unsqueeze(-1), grid_y.unsqueeze(-1)], -1)  # (H, W, 2)
             scale = torch.cat([valid_W.unsqueeze(-1), valid_H.unsqueeze(-1)], 1).view(N, 1, 1, 2)
             grid = (grid.unsqueeze(0).expand(N, -1, -1, -1) + 0.5) / scale  # (N, H, W, 2)
