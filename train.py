@@ -34,12 +34,13 @@ from engine.evaluation import evaluate_coco, write_eval_json
 from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
 from engine.precision import Precision
 from engine.progress import Progress, format_duration
+from engine.config import check_config, plain_config, register_configs
 from engine.rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
-from engine.settings import check_run_settings
 from engine.tensorboard import ScalarWriter
 from models import build_model
 
 log = logging.getLogger("train")
+register_configs()  # the typed schemas configs/*.yaml name (engine/config.py), before Hydra composes
 
 # Per-decoder-layer (loss_ce_0 ...) and encoder (loss_ce_enc) copies of a loss; logged only inside the total.
 AUX_LOSS = re.compile(r"_(\d+|enc)$")
@@ -82,7 +83,7 @@ def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
 
 def train(cfg: DictConfig) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval"}."""
-    check_run_settings(cfg)
+    cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device)
     try:
         return _train(cfg, ctx)
@@ -148,7 +149,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
         return {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
                 "lr_scheduler": lr_scheduler.state_dict(), "grad_scaler": precision.scaler.state_dict(),
                 "epoch": epoch, "steps_in_epoch": steps_in_epoch, "step": step,
-                "config": OmegaConf.to_container(cfg, resolve=True), "rng": capture_rng_state()}
+                "config": plain_config(cfg), "rng": capture_rng_state()}
 
     losses_run, stats, epoch = [], None, start_epoch
     t_start = time.perf_counter()
@@ -285,7 +286,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if not cfg.checkpoint:
         raise ValueError("eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official "
                          "Deformable DETR one)")
-    check_run_settings(cfg)
+    cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device)
     try:
         output_dir = resolve_output_dir(cfg, ctx)
