@@ -24,17 +24,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from datasets import build_data_loader, build_dataset
-from engine.checkpoint import (LATEST, check_training_state, epoch_checkpoint_name, find_resume_checkpoint,
-                               load_checkpoint, load_model_weights, model_config_for_checkpoint, publish_as,
-                               save_checkpoint)
+from datasets import ImageReadError, build_data_loader, build_dataset
+from engine.checkpoint import (LATEST, check_training_state, epoch_checkpoint_name, load_checkpoint,
+                               load_model_weights, model_config_for_checkpoint, publish_as, save_checkpoint)
+from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, all_reduce_mean, argv_for_rank, barrier, broadcast_object, env_rank,
                                 init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, write_eval_json
 from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
 from engine.precision import Precision
 from engine.progress import Progress, format_duration
-from engine.config import check_config, plain_config, register_configs
+from engine.num_classes import resolve_num_classes
+from engine.resume import config_for_resume, find_resume_checkpoint, last_checkpoint_hint, restore_training_state
 from engine.rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
 from engine.tensorboard import ScalarWriter
 from models import build_model
@@ -68,11 +69,11 @@ def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
 def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -> dict:
     """Rank 0 first (it may write the synthetic set to disk), then the others read what it wrote."""
     datasets = {}
-    if ctx.is_main:
-        datasets = {s: build_dataset(s, cfg.dataset) for s in splits}
+    if ctx.is_main:  # checks the data (opens the validation images) and reports dropped annotations
+        datasets = {s: build_dataset(s, cfg.dataset, check=True) for s in splits}
     barrier(ctx)
     if not ctx.is_main:
-        datasets = {s: build_dataset(s, cfg.dataset) for s in splits}
+        datasets = {s: build_dataset(s, cfg.dataset, check=False) for s in splits}
     return datasets
 
 
@@ -94,6 +95,23 @@ def train(cfg: DictConfig) -> dict:
 def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     output_dir = resolve_output_dir(cfg, ctx)
     device = ctx.device
+    # The data first: it is checked before anything is trained, and may decide model.num_classes.
+    data = build_datasets(cfg, ctx, ("train", "val"))
+
+    # --- hook (reliability): the checkpoint to resume and the config the resumed run uses ---------------
+    resume_path, ckpt = None, None
+    if ctx.is_main:  # rank 0 picks (resume=auto looks at file times), so every rank resumes from the same file
+        resume_path = find_resume_checkpoint(cfg.resume, output_dir=output_dir, search_root=Path("outputs"),
+                                             config=plain_config(cfg))
+    resume_path = broadcast_object(resume_path, ctx)
+    if resume_path is not None:
+        ckpt = load_checkpoint(resume_path)
+        check_training_state(ckpt, path=resume_path)
+        cfg = config_for_resume(cfg, ckpt, path=resume_path, report=ctx.is_main)
+    # --- hook (reliability): classes from the data (model.num_classes=null), category ids checked ---------
+    cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
+    # -------------------------------------------------------------------------------------------------------
+
     seed_all(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model, criterion, postprocess = build_model(cfg.model)
     model.to(device)
@@ -102,7 +120,6 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
     precision = Precision(amp=cfg.amp, device=device)
 
-    data = build_datasets(cfg, ctx, ("train", "val"))
     train_loader = build_data_loader(data["train"], batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                                      train=True, distributed=ctx.distributed, seed=cfg.seed)
     val_loader = build_val_loader(data["val"], cfg, ctx)
@@ -112,22 +129,12 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                          f"{cfg.batch_size} x {ctx.world_size} processes")
 
     start_epoch, step, skip_in_epoch, resume_rng = 0, 0, 0, None
-    resume_path = None
-    if ctx.is_main:  # rank 0 picks (resume=auto looks at file times), so every rank resumes from the same file
-        resume_path = find_resume_checkpoint(cfg.resume, output_dir=output_dir, search_root=Path("outputs"))
-    resume_path = broadcast_object(resume_path, ctx)
-    if resume_path is not None:
-        ckpt = load_checkpoint(resume_path)
-        check_training_state(ckpt, path=resume_path)
-        load_model_weights(model, ckpt, path=resume_path)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        precision.scaler.load_state_dict(ckpt["grad_scaler"])
-        start_epoch, step, skip_in_epoch = ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"]
-        resume_rng = ckpt["rng"] if ctx.world_size == 1 else None
+    if ckpt is not None:  # --- hook (reliability): restore, then apply a changed lr schedule -------------
+        start_epoch, step, skip_in_epoch, rng = restore_training_state(
+            ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=precision.scaler,
+            cfg_optim=cfg.optim, path=resume_path)
+        resume_rng = rng if ctx.world_size == 1 else None
         log.info("resumed from %s at epoch %d, step %d", resume_path, start_epoch, step)
-    elif cfg.resume == "auto":
-        log.info("resume=auto: no checkpoint found, starting from scratch")
 
     model_without_ddp = model
     if ctx.distributed:
@@ -260,6 +267,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                     save_checkpoint(state, output_dir / LATEST)
             barrier(ctx)
             writer.flush()
+    except ImageReadError as error:  # --- hook (reliability): a damaged image met while training -----------
+        raise ImageReadError(f"{error}\n{last_checkpoint_hint(output_dir)}") from error
     finally:
         writer.close()
     if ctx.is_main:
@@ -293,10 +302,13 @@ def evaluate(cfg: DictConfig) -> dict:
         ckpt = load_checkpoint(cfg.checkpoint)
         model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
                                                 path=cfg.checkpoint)
+        val_set = build_datasets(cfg, ctx, ("val",))["val"]
+        # --- hook (reliability): classes of the checkpoint (when null), checked against the category ids ---
+        model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
+                                                       checkpoint_state=ckpt["model"])
         model, _, postprocess = build_model(OmegaConf.create(model_cfg))
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
-        val_set = build_datasets(cfg, ctx, ("val",))["val"]
         stats, num_images = evaluate_coco(model=model, postprocess=postprocess,
                                           loader=build_val_loader(val_set, cfg, ctx), coco_gt=val_set.coco,
                                           device=ctx.device, precision=Precision(amp=cfg.amp, device=ctx.device))

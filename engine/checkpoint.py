@@ -239,26 +239,3 @@ def read_recorded_config(path: str | os.PathLike) -> dict | None:
         return None
     config = obj.get("config") if isinstance(obj, dict) else None
     return config if isinstance(config, dict) else None
-
-
-def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path) -> Path | None:
-    """The checkpoint that ``resume`` names.
-
-    None/empty: start fresh. A path: that file (it must exist). ``auto``: ``checkpoint.pth`` in this run's
-    directory if present, else the most recently written ``<search_root>/*/*/checkpoint.pth`` (Hydra's
-    outputs/<date>/<time>/ layout), else None (start fresh).
-    """
-    if not resume:
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        if path.is_dir():
-            path = path / LATEST
-        if not path.is_file():
-            raise CheckpointError(f"resume={resume}: no checkpoint file at {path}")
-        return path
-    own = Path(output_dir) / LATEST
-    if own.is_file():
-        return own
-    found = sorted(Path(search_root).glob(f"*/*/{LATEST}"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
