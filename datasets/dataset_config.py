@@ -11,7 +11,7 @@ Defaults are the published COCO transform values, so a plain mapping such as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
@@ -131,7 +131,3 @@ def read_dataset_config(cfg: Any) -> DatasetConfig:
     typed = OmegaConf.merge({"dataset": OmegaConf.structured(DATASET_SCHEMAS[DatasetName(name)])}, {"dataset": cfg})
     return OmegaConf.to_object(typed.dataset)
 
-
-def dataset_keys(name: str) -> frozenset[str]:
-    """The keys the schema of dataset ``name`` has."""
-    return frozenset(f.name for f in fields(DATASET_SCHEMAS[DatasetName(name)]))

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from models.model_config import MODEL_KEYS
 
@@ -132,7 +133,11 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
     effective = copy.deepcopy(cfg)
     for key, value in (recorded.get("model") or {}).items():
         if key in MODEL_KEYS and key not in COMMAND_LINE_MODEL_KEYS:
-            effective.model[key] = value  # typed node: the recorded value is checked like an override
+            try:
+                effective.model[key] = value  # typed node: the recorded value is checked like an override
+            except OmegaConfBaseException as error:
+                raise CheckpointError(f"checkpoint {path} records model.{key}={value!r}, which this version does not "
+                                      f"accept ({str(error).splitlines()[0]})") from error
     if report:
         lines = []
         for key, old, new in setting_differences(recorded, plain_config(cfg)):

@@ -214,3 +214,10 @@ def test_an_optimizer_state_of_other_groups_is_a_checkpoint_error():
     ckpt["optimizer"]["param_groups"] = ckpt["optimizer"]["param_groups"][:1]
     with pytest.raises(CheckpointError, match=r"checkpoint c\.pth: its optimizer or scheduler state does not fit"):
         restored(ckpt, cfg_optim)
+
+
+def test_a_recorded_model_setting_this_version_refuses_names_the_checkpoint(base_config):
+    recorded = with_changes(base_config, **{"model.backbone": "resnet152"})
+    with pytest.raises(CheckpointError, match=r"checkpoint old\.pth records model\.backbone='resnet152', which this "
+                                              r"version does not accept \(Invalid value 'resnet152'"):
+        config_for_resume(compose_train(), checkpoint_of(recorded), path="old.pth")
