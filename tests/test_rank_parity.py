@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.config import register_configs
 from models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,7 @@ WORLD = 2
 
 
 def tiny_model_config():
+    register_configs()  # spawned ranks import this module afresh, without conftest's registration
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["model=tiny", "model.msda=pytorch"])
     return cfg.model
