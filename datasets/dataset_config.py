@@ -11,7 +11,7 @@ Defaults are the published COCO transform values, so a plain mapping such as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Optional
 
@@ -56,6 +56,10 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_size", "val_size", "crop_min_size", "crop_max_size"))
+        kind = next(f.default for f in fields(self) if f.name == "name")  # the set this schema is for
+        if kind is not MISSING and self.name != kind:
+            problems.append(f"dataset.name is {self.name} in the {kind} dataset config: choose the set with "
+                            f"dataset={self.name}, not dataset.name={self.name}")
         for key in ("train_scales", "crop_scales"):
             values = getattr(self, key)
             if not values or min(values) < 1:

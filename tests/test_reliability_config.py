@@ -59,6 +59,7 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     (["epochs=0", "batch_size=0"], r"epochs must be an integer >= 1, got 0; batch_size must be an integer >= 1"),
     (["dataset.image_size=8"], r"dataset\.image_size must be at least 16 pixels"),
     (["dataset.crop_min_size=700"], r"dataset\.crop_min_size \(700\) must not exceed dataset\.crop_max_size"),
+    (["dataset.name=coco"], r"dataset\.name is coco in the synthetic dataset config: choose the set with dataset=coco"),
 ])
 def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
     with pytest.raises(ValueError, match=message):
