@@ -3,7 +3,7 @@
     python train.py                                   # synthetic set, CPU-sized, trains then evaluates
     python train.py dataset=coco dataset.root=PATH    # COCO 2017, the published recipe
     python train.py eval_only=true checkpoint=PATH    # evaluate ours or an official checkpoint
-    python train.py resume=auto                       # continue the latest run
+    python train.py resume=auto                       # continue the latest run of this model and data
     torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel, one run directory
 
 ``train(cfg)`` and ``evaluate(cfg)`` take a composed config and are what the tests call.
@@ -31,10 +31,10 @@ from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, all_reduce_mean, argv_for_rank, barrier, broadcast_object, env_rank,
                                 init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, write_eval_json
+from engine.num_classes import resolve_num_classes
 from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
 from engine.precision import Precision
 from engine.progress import Progress, format_duration
-from engine.num_classes import resolve_num_classes
 from engine.resume import config_for_resume, find_resume_checkpoint, last_checkpoint_hint, restore_training_state
 from engine.rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
 from engine.tensorboard import ScalarWriter
