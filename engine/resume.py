@@ -13,8 +13,9 @@ The rule (README, "Outputs"), applied by ``config_for_resume`` and ``restore_tra
   says which value is used.
 
 ``resume=auto`` takes only what belongs to this run: the run directory's own checkpoint.pth (a fixed
-``hydra.run.dir`` or ``output_dir``), else the newest ``outputs/*/*/checkpoint.pth`` whose model and
-dataset settings are this run's, and it says which one it took.
+``hydra.run.dir`` or ``output_dir``), else the newest ``outputs/*/*/checkpoint.pth`` of a run with this
+run's settings (all but the schedule's length and how to run: RESUMABLE_CHANGES), and it says which one
+it took.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 COMMAND_LINE_MODEL_KEYS = frozenset({"msda", "pretrained"})
 # Keys about this command rather than the run: never compared.
 INVOCATION_KEYS = frozenset({"resume", "output_dir", "checkpoint", "eval_only"})
+# Settings that may differ from a checkpoint's without making it another run's, for resume=auto: a longer
+# schedule, and how to run. Any other difference (model, data, batch, seed, lr ...) is another experiment.
+RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "device", "amp", "num_workers", "log_every", "eval_every",
+                               "checkpoint_every", "find_unused_parameters", "model.msda", "model.pretrained",
+                               "dataset.verify"})
 # The lr schedule as the optimizer and the scheduler hold it; a change to any of these is applied on resume.
 SCHEDULE_KEYS = ("lr", "lr_backbone", "lr_linear_proj_mult", "weight_decay", "lr_drop", "lr_gamma")
 
@@ -75,9 +81,8 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
 
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
-    """Keys that make the checkpoint's run another run than this one: model and dataset settings."""
-    return [key for key, _, _ in setting_differences(recorded, current)
-            if _kept_from_checkpoint(key) or (key.startswith("dataset.") and key != "dataset.verify")]
+    """Keys that make the checkpoint's run another run than this one (all but RESUMABLE_CHANGES)."""
+    return [key for key, _, _ in setting_differences(recorded, current) if key not in RESUMABLE_CHANGES]
 
 
 def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path, config: dict) -> Path | None:
@@ -110,9 +115,8 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
         differences = run_identity_differences(recorded, config)
         if not differences:
             written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
-            log.warning("resume=auto: continuing %s (written %s), the newest checkpoint under %s whose model and "
-                        "dataset settings are this run's; pass resume=null to start afresh", path, written,
-                        search_root)
+            log.warning("resume=auto: continuing %s (written %s), the newest checkpoint under %s of a run with "
+                        "this run's settings; pass resume=null to start afresh", path, written, search_root)
             return path
         others.append(f"{path} ({', '.join(differences[:3])} differ)")
     if others:

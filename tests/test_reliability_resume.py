@@ -58,10 +58,13 @@ def test_auto_skips_newer_runs_of_another_model_and_says_which_it_took(tmp_path,
     same = write_run(outputs, "09-00-00", base_config, age_s=300)
     write_run(outputs, "10-00-00", with_changes(base_config, **{"model.hidden_dim": 128}), age_s=200)
     write_run(outputs, "11-00-00", with_changes(base_config, **{"dataset.num_train": 32}), age_s=100)
+    write_run(outputs, "11-30-00", with_changes(base_config, **{"optim.lr": 1e-3}), age_s=50)
+    write_run(outputs, "11-40-00", with_changes(base_config, **{"seed": 7}), age_s=40)
     (outputs / "2026-01-01" / "12-00-00").mkdir()
     (outputs / "2026-01-01" / "12-00-00" / "checkpoint.pth").write_text("garbage")
-    # What may differ: the lr, the schedule, how to run (model.msda), which are the command line's anyway.
-    current = with_changes(base_config, **{"optim.lr": 1e-3, "epochs": 99, "model.msda": "pytorch"})
+    # What may differ: a longer schedule and how to run.
+    current = with_changes(base_config, **{"epochs": 99, "max_steps": 1000, "model.msda": "pytorch",
+                                           "num_workers": 4, "amp": "none", "log_every": 1})
     with caplog.at_level(logging.WARNING, logger="engine"):
         found = find_resume_checkpoint("auto", output_dir=outputs / "2026-01-02" / "08-00-00", search_root=outputs,
                                        config=current)
