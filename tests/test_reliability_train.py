@@ -9,12 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train as trainer
 from datasets import ImageReadError, build_dataset
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 2  # 8 training images, batch 4
@@ -126,3 +127,14 @@ def test_a_damaged_validation_image_stops_the_run_before_training(data_root, tmp
                                              r".*val2017/000000000002\.jpg"):
         trainer.train(compose_run(run_dir, *synthetic(data)))
     assert not (run_dir / "tensorboard").exists() and not (run_dir / "checkpoint.pth").exists()
+
+
+def test_weights_of_another_size_name_the_checkpoint_not_a_wall_of_mismatches(first_run, data_root, tmp_path):
+    weights_only = tmp_path / "weights_only.pth"  # no config: the command line's model is built, 12 queries
+    torch.save({"model": load_checkpoint(first_run / "checkpoint.pth")["model"]}, weights_only)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*weights_only\.pth does not fit the model: \d+ parameters "
+                                              r"differ in shape \(e\.g\. .*\(10, 64\) in the checkpoint, \(12, 64\) in "
+                                              r"the model") as error:
+        trainer.evaluate(compose_run(tmp_path / "eval", *synthetic(data_root), "eval_only=true",
+                                     f"checkpoint={weights_only}", "model.num_queries=12"))
+    assert len(str(error.value).splitlines()) == 1
