@@ -217,4 +217,5 @@ def last_checkpoint_hint(output_dir: str | os.PathLike) -> str:
     if latest.is_file():
         return (f"The run's last checkpoint is {latest}: fix or remove the file (and its annotations), then "
                 f"continue with resume={latest}")
-    return "No checkpoint of this run has been written yet: fix or remove the file (and its annotations) and start again"
+    return ("No checkpoint of this run has been written yet: fix or remove the file (and its annotations) and "
+            "start again")
