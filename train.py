@@ -3,7 +3,7 @@
     python train.py                                   # synthetic set, CPU-sized, trains then evaluates
     python train.py dataset=coco dataset.root=PATH    # COCO 2017, the published recipe
     python train.py eval_only=true checkpoint=PATH    # evaluate ours or an official checkpoint
-    python train.py resume=auto                       # continue the latest run
+    python train.py resume=auto                       # continue the latest run of this model and data
     torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel, one run directory
 
 ``train(cfg)`` and ``evaluate(cfg)`` take a composed config and are what the tests call.
@@ -21,22 +21,24 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
 from datasets import build_data_loader, build_dataset
-from engine.checkpoint import (check_training_state, find_resume_checkpoint, load_checkpoint, load_model_weights,
-                               model_config_for_checkpoint)
+from engine.checkpoint import check_training_state, load_checkpoint, load_model_weights, model_config_for_checkpoint
 from engine.compile import compile_regions
+from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, argv_for_rank, average_over_processes, barrier, broadcast_object,
                                 env_rank, init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, write_eval_json
 from engine.loop import NonFiniteLossError, Position, Trainer
+from engine.num_classes import resolve_num_classes
 from engine.optim import build_lr_scheduler, build_optimizer
 from engine.precision import Precision
+from engine.resume import config_for_resume, find_resume_checkpoint, restore_training_state
 from engine.rng import seed_all
-from engine.settings import check_run_settings
 from engine.step import TrainStep
 from engine.tensorboard import ScalarWriter
 from models import build_model
 
 log = logging.getLogger("train")
+register_configs()  # the typed schemas configs/*.yaml name (engine/config.py), before Hydra composes
 
 __all__ = ["NonFiniteLossError", "evaluate", "train"]
 
@@ -59,11 +61,11 @@ def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
 def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -> dict:
     """Rank 0 first (it may write the synthetic set to disk), then the others read what it wrote."""
     datasets = {}
-    if ctx.is_main:
-        datasets = {s: build_dataset(s, cfg.dataset) for s in splits}
+    if ctx.is_main:  # checks the data (opens the validation images) and reports dropped annotations
+        datasets = {s: build_dataset(s, cfg.dataset, check=True) for s in splits}
     barrier(ctx)
     if not ctx.is_main:
-        datasets = {s: build_dataset(s, cfg.dataset) for s in splits}
+        datasets = {s: build_dataset(s, cfg.dataset, check=False) for s in splits}
     return datasets
 
 
@@ -74,7 +76,7 @@ def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
 
 def train(cfg: DictConfig) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step"}."""
-    check_run_settings(cfg)
+    cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device)
     try:
         return _train(cfg, ctx)
@@ -85,6 +87,22 @@ def train(cfg: DictConfig) -> dict:
 def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     output_dir = resolve_output_dir(cfg, ctx)
     device = ctx.device
+    # The data first: it is checked before anything is trained, and may decide model.num_classes.
+    data = build_datasets(cfg, ctx, ("train", "val"))
+
+    # The checkpoint to resume and the config the resumed run uses (engine.resume).
+    resume_path, ckpt = None, None
+    if ctx.is_main:  # rank 0 picks (resume=auto looks at file times), so every rank resumes from the same file
+        resume_path = find_resume_checkpoint(cfg.resume, output_dir=output_dir, search_root=Path("outputs"),
+                                             config=plain_config(cfg))
+    resume_path = broadcast_object(resume_path, ctx)
+    if resume_path is not None:
+        ckpt = load_checkpoint(resume_path)
+        check_training_state(ckpt, path=resume_path)
+        cfg = config_for_resume(cfg, ckpt, path=resume_path, report=ctx.is_main)
+    # Classes from the data when model.num_classes is null; category ids checked against them.
+    cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
+
     seed_all(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model, criterion, postprocess = build_model(cfg.model)
     model.to(device)
@@ -95,7 +113,6 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
     precision = Precision(amp=cfg.amp, device=device)
 
-    data = build_datasets(cfg, ctx, ("train", "val"))
     train_loader = build_data_loader(data["train"], batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                                      train=True, distributed=ctx.distributed, seed=cfg.seed)
     if len(train_loader) == 0:
@@ -103,22 +120,13 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                          f"{cfg.batch_size} x {ctx.world_size} processes")
 
     position = Position()
-    resume_path = None
-    if ctx.is_main:  # rank 0 picks (resume=auto looks at file times), so every rank resumes from the same file
-        resume_path = find_resume_checkpoint(cfg.resume, output_dir=output_dir, search_root=Path("outputs"))
-    resume_path = broadcast_object(resume_path, ctx)
-    if resume_path is not None:
-        ckpt = load_checkpoint(resume_path)
-        check_training_state(ckpt, path=resume_path)
-        load_model_weights(model, ckpt, path=resume_path)
-        optimizer.load_state_dict(ckpt["optimizer"])
-        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        precision.scaler.load_state_dict(ckpt["grad_scaler"])
-        position = Position(epoch=ckpt["epoch"], step=ckpt["step"], steps_in_epoch=ckpt["steps_in_epoch"],
-                            rng=ckpt["rng"] if ctx.world_size == 1 else None)
-        log.info("resumed from %s at epoch %d, step %d", resume_path, position.epoch, position.step)
-    elif cfg.resume == "auto":
-        log.info("resume=auto: no checkpoint found, starting from scratch")
+    if ckpt is not None:  # restore, then apply a changed lr schedule (engine.resume)
+        epoch, step, steps_in_epoch, rng = restore_training_state(
+            ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=precision.scaler,
+            cfg_optim=cfg.optim, path=resume_path)
+        position = Position(epoch=epoch, step=step, steps_in_epoch=steps_in_epoch,
+                            rng=rng if ctx.world_size == 1 else None)
+        log.info("resumed from %s at epoch %d, step %d", resume_path, epoch, step)
 
     trained = model
     if ctx.distributed:
@@ -136,7 +144,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                       eval_model=model, postprocess=postprocess, lr_scheduler=lr_scheduler,
                       train_loader=train_loader, val_loader=build_val_loader(data["val"], cfg, ctx),
                       coco_gt=data["val"].coco, position=position,
-                      config_record=OmegaConf.to_container(cfg, resolve=True))
+                      config_record=plain_config(cfg))
     return {"output_dir": output_dir, **trainer.fit()}
 
 
@@ -149,19 +157,22 @@ def evaluate(cfg: DictConfig) -> dict:
     if not cfg.checkpoint:
         raise ValueError("eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official "
                          "Deformable DETR one)")
-    check_run_settings(cfg)
+    cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device)
     try:
         output_dir = resolve_output_dir(cfg, ctx)
         ckpt = load_checkpoint(cfg.checkpoint)
         model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
                                                 path=cfg.checkpoint)
+        val_set = build_datasets(cfg, ctx, ("val",))["val"]
+        # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
+        model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
+                                                       checkpoint_state=ckpt["model"])
         model, _, postprocess = build_model(OmegaConf.create(model_cfg))
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         if cfg.compile:
             compile_regions(model, backend=cfg.compile_backend)
-        val_set = build_datasets(cfg, ctx, ("val",))["val"]
         stats, num_images = evaluate_coco(model=model, postprocess=postprocess,
                                           loader=build_val_loader(val_set, cfg, ctx), coco_gt=val_set.coco,
                                           device=ctx.device, precision=Precision(amp=cfg.amp, device=ctx.device))

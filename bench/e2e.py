@@ -38,6 +38,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import plot, write_report  # noqa: E402
+from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
 
@@ -45,6 +46,7 @@ ATTENTION_KERNELS = {"triton": ("msda_forward_kernel", "msda_backward_kernel"), 
 
 
 def compose_config(overrides: list[str]):
+    register_configs()  # the typed schemas configs/*.yaml name
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 

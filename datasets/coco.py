@@ -15,28 +15,24 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from PIL import Image
 from pycocotools.coco import COCO
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
+from .annotations import clean_annotations, load_annotation_file
+from .dataset_config import DatasetConfig, DatasetName, read_dataset_config
+from .image_files import check_files_exist, check_images_open, read_image
 from .synthetic import ensure_synthetic_dataset
-from .transforms import (
-    COCO_CROP_MAX_SIZE,
-    COCO_CROP_MIN_SIZE,
-    COCO_CROP_SCALES,
-    COCO_MAX_SIZE,
-    COCO_TRAIN_SCALES,
-    COCO_VAL_SIZE,
-    drop_degenerate_boxes,
-    make_coco_transforms,
-)
+from .transforms import drop_degenerate_boxes, make_coco_transforms
+
+log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
 LAYOUT_HELP = (
@@ -70,45 +66,50 @@ class CocoDetection(Dataset):
       () int64; ``orig_size`` (2,) int64 (h, w) of the file; ``size`` (2,) int64 (h, w) after the
       transforms; ``area`` (n,) float32; ``iscrowd`` (n,) int64 (all zero).
 
-    Crowd annotations (iscrowd=1) are dropped; boxes are converted xywh -> xyxy, clamped to the
-    image, and those with zero width or height dropped, as the original does before augmenting.
-    ``self.coco`` is the ground-truth :class:`pycocotools.coco.COCO` for evaluation.
+    Annotations are checked once, on construction (datasets/annotations.py): those that cannot be used
+    (bad boxes, unknown image or category) are dropped, and reported in one warning when ``report``.
+    Every listed image file must exist; with ``verify_images`` every image is also decoded once, so a
+    damaged file stops the run before training rather than in the middle of it. Crowd annotations
+    (iscrowd=1) are not trained on; boxes are converted xywh -> xyxy and clamped to the image, as the
+    original does before augmenting. ``self.coco`` is the ground truth :class:`pycocotools.coco.COCO` for
+    evaluation, without the dropped annotations.
     """
 
-    def __init__(self, *, image_dir: str | Path, annotation_file: str | Path, transforms=None) -> None:
+    def __init__(self, *, image_dir: str | Path, annotation_file: str | Path, transforms=None,
+                 verify_images: bool = False, report: bool = True) -> None:
         self.image_dir = Path(image_dir)
-        annotation_file = Path(annotation_file)
-        if not annotation_file.is_file():
-            raise FileNotFoundError(f"annotation file not found: {annotation_file} ({LAYOUT_HELP})")
+        self.annotation_file = Path(annotation_file)
+        if not self.annotation_file.is_file():
+            raise FileNotFoundError(f"annotation file not found: {self.annotation_file} ({LAYOUT_HELP})")
         if not self.image_dir.is_dir():
             raise FileNotFoundError(f"image directory not found: {self.image_dir} ({LAYOUT_HELP})")
-        # pycocotools prints progress lines on load; keep them out of the training log.
-        with contextlib.redirect_stdout(io.StringIO()):
-            self.coco = COCO(str(annotation_file))
+        data, self.annotation_report = clean_annotations(load_annotation_file(self.annotation_file))
+        if report and self.annotation_report.num_dropped:
+            log.warning(self.annotation_report.message(self.annotation_file))
+        check_files_exist(self.image_dir, data["images"], annotation_file=self.annotation_file)
+        if verify_images:
+            check_images_open(self.image_dir, data["images"], annotation_file=self.annotation_file)
+        self.coco = COCO()
+        self.coco.dataset = data
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+            self.coco.createIndex()
         # Images without annotations stay in, as in the original (they teach "no object").
         self.ids = sorted(self.coco.imgs.keys())
         self.transforms = transforms
+
+    @property
+    def num_annotations(self) -> int:
+        """Annotations trained and scored on (crowd regions only mark what evaluation ignores)."""
+        return sum(1 for a in self.coco.anns.values() if not a.get("iscrowd", 0))
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def load_image(self, image_id: int) -> tv_tensors.Image:
-        """(3, H, W) uint8 RGB; OSError naming the file when it is missing or cannot be decoded."""
+        """(3, H, W) uint8 RGB; ImageReadError (an OSError) naming the file when it cannot be used."""
         info = self.coco.imgs[image_id]
-        path = self.image_dir / info["file_name"]
-        try:
-            with Image.open(path) as pil:
-                pil = pil.convert("RGB")  # decodes fully here, so truncated files fail here
-        except (OSError, ValueError, SyntaxError) as error:
-            raise OSError(f"cannot read image {path} (image id {image_id}): {error}") from error
-        width, height = pil.size
-        expected = (info.get("width", width), info.get("height", height))
-        if (width, height) != expected:
-            # The annotations are in the json's pixel frame; a different file would silently
-            # misplace every box and every evaluated detection.
-            raise ValueError(
-                f"image {path} is {width}x{height} but the annotation file says {expected[0]}x{expected[1]}"
-            )
+        pil = read_image(self.image_dir / info["file_name"], image_id=image_id,
+                         expected_size=(info.get("width"), info.get("height")))
         return tv_tensors.Image(F.pil_to_tensor(pil))
 
     def load_target(self, image_id: int, *, height: int, width: int) -> dict[str, torch.Tensor]:
@@ -143,49 +144,58 @@ class CocoDetection(Dataset):
         return image, target
 
 
-def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
-    value = cfg.get(key, default) if cfg is not None else default
-    return default if value is None else value
+def build_dataset(split: str, cfg_dataset: Any, *, augment: bool | None = None, check: bool = True) -> CocoDetection:
+    """Config adapter: ``cfg_dataset`` (DictConfig or mapping; datasets/dataset_config.py) -> ``split``.
 
+    ``name`` coco reads the COCO 2017 layout under ``root``; synthetic writes the set there first (on first
+    use); custom reads ``{split}_images`` and ``{split}_annotations``. Transform keys default to the
+    published COCO values. ``augment`` defaults to ``split == "train"``; False gives the deterministic
+    validation resize (e.g. to evaluate on the training images).
 
-def build_dataset(split: str, cfg_dataset: Any, *, augment: bool | None = None) -> CocoDetection:
-    """Config adapter: ``cfg_dataset`` (DictConfig or dict) -> :class:`CocoDetection` of ``split``.
-
-    Keys: ``name`` (coco | synthetic), ``root``; synthetic only: ``num_train``, ``num_val``,
-    ``image_size``, ``seed`` (the set is generated under ``root`` on first use); transforms (all
-    optional, published COCO values by default): ``train_scales``, ``max_size``, ``val_size``,
-    ``crop``, ``crop_scales``, ``crop_min_size``, ``crop_max_size``.
-    ``augment`` defaults to ``split == "train"``; False gives the deterministic validation resize
-    (e.g. to evaluate on the training images).
+    Checked here, before any training: the annotation file (see CocoDetection), that every image exists,
+    that the split has annotations, and with ``check`` (rank 0; other ranks read what it checked) that every
+    validation image, and every training image when ``dataset.verify``, decodes; ``check`` also reports
+    dropped annotations.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    name = _cfg_get(cfg_dataset, "name", "coco")
-    root = _cfg_get(cfg_dataset, "root", None)
-    if root is None:
-        raise ValueError("dataset.root is required (a COCO 2017 directory, or where to write the synthetic set)")
-    if name == "synthetic":
-        ensure_synthetic_dataset(
-            root,
-            num_train=int(_cfg_get(cfg_dataset, "num_train", 256)),
-            num_val=int(_cfg_get(cfg_dataset, "num_val", 64)),
-            image_size=int(_cfg_get(cfg_dataset, "image_size", 128)),
-            seed=int(_cfg_get(cfg_dataset, "seed", 0)),
-        )
-    elif name != "coco":
-        raise ValueError(f"dataset.name must be 'coco' or 'synthetic', got {name!r}")
-    image_dir, annotation_file = coco2017_paths(root=root, split=split)
+    c = read_dataset_config(cfg_dataset)
+    image_dir, annotation_file = split_paths(c, split)
     transforms = make_coco_transforms(
-        train=(split == "train") if augment is None else augment,
-        train_scales=[int(s) for s in _cfg_get(cfg_dataset, "train_scales", COCO_TRAIN_SCALES)],
-        max_size=int(_cfg_get(cfg_dataset, "max_size", COCO_MAX_SIZE)),
-        val_size=int(_cfg_get(cfg_dataset, "val_size", COCO_VAL_SIZE)),
-        crop=bool(_cfg_get(cfg_dataset, "crop", True)),
-        crop_scales=[int(s) for s in _cfg_get(cfg_dataset, "crop_scales", COCO_CROP_SCALES)],
-        crop_min_size=int(_cfg_get(cfg_dataset, "crop_min_size", COCO_CROP_MIN_SIZE)),
-        crop_max_size=int(_cfg_get(cfg_dataset, "crop_max_size", COCO_CROP_MAX_SIZE)),
-    )
-    return CocoDetection(image_dir=image_dir, annotation_file=annotation_file, transforms=transforms)
+        train=(split == "train") if augment is None else augment, train_scales=c.train_scales,
+        max_size=c.max_size, val_size=c.val_size, crop=c.crop, crop_scales=c.crop_scales,
+        crop_min_size=c.crop_min_size, crop_max_size=c.crop_max_size)
+    dataset = CocoDetection(image_dir=image_dir, annotation_file=annotation_file, transforms=transforms,
+                            verify_images=check and (split == "val" or c.verify), report=check)
+    if dataset.num_annotations == 0:
+        dropped = dataset.annotation_report.num_dropped
+        raise ValueError(
+            f"the {split} split has no usable annotations: {annotation_file} lists {len(dataset)} images and "
+            f"{dataset.annotation_report.total} annotations" + (f", {dropped} of them dropped as unusable" if dropped
+                                                                else "") +
+            ("; there is nothing to score detections against (COCO AP would be -1)" if split == "val"
+             else "; there is nothing to learn from"))
+    return dataset
+
+
+def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
+    """(image_dir, annotation_file) of ``split`` as the dataset config says; errors name the key or path."""
+    if c.name == DatasetName.synthetic:
+        ensure_synthetic_dataset(c.root, num_train=c.num_train, num_val=c.num_val, image_size=c.image_size,
+                                 seed=c.seed)
+    if c.name != DatasetName.custom:
+        return coco2017_paths(root=c.root, split=split)
+    keys = (f"{split}_images", f"{split}_annotations")
+    unset = [f"dataset.{key}" for key in keys if not getattr(c, key)]
+    if unset:
+        raise ValueError(f"dataset=custom needs {' and '.join(unset)}: the {split} split's image directory and its "
+                         "COCO-format annotation file")
+    image_dir, annotation_file = (Path(getattr(c, key)) for key in keys)
+    if not image_dir.is_dir():
+        raise FileNotFoundError(f"dataset.{keys[0]}: image directory not found: {image_dir}")
+    if not annotation_file.is_file():
+        raise FileNotFoundError(f"dataset.{keys[1]}: annotation file not found: {annotation_file}")
+    return image_dir, annotation_file
 
 
 def collate_fn(batch: list) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, loading with clear errors, fitting a model to one, and finding the one to resume.
+"""Checkpoints: atomic writes (stray temporaries cleaned up), loading with clear errors, fitting a model to one.
 
 Our checkpoint is a dict:
     model          state_dict of the unwrapped model (names as in the official checkpoints)
@@ -16,8 +16,8 @@ import argparse
 import logging
 import os
 import pickle
+import re
 import shutil
-import zipfile
 from pathlib import Path
 
 import torch
@@ -40,11 +40,12 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
 
     torch.save goes to a temporary file in the same directory, which is flushed to disk and then renamed
     over ``path`` (rename is atomic on POSIX within one filesystem). An interrupted save leaves at most a
-    stray ``.tmp`` file, never a truncated checkpoint.
+    stray ``.tmp`` file, never a truncated checkpoint; the next save in the directory removes it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    remove_stray_temporaries(path.parent)
+    tmp = _temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -57,6 +58,47 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def _temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+# .<name>.<pid>.tmp, as _temporary_name makes them
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.tmp")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    return True
+
+
+def remove_stray_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that interrupted saves (kill -9, a full disk) left in ``directory``.
+
+    Only files named as save_checkpoint/publish_as name them, and only those of processes that no longer
+    run (or of this one, whose own saves are over by now): a save in progress elsewhere is left alone.
+    """
+    removed = []
+    for tmp in Path(directory).glob(".*.tmp"):
+        match = _TEMPORARY.fullmatch(tmp.name)
+        if match is None:
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or not _process_alive(pid):
+            try:
+                size = tmp.stat().st_size
+                tmp.unlink()
+            except FileNotFoundError:
+                continue
+            log.info("removed %s (%.0f MB), left by an interrupted save", tmp, size / 2**20)
+            removed.append(tmp)
+    return removed
+
+
 def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Make ``dst`` hold the same bytes as the finished checkpoint ``src``, atomically.
 
@@ -64,7 +106,7 @@ def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     way the new name appears by rename, and replacing ``dst`` later leaves ``src`` untouched.
     """
     src, dst = Path(src), Path(dst)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp = _temporary_name(dst)
     if tmp.exists():
         tmp.unlink()
     try:
@@ -89,7 +131,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, OSError) as e:
+    except Exception as e:  # torch.load fails in many ways on a foreign file (KeyError for text); name the file
         raise CheckpointError(
             f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, corrupt or not "
             f"{expected}") from e
@@ -107,6 +149,8 @@ def _load_failure(e: Exception) -> str:
         return unsupported[0] if unsupported else "not a pickle of tensors and containers"
     if isinstance(e, EOFError) or not lines:
         return f"{type(e).__name__}: ended early"
+    if isinstance(e, KeyError):  # the legacy unpickler meeting bytes that are no pickle opcode
+        return "not a pickle: unknown opcode"
     return f"{type(e).__name__}: {lines[0].split('. ')[0]}"
 
 
@@ -163,6 +207,14 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
     state = ckpt["model"]
     if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
         state = {k[len("module."):]: v for k, v in state.items()}
+    own = model.state_dict()
+    reshaped = [f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
+                for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]
+    if reshaped:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model: {len(reshaped)} parameters differ in shape (e.g. "
+            f"{'; '.join(reshaped[:3])}). Check model.num_classes, model.hidden_dim, model.num_queries, "
+            f"model.num_feature_levels and the other sizes against the checkpoint")
     result = model.load_state_dict(state, strict=False)
     problems = []
     if result.missing_keys:
@@ -175,24 +227,15 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
             f"(model.with_box_refine, model.two_stage) and the model sizes against the checkpoint")
 
 
-def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path) -> Path | None:
-    """The checkpoint that ``resume`` names.
+def read_recorded_config(path: str | os.PathLike) -> dict | None:
+    """The config a checkpoint of ours records, or None (unreadable, or not ours), without reading its tensors.
 
-    None/empty: start fresh. A path: that file (it must exist). ``auto``: ``checkpoint.pth`` in this run's
-    directory if present, else the most recently written ``<search_root>/*/*/checkpoint.pth`` (Hydra's
-    outputs/<date>/<time>/ layout), else None (start fresh).
+    The file is memory-mapped: only the small pickle is parsed, so looking at many large checkpoints is cheap.
     """
-    if not resume:
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # any unreadable file is simply not a candidate; its name is logged by the caller
         return None
-    if resume != "auto":
-        path = Path(resume)
-        if path.is_dir():
-            path = path / LATEST
-        if not path.is_file():
-            raise CheckpointError(f"resume={resume}: no checkpoint file at {path}")
-        return path
-    own = Path(output_dir) / LATEST
-    if own.is_file():
-        return own
-    found = sorted(Path(search_root).glob(f"*/*/{LATEST}"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    config = obj.get("config") if isinstance(obj, dict) else None
+    return config if isinstance(config, dict) else None

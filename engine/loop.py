@@ -17,11 +17,14 @@ from pathlib import Path
 
 import torch
 
+from datasets import ImageReadError
+
 from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
 from .distributed import DistContext, all_reduce_mean, barrier
 from .evaluation import evaluate_coco, write_eval_json
 from .optim import group_lrs
 from .progress import Progress, format_duration
+from .resume import last_checkpoint_hint
 from .rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
 from .step import TrainStep
 from .step_log import Interval, StepLog
@@ -85,6 +88,8 @@ class Trainer:
                     break
                 self._train_epoch(epoch)
                 self._close_epoch(epoch)
+        except ImageReadError as error:  # a damaged image met while training: say where to resume from
+            raise ImageReadError(f"{error}\n{last_checkpoint_hint(self.output_dir)}") from error
         finally:
             self.writer.close()
         if self.ctx.is_main:

@@ -19,10 +19,16 @@ def _matches(name: str, keys: Sequence[str]) -> bool:
     return any(k in name for k in keys)
 
 
+def group_base_lrs(*, lr: float, lr_backbone: float, linear_proj_mult: float) -> dict[str, float]:
+    """Each group's lr before any drop (also what a resumed run applies when optim.lr* changed)."""
+    return {"rest": lr, "backbone": lr_backbone, "linear_proj": lr * linear_proj_mult}
+
+
 def build_param_groups(model: torch.nn.Module, *, lr: float, lr_backbone: float,
                        linear_proj_mult: float, backbone_names: Sequence[str],
                        linear_proj_names: Sequence[str]) -> list[dict]:
-    groups = {"rest": ([], lr), "backbone": ([], lr_backbone), "linear_proj": ([], lr * linear_proj_mult)}
+    base = group_base_lrs(lr=lr, lr_backbone=lr_backbone, linear_proj_mult=linear_proj_mult)
+    groups = {name: ([], group_lr) for name, group_lr in base.items()}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

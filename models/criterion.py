@@ -7,7 +7,6 @@ proposals with class-agnostic targets (suffix _enc).
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -17,7 +16,7 @@ from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou, sigmoid_focal_loss
 
 from models.matcher import HungarianMatcher
-from models.model_config import model_config_value
+from models.model_config import read_criterion_config, resolved_num_classes
 from models.postprocess import PostProcess
 
 _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
@@ -215,46 +214,30 @@ def _top1_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # -- config adapter -----------------------------------------------------------------------------------
 
-_REQUIRED_KEYS = (
-    "num_classes", "dec_layers", "aux_loss", "two_stage", "set_cost_class", "set_cost_bbox", "set_cost_giou",
-    "cls_loss_coef", "bbox_loss_coef", "giou_loss_coef", "focal_alpha",
-)
-
-
 def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     """Build (SetCriterion, PostProcess) from the model config (DictConfig or mapping).
 
     Reads num_classes, dec_layers, aux_loss, two_stage, set_cost_{class,bbox,giou},
-    {cls,bbox,giou}_loss_coef, focal_alpha. weight_dict holds loss_ce/loss_bbox/loss_giou, copies
-    suffixed _0.._{dec_layers-2} when aux_loss, and _enc copies when two_stage.
+    {cls,bbox,giou}_loss_coef, focal_alpha, checked by models/model_config.py (CriterionConfig).
+    weight_dict holds loss_ce/loss_bbox/loss_giou, copies suffixed _0.._{dec_layers-2} when aux_loss,
+    and _enc copies when two_stage.
     """
-    c = {key: model_config_value(cfg, key) for key in _REQUIRED_KEYS}
-    num_classes, dec_layers = c["num_classes"], c["dec_layers"]
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"build_criterion: num_classes must be an integer >= 1, got {num_classes!r}")
-    if isinstance(dec_layers, bool) or not isinstance(dec_layers, int) or dec_layers < 1:
-        raise ValueError(f"build_criterion: dec_layers must be an integer >= 1, got {dec_layers!r}")
-    for key in ("aux_loss", "two_stage"):
-        if not isinstance(c[key], bool):
-            raise ValueError(f"build_criterion: {key} must be true or false, got {c[key]!r}")
-    for key in ("set_cost_class", "set_cost_bbox", "set_cost_giou", "cls_loss_coef", "bbox_loss_coef", "giou_loss_coef"):
-        value = c[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"build_criterion: {key} must be a finite number >= 0, got {value!r}")
+    c = read_criterion_config(cfg)
+    num_classes, dec_layers = resolved_num_classes(c), c.dec_layers
 
     # The original matcher hard-codes alpha=0.25, gamma=2 (HungarianMatcher's defaults); focal_alpha
     # from the config weights the loss only.
     matcher = HungarianMatcher(
-        cost_class=float(c["set_cost_class"]), cost_bbox=float(c["set_cost_bbox"]), cost_giou=float(c["set_cost_giou"])
+        cost_class=float(c.set_cost_class), cost_bbox=float(c.set_cost_bbox), cost_giou=float(c.set_cost_giou)
     )
-    base = {"loss_ce": float(c["cls_loss_coef"]), "loss_bbox": float(c["bbox_loss_coef"]), "loss_giou": float(c["giou_loss_coef"])}
+    base = {"loss_ce": float(c.cls_loss_coef), "loss_bbox": float(c.bbox_loss_coef), "loss_giou": float(c.giou_loss_coef)}
     weight_dict = dict(base)
-    if c["aux_loss"]:
+    if c.aux_loss:
         for i in range(dec_layers - 1):
             weight_dict.update({k + f"_{i}": v for k, v in base.items()})
-    if c["two_stage"]:
+    if c.two_stage:
         weight_dict.update({k + "_enc": v for k, v in base.items()})
     criterion = SetCriterion(
-        num_classes=num_classes, matcher=matcher, weight_dict=weight_dict, focal_alpha=float(c["focal_alpha"])
+        num_classes=num_classes, matcher=matcher, weight_dict=weight_dict, focal_alpha=float(c.focal_alpha)
     )
     return criterion, PostProcess()

@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import msda
-from models.backbone import RESNET_CHANNELS, Joiner, build_backbone, downsample_mask
+from models.backbone import Joiner, build_backbone, downsample_mask
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
-from models.model_config import model_config_value
-from models.position_encoding import POSITION_EMBEDDINGS, build_position_encoding
+from models.model_config import ModelConfig, read_model_config, resolved_num_classes
+from models.position_encoding import build_position_encoding
 
 
 class MLP(nn.Module):
@@ -164,64 +163,30 @@ class DeformableDETR(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # config adapter
 # ----------------------------------------------------------------------------------------------------
-_OPTIONAL = {"pretrained": "none", "train_backbone": True, "msda": "auto"}
-_INTS = ("hidden_dim", "nheads", "enc_layers", "dec_layers", "dim_feedforward", "num_feature_levels",
-         "enc_n_points", "dec_n_points", "num_queries", "num_classes")
-_BOOLS = ("with_box_refine", "two_stage", "aux_loss", "dilation", "train_backbone")
-
-
-def _check_config(cfg) -> dict:
-    """Read and validate the architecture keys; every message names the key, the rule and the value."""
-    keys = _INTS + _BOOLS + ("dropout", "backbone", "position_embedding", "pretrained", "msda")
-    c = {key: model_config_value(cfg, key, _OPTIONAL) for key in keys}
-    for key in _INTS:
-        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
-            raise ValueError(f"model.{key} must be an integer >= 1, got {c[key]!r}")
-    for key in _BOOLS:
-        if not isinstance(c[key], bool):
-            raise ValueError(f"model.{key} must be true or false, got {c[key]!r}")
-    if isinstance(c["dropout"], bool) or not isinstance(c["dropout"], (int, float)) or not 0 <= c["dropout"] < 1:
-        raise ValueError(f"model.dropout must be a number in [0, 1), got {c['dropout']!r}")
-    C, M = c["hidden_dim"], c["nheads"]
-    if C % M:
-        raise ValueError(f"model.hidden_dim must be divisible by model.nheads, got hidden_dim={C}, nheads={M}")
-    if C % 32:
-        raise ValueError(f"model.hidden_dim must be a multiple of 32 (GroupNorm(32) in input_proj), got {C}")
-    if c["num_feature_levels"] == 2:
-        raise ValueError("model.num_feature_levels must be 1 (layer4 only) or >= 3 (layer2-4 plus extra "
-                         "stride-2 levels), got 2")
-    if c["two_stage"] and not c["with_box_refine"]:
-        raise ValueError("model.two_stage=true needs model.with_box_refine=true (as in the original, whose "
-                         "two-stage decoder uses the per-layer box heads)")
-    if c["backbone"] not in RESNET_CHANNELS:
-        raise ValueError(f"model.backbone must be one of {sorted(RESNET_CHANNELS)}, got {c['backbone']!r}")
-    if c["position_embedding"] not in POSITION_EMBEDDINGS:
-        raise ValueError(f"model.position_embedding must be one of {POSITION_EMBEDDINGS}, got "
-                         f"{c['position_embedding']!r}")
-    if c["msda"] not in msda.IMPLS:
-        raise ValueError(f"model.msda must be one of {msda.IMPLS}, got {c['msda']!r}")
-    if c["pretrained"] is None:
-        c["pretrained"] = "none"
+def _check_config(cfg) -> ModelConfig:
+    """The model config, typed and checked (models/model_config.py holds every rule), ready to build from."""
+    c = read_model_config(cfg)
+    resolved_num_classes(c)
     return c
 
 
 def build_deformable_detr(cfg) -> DeformableDETR:
     """The model alone from the model config (keys as in configs/model/deformable_detr.yaml)."""
     c = _check_config(cfg)
-    position_encoding = build_position_encoding(hidden_dim=c["hidden_dim"],
-                                                position_embedding=c["position_embedding"])
-    backbone = build_backbone(backbone=c["backbone"], train_backbone=c["train_backbone"],
-                              num_feature_levels=c["num_feature_levels"], dilation=c["dilation"],
-                              pretrained=str(c["pretrained"]), position_encoding=position_encoding)
+    position_encoding = build_position_encoding(hidden_dim=c.hidden_dim,
+                                                position_embedding=c.position_embedding.value)
+    backbone = build_backbone(backbone=c.backbone.value, train_backbone=c.train_backbone,
+                              num_feature_levels=c.num_feature_levels, dilation=c.dilation,
+                              pretrained=str(c.pretrained), position_encoding=position_encoding)
     transformer = DeformableTransformer(
-        d_model=c["hidden_dim"], nheads=c["nheads"], num_encoder_layers=c["enc_layers"],
-        num_decoder_layers=c["dec_layers"], dim_feedforward=c["dim_feedforward"], dropout=float(c["dropout"]),
-        num_feature_levels=c["num_feature_levels"], dec_n_points=c["dec_n_points"],
-        enc_n_points=c["enc_n_points"], two_stage=c["two_stage"], two_stage_num_proposals=c["num_queries"],
-        msda=c["msda"])
-    return DeformableDETR(backbone=backbone, transformer=transformer, num_classes=c["num_classes"],
-                          num_queries=c["num_queries"], num_feature_levels=c["num_feature_levels"],
-                          aux_loss=c["aux_loss"], with_box_refine=c["with_box_refine"], two_stage=c["two_stage"])
+        d_model=c.hidden_dim, nheads=c.nheads, num_encoder_layers=c.enc_layers,
+        num_decoder_layers=c.dec_layers, dim_feedforward=c.dim_feedforward, dropout=c.dropout,
+        num_feature_levels=c.num_feature_levels, dec_n_points=c.dec_n_points,
+        enc_n_points=c.enc_n_points, two_stage=c.two_stage, two_stage_num_proposals=c.num_queries,
+        msda=c.msda.value)
+    return DeformableDETR(backbone=backbone, transformer=transformer, num_classes=c.num_classes,
+                          num_queries=c.num_queries, num_feature_levels=c.num_feature_levels,
+                          aux_loss=c.aux_loss, with_box_refine=c.with_box_refine, two_stage=c.two_stage)
 
 
 def build_model(cfg):

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import (CheckpointError, check_training_state, find_resume_checkpoint, load_checkpoint,
-                               load_model_weights, model_config_for_checkpoint, publish_as, save_checkpoint)
+from engine.checkpoint import (CheckpointError, check_training_state, load_checkpoint, load_model_weights,
+                               model_config_for_checkpoint, publish_as, save_checkpoint)
+from engine.resume import find_resume_checkpoint
 from engine.rng import capture_rng_state, restore_rng_state
 
 
@@ -105,18 +106,22 @@ def test_epoch_copy_survives_replacing_the_latest(tmp_path, state):
 
 def test_resume_lookup(tmp_path, state):
     outputs, run = tmp_path / "outputs", tmp_path / "outputs" / "2026-01-02" / "10-00-00"
-    assert find_resume_checkpoint(None, output_dir=run, search_root=outputs) is None
-    assert find_resume_checkpoint("auto", output_dir=run, search_root=outputs) is None
+
+    def find(resume):  # this run has the same config as the checkpoints (others: test_reliability_resume.py)
+        return find_resume_checkpoint(resume, output_dir=run, search_root=outputs, config=state["config"])
+
+    assert find(None) is None
+    assert find("auto") is None
     older = save_checkpoint(state, outputs / "2026-01-01" / "09-00-00" / "checkpoint.pth")
     newer = save_checkpoint(state, outputs / "2026-01-01" / "08-00-00" / "checkpoint.pth")
     os.utime(older, (time.time() - 100, time.time() - 100))
-    assert find_resume_checkpoint("auto", output_dir=run, search_root=outputs) == newer
+    assert find("auto") == newer
     own = save_checkpoint(state, run / "checkpoint.pth")
     os.utime(own, (time.time() - 1000, time.time() - 1000))
-    assert find_resume_checkpoint("auto", output_dir=run, search_root=outputs) == own  # this run's own first
-    assert find_resume_checkpoint(str(older.parent), output_dir=run, search_root=outputs) == older
+    assert find("auto") == own  # this run's own first
+    assert find(str(older.parent)) == older
     with pytest.raises(CheckpointError, match="no checkpoint file"):
-        find_resume_checkpoint(str(tmp_path / "missing.pth"), output_dir=run, search_root=outputs)
+        find(str(tmp_path / "missing.pth"))
 
 
 def test_rng_state_round_trips_through_a_checkpoint(tmp_path):

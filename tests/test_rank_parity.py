@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.distributed import DistContext, average_over_processes
 from engine.precision import Precision
 from engine.step import TrainStep
+from engine.config import register_configs
 from models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,7 @@ WORLD = 2
 
 
 def tiny_model_config():
+    register_configs()  # spawned ranks import this module afresh, without conftest's registration
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["model=tiny", "model.msda=pytorch"])
     return cfg.model

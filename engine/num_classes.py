@@ -1,0 +1,59 @@
+"""How many classes the model predicts, and whether the data's category ids fit in them.
+
+Class c of the model's head is COCO category id c (as in the original: 91 outputs for ids up to 90), so
+every category id in the annotations must be below model.num_classes. Checked for every split before
+training or evaluating: a larger id would otherwise end in an IndexError inside the matcher, or in
+categories that can never be detected.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from datasets import CocoDetection
+from datasets.annotations import largest_annotated_category, max_category_id
+
+log = logging.getLogger(__name__)
+
+_CLASS_HEAD = re.compile(r"(module\.)?class_embed(\.0)?\.weight")
+
+
+def classes_in_weights(state: dict) -> int | None:
+    """Rows of the class head in a state_dict (ours or an official one), or None without one."""
+    for key, value in state.items():
+        if _CLASS_HEAD.fullmatch(key):
+            return int(value.shape[0])
+    return None
+
+
+def resolve_num_classes(num_classes: int | None, datasets: dict[str, CocoDetection], *,
+                        checkpoint_state: dict | None = None) -> int:
+    """``num_classes``, or when None: the class head of ``checkpoint_state`` (evaluation), else the largest
+    category id of the training annotation file plus one (logged). Then every split's category ids are
+    checked against it: ValueError naming the file, the id, an annotation that has it and the fix.
+    """
+    source, fix = (f"model.num_classes={num_classes}", "set model.num_classes={needed} or more "
+                   "(model.num_classes=null takes it from the training annotations)")
+    if num_classes is None and checkpoint_state:
+        num_classes = classes_in_weights(checkpoint_state)
+        source, fix = (f"the checkpoint's class head ({num_classes} classes)", "this checkpoint was trained for "
+                       "other category ids; evaluate it on data with its categories")
+    if num_classes is None:
+        train = datasets.get("train")
+        largest = max_category_id(train.coco.dataset) if train is not None else None
+        if largest is None:
+            raise ValueError("model.num_classes is null, and there are no training annotations to take it from: "
+                             "set model.num_classes")
+        num_classes = largest + 1
+        source = f"model.num_classes=null, so {num_classes},"
+        log.info("model.num_classes=null: using %d, the largest category id in %s (%d) plus one", num_classes,
+                 train.annotation_file, largest)
+    for split, dataset in datasets.items():
+        largest = largest_annotated_category(dataset.coco.dataset)
+        if largest is not None and largest[0] >= num_classes:
+            category_id, ann_id = largest
+            raise ValueError(
+                f"{dataset.annotation_file} ({split}) has category id {category_id} (e.g. annotation id {ann_id}), "
+                f"but {source} covers ids 0..{num_classes - 1} only: " + fix.format(needed=category_id + 1))
+    return num_classes

@@ -1,0 +1,108 @@
+"""Typed configs: a bad override fails when Hydra composes (types, enumerations, unknown keys) or in
+check_config (ranges, rules between keys), always naming the key; checkpoints keep loading."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from engine.config import check_config, plain_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compose_train(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, cause", [
+    (["optim.lr=fast"], r"Value 'fast' of type 'str' could not be converted to Float\s+full_key: optim\.lr"),
+    (["optim.lr_drop=4.5"], r"could not be converted to Integer\s+full_key: optim\.lr_drop"),
+    (["model.nheads=eight"], r"could not be converted to Integer\s+full_key: model\.nheads"),
+    (["model.msda=cuda"], r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda"),
+    (["model.backbone=vgg16"], r"Invalid value 'vgg16', expected one of \[resnet18, .*\]\s+full_key: model\.backbone"),
+    (["model.position_embedding=rope"], r"full_key: model\.position_embedding"),
+    (["model.with_box_refine=sometimes"], r"'sometimes' is not a valid bool .*\s+full_key: model\.with_box_refine"),
+    (["dataset.num_train=many"], r"could not be converted to Integer\s+full_key: dataset\.num_train"),
+    (["dataset=coco", "dataset.num_train=10"], r"Key 'num_train' not in 'CocoDatasetConfig'\s+full_key: "
+                                               r"dataset\.num_train"),
+    (["dataset=custom", "dataset.root=/data"], r"Key 'root' not in 'CustomDatasetConfig'"),
+    (["model.nhead=4"], r"Key 'nhead' not in 'ModelConfig'\s+full_key: model\.nhead"),
+    (["resume=[1,2]"], r"full_key: resume"),
+])
+def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_train(*overrides)
+    assert re.search(cause, str(error.value.__cause__)), str(error.value.__cause__)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr=-1"], r"optim\.lr must be a finite number > 0, got -1\.0"),
+    (["optim.lr=nan"], r"optim\.lr must be a finite number > 0, got nan"),
+    (["optim.lr_drop=0"], r"optim\.lr_drop must be an integer >= 1"),
+    (["optim.clip_max_norm=-0.1"], r"optim\.clip_max_norm must be a finite number >= 0"),
+    (["model.two_stage=true"], r"model\.two_stage=true needs model\.with_box_refine=true"),
+    (["model.dropout=1.5"], r"model\.dropout must be a number in \[0, 1\), got 1\.5"),
+    (["model.hidden_dim=48", "model.nheads=5"], r"model\.hidden_dim must be divisible by model\.nheads"),
+    (["model.num_classes=0"], r"model\.num_classes must be an integer >= 1 or null"),
+    (["device=gpu"], r"device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["epochs=0", "batch_size=0"], r"epochs must be an integer >= 1, got 0; batch_size must be an integer >= 1"),
+    (["dataset.image_size=8"], r"dataset\.image_size must be at least 16 pixels"),
+    (["dataset.crop_min_size=700"], r"dataset\.crop_min_size \(700\) must not exceed dataset\.crop_max_size"),
+    (["dataset.name=coco"], r"dataset\.name is coco in the synthetic dataset config: choose the set with dataset=coco"),
+])
+def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(compose_train(*overrides))
+
+
+@pytest.mark.parametrize("overrides", [[], ["dataset=coco"], ["dataset=custom"], ["experiment=two_stage"],
+                                       ["experiment=coco_gpu"]])
+def test_the_shipped_configs_pass(overrides):
+    cfg = check_config(compose_train(*overrides))
+    assert OmegaConf.get_type(cfg.dataset).__name__.lower().startswith(cfg.dataset.name)
+
+
+def test_a_config_composed_without_the_schemas_is_refused():
+    untyped = OmegaConf.create(OmegaConf.to_container(compose_train()))
+    with pytest.raises(TypeError, match=r"composed without its schemas: call engine\.config\.register_configs\(\)"):
+        check_config(untyped)
+
+
+def test_check_config_returns_the_runs_own_copy():
+    cfg = compose_train()
+    own = check_config(cfg)
+    own.model.num_classes = 3
+    assert cfg.model.num_classes == 7
+
+
+def test_checkpoints_record_the_config_as_plain_values(tmp_path):
+    cfg = compose_train("model.msda=pytorch")
+    path = save_checkpoint({"model": {}, "config": plain_config(cfg)}, tmp_path / "ok.pth")
+    recorded = load_checkpoint(path)["config"]
+    assert recorded["model"]["msda"] == "pytorch" and type(recorded["model"]["msda"]) is str
+    assert recorded["amp"] == "bf16" and type(recorded["amp"]) is str
+    # Why plain_config: the enumerations themselves are refused by weights_only loading.
+    torch_save_with_enums = save_checkpoint({"model": {}, "config": OmegaConf.to_container(cfg)}, tmp_path / "e.pth")
+    with pytest.raises(CheckpointError, match=r"Unsupported global"):
+        load_checkpoint(torch_save_with_enums)
+
+
+@pytest.mark.slow
+def test_the_command_line_names_the_bad_key_and_starts_nothing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=fast"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Error merging override optim.lr=fast" in proc.stderr and "full_key: optim.lr" in proc.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()

@@ -1,0 +1,225 @@
+"""Honest resume (engine/resume.py): resume=auto takes only this run's checkpoint, the settings rule, the
+warning that lists what differs, and a changed lr schedule applied to the restored optimizer."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from engine.checkpoint import CheckpointError, save_checkpoint
+from engine.config import plain_config
+from engine.optim import build_lr_scheduler, build_optimizer
+from engine.resume import config_for_resume, find_resume_checkpoint, restore_training_state
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def compose_train(*overrides):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def base_config():
+    return plain_config(compose_train())
+
+
+def with_changes(config: dict, **dotted) -> dict:
+    """``config`` with dotted keys set, e.g. with_changes(c, **{"model.hidden_dim": 32})."""
+    config = copy.deepcopy(config)
+    for key, value in dotted.items():
+        node = config
+        *parents, last = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[last] = value
+    return config
+
+
+def write_run(outputs: Path, name: str, config: dict, age_s: float = 0) -> Path:
+    path = save_checkpoint({"model": {}, "config": config}, outputs / "2026-01-01" / name / "checkpoint.pth")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+# --------------------------------------------------------------------------------------------- resume=auto
+
+
+def test_auto_skips_newer_runs_of_another_model_and_says_which_it_took(tmp_path, base_config, caplog):
+    outputs = tmp_path / "outputs"
+    same = write_run(outputs, "09-00-00", base_config, age_s=300)
+    write_run(outputs, "10-00-00", with_changes(base_config, **{"model.hidden_dim": 128}), age_s=200)
+    write_run(outputs, "11-00-00", with_changes(base_config, **{"dataset.num_train": 32}), age_s=100)
+    write_run(outputs, "11-30-00", with_changes(base_config, **{"optim.lr": 1e-3}), age_s=50)
+    write_run(outputs, "11-40-00", with_changes(base_config, **{"seed": 7}), age_s=40)
+    (outputs / "2026-01-01" / "12-00-00").mkdir()
+    (outputs / "2026-01-01" / "12-00-00" / "checkpoint.pth").write_text("garbage")
+    # What may differ: a longer schedule and how to run.
+    current = with_changes(base_config, **{"epochs": 99, "max_steps": 1000, "model.msda": "pytorch",
+                                           "num_workers": 4, "amp": "none", "log_every": 1})
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        found = find_resume_checkpoint("auto", output_dir=outputs / "2026-01-02" / "08-00-00", search_root=outputs,
+                                       config=current)
+    assert found == same
+    assert f"resume=auto: continuing {same}" in caplog.text
+    assert "12-00-00/checkpoint.pth, which cannot be read" in caplog.text
+
+
+def test_auto_starts_afresh_when_only_other_runs_exist(tmp_path, base_config, caplog):
+    outputs = tmp_path / "outputs"
+    write_run(outputs, "10-00-00", with_changes(base_config, **{"model.hidden_dim": 128, "model.num_queries": 10}))
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        found = find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config)
+    assert found is None
+    assert "starting from scratch; the 1 checkpoints under" in caplog.text
+    assert "model.hidden_dim, model.num_queries differ" in caplog.text
+
+
+def test_auto_takes_the_run_directorys_own_checkpoint_first(tmp_path, base_config):
+    outputs, own_dir = tmp_path / "outputs", tmp_path / "fixed_run_dir"
+    write_run(outputs, "10-00-00", base_config)
+    own = save_checkpoint({"model": {}, "config": with_changes(base_config, **{"model.hidden_dim": 128})},
+                          own_dir / "checkpoint.pth")
+    assert find_resume_checkpoint("auto", output_dir=own_dir, search_root=outputs, config=base_config) == own
+
+
+def test_auto_with_null_num_classes_matches_a_run_that_took_it_from_the_data(tmp_path, base_config):
+    outputs = tmp_path / "outputs"
+    taken = write_run(outputs, "10-00-00", with_changes(base_config, **{"model.num_classes": 12}))
+    current = with_changes(base_config, **{"model.num_classes": None})
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=current) == taken
+
+
+# ------------------------------------------------------------------------------------- which settings win
+
+
+def checkpoint_of(config: dict, *, epoch=1, step=4) -> dict:
+    return {"model": {}, "config": config, "epoch": epoch, "step": step, "steps_in_epoch": 0}
+
+
+def test_the_model_is_the_checkpoints_and_the_rest_the_command_lines(base_config, caplog):
+    recorded = with_changes(base_config, **{"model.hidden_dim": 32, "model.msda": "triton", "optim.lr": 1e-3,
+                                            "optim.lr_drop": 5})
+    cfg = compose_train("model.hidden_dim=64", "model.msda=pytorch", "optim.lr=5e-4", "epochs=30",
+                        "resume=run/checkpoint.pth", "output_dir=elsewhere")
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        effective = config_for_resume(cfg, checkpoint_of(recorded), path="run/checkpoint.pth")
+    assert effective.model.hidden_dim == 32           # architecture: the checkpoint's
+    assert effective.model.msda == "pytorch"          # how to run: the command line's
+    assert effective.optim.lr == 5e-4 and effective.optim.lr_drop == 20 and effective.epochs == 30
+    assert cfg.model.hidden_dim == 64  # the caller's config is left alone
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    message = warnings[0]
+    assert message.startswith("resuming run/checkpoint.pth with settings that differ from the checkpoint's:")
+    assert "model.hidden_dim: 32 kept from the checkpoint, not 64" in message
+    assert "model.msda: 'pytorch' from the command line, applied (the checkpoint had 'triton')" in message
+    assert "optim.lr: 0.0005 from the command line, applied (the checkpoint had 0.001)" in message
+    assert "optim.lr_drop: 20 from the command line, applied (the checkpoint had 5)" in message
+    assert "epochs: 30 from the command line" in message
+    assert "  resume:" not in message and "  output_dir:" not in message  # about this command, not the run
+
+
+def test_no_warning_when_nothing_differs(base_config, caplog):
+    cfg = compose_train()
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        config_for_resume(cfg, checkpoint_of(plain_config(cfg)), path="x")
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("overrides, ckpt, message", [
+    (["epochs=6"], dict(epoch=6, step=24), r"checkpoint run\.pth has completed 6 epochs and epochs=6: nothing is left"),
+    (["max_steps=24"], dict(epoch=3, step=24), r"is at step 24 and max_steps=24: nothing is left to train")])
+def test_a_resume_with_nothing_left_to_train_is_an_error(base_config, overrides, ckpt, message):
+    with pytest.raises(ValueError, match=message):
+        config_for_resume(compose_train(*overrides), checkpoint_of(base_config, **ckpt), path="run.pth")
+
+
+# ------------------------------------------------------------------------------ restoring the lr schedule
+
+
+class Tiny(torch.nn.Module):
+    """Parameters in all three published groups (engine/optim.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+        self.sampling_offsets = torch.nn.Linear(2, 2)
+        self.head = torch.nn.Linear(2, 2)
+
+
+def trained_state(cfg_optim, *, epochs: int) -> dict:
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = build_optimizer(model, cfg_optim)
+    scheduler = build_lr_scheduler(optimizer, cfg_optim)
+    for _ in range(epochs):
+        optimizer.zero_grad()
+        sum(p.sum() for p in model.parameters()).backward()
+        optimizer.step()
+        scheduler.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict(),
+            "grad_scaler": {}, "epoch": epochs, "step": epochs, "steps_in_epoch": 0, "rng": {},
+            "config": {"optim": plain_config(cfg_optim)}}
+
+
+def restored(ckpt, cfg_optim):
+    model = Tiny()
+    optimizer = build_optimizer(model, cfg_optim)
+    scheduler = build_lr_scheduler(optimizer, cfg_optim)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=scheduler, scaler=scaler,
+                           cfg_optim=cfg_optim, path="c.pth")
+    return optimizer, scheduler
+
+
+def lrs(optimizer) -> dict[str, float]:
+    return {g["name"]: g["lr"] for g in optimizer.param_groups}
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_new_lr_and_lr_drop_are_applied_from_the_epoch_reached():
+    old = compose_train("optim.lr=1e-3", "optim.lr_backbone=1e-4", "optim.lr_drop=2").optim
+    ckpt = trained_state(old, epochs=3)  # one drop so far: rest 1e-4
+    optimizer, scheduler = restored(ckpt, old)
+    assert lrs(optimizer) == pytest.approx({"rest": 1e-4, "backbone": 1e-5, "linear_proj": 1e-5})
+
+    new = compose_train("optim.lr=4e-3", "optim.lr_backbone=1e-4", "optim.lr_drop=4", "optim.weight_decay=0.5").optim
+    optimizer, scheduler = restored(ckpt, new)
+    # 3 epochs done, lr_drop 4: no drop yet under the new schedule
+    assert lrs(optimizer) == pytest.approx({"rest": 4e-3, "backbone": 1e-4, "linear_proj": 4e-4})
+    assert all(g["weight_decay"] == 0.5 for g in optimizer.param_groups)
+    assert scheduler.get_last_lr() == pytest.approx([g["lr"] for g in optimizer.param_groups])
+    scheduler.step()  # the 4th epoch ends: the new drop happens
+    assert lrs(optimizer) == pytest.approx({"rest": 4e-4, "backbone": 1e-5, "linear_proj": 4e-5})
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_an_unchanged_schedule_restores_the_state_exactly():
+    cfg_optim = compose_train("optim.lr=1e-3", "optim.lr_drop=1").optim
+    ckpt = trained_state(cfg_optim, epochs=3)
+    optimizer, scheduler = restored(ckpt, cfg_optim)
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in ckpt["optimizer"]["param_groups"]]
+    assert scheduler.state_dict() == ckpt["lr_scheduler"]
+
+
+def test_an_optimizer_state_of_other_groups_is_a_checkpoint_error():
+    cfg_optim = compose_train().optim
+    ckpt = trained_state(cfg_optim, epochs=1)
+    ckpt["optimizer"]["param_groups"] = ckpt["optimizer"]["param_groups"][:1]
+    with pytest.raises(CheckpointError, match=r"checkpoint c\.pth: its optimizer or scheduler state does not fit"):
+        restored(ckpt, cfg_optim)
+
+
+def test_a_recorded_model_setting_this_version_refuses_names_the_checkpoint(base_config):
+    recorded = with_changes(base_config, **{"model.backbone": "resnet152"})
+    with pytest.raises(CheckpointError, match=r"checkpoint old\.pth records model\.backbone='resnet152', which this "
+                                              r"version does not accept \(Invalid value 'resnet152'"):
+        config_for_resume(compose_train(), checkpoint_of(recorded), path="old.pth")
