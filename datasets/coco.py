@@ -152,7 +152,7 @@ def build_dataset(split: str, cfg_dataset: Any, *, augment: bool | None = None) 
     """Config adapter: ``cfg_dataset`` (DictConfig or dict) -> :class:`CocoDetection` of ``split``.
 
     Keys: ``name`` (coco | synthetic), ``root``; synthetic only: ``num_train``, ``num_val``,
-    ``image_size``, ``seed`` (the set is generated under ``root`` on first use); transforms (all
+    ``image_size``, ``seed``, ``num_categories`` (the set is generated under ``root`` on first use); transforms (all
     optional, published COCO values by default): ``train_scales``, ``max_size``, ``val_size``,
     ``crop``, ``crop_scales``, ``crop_min_size``, ``crop_max_size``.
     ``augment`` defaults to ``split == "train"``; False gives the deterministic validation resize
@@ -171,6 +171,7 @@ def build_dataset(split: str, cfg_dataset: Any, *, augment: bool | None = None) 
             num_val=int(_cfg_get(cfg_dataset, "num_val", 64)),
             image_size=int(_cfg_get(cfg_dataset, "image_size", 128)),
             seed=int(_cfg_get(cfg_dataset, "seed", 0)),
+            num_categories=_cfg_get(cfg_dataset, "num_categories", None),  # None: all six
         )
     elif name != "coco":
         raise ValueError(f"dataset.name must be 'coco' or 'synthetic', got {name!r}")
