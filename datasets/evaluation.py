@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
+from torchvision.ops import box_convert
 
 # Names of COCOeval.stats[0..5] (bbox): AP at IoU .50:.95, .50, .75, then by object area.
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
@@ -17,12 +18,6 @@ STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _xyxy_to_xywh(boxes: torch.Tensor) -> torch.Tensor:
-    """(n, 4) xyxy -> (n, 4) xywh (COCO's results format)."""
-    x0, y0, x1, y1 = boxes.unbind(-1)
-    return torch.stack([x0, y0, x1 - x0, y1 - y0], dim=-1)
 
 
 class CocoEvaluator:
@@ -53,7 +48,7 @@ class CocoEvaluator:
             image_id = int(image_id)
             if image_id not in self.coco_gt.imgs:
                 raise KeyError(f"image id {image_id} is not in the ground-truth annotations")
-            boxes = _xyxy_to_xywh(prediction["boxes"].detach().float().cpu()).tolist()
+            boxes = box_convert(prediction["boxes"].detach().float().cpu(), "xyxy", "xywh").tolist()  # COCO's format
             scores = prediction["scores"].detach().float().cpu().tolist()
             labels = prediction["labels"].detach().cpu().tolist()
             self.results[image_id] = [
