@@ -31,6 +31,7 @@ from engine.checkpoint import (LATEST, check_training_state, epoch_checkpoint_na
 from engine.distributed import (DistContext, all_reduce_mean, argv_for_rank, barrier, broadcast_object, env_rank,
                                 init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, write_eval_json
+from engine.init_from import prepare_init_from
 from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
 from engine.precision import Precision
 from engine.progress import Progress, format_duration
@@ -94,7 +95,9 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     output_dir = resolve_output_dir(cfg, ctx)
     device = ctx.device
     seed_all(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    init = prepare_init_from(cfg.model)  # model.init_from: reads it, puts its variant into cfg.model
     model, criterion, postprocess = build_model(cfg.model)
+    init.load_into(model)  # weights of matching name and shape; still a new run (epoch 0, fresh optimizer)
     model.to(device)
     criterion.to(device)
     optimizer = build_optimizer(model, cfg.optim)
