@@ -33,6 +33,7 @@ from engine.distributed import (DistContext, all_reduce_mean, argv_for_rank, bar
 from engine.evaluation import evaluate_coco, write_eval_json
 from engine.init_from import prepare_init_from
 from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
+from engine.per_class_report import report_per_class
 from engine.precision import Precision
 from engine.progress import Progress, format_duration
 from engine.rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
@@ -243,15 +244,17 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                 lr_scheduler.step()
             last = step >= total_steps or epoch + 1 == cfg.epochs
             if last or (epoch_done and (epoch + 1) % cfg.eval_every == 0):
-                stats, num_images = evaluate_coco(model=model_without_ddp, postprocess=postprocess,
-                                                  loader=val_loader, coco_gt=data["val"].coco, device=device,
-                                                  precision=precision)
+                evaluation = evaluate_coco(model=model_without_ddp, postprocess=postprocess, loader=val_loader,
+                                           coco_gt=data["val"].coco, device=device, precision=precision)
+                stats, num_images = evaluation.stats, evaluation.num_images
                 if ctx.is_main:
                     writer.add("eval", stats, step)
                     write_eval_json(output_dir / f"eval_epoch{epoch + 1:04d}.json", stats=stats, epoch=epoch + 1,
-                                    step=step, epoch_complete=epoch_done, num_images=num_images)
+                                    step=step, epoch_complete=epoch_done, num_images=num_images,
+                                    per_class=evaluation.per_class)
                     log.info("evaluation after epoch %d (step %d, %d images): %s", epoch + 1, step, num_images,
                              " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+                    report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
             if ctx.is_main:
                 state = checkpoint_state(epoch=epoch + 1 if epoch_done else epoch,
                                          steps_in_epoch=0 if epoch_done else done_in_epoch)
@@ -299,18 +302,20 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         val_set = build_datasets(cfg, ctx, ("val",))["val"]
-        stats, num_images = evaluate_coco(model=model, postprocess=postprocess,
-                                          loader=build_val_loader(val_set, cfg, ctx), coco_gt=val_set.coco,
-                                          device=ctx.device, precision=Precision(amp=cfg.amp, device=ctx.device))
+        evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
+                                   coco_gt=val_set.coco, device=ctx.device,
+                                   precision=Precision(amp=cfg.amp, device=ctx.device))
+        stats, num_images = evaluation.stats, evaluation.num_images
         if ctx.is_main:
             step = int(ckpt.get("step", 0) or 0)
             writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
             writer.add("eval", stats, step)
-            writer.close()
             write_eval_json(output_dir / "eval.json", stats=stats, checkpoint=str(Path(cfg.checkpoint).resolve()),
-                            step=step, num_images=num_images)
+                            step=step, num_images=num_images, per_class=evaluation.per_class)
             log.info("evaluation of %s (%d images): %s", cfg.checkpoint, num_images,
                      " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+            report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
+            writer.close()
         return {"output_dir": output_dir, "eval": stats}
     finally:
         shutdown_distributed(ctx)
