@@ -30,6 +30,7 @@ from engine.checkpoint import (LATEST, check_training_state, epoch_checkpoint_na
                                save_checkpoint)
 from engine.distributed import (DistContext, all_reduce_mean, argv_for_rank, barrier, broadcast_object, env_rank,
                                 init_distributed, shutdown_distributed)
+from engine.detection_images import build_detection_images
 from engine.evaluation import evaluate_coco, write_eval_json
 from engine.init_from import prepare_init_from
 from engine.optim import build_lr_scheduler, build_optimizer, group_lrs
@@ -109,6 +110,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     train_loader = build_data_loader(data["train"], batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                                      train=True, distributed=ctx.distributed, seed=cfg.seed)
     val_loader = build_val_loader(data["val"], cfg, ctx)
+    detection_images = build_detection_images(cfg, data["val"], enabled=ctx.is_main)
     steps_per_epoch = len(train_loader)
     if steps_per_epoch == 0:
         raise ValueError(f"the training set has {len(data['train'])} images, fewer than one batch of "
@@ -255,6 +257,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                     log.info("evaluation after epoch %d (step %d, %d images): %s", epoch + 1, step, num_images,
                              " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
                     report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
+                    detection_images.write(writer, evaluation.detections, step)
             if ctx.is_main:
                 state = checkpoint_state(epoch=epoch + 1 if epoch_done else epoch,
                                          steps_in_epoch=0 if epoch_done else done_in_epoch)
@@ -302,6 +305,7 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         val_set = build_datasets(cfg, ctx, ("val",))["val"]
+        detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,
                                    precision=Precision(amp=cfg.amp, device=ctx.device))
@@ -315,6 +319,7 @@ def evaluate(cfg: DictConfig) -> dict:
             log.info("evaluation of %s (%d images): %s", cfg.checkpoint, num_images,
                      " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
             report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
+            detection_images.write(writer, evaluation.detections, step)
             writer.close()
         return {"output_dir": output_dir, "eval": stats}
     finally:
