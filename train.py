@@ -247,7 +247,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
             last = step >= total_steps or epoch + 1 == cfg.epochs
             if last or (epoch_done and (epoch + 1) % cfg.eval_every == 0):
                 evaluation = evaluate_coco(model=model_without_ddp, postprocess=postprocess, loader=val_loader,
-                                           coco_gt=data["val"].coco, device=device, precision=precision)
+                                           coco_gt=data["val"].coco, device=device, precision=precision,
+                                           keep_detections=detection_images.image_ids)
                 stats, num_images = evaluation.stats, evaluation.num_images
                 if ctx.is_main:
                     writer.add("eval", stats, step)
@@ -308,7 +309,8 @@ def evaluate(cfg: DictConfig) -> dict:
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,
-                                   precision=Precision(amp=cfg.amp, device=ctx.device))
+                                   precision=Precision(amp=cfg.amp, device=ctx.device),
+                                   keep_detections=detection_images.image_ids)
         stats, num_images = evaluation.stats, evaluation.num_images
         if ctx.is_main:
             step = int(ckpt.get("step", 0) or 0)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchvision.transforms.v2 import functional as F
 
-from datasets import build_dataset
+from datasets import build_data_loader, build_dataset
 from engine.detection_images import (GROUND_TRUTH_COLOUR, MAX_SIDE, MIN_SIDE, DetectionImages,
                                      build_detection_images, display_scale, pick_image_ids)
+from engine.evaluation import evaluate_coco
+from engine.precision import Precision
 from engine.tensorboard import ScalarWriter
+from models.postprocess import PostProcess
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +94,32 @@ def test_written_to_tensorboard_under_one_tag_per_image(val_set, tmp_path):
     assert tags == sorted(f"eval_images/image_id_{i}" for i in images.image_ids)
     for tag in tags:
         assert [e.step for e in events.Images(tag)] == [4, 8]
+
+
+class FixedDetector(torch.nn.Module):
+    """Two queries per image over 3 classes: a box in the top-left quarter and one in the centre."""
+
+    def forward(self, images, masks):
+        B = images.shape[0]
+        logits = torch.tensor([[4.0, -4.0, 0.0], [-4.0, 2.0, -4.0]]).expand(B, 2, 3)  # (B, Q, K)
+        boxes = torch.tensor([[0.25, 0.25, 0.2, 0.2], [0.5, 0.5, 0.3, 0.3]]).expand(B, 2, 4)  # (B, Q, 4) cxcywh
+        return {"pred_logits": logits, "pred_boxes": boxes}
+
+
+def test_evaluation_keeps_the_detections_of_the_images_asked_for(val_set):
+    loader = build_data_loader(val_set, batch_size=3, num_workers=0, train=False, distributed=False)
+    cpu = torch.device("cpu")
+    with contextlib.redirect_stdout(io.StringIO()):
+        evaluation = evaluate_coco(model=FixedDetector(), postprocess=PostProcess(), loader=loader,
+                                   coco_gt=val_set.coco, device=cpu, precision=Precision(amp="none", device=cpu),
+                                   keep_detections=[4, 1, 999])
+    assert evaluation.num_images == 10 and sorted(evaluation.detections) == [1, 4]
+    for image_id, detections in evaluation.detections.items():
+        assert len(detections) == 6 and {d["image_id"] for d in detections} == {image_id}
+        best = max(detections, key=lambda d: d["score"])
+        width, height = val_set.coco.imgs[image_id]["width"], val_set.coco.imgs[image_id]["height"]
+        assert best["category_id"] == 0 and best["bbox"] == pytest.approx([0.15 * width, 0.15 * height,
+                                                                           0.2 * width, 0.2 * height], abs=1e-3)
 
 
 def test_settings_are_checked_with_their_keys(val_set):
