@@ -53,17 +53,20 @@ class InitReport:
 
 @dataclass
 class InitFrom:
-    """A checkpoint read for ``model.init_from``; ``path`` None means model.init_from is not set."""
+    """The weights read for ``model.init_from``; ``path`` None means model.init_from is not set."""
 
     path: Path | None = None
-    checkpoint: dict | None = None
+    state: dict | None = None  # the checkpoint's model state dict (optimizer and the rest are dropped at once)
     size_hint: str = ""  # the checkpoint's recorded sizes that differ from the config, for error messages
 
     def load_into(self, model: torch.nn.Module) -> InitReport | None:
         """Load every tensor of matching name and shape into ``model``; None when model.init_from is not set."""
         if self.path is None:
             return None
-        report = load_matching(model, model_state_dict(self.checkpoint), path=self.path, size_hint=self.size_hint)
+        if self.state is None:
+            raise RuntimeError(f"model.init_from={self.path}: load_into was already called (it loads once)")
+        report = load_matching(model, self.state, path=self.path, size_hint=self.size_hint)
+        self.state = None  # the model holds the weights now; do not keep a second copy for the whole run
         log.info(describe(report, path=self.path))
         return report
 
@@ -98,7 +101,7 @@ def prepare_init_from(cfg_model) -> InitFrom:
     differing = [f"{k}={recorded[k]!r} (config: {current[k]!r})" for k in SIZE_KEYS
                  if k in recorded and k in current and recorded[k] != current[k]]
     hint = f"; the checkpoint records {', '.join(differing)}" if differing else ""
-    return InitFrom(path=path, checkpoint=ckpt, size_hint=hint)
+    return InitFrom(path=path, state=state, size_hint=hint)
 
 
 def variant_from_names(state: dict) -> dict[str, bool]:

@@ -187,3 +187,15 @@ def test_unset_init_from_changes_nothing():
     assert init.load_into(model) is None
     assert OmegaConf.to_container(cfg) == before
     assert all(torch.equal(model.state_dict()[k], v) for k, v in fresh.items())
+
+
+def test_weights_are_released_after_loading(tmp_path):
+    cfg = tiny_cfg()
+    saved_model(tmp_path / "once.pth", cfg, seed=2)
+    cfg.init_from = str(tmp_path / "once.pth")
+    init = prepare_init_from(cfg)
+    model = build_deformable_detr(cfg)
+    init.load_into(model)
+    assert init.state is None, "no second copy of the weights kept for the whole run"
+    with pytest.raises(RuntimeError, match=r"once\.pth: load_into was already called"):
+        init.load_into(model)
