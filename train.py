@@ -26,10 +26,13 @@ from engine.compile import compile_regions
 from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, argv_for_rank, average_over_processes, barrier, broadcast_object,
                                 env_rank, init_distributed, shutdown_distributed)
+from engine.detection_images import build_detection_images
 from engine.evaluation import evaluate_coco, write_eval_json
+from engine.init_from import InitFrom, prepare_init_from
 from engine.loop import NonFiniteLossError, Position, Trainer
 from engine.num_classes import resolve_num_classes
 from engine.optim import build_lr_scheduler, build_optimizer
+from engine.per_class_report import report_per_class
 from engine.precision import Precision
 from engine.resume import config_for_resume, find_resume_checkpoint, restore_training_state
 from engine.rng import seed_all
@@ -104,7 +107,11 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
 
     seed_all(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    # model.init_from: a new run from another checkpoint's weights (reads it, puts its variant into cfg.model).
+    # A resumed run has its own weights.
+    init = prepare_init_from(cfg.model) if ckpt is None else InitFrom()
     model, criterion, postprocess = build_model(cfg.model)
+    init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
     model.to(device)
     criterion.to(device)
     if cfg.compile:
@@ -143,7 +150,9 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, model=model, step=step,
                       eval_model=model, postprocess=postprocess, lr_scheduler=lr_scheduler,
                       train_loader=train_loader, val_loader=build_val_loader(data["val"], cfg, ctx),
-                      coco_gt=data["val"].coco, position=position,
+                      coco_gt=data["val"].coco, detection_images=build_detection_images(cfg, data["val"],
+                                                                                        enabled=ctx.is_main),
+                      position=position,
                       config_record=plain_config(cfg))
     return {"output_dir": output_dir, **trainer.fit()}
 
@@ -173,18 +182,23 @@ def evaluate(cfg: DictConfig) -> dict:
         model.to(ctx.device)
         if cfg.compile:
             compile_regions(model, backend=cfg.compile_backend)
-        stats, num_images = evaluate_coco(model=model, postprocess=postprocess,
-                                          loader=build_val_loader(val_set, cfg, ctx), coco_gt=val_set.coco,
-                                          device=ctx.device, precision=Precision(amp=cfg.amp, device=ctx.device))
+        detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
+        evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
+                                   coco_gt=val_set.coco, device=ctx.device,
+                                   precision=Precision(amp=cfg.amp, device=ctx.device),
+                                   keep_detections=detection_images.image_ids)
+        stats = evaluation.stats
         if ctx.is_main:
             step = int(ckpt.get("step", 0) or 0)
             writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
             writer.add("eval", stats, step)
-            writer.close()
             write_eval_json(output_dir / "eval.json", stats=stats, checkpoint=str(Path(cfg.checkpoint).resolve()),
-                            step=step, num_images=num_images)
-            log.info("evaluation of %s (%d images): %s", cfg.checkpoint, num_images,
+                            step=step, num_images=evaluation.num_images, per_class=evaluation.per_class)
+            log.info("evaluation of %s (%d images): %s", cfg.checkpoint, evaluation.num_images,
                      " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+            report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
+            detection_images.write(writer, evaluation.detections, step)
+            writer.close()
         return {"output_dir": output_dir, "eval": stats}
     finally:
         shutdown_distributed(ctx)

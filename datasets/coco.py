@@ -24,6 +24,7 @@ import torch.distributed as dist
 from pycocotools.coco import COCO
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import tv_tensors
+from torchvision.ops import box_area, box_convert, clip_boxes_to_image
 from torchvision.transforms.v2 import functional as F
 
 from .annotations import clean_annotations, load_annotation_file
@@ -117,12 +118,9 @@ class CocoDetection(Dataset):
         anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=[image_id]))
         anns = [a for a in anns if not a.get("iscrowd", 0)]
         boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)  # (n, 4) xywh
-        boxes[:, 2:] += boxes[:, :2]  # (n, 4) xyxy
-        boxes[:, 0::2].clamp_(min=0, max=width)
-        boxes[:, 1::2].clamp_(min=0, max=height)
-        box_area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+        boxes = clip_boxes_to_image(box_convert(boxes, "xywh", "xyxy"), (height, width))  # (n, 4) xyxy
         area = torch.tensor([a.get("area", 0.0) for a in anns], dtype=torch.float32)
-        area = torch.where(area > 0, area, box_area)  # keep COCO's segment area when there is one
+        area = torch.where(area > 0, area, box_area(boxes))  # keep COCO's segment area when there is one
         target = {
             "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(height, width)),
             "labels": torch.tensor([a["category_id"] for a in anns], dtype=torch.int64),
@@ -182,7 +180,7 @@ def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
     """(image_dir, annotation_file) of ``split`` as the dataset config says; errors name the key or path."""
     if c.name == DatasetName.synthetic:
         ensure_synthetic_dataset(c.root, num_train=c.num_train, num_val=c.num_val, image_size=c.image_size,
-                                 seed=c.seed)
+                                 seed=c.seed, num_categories=c.num_categories)
     if c.name != DatasetName.custom:
         return coco2017_paths(root=c.root, split=split)
     keys = (f"{split}_images", f"{split}_annotations")

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from .synthetic import CLASSES
 from .transforms import (
     COCO_CROP_MAX_SIZE,
     COCO_CROP_MIN_SIZE,
@@ -89,10 +90,13 @@ class SyntheticDatasetConfig(DatasetConfig):
     num_val: int = 64
     image_size: int = 128
     seed: int = 0
+    num_categories: int = len(CLASSES)  # the first N shape classes (category ids 1..N)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         problems = _positive(self, ("num_train", "num_val"))
+        if not 1 <= self.num_categories <= len(CLASSES):
+            problems.append(f"dataset.num_categories must be 1..{len(CLASSES)}, got {self.num_categories}")
         if self.image_size < 16:
             problems.append(f"dataset.image_size must be at least 16 pixels, got {self.image_size}")
         if self.seed < 0:

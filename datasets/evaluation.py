@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
+from torchvision.ops import box_convert
+
+from .per_class_ap import per_class_ap, per_class_without_detections
 
 # Names of COCOeval.stats[0..5] (bbox): AP at IoU .50:.95, .50, .75, then by object area.
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
@@ -17,12 +20,6 @@ STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _xyxy_to_xywh(boxes: torch.Tensor) -> torch.Tensor:
-    """(n, 4) xyxy -> (n, 4) xywh (COCO's results format)."""
-    x0, y0, x1, y1 = boxes.unbind(-1)
-    return torch.stack([x0, y0, x1 - x0, y1 - y0], dim=-1)
 
 
 class CocoEvaluator:
@@ -33,6 +30,7 @@ class CocoEvaluator:
         evaluator = CocoEvaluator(coco_gt=dataset.coco)
         evaluator.update({image_id: {"scores": (k,), "labels": (k,), "boxes": (k, 4)}})  # per batch
         stats = evaluator.summarize()   # gathers, evaluates on rank 0, broadcasts; same dict everywhere
+        evaluator.per_class             # {category name: AP or None}, from the same COCOeval run
 
     ``boxes`` are xyxy in absolute pixels of the original image (PostProcess with target_sizes =
     orig_size); ``labels`` are COCO category ids. Every updated image id counts in the evaluation,
@@ -45,6 +43,7 @@ class CocoEvaluator:
         # last batch with images other ranks also see) are counted once: a repeat replaces.
         self.results: dict[int, list[dict]] = {}
         self.stats: dict[str, float] | None = None
+        self.per_class: dict[str, float | None] | None = None
         self._gathered = False
 
     def update(self, predictions: dict[int, dict[str, torch.Tensor]]) -> None:
@@ -53,7 +52,7 @@ class CocoEvaluator:
             image_id = int(image_id)
             if image_id not in self.coco_gt.imgs:
                 raise KeyError(f"image id {image_id} is not in the ground-truth annotations")
-            boxes = _xyxy_to_xywh(prediction["boxes"].detach().float().cpu()).tolist()
+            boxes = box_convert(prediction["boxes"].detach().float().cpu(), "xyxy", "xywh").tolist()  # COCO's format
             scores = prediction["scores"].detach().float().cpu().tolist()
             labels = prediction["labels"].detach().cpu().tolist()
             self.results[image_id] = [
@@ -86,24 +85,26 @@ class CocoEvaluator:
 
         Prints pycocotools' summary table on rank 0. With no detections at all every figure is 0.0
         (pycocotools' loadRes cannot take an empty list). Figures are -1.0 where COCO defines none
-        (e.g. APs when no ground-truth box is small).
+        (e.g. APs when no ground-truth box is small). Also sets ``self.per_class`` (see
+        :func:`datasets.per_class_ap.per_class_ap`), computed from the same COCOeval run.
         """
         self.gather()
-        stats = None
+        stats = per_class = None
         if not _distributed() or dist.get_rank() == 0:
-            stats = self._evaluate()
+            stats, per_class = self._evaluate()
         if _distributed():
-            box = [stats]
+            box = [(stats, per_class)]
             dist.broadcast_object_list(box, src=0)
-            stats = box[0]
-        self.stats = stats
+            stats, per_class = box[0]
+        self.stats, self.per_class = stats, per_class
         return stats
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self) -> tuple[dict[str, float], dict[str, float | None]]:
         detections = self.detections
         if not detections:
             print(f"COCO bbox evaluation: no detections on {len(self.results)} images; AP = 0")
-            return {name: 0.0 for name in STAT_NAMES}
+            return ({name: 0.0 for name in STAT_NAMES},
+                    per_class_without_detections(self.coco_gt, sorted(self.results)))
         coco_dt = self.coco_gt.loadRes(detections)
         coco_eval = COCOeval(self.coco_gt, coco_dt, iouType="bbox")
         # Only the images that were evaluated: a partial pass (max_steps, a subset) is not scored
@@ -112,7 +113,8 @@ class CocoEvaluator:
         coco_eval.evaluate()
         coco_eval.accumulate()
         coco_eval.summarize()
-        return {name: float(coco_eval.stats[i]) for i, name in enumerate(STAT_NAMES)}
+        stats = {name: float(coco_eval.stats[i]) for i, name in enumerate(STAT_NAMES)}
+        return stats, per_class_ap(coco_eval)
 
     def save_detections(self, path: str | Path) -> None:
         """Write the detections as a COCO results json (list of {image_id, category_id, bbox xywh, score}).

@@ -50,10 +50,11 @@ OBJECT_SIDE = (0.15, 0.5)  # object side as a fraction of the image side
 MAX_COVERED = 0.4  # a new object may cover at most this fraction of an earlier (occluded) one
 
 
-def _place_objects(rng: np.random.Generator, *, height: int, width: int) -> list[tuple[int, list[int]]]:
-    """[(class index, [x0, y0, x1, y1])] integer pixel boxes, drawn in order (later ones on top)."""
+def _place_objects(rng: np.random.Generator, *, height: int, width: int,
+                   num_categories: int) -> list[tuple[int, list[int]]]:
+    """[(class index < num_categories, [x0, y0, x1, y1])] integer pixel boxes, drawn in order (later on top)."""
     count = int(rng.integers(1, MAX_OBJECTS + 1))
-    classes = rng.permutation(len(CLASSES))[:count]
+    classes = rng.permutation(num_categories)[:count]
     placed: list[tuple[int, list[int]]] = []
     for cls in classes:
         for _ in range(20):  # rejection sampling: keep every object recognisable under overlap
@@ -91,11 +92,13 @@ def _draw(draw: ImageDraw.ImageDraw, *, shape: str, box: list[int], colour: tupl
         raise ValueError(f"unknown shape {shape!r}")
 
 
-def make_image(*, seed: int, split: str, index: int, image_size: int) -> tuple[Image.Image, list[dict]]:
+def make_image(*, seed: int, split: str, index: int, image_size: int,
+               num_categories: int = len(CLASSES)) -> tuple[Image.Image, list[dict]]:
     """One RGB image and its objects [{"category_id", "bbox" xywh, "area"}].
 
     Seeded by (seed, split, index) so that an image does not depend on how many others are made.
-    The long side is ``image_size``, the short side 75-100% of it, in either orientation.
+    The long side is ``image_size``, the short side 75-100% of it, in either orientation. Objects are of
+    the first ``num_categories`` classes of CLASSES; with all of them the draws are those of the full set.
     """
     rng = np.random.default_rng([seed, SPLIT_CODES[split], index])
     short = int(round(image_size * rng.uniform(0.75, 1.0)))
@@ -106,7 +109,7 @@ def make_image(*, seed: int, split: str, index: int, image_size: int) -> tuple[I
     image = Image.fromarray(pixels)  # (H, W, 3) uint8 -> RGB
     draw = ImageDraw.Draw(image)
     objects = []
-    for cls, box in _place_objects(rng, height=height, width=width):
+    for cls, box in _place_objects(rng, height=height, width=width, num_categories=num_categories):
         category_id, _, _, colour, shape = CLASSES[cls]
         _draw(draw, shape=shape, box=box, colour=colour)
         w, h = box[2] - box[0], box[3] - box[1]
@@ -120,14 +123,19 @@ def make_image(*, seed: int, split: str, index: int, image_size: int) -> tuple[I
     return image, objects
 
 
-def write_split(root: Path, *, split: str, num_images: int, image_size: int, seed: int) -> None:
-    """Write ``root/{split}2017/*.jpg`` and ``root/annotations/instances_{split}2017.json``."""
+def write_split(root: Path, *, split: str, num_images: int, image_size: int, seed: int,
+                num_categories: int = len(CLASSES)) -> None:
+    """Write ``root/{split}2017/*.jpg`` and ``root/annotations/instances_{split}2017.json``.
+
+    The json lists the first ``num_categories`` categories of CLASSES, the ones the images hold.
+    """
     image_dir = root / f"{split}2017"
     image_dir.mkdir(parents=True, exist_ok=True)
     images, annotations = [], []
     for index in range(num_images):
         image_id = index + 1  # COCO ids are positive
-        image, objects = make_image(seed=seed, split=split, index=index, image_size=image_size)
+        image, objects = make_image(seed=seed, split=split, index=index, image_size=image_size,
+                                    num_categories=num_categories)
         file_name = f"{image_id:012d}.jpg"
         image.save(image_dir / file_name, format="JPEG", quality=95)
         images.append({"id": image_id, "file_name": file_name, "height": image.height, "width": image.width})
@@ -138,7 +146,7 @@ def write_split(root: Path, *, split: str, num_images: int, image_size: int, see
         "licenses": [],
         "images": images,
         "annotations": annotations,
-        "categories": [{"id": c[0], "name": c[1], "supercategory": c[2]} for c in CLASSES],
+        "categories": [{"id": c[0], "name": c[1], "supercategory": c[2]} for c in CLASSES[:num_categories]],
     }
     (root / "annotations").mkdir(parents=True, exist_ok=True)
     with open(root / "annotations" / f"instances_{split}2017.json", "w") as f:
@@ -160,8 +168,12 @@ def ensure_synthetic_dataset(
     num_val: int = 64,
     image_size: int = 128,
     seed: int = 0,
+    num_categories: int | None = None,
 ) -> Path:
     """Make sure ``root`` holds the synthetic set of these parameters; write it if not. Returns root.
+
+    ``num_categories`` (1..6, None for all 6) keeps the first classes of CLASSES (category ids 1..n): a set
+    with other classes than the default one, e.g. to fine-tune a model trained on all six.
 
     Idempotent: a set whose manifest matches is reused; one with other parameters is replaced. The set
     is written to a temporary sibling directory and renamed into place, so a killed run never leaves
@@ -172,6 +184,12 @@ def ensure_synthetic_dataset(
         raise ValueError(f"num_train and num_val must be positive, got {num_train} and {num_val}")
     if image_size < 16:
         raise ValueError(f"image_size must be at least 16 pixels, got {image_size}")
+    if num_categories is None:
+        num_categories = len(CLASSES)
+    if isinstance(num_categories, bool) or not isinstance(num_categories, int) \
+            or not 1 <= num_categories <= len(CLASSES):
+        raise ValueError(f"dataset.num_categories must be an integer from 1 to {len(CLASSES)} (the synthetic "
+                         f"classes), got {num_categories!r}")
     root = Path(root)
     params = {
         "format_version": FORMAT_VERSION,
@@ -179,6 +197,7 @@ def ensure_synthetic_dataset(
         "num_val": int(num_val),
         "image_size": int(image_size),
         "seed": int(seed),
+        "num_categories": num_categories,
     }
     existing = _read_manifest(root)
     if existing == params:
@@ -192,8 +211,9 @@ def ensure_synthetic_dataset(
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.writing.", dir=root.parent))
     try:
-        write_split(staging, split="train", num_images=num_train, image_size=image_size, seed=seed)
-        write_split(staging, split="val", num_images=num_val, image_size=image_size, seed=seed)
+        for split, num_images in (("train", num_train), ("val", num_val)):
+            write_split(staging, split=split, num_images=num_images, image_size=image_size, seed=seed,
+                        num_categories=num_categories)
         with open(staging / MANIFEST, "w") as f:
             json.dump(params, f, sort_keys=True)
         _install(staging, root, params)

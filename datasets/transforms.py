@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 from torchvision import tv_tensors
+from torchvision.ops import box_area
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
@@ -127,7 +128,7 @@ def crop(image, target: dict, *, top: int, left: int, height: int, width: int):
     target = dict(target)
     boxes = F.crop(target["boxes"], top=top, left=left, height=height, width=width)  # (n, 4) clamped
     target["boxes"] = boxes
-    target["area"] = ((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).as_subclass(torch.Tensor)
+    target["area"] = box_area(boxes.as_subclass(torch.Tensor))  # (n,)
     return image, drop_degenerate_boxes(target)
 
 

@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -180,18 +181,23 @@ def recorded_model_config(ckpt: dict) -> dict:
 
 
 # Model keys that say how to run, not what was trained: never taken from a checkpoint.
-RUNTIME_MODEL_KEYS = frozenset({"msda", "pretrained", "train_backbone"})
+RUNTIME_MODEL_KEYS = frozenset({"msda", "pretrained", "train_backbone", "init_from"})
 
 
-def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike) -> dict:
+def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
+                                keys: Iterable[str] | None = None) -> dict:
     """``cfg_model`` with the architecture the checkpoint records (variant, sizes, classes) put in.
 
     The weights fix the architecture, so where the checkpoint records a value (our config, or the official
     args such as with_box_refine / two_stage) it wins over the composed config; keys it does not record
-    (e.g. num_classes in the official args, 91 there) come from the config. ``pretrained`` is set to none:
-    the checkpoint replaces the backbone weights, and there is no need to fetch ImageNet ones.
+    (e.g. num_classes in the official args, 91 there) come from the config. ``keys`` limits what is taken
+    from the checkpoint (default: every recorded key). ``pretrained`` is set to none: the checkpoint
+    replaces the backbone weights, and there is no need to fetch ImageNet ones.
     """
     recorded = recorded_model_config(ckpt)
+    if keys is not None:
+        wanted = set(keys)
+        recorded = {k: v for k, v in recorded.items() if k in wanted}
     merged = dict(cfg_model)
     for key, value in recorded.items():
         if key in merged and key not in RUNTIME_MODEL_KEYS and merged[key] != value:
@@ -202,11 +208,17 @@ def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.P
     return merged
 
 
-def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
-    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it."""
+def model_state_dict(ckpt: dict) -> dict:
+    """``ckpt['model']`` with the ``module.`` prefix of a DDP-wrapped save removed."""
     state = ckpt["model"]
     if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
         state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
+    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it."""
+    state = model_state_dict(ckpt)
     own = model.state_dict()
     reshaped = [f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
                 for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]

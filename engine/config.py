@@ -65,7 +65,7 @@ class OptimConfig:
 
 # Run setting -> smallest allowed value, for the integer ones.
 _INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "eval_every": 1,
-                    "checkpoint_every": 1, "log_every": 1}
+                    "checkpoint_every": 1, "log_every": 1, "eval_images": 0}
 
 
 @dataclass
@@ -90,6 +90,8 @@ class TrainConfig:
     eval_every: int = MISSING
     checkpoint_every: int = MISSING
     log_every: int = MISSING
+    eval_images: int = 4
+    eval_images_min_score: float = 0.3
     find_unused_parameters: bool = False
     output_dir: Optional[str] = None
     resume: Optional[str] = None
@@ -101,6 +103,9 @@ class TrainConfig:
                     for key, low in _INTEGER_MINIMUM.items() if getattr(self, key) < low]
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be null or an integer >= 1, got {self.max_steps!r}")
+        if not 0 <= self.eval_images_min_score <= 1:
+            problems.append(f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
+                            f"drawn), got {self.eval_images_min_score!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:

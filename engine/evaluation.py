@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,13 +16,32 @@ from .precision import Precision
 from .rng import rng_preserved
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What one pass over the validation set gives; all but ``detections`` the same on every rank.
+
+    stats       {"AP", "AP50", "AP75", "APs", "APm", "APl"} (COCOeval stats[0..5])
+    per_class   {category name: AP (IoU .50:.95) or None where the images hold none}, category id order,
+                from the same COCOeval run as ``stats``
+    num_images  images scored
+    detections  image id -> [{"image_id", "category_id", "bbox" xywh in the file's pixels, "score"}], for the
+                images asked for with ``keep_detections`` only (all of COCO val's would hold ~0.5M dicts per rank)
+    """
+
+    stats: dict[str, float]
+    per_class: dict[str, float | None]
+    num_images: int
+    detections: dict[int, list[dict]]
+
+
 @torch.no_grad()
 @rng_preserved()
 def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
-                  precision: Precision) -> tuple[dict[str, float], int]:
-    """(COCO bbox AP/AP50/AP75/APs/APm/APl, number of images scored) of ``model`` on ``loader``.
+                  precision: Precision, keep_detections: Iterable[int] = ()) -> Evaluation:
+    """COCO bbox AP of ``model`` on ``loader``: summary, per class, and the detections (see Evaluation).
 
-    The same on every rank.
+    The figures are the same on every rank; ``keep_detections`` (image ids, e.g. those drawn in TensorBoard)
+    picks the detections returned.
     ``model`` is the unwrapped module (not DDP: inference needs no gradient sync). Each rank runs its
     share of the images; the evaluator gathers detections from all ranks before scoring. The random
     generators are left as they were (engine.rng.rng_preserved).
@@ -40,14 +61,23 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
         evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})
     stats = evaluator.summarize()  # gathers every rank's detections first
     model.train(was_training)
-    return stats, len(evaluator.results)
+    kept = {int(i): evaluator.results[int(i)] for i in keep_detections if int(i) in evaluator.results}
+    return Evaluation(stats=stats, per_class=evaluator.per_class, num_images=len(evaluator.results),
+                      detections=kept)
 
 
-def write_eval_json(path: str | Path, *, stats: dict[str, float], **info) -> Path:
-    """``{**info, **stats}`` as json, written atomically (rank 0 only)."""
+def write_eval_json(path: str | Path, *, stats: dict[str, float], per_class: dict[str, float | None] | None = None,
+                    **info) -> Path:
+    """``{**info, **stats, "per_class": per_class}`` as json, written atomically (rank 0 only).
+
+    ``per_class`` is {category name: AP}, null for a category without ground truth in the evaluated images.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    record = {**info, **stats}
+    if per_class is not None:
+        record["per_class"] = per_class
     with open(tmp, "w") as f:
-        json.dump({**info, **stats}, f, indent=2)
+        json.dump(record, f, indent=2)
     os.replace(tmp, path)
     return path

@@ -20,9 +20,11 @@ import torch
 from datasets import ImageReadError
 
 from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
+from .detection_images import DetectionImages
 from .distributed import DistContext, all_reduce_mean, barrier
 from .evaluation import evaluate_coco, write_eval_json
 from .optim import group_lrs
+from .per_class_report import report_per_class
 from .progress import Progress, format_duration
 from .resume import last_checkpoint_hint
 from .rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
@@ -61,12 +63,13 @@ class Trainer:
 
     def __init__(self, *, cfg, ctx: DistContext, output_dir: Path, model: torch.nn.Module, step: TrainStep,
                  eval_model: torch.nn.Module, postprocess, lr_scheduler, train_loader, val_loader, coco_gt,
-                 position: Position, config_record: dict):
+                 detection_images: DetectionImages, position: Position, config_record: dict):
         self.cfg, self.ctx, self.output_dir = cfg, ctx, Path(output_dir)
         self.model, self.step, self.eval_model, self.postprocess = model, step, eval_model, postprocess
         self.optimizer, self.precision = step.optimizer, step.precision
         self.lr_scheduler, self.train_loader, self.val_loader, self.coco_gt = (
             lr_scheduler, train_loader, val_loader, coco_gt)
+        self.detection_images = detection_images
         self.position, self.config_record = position, config_record
         self.steps_per_epoch = len(train_loader)
         self.total_steps = self.steps_per_epoch * cfg.epochs
@@ -211,15 +214,18 @@ class Trainer:
         self.step_log.restart_clock()
 
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
-        stats, num_images = evaluate_coco(model=self.eval_model, postprocess=self.postprocess,
-                                          loader=self.val_loader, coco_gt=self.coco_gt, device=self.ctx.device,
-                                          precision=self.precision)
-        self.eval_stats = stats
+        evaluation = evaluate_coco(model=self.eval_model, postprocess=self.postprocess, loader=self.val_loader,
+                                   coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,
+                                   keep_detections=self.detection_images.image_ids)
+        self.eval_stats = stats = evaluation.stats
         step = self.position.step
         if self.ctx.is_main:
             self.writer.add("eval", stats, step)
             write_eval_json(self.output_dir / f"eval_epoch{epoch:04d}.json", stats=stats, epoch=epoch, step=step,
-                            epoch_complete=epoch_complete, num_images=num_images)
-            log.info("evaluation after epoch %d (step %d, %d images): %s", epoch, step, num_images,
+                            epoch_complete=epoch_complete, num_images=evaluation.num_images,
+                            per_class=evaluation.per_class)
+            log.info("evaluation after epoch %d (step %d, %d images): %s", epoch, step, evaluation.num_images,
                      " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+            report_per_class(evaluation.per_class, writer=self.writer, step=step, log=log)
+            self.detection_images.write(self.writer, evaluation.detections, step)
         self.step_log.restart_clock()

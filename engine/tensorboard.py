@@ -1,9 +1,11 @@
-"""TensorBoard scalars, written by rank 0 only (other ranks get a writer that does nothing)."""
+"""TensorBoard scalars (and a few images), written by rank 0 only (other ranks get a writer that does nothing)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+
+import torch
 
 
 class ScalarWriter:
@@ -22,6 +24,15 @@ class ScalarWriter:
             return
         for name, value in scalars.items():
             self._writer.add_scalar(f"{prefix}/{name}", float(value), global_step=step)
+
+    def add_image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """``image`` (3, H, W) uint8 RGB under ``tag``; one tag per picture, so TensorBoard's slider steps through time."""
+        if self._writer is None:
+            return
+        if image.dim() != 3 or image.shape[0] != 3 or image.dtype != torch.uint8:
+            raise ValueError(f"add_image({tag!r}): expected a (3, H, W) uint8 image, got {tuple(image.shape)} "
+                             f"{image.dtype}")
+        self._writer.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -80,6 +80,7 @@ class ModelConfig(CriterionConfig):
     position_embedding: PositionEmbeddingName = MISSING
     pretrained: Optional[str] = "none"  # none | imagenet | path to a ResNet state_dict
     train_backbone: bool = True
+    init_from: Optional[str] = None  # a checkpoint whose weights start a new run (engine/init_from.py)
     # transformer
     hidden_dim: int = MISSING
     nheads: int = MISSING

@@ -137,7 +137,7 @@ def _rank_main(rank: int, world_size: int, store: str, annotation_file: str, que
         evaluator.update({i: predictions[i] for i in mine})
         with contextlib.redirect_stdout(io.StringIO()):
             stats = evaluator.summarize()
-        queue.put((rank, stats, len(evaluator.detections)))
+        queue.put((rank, stats, evaluator.per_class, len(evaluator.detections)))
     finally:
         dist.destroy_process_group()
 
@@ -149,8 +149,12 @@ def test_gather_over_two_ranks_equals_one_process(coco_gt, tmp_path):
     queue = context.SimpleQueue()
     mp.spawn(_rank_main, args=(2, str(tmp_path / "store"), str(annotation_file), queue), nprocs=2)
     results = sorted(queue.get() for _ in range(2))
-    whole = evaluate(coco_gt, noisy_predictions(coco_gt, seed=0))
+    single = CocoEvaluator(coco_gt)
+    single.update(noisy_predictions(coco_gt, seed=0))
+    with contextlib.redirect_stdout(io.StringIO()):
+        whole = single.summarize()
     total = len(coco_gt.dataset["annotations"])
-    for rank, stats, detections in results:
+    for rank, stats, per_class, detections in results:
         assert stats == whole, f"rank {rank}"
+        assert per_class == single.per_class, f"rank {rank} has rank 0's per-class AP"
         assert detections == total, f"rank {rank} holds every image's detections once"

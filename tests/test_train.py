@@ -79,7 +79,8 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     assert {"python", "numpy", "torch"} <= set(ckpt["rng"])
 
     evaluation = json.loads((run_dir / "eval_epoch0002.json").read_text())
-    assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step"}
+    assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step", "per_class"}
+    assert list(evaluation.pop("per_class")) == ["person", "bicycle", "car", "motorcycle", "airplane", "bus"]
     assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 8, "epoch_complete": True,
                                         "num_images": 8})
     assert all(-1.0 <= evaluation[k] <= 1.0 for k in ("AP", "AP50", "AP75"))
