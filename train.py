@@ -24,8 +24,8 @@ from datasets import build_data_loader, build_dataset
 from engine.checkpoint import check_training_state, load_checkpoint, load_model_weights, model_config_for_checkpoint
 from engine.compile import compile_regions
 from engine.config import check_config, plain_config, register_configs
-from engine.distributed import (DistContext, argv_for_rank, average_over_processes, barrier, broadcast_object,
-                                env_rank, init_distributed, shutdown_distributed)
+from engine.distributed import (DistContext, Ranks, argv_for_rank, average_over_processes, barrier,
+                                broadcast_object, env_rank, init_distributed, shutdown_distributed)
 from engine.detection_images import build_detection_images
 from engine.evaluation import evaluate_coco, write_eval_json
 from engine.init_from import InitFrom, prepare_init_from
@@ -74,13 +74,13 @@ def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -
 
 def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
     return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=False,
-                             distributed=ctx.distributed, seed=cfg.seed)
+                             seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size)
 
 
 def train(cfg: DictConfig) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step"}."""
     cfg = check_config(cfg)
-    ctx = init_distributed(device=cfg.device)
+    ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
         return _train(cfg, ctx)
     finally:
@@ -121,7 +121,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     precision = Precision(amp=cfg.amp, device=device)
 
     train_loader = build_data_loader(data["train"], batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                                     train=True, distributed=ctx.distributed, seed=cfg.seed)
+                                     train=True, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size)
     if len(train_loader) == 0:
         raise ValueError(f"the training set has {len(data['train'])} images, fewer than one batch of "
                          f"{cfg.batch_size} x {ctx.world_size} processes")
@@ -167,7 +167,7 @@ def evaluate(cfg: DictConfig) -> dict:
         raise ValueError("eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official "
                          "Deformable DETR one)")
     cfg = check_config(cfg)
-    ctx = init_distributed(device=cfg.device)
+    ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
         output_dir = resolve_output_dir(cfg, ctx)
         ckpt = load_checkpoint(cfg.checkpoint)
@@ -186,7 +186,7 @@ def evaluate(cfg: DictConfig) -> dict:
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,
                                    precision=Precision(amp=cfg.amp, device=ctx.device),
-                                   keep_detections=detection_images.image_ids)
+                                   keep_detections=detection_images.image_ids, ranks=Ranks(ctx))
         stats = evaluation.stats
         if ctx.is_main:
             step = int(ckpt.get("step", 0) or 0)

@@ -144,7 +144,7 @@ def compare_implementations(args, checkpoint: Path, device) -> dict:
                           f"dataset.num_train={args.num_train}", f"dataset.num_val={args.num_val}"])
     ckpt = load_checkpoint(checkpoint)
     val_set = build_dataset("val", cfg.dataset)
-    loader = build_data_loader(val_set, batch_size=cfg.batch_size, num_workers=0, train=False, distributed=False)
+    loader = build_data_loader(val_set, batch_size=cfg.batch_size, num_workers=0, train=False)
     precision = Precision(amp=args.amp, device=device)
     detections, stats = {}, {}
     for impl in ("triton", "pytorch"):

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from pycocotools.coco import COCO
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import tv_tensors
@@ -244,22 +243,21 @@ def build_data_loader(
     num_workers: int,
     train: bool,
     seed: int = 0,
-    distributed: bool | None = None,
+    rank: int = 0,
+    world_size: int = 1,
     drop_last: bool | None = None,
 ) -> DataLoader:
     """DataLoader yielding ``collate_fn`` batches: (images, masks, targets).
 
-    ``distributed`` (default: whether torch.distributed is initialized) selects DistributedSampler,
-    which splits the set over ranks (and pads with repeats so every rank gets the same count; the
+    With ``world_size`` > 1 a DistributedSampler gives this ``rank`` its share of the set, which it splits
+    over ranks (and pads with repeats so every rank gets the same count; the
     evaluator de-duplicates). Otherwise :class:`EpochSampler`. Either way ``loader.sampler.set_epoch``
     exists. ``drop_last`` defaults to ``train``. The generator (seed + rank) fixes the worker seeds,
     from which each worker seeds torch and ``random``, so augmentations are reproducible.
     """
-    if distributed is None:
-        distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    if distributed:
-        sampler: Sampler = DistributedSampler(dataset, shuffle=train, seed=seed, drop_last=False)
+    if world_size > 1:
+        sampler: Sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed,
+                                              drop_last=False)
     else:
         sampler = EpochSampler(size=len(dataset), shuffle=train, seed=seed)
     return DataLoader(

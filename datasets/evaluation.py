@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 from torchvision.ops import box_convert
@@ -18,8 +18,14 @@ from .per_class_ap import per_class_ap, per_class_without_detections
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+class RankExchange(Protocol):
+    """What the evaluator needs from a multi-process run (engine.distributed.Ranks provides it)."""
+
+    is_main: bool
+
+    def all_gather_object(self, obj) -> list: ...
+
+    def broadcast_object(self, obj): ...
 
 
 class CocoEvaluator:
@@ -27,7 +33,7 @@ class CocoEvaluator:
 
     Usage on every rank::
 
-        evaluator = CocoEvaluator(coco_gt=dataset.coco)
+        evaluator = CocoEvaluator(coco_gt=dataset.coco, ranks=ranks)   # ranks: None for one process
         evaluator.update({image_id: {"scores": (k,), "labels": (k,), "boxes": (k, 4)}})  # per batch
         stats = evaluator.summarize()   # gathers, evaluates on rank 0, broadcasts; same dict everywhere
         evaluator.per_class             # {category name: AP or None}, from the same COCOeval run
@@ -37,8 +43,9 @@ class CocoEvaluator:
     also with no detections (its ground truth then counts as missed).
     """
 
-    def __init__(self, coco_gt: COCO) -> None:
+    def __init__(self, coco_gt: COCO, *, ranks: "RankExchange | None" = None) -> None:
         self.coco_gt = coco_gt
+        self.ranks = ranks
         # image id -> COCO result dicts; keyed by image so that repeats (DistributedSampler pads the
         # last batch with images other ranks also see) are counted once: a repeat replaces.
         self.results: dict[int, list[dict]] = {}
@@ -62,12 +69,11 @@ class CocoEvaluator:
         self._gathered = False
 
     def gather(self) -> None:
-        """Merge every rank's detections into every rank (no-op without torch.distributed)."""
+        """Merge every rank's detections into every rank (no-op for one process)."""
         if self._gathered:
             return
-        if _distributed():
-            parts: list = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, self.results)
+        if self.ranks is not None:
+            parts = self.ranks.all_gather_object(self.results)
             merged: dict[int, list[dict]] = {}
             for part in parts:
                 for image_id, detections in part.items():
@@ -90,12 +96,10 @@ class CocoEvaluator:
         """
         self.gather()
         stats = per_class = None
-        if not _distributed() or dist.get_rank() == 0:
+        if self.ranks is None or self.ranks.is_main:
             stats, per_class = self._evaluate()
-        if _distributed():
-            box = [(stats, per_class)]
-            dist.broadcast_object_list(box, src=0)
-            stats, per_class = box[0]
+        if self.ranks is not None:
+            stats, per_class = self.ranks.broadcast_object((stats, per_class))
         self.stats, self.per_class = stats, per_class
         return stats
 

@@ -93,6 +93,7 @@ class TrainConfig:
     eval_images: int = 4
     eval_images_min_score: float = 0.3
     find_unused_parameters: bool = False
+    dist_timeout_s: float = 1800.0
     output_dir: Optional[str] = None
     resume: Optional[str] = None
     eval_only: bool = False
@@ -106,6 +107,8 @@ class TrainConfig:
         if not 0 <= self.eval_images_min_score <= 1:
             problems.append(f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
                             f"drawn), got {self.eval_images_min_score!r}")
+        if not self.dist_timeout_s > 0:
+            problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:

@@ -1,7 +1,14 @@
 """Process group set-up for torchrun (env://) and the few collectives the trainer needs.
 
+The only module that calls torch.distributed: the criterion takes num_boxes from the step, the data
+loader takes rank and world size, and the COCO evaluator exchanges detections through ``Ranks``.
 A plain ``python train.py`` is a world of one: every helper here then degrades to a no-op, so the
 trainer has a single code path for one and many processes.
+
+Every collective has a timeout (``dist_timeout_s``, set when the group is made): a rank that stops or
+falls behind turns the others' wait into an error naming the rank that waited and the collective,
+instead of a hang. (DDP's gradient all-reduce runs inside backward; there the same timeout ends the run
+through torch's watchdog, whose message starts with the rank.)
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     owns_group: bool = False  # this call created the process group, so it also destroys it
+    timeout_s: float = 1800.0
 
     @property
     def is_main(self) -> bool:
@@ -72,7 +80,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
         dist.init_process_group(backend=backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
-                       owns_group=owns_group)
+                       owns_group=owns_group, timeout_s=timeout_s)
 
 
 def shutdown_distributed(ctx: DistContext) -> None:
@@ -80,9 +88,22 @@ def shutdown_distributed(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names this rank and the collective."""
+
+
+def _collective(name: str, ctx: DistContext, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ValueError) as error:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        raise CollectiveError(
+            f"rank {ctx.rank} of {ctx.world_size}: {name} failed or timed out (dist_timeout_s={ctx.timeout_s:g}); "
+            f"another rank stopped, crashed or fell behind: look for its error above. ({error})") from error
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
-        dist.barrier()
+        _collective("barrier", ctx, dist.barrier)
 
 
 def broadcast_object(obj, ctx: DistContext):
@@ -90,8 +111,17 @@ def broadcast_object(obj, ctx: DistContext):
     if not ctx.distributed:
         return obj
     box = [obj if ctx.is_main else None]
-    dist.broadcast_object_list(box, src=0)
+    _collective("broadcast_object", ctx, dist.broadcast_object_list, box, src=0)
     return box[0]
+
+
+def all_gather_object(obj, ctx: DistContext) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    parts: list = [None] * ctx.world_size
+    _collective("all_gather_object", ctx, dist.all_gather_object, parts, obj)
+    return parts
 
 
 def all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -99,8 +129,25 @@ def all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if not ctx.distributed:
         return t
     t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    _collective("all_reduce", ctx, dist.all_reduce, t, op=dist.ReduceOp.SUM)
     return t / ctx.world_size
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The exchange the COCO evaluator needs (datasets.evaluation.RankExchange) over this run's ranks."""
+
+    ctx: DistContext
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    def all_gather_object(self, obj) -> list:
+        return all_gather_object(obj, self.ctx)
+
+    def broadcast_object(self, obj):
+        return broadcast_object(obj, self.ctx)
 
 
 def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tensor:
@@ -113,9 +160,7 @@ def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tens
     host = torch.tensor([value], dtype=torch.float32)
     if ctx.device.type == "cuda":
         host = host.pin_memory()  # an asynchronous copy: nothing waits for the GPU
-    total = host.to(ctx.device, non_blocking=True)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return (total / ctx.world_size).clamp(min=1.0)[0]
+    return all_reduce_mean(host.to(ctx.device, non_blocking=True), ctx).clamp(min=1.0)[0]
 
 
 def argv_for_rank(argv: list[str], rank: int) -> list[str]:

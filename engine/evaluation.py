@@ -12,6 +12,7 @@ import torch
 
 from datasets import CocoEvaluator
 
+from .distributed import Ranks
 from .precision import Precision
 from .rng import rng_preserved
 
@@ -37,18 +38,18 @@ class Evaluation:
 @torch.no_grad()
 @rng_preserved()
 def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
-                  precision: Precision, keep_detections: Iterable[int] = ()) -> Evaluation:
+                  precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None) -> Evaluation:
     """COCO bbox AP of ``model`` on ``loader``: summary, per class, and the detections (see Evaluation).
 
     The figures are the same on every rank; ``keep_detections`` (image ids, e.g. those drawn in TensorBoard)
     picks the detections returned.
     ``model`` is the unwrapped module (not DDP: inference needs no gradient sync). Each rank runs its
-    share of the images; the evaluator gathers detections from all ranks before scoring. The random
+    share of the images; the evaluator gathers detections from all ranks (``ranks``) before scoring. The random
     generators are left as they were (engine.rng.rng_preserved).
     """
     was_training = model.training
     model.eval()
-    evaluator = CocoEvaluator(coco_gt)
+    evaluator = CocoEvaluator(coco_gt, ranks=ranks)
     for images, masks, targets in loader:
         images = images.to(device, non_blocking=True)
         masks = masks.to(device, non_blocking=True)

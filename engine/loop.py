@@ -21,7 +21,7 @@ from datasets import ImageReadError
 
 from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
 from .detection_images import DetectionImages
-from .distributed import DistContext, all_reduce_mean, barrier
+from .distributed import DistContext, Ranks, all_reduce_mean, barrier
 from .evaluation import evaluate_coco, write_eval_json
 from .optim import group_lrs
 from .per_class_report import report_per_class
@@ -216,7 +216,7 @@ class Trainer:
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
         evaluation = evaluate_coco(model=self.eval_model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,
-                                   keep_detections=self.detection_images.image_ids)
+                                   keep_detections=self.detection_images.image_ids, ranks=Ranks(self.ctx))
         self.eval_stats = stats = evaluation.stats
         step = self.position.step
         if self.ctx.is_main:

@@ -27,8 +27,9 @@ class TrainStep:
     criterion        models.criterion.SetCriterion; weight_dict says which losses make the total
     optimizer        AdamW; fused=True lets a non-finite step be skipped without a host sync
     clip_max_norm    total L2 norm of the gradients is clipped to this (0: measured, not clipped)
-    average_num_boxes  maps this process's number of target boxes to the value every loss is divided by
-                     (engine.distributed.average_over_processes under DDP; the count itself otherwise)
+    average_num_boxes  maps this process's number of target boxes to the value every loss is divided by:
+                     the mean over processes, at least 1 (engine.distributed.average_over_processes; the
+                     default is this process's count, at least 1)
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -41,7 +42,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.precision = precision
         self.max_norm = clip_max_norm if clip_max_norm > 0 else float("inf")
-        self.average_num_boxes = average_num_boxes or (lambda n: n)
+        self.average_num_boxes = average_num_boxes or (lambda n: max(1.0, n))
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         # The fused AdamW honours a device-side found_inf flag; the others would need a host check.
         self.skips_on_device = bool(optimizer.defaults.get("fused"))
@@ -51,7 +52,8 @@ class TrainStep:
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
         with self.precision.autocast():
             outputs = self.model(images, masks)
-        num_boxes = self.average_num_boxes(max(1.0, float(sum(len(t["labels"]) for t in targets))))
+        # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
+        num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
         loss_dict = self.criterion(outputs, targets, num_boxes=num_boxes)
         parts = torch.stack([loss_dict[k].float() for k in self._names(loss_dict)])  # (K,)
         loss = (parts * self._weight_vector(parts.device)).sum()

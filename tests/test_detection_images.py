@@ -107,7 +107,7 @@ class FixedDetector(torch.nn.Module):
 
 
 def test_evaluation_keeps_the_detections_of_the_images_asked_for(val_set):
-    loader = build_data_loader(val_set, batch_size=3, num_workers=0, train=False, distributed=False)
+    loader = build_data_loader(val_set, batch_size=3, num_workers=0, train=False)
     cpu = torch.device("cpu")
     with contextlib.redirect_stdout(io.StringIO()):
         evaluation = evaluate_coco(model=FixedDetector(), postprocess=PostProcess(), loader=loader,

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from pycocotools.coco import COCO
 
 from datasets import CocoEvaluator, ensure_synthetic_dataset
+from engine.distributed import DistContext, Ranks
 from datasets.evaluation import STAT_NAMES
 
 
@@ -133,7 +134,8 @@ def _rank_main(rank: int, world_size: int, store: str, annotation_file: str, que
         ids = sorted(predictions)
         # Rank r sees every other image, plus the first one again (DistributedSampler's padding).
         mine = ids[rank::world_size] + [ids[0]]
-        evaluator = CocoEvaluator(coco)
+        ctx = DistContext(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+        evaluator = CocoEvaluator(coco, ranks=Ranks(ctx))
         evaluator.update({i: predictions[i] for i in mine})
         with contextlib.redirect_stdout(io.StringIO()):
             stats = evaluator.summarize()

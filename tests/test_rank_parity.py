@@ -8,16 +8,17 @@ Both sides run the trainer's own step. Images share one size so that padding is 
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.config import register_configs
 from engine.distributed import DistContext, average_over_processes
 from engine.precision import Precision
 from engine.step import TrainStep
-from engine.config import register_configs
 from models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,53 +32,74 @@ def tiny_model_config():
     return cfg.model
 
 
-def global_batch():
+def global_batch(counts: tuple[int, ...], device="cpu"):
     """Two 96x128 images with different numbers of targets (so the num_boxes averaging matters)."""
     gen = torch.Generator().manual_seed(3)
     images = torch.randn(WORLD, 3, 96, 128, generator=gen)
     masks = torch.zeros(WORLD, 96, 128, dtype=torch.bool)
     targets = []
-    for n in (1, 4):
+    for n in counts:
         boxes = torch.cat([torch.rand(n, 2, generator=gen) * 0.5 + 0.25, torch.rand(n, 2, generator=gen) * 0.3 + 0.1], 1)
         targets.append({"labels": torch.randint(1, 7, (n,), generator=gen), "boxes": boxes})
-    return images, masks, targets
+    targets = [{k: v.to(device) for k, v in t.items()} for t in targets]
+    return images.to(device), masks.to(device), targets
 
 
 def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext):
     """The trainer's step (no clipping, lr 0); returns its loss and the gradients it computed."""
     module = model.module if isinstance(model, DistributedDataParallel) else model
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.0, fused=True)
-    step = TrainStep(model=model, criterion=criterion, optimizer=optimizer, precision=Precision(amp="none", device=ctx.device),
-                     clip_max_norm=0.0, average_num_boxes=lambda n: average_over_processes(n, ctx))
+    step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
+                     precision=Precision(amp="none", device=ctx.device), clip_max_norm=0.0,
+                     average_num_boxes=lambda n: average_over_processes(n, ctx))
     values = step(images, masks, targets)
     grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
     return values[0], grads
 
 
-def _rank_main(rank: int, work: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=WORLD)
+def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...]) -> None:
+    dist.init_process_group(backend, init_method=f"file://{work}/store", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         torch.manual_seed(0)
         model, criterion, _ = build_model(tiny_model_config())
-        ddp = DistributedDataParallel(model)
-        images, masks, targets = global_batch()
-        ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=torch.device("cpu"))
+        ddp = DistributedDataParallel(model.to(device), device_ids=[rank] if device.type == "cuda" else None)
+        images, masks, targets = global_batch(counts, device)
+        ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)
         loss, grads = loss_and_grads(ddp, criterion, images[rank:rank + 1], masks[rank:rank + 1], [targets[rank]], ctx)
         dist.all_reduce(loss)
         # A file, not a queue: tensors sent through a queue live in the sender's shared memory, gone at exit.
-        torch.save({"loss": (loss / WORLD).item(), "grads": grads}, f"{work}/rank{rank}.pt")
+        torch.save({"loss": (loss / WORLD).item(), "grads": {k: v.cpu() for k, v in grads.items()}},
+                   f"{work}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_split_batch_over_two_ranks_equals_one_process(tmp_path):
-    torch.manual_seed(0)
-    model, criterion, _ = build_model(tiny_model_config())
-    single = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    loss_single, grads_single = loss_and_grads(model, criterion, *global_batch(), single)
+BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
+            pytest.param("nccl", id="nccl-2-gpus", marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (runs on the device machine)"))]
 
-    mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=WORLD)
+
+# (1, 4): the ranks' images hold different numbers of boxes; (0, 3): one rank's batch has none at all, which
+# must neither hang (every rank still joins the num_boxes average and DDP's gradient all-reduce) nor change
+# the result.
+@pytest.mark.parametrize("counts", [(1, 4), (0, 3)], ids=["1-and-4-boxes", "no-boxes-on-rank-0"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts):
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model, criterion, _ = build_model(tiny_model_config())
+    single = DistContext(rank=0, world_size=1, local_rank=0, device=device)
+    loss_single, grads_single = loss_and_grads(model.to(device), criterion, *global_batch(counts, device), single)
+    grads_single = {k: v.cpu() for k, v in grads_single.items()}
+
+    mp.spawn(_rank_main, args=(str(tmp_path), backend, counts), nprocs=WORLD)
 
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt")

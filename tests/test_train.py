@@ -177,13 +177,19 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
     assert all(torch.isfinite(v).all() for v in kept["model"].values() if v.is_floating_point())
 
 
-def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(data_root, tmp_path):
-    """torchrun, two CPU processes: one run directory, DDP steps, evaluation gathered from both ranks."""
+def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path):
+    """torchrun, two CPU processes: one run directory, DDP steps, evaluation gathered from both ranks.
+
+    Uneven on purpose: 18 training images (9 per rank, batch 2: the odd one is dropped on both ranks) and 7
+    validation images (4 and 3, the sampler pads rank 1 with a repeat): nothing hangs, every image is scored.
+    """
+    data_root = tmp_path / "data"
+    uneven = ["dataset.num_train=18", "dataset.num_val=7"]
     # Keep the caller's PYTHONPATH (where packages may be installed) behind the repository root.
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), *tiny_overrides(data_root), "epochs=1", "batch_size=2"]
+           str(ROOT / "train.py"), *tiny_overrides(data_root), *uneven, "epochs=1", "batch_size=2", "dist_timeout_s=120"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
@@ -194,12 +200,12 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(data_root, t
     assert "2 processes on cpu" in log_text
     ddp_eval = json.loads((run_dir / "eval_epoch0001.json").read_text())
     ckpt = load_checkpoint(run_dir / "checkpoint.pth")
-    assert ckpt["step"] == STEPS_PER_EPOCH  # 16 images / (2 per process x 2 processes)
+    assert ckpt["step"] == STEPS_PER_EPOCH  # 9 images per process // batch 2
 
-    # Scored on every validation image (each rank ran 4 of the 8), with the same figures as one process
+    # Scored on every validation image (each rank ran 4 of the 7), with the same figures as one process
     # evaluating the same weights.
-    assert ddp_eval["num_images"] == 8
-    single = trainer.evaluate(compose_run(data_root, tmp_path / "single", "eval_only=true",
+    assert ddp_eval["num_images"] == 7
+    single = trainer.evaluate(compose_run(data_root, tmp_path / "single", *uneven, "eval_only=true",
                                           f"checkpoint={run_dir / 'checkpoint.pth'}"))
     assert {k: ddp_eval[k] for k in single["eval"]} == pytest.approx(single["eval"], abs=1e-12)
 

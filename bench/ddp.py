@@ -1,0 +1,212 @@
+"""Several GPUs of one host: scaling of the training step over NCCL, and a short synthetic run's AP.
+
+    python bench/ddp.py --out bench/results                 # every part, on a machine with 2+ GPUs
+    python bench/ddp.py --parts scaling --gpus 1 2 --steps 30
+
+scaling  torchrun with 1 and N processes (one GPU each, the same batch per GPU), eager and compiled: the
+         trainer's TrainStep in DistributedDataParallel on random 800x1333 batches of the default model
+         (bf16, msda=triton). images/s = processes x batch / median step; efficiency = images/s over
+         N x the 1-GPU figure.
+ap       The synthetic set's default schedule, shortened (--epochs), through `python train.py` on 1 GPU
+         (seeds 0 and 1: the seed-to-seed spread) and `torchrun --nproc_per_node=N train.py` (seed 0).
+Rank parity on NCCL is a test: tests/test_rank_parity.py runs it when 2 GPUs are visible.
+Writes ddp_<gpu>.json and ddp_<gpu>.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def run(cmd: list[str], log: Path) -> None:
+    env = {**os.environ, **SAFE_ENV, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}); last lines of {log}:\n"
+                           + "\n".join(log.read_text().splitlines()[-30:]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# scaling: the worker runs in every torchrun process
+# ----------------------------------------------------------------------------------------------------
+def scaling_worker(args) -> None:
+    from hydra import compose, initialize_config_dir
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bench.e2e_steptime import random_batch
+    from engine.compile import compile_regions
+    from engine.config import register_configs
+    from engine.distributed import average_over_processes, init_distributed, shutdown_distributed
+    from engine.optim import build_optimizer
+    from engine.precision import Precision
+    from engine.step import TrainStep
+    from models import build_model
+
+    ctx = init_distributed(device="cuda", timeout_s=600)
+    try:
+        register_configs()
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=["dataset=coco", "model.msda=triton", "model.pretrained=none"])
+        torch.manual_seed(0)
+        model, criterion, _ = build_model(cfg.model)
+        model.to(ctx.device).train()
+        criterion.to(ctx.device)
+        if args.compile:
+            compile_regions(model)
+        optimizer = build_optimizer(model, cfg.optim)
+        trained = DistributedDataParallel(model, device_ids=[ctx.device.index]) if ctx.distributed else model
+        step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
+                         precision=Precision(amp="bf16", device=ctx.device), clip_max_norm=cfg.optim.clip_max_norm,
+                         average_num_boxes=lambda n: average_over_processes(n, ctx))
+        gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+        batch = random_batch([(800, 1333)] * args.batch, cfg.model.num_classes, ctx.device, gen)
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            step(*batch)
+        torch.cuda.synchronize(ctx.device)
+        warmup_s = time.perf_counter() - t0
+        times = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            step(*batch)
+            torch.cuda.synchronize(ctx.device)
+            times.append((time.perf_counter() - t) * 1e3)
+        if ctx.is_main:
+            median = statistics.median(times)
+            Path(args.result).write_text(json.dumps({
+                "gpus": ctx.world_size, "compile": args.compile, "batch_per_gpu": args.batch, "step_ms": median,
+                "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
+                "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30}))
+    finally:
+        shutdown_distributed(ctx)
+
+
+def run_scaling(args, work: Path) -> list[dict]:
+    rows = []
+    for compiled in [m == "compiled" for m in args.compile_modes]:
+        for gpus in args.gpus:
+            result = work / f"scaling_{gpus}_{int(compiled)}.json"
+            cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
+                           "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                           *(["--compile"] if compiled else []))
+            run(cmd, work / f"scaling_{gpus}_{int(compiled)}.log")
+            row = json.loads(result.read_text())
+            one = next((r for r in rows if r["gpus"] == 1 and r["compile"] == compiled), None)
+            row["efficiency"] = row["images_per_s"] / (gpus * one["images_per_s"]) if one else None
+            rows.append(row)
+            print(f"scaling {gpus} GPU(s) {'compiled' if compiled else 'eager'}: {row['step_ms']:.1f} ms/step, "
+                  f"{row['images_per_s']:.1f} images/s, efficiency {row['efficiency']}", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# a short synthetic run, 1 GPU (two seeds) and N GPUs
+# ----------------------------------------------------------------------------------------------------
+def run_ap(args, work: Path) -> list[dict]:
+    runs = []
+    for gpus, seed in ((1, 0), (1, 1), (max(args.gpus), 0)):
+        out = work / f"ap_{gpus}gpu_seed{seed}"
+        overrides = [f"output_dir={out}", f"seed={seed}", f"epochs={args.epochs}", f"optim.lr_drop={args.epochs - 2}",
+                     f"eval_every={args.epochs}", f"checkpoint_every={args.epochs}", f"device={args.device}", "log_every=50",
+                     f"dataset.root={work / 'synthetic'}"]
+        train_py = str(ROOT / "train.py")
+        cmd = [sys.executable, train_py, *overrides] if gpus == 1 else torchrun(gpus, train_py, *overrides)
+        t0 = time.perf_counter()
+        run(cmd, work / f"ap_{gpus}gpu_seed{seed}.log")
+        evaluation = json.loads((out / f"eval_epoch{args.epochs:04d}.json").read_text())
+        runs.append({"gpus": gpus, "seed": seed, "AP": evaluation["AP"], "AP50": evaluation["AP50"],
+                     "wall_s": time.perf_counter() - t0, "command": " ".join(cmd[1:])})
+        print(f"ap {gpus} GPU(s) seed {seed}: AP {evaluation['AP']:.4f} AP50 {evaluation['AP50']:.4f} in "
+              f"{runs[-1]['wall_s']:.0f} s", flush=True)
+    return runs
+
+
+def write_report(results: dict, out: Path, name: str) -> None:
+    h = results["header"]
+    lines = [f"# Several GPUs: {h['gpu']}", "", f"{h['date']}; torch {h['torch']}, triton {h['triton']}. "
+             f"Command: `{h['command']}`.", ""]
+    if results.get("scaling"):
+        lines += ["## Training step over NCCL (DistributedDataParallel)", "",
+                  "Default model, random 800x1333 batches, bf16, msda=triton, the same batch per GPU; median step "
+                  "after warm-up. Efficiency: images/s over the number of GPUs times the 1-GPU images/s.", "",
+                  "| GPUs | mode | batch per GPU | step ms | images/s | efficiency | peak GiB | warm-up s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results["scaling"]:
+            eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] else "-"
+            lines.append(f"| {r['gpus']} | {'compiled' if r['compile'] else 'eager'} | {r['batch_per_gpu']} | "
+                         f"{r['step_ms']:.1f} | {r['images_per_s']:.1f} | {eff} | {r['peak_gib']:.2f} | "
+                         f"{r['warmup_s']:.0f} |")
+    if results.get("ap"):
+        lines += ["", "## A short synthetic run on 1 and several GPUs", "",
+                  "| GPUs | seed | AP | AP50 | wall s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['gpus']} | {r['seed']} | {r['AP']:.4f} | {r['AP50']:.4f} | {r['wall_s']:.0f} |"
+                  for r in results["ap"]]
+        one = [r["AP"] for r in results["ap"] if r["gpus"] == 1]
+        many = [r["AP"] for r in results["ap"] if r["gpus"] > 1]
+        if len(one) == 2 and many:
+            spread, low, high = abs(one[0] - one[1]), min(one), max(one)
+            lines += ["", f"1-GPU seed-to-seed range [{low:.4f}, {high:.4f}] (spread {spread:.4f}); the multi-GPU "
+                      f"run's AP {many[0]:.4f} is {'inside' if low - spread <= many[0] <= high + spread else 'outside'} "
+                      "that range widened by the spread."]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--parts", nargs="+", default=["scaling", "ap"], choices=["scaling", "ap"])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--batch", type=int, default=2, help="images per GPU")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=12, help="ap: epochs of the synthetic schedule")
+    parser.add_argument("--device", default="cuda", help="ap: where train.py runs (cpu: a check of this script)")
+    parser.add_argument("--work", type=Path, default=Path("outputs/bench_ddp"))
+    parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "scaling":
+        scaling_worker(args)
+        return
+    os.environ.update(SAFE_ENV)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    name = "ddp_" + gpu.split()[-1].lower()
+    results = {"header": {"gpu": f"{torch.cuda.device_count()} x {gpu}", "date": datetime.date.today().isoformat(),
+                          "torch": torch.__version__, "triton": __import__("triton").__version__,
+                          "python": platform.python_version(), "command": "python " + " ".join(sys.argv)}}
+    for part, fn in (("scaling", run_scaling), ("ap", run_ap)):
+        if part in args.parts:
+            results[part] = fn(args, args.work)
+            (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
+            write_report(results, args.out, name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""engine.distributed: a rank that never joins a collective makes the others' wait an error naming them.
+
+Two gloo processes with a 3-second timeout: rank 1 leaves without joining; rank 0's barrier must fail
+with CollectiveError ("rank 0 of 2: barrier ...") instead of hanging.
+"""
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.distributed import CollectiveError, DistContext, barrier, broadcast_object
+
+TIMEOUT_S = 3.0
+
+
+def _rank_main(rank: int, work: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), timeout_s=TIMEOUT_S)
+    assert broadcast_object("from rank 0" if rank == 0 else None, ctx) == "from rank 0"  # both still here
+    if rank == 1:
+        time.sleep(2 * TIMEOUT_S)  # stays alive but never joins the barrier: the hang a lost rank causes
+        return
+    started = time.perf_counter()
+    try:
+        barrier(ctx)
+        outcome = "no error"
+    except CollectiveError as error:
+        outcome = str(error)
+    with open(f"{work}/rank0.txt", "w") as f:
+        f.write(f"{time.perf_counter() - started:.1f}\n{outcome}")
+
+
+def test_a_missing_rank_is_an_error_naming_the_waiting_rank(tmp_path):
+    mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=2)
+    waited, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert message.startswith("rank 0 of 2: barrier failed or timed out (dist_timeout_s=3)"), message
+    assert float(waited) < 10 * TIMEOUT_S
