@@ -148,7 +148,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                  "epoch, %d epochs", output_dir, ctx.world_size, device, precision.name,
                  ", compiled" if cfg.compile else "", n_params / 1e6, len(train_loader), cfg.epochs)
     trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, model=model, step=step,
-                      eval_model=model, postprocess=postprocess, lr_scheduler=lr_scheduler,
+                      postprocess=postprocess, lr_scheduler=lr_scheduler,
                       train_loader=train_loader, val_loader=build_val_loader(data["val"], cfg, ctx),
                       coco_gt=data["val"].coco, detection_images=build_detection_images(cfg, data["val"],
                                                                                         enabled=ctx.is_main),

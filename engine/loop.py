@@ -55,17 +55,16 @@ class Position:
 class Trainer:
     """Runs ``cfg``'s schedule from ``position``; ``fit()`` returns {"losses", "eval", "step"}.
 
-    model            the unwrapped module (checkpoints, evaluation)
-    step             TrainStep over the module to train (DDP-wrapped and/or compiled)
-    eval_model       what evaluation calls (the module, or its compiled form)
+    model            the unwrapped module (checkpoints, evaluation; with compile=true its layers are compiled)
+    step             TrainStep over the module to train (DDP-wrapped under torchrun)
     config_record    the composed config as a plain dict, stored in every checkpoint
     """
 
     def __init__(self, *, cfg, ctx: DistContext, output_dir: Path, model: torch.nn.Module, step: TrainStep,
-                 eval_model: torch.nn.Module, postprocess, lr_scheduler, train_loader, val_loader, coco_gt,
+                 postprocess, lr_scheduler, train_loader, val_loader, coco_gt,
                  detection_images: DetectionImages, position: Position, config_record: dict):
         self.cfg, self.ctx, self.output_dir = cfg, ctx, Path(output_dir)
-        self.model, self.step, self.eval_model, self.postprocess = model, step, eval_model, postprocess
+        self.model, self.step, self.postprocess = model, step, postprocess
         self.optimizer, self.precision = step.optimizer, step.precision
         self.lr_scheduler, self.train_loader, self.val_loader, self.coco_gt = (
             lr_scheduler, train_loader, val_loader, coco_gt)
@@ -214,7 +213,7 @@ class Trainer:
         self.step_log.restart_clock()
 
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
-        evaluation = evaluate_coco(model=self.eval_model, postprocess=self.postprocess, loader=self.val_loader,
+        evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=Ranks(self.ctx))
         self.eval_stats = stats = evaluation.stats
