@@ -1,7 +1,10 @@
-"""Launchers for the Triton kernels: allocate outputs, pick block sizes, build the grid, launch.
+"""Launchers for the Triton kernels: pick the launch configuration, allocate outputs, build the grid, launch.
 
-Inputs arrive validated and contiguous (see ops.py). Imported lazily so that ``import msda`` works without
-triton being importable, and the reference path never touches it.
+Inputs arrive validated and contiguous (see ops.py); ``levels`` is a tuple of (H, W) Python ints. Imported
+lazily so that ``import msda`` works without triton and the reference path never touches it. Nothing here
+reads the device or copies host memory to it: the level layout travels as four int64 kernel arguments that
+Triton does not specialize on, so a new image size neither syncs nor recompiles, eagerly, under
+torch.compile (inside a custom op) or during CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -14,82 +17,202 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import msda_backward_kernel, msda_forward_kernel
-from .ops import level_starts
+from .kernels import (
+    msda_backward_kernel,
+    msda_fill_cells_kernel,
+    msda_forward_kernel,
+    msda_grad_value_gather_kernel,
+)
 
-_COMPUTE_DTYPES = {torch.float64: tl.float64}  # everything else computes in float32
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_LEVELS, MAX_SIDE = 8, 2 ** 14
+LARGE = 2 ** 16  # N*Lq*M from which a call counts as encoder-sized in the tables below
+SCHEMES = ("fused", "split", "gather")
+
+# ----------------------------------------------------------------------------------------------------
+# launch table, measured on an H200 by `python bench/msda.py --out DIR`: it prints this block with the
+# fastest measured entries (msda_sweep.md); paste it over the one below. Keys:
+#   query kernels  (kernel, D, value bytes, L, P, large) -> (BLOCK_Q, BLOCK_P, num_warps)
+#                  kernel: forward | fused | sample_grads | scatter | keys
+#   gather kernel  ("gather", D, value bytes)            -> (lanes = BLOCK_S * BLOCK_E, num_warps)
+#   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather   (non-deterministic)
+# Anything not in the table falls back to _default_config (a 2026-11-29 sweep of the previous kernels:
+# 16 queries and 4 warps, 2 warps for a 2-byte forward; the atomic scatter fused into one backward kernel).
+# ----------------------------------------------------------------------------------------------------
+TUNED: dict = {
+}
 
 
-def launch_config(D: int, element_size: int, backward: bool) -> tuple[int, int]:
-    """(BLOCK_Q, num_warps) from a sweep on an H200 (bench/results/msda_h200.md, "Block-size sweep").
+def _default_config(key: tuple):
+    kernel, D, nbytes = key[:3]
+    if INTERPRET:  # the CPU interpreter pays per program and per op: few, wide programs
+        if kernel == "gather":
+            return 256, 4
+        if kernel == "scheme":
+            return "fused"
+        L, P = key[3], key[4]
+        return 64, triton.next_power_of_2(L * P), 4
+    if kernel == "scheme":
+        return "fused"
+    if kernel == "gather":
+        return max(8, 1024 // triton.next_power_of_2(D)), 4
+    block_q = 16 if D <= 32 else 8 if D <= 64 else 4
+    warps = 2 if kernel == "forward" and nbytes == 2 else 4
+    return block_q, 1, warps
 
-    On the encoder workload (D=32) 16 queries per program was fastest for both kernels (fp32 fwd 0.247 ms
-    vs 0.460 ms at 64 queries; bwd 1.064 vs 1.806 ms): small programs keep more of them resident to hide
-    the latency of the scattered gathers, and the 4 corner tiles (5 in the backward) stay in registers.
-    A 2-byte value's forward was faster with 2 warps (bf16 0.195 vs 0.264 ms); its backward, bound by the
-    same fp32 atomics as fp32's, kept 4. D is not in the table yet: only D=32 was measured.
-    Triton's CPU interpreter runs programs one after another at a fixed cost each, so there 64-query
-    programs make the tests several times faster; block size changes no result, only the masking pattern.
-    """
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 64, 4
-    if element_size == 2 and not backward:
-        return 16, 2
-    return 16, 4
+
+@functools.lru_cache(maxsize=1024)
+def launch_config(key: tuple):
+    """The table's entry for ``key`` (see TUNED), else the default."""
+    return TUNED.get(key) or _default_config(key)
 
 
 @functools.lru_cache(maxsize=256)
-def level_table(levels: tuple, device: torch.device) -> torch.Tensor:
-    """(L, 3) int64 rows (H, W, first flat row) on ``device``, made once per level layout.
-
-    Cached so that a training loop, which sees a handful of layouts, pays the host->device copy once
-    per layout instead of once per attention call.
-    """
-    rows = [(h, w, start) for (h, w), start in zip(levels, level_starts(levels))]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def _grid(N: int, M: int, Lq: int, block_q: int):
-    return (triton.cdiv(Lq, block_q), N * M)
+def pack_levels(levels: tuple) -> tuple:
+    """((H, W), ...) -> the four int64 level arguments of the kernels (layout in msda/kernels.py)."""
+    if not 1 <= len(levels) <= MAX_LEVELS or any(not 1 <= s < MAX_SIDE for hw in levels for s in hw):
+        raise ValueError(f"the Triton kernels take 1 to {MAX_LEVELS} levels with 1 <= H, W < {MAX_SIDE}, "
+                         f"got {levels}")
+    fields = [(h << 16) | w for h, w in levels] + [0] * (MAX_LEVELS - len(levels))
+    # Bit 62 keeps every argument in Triton's int64 range, so its type never changes with the sizes.
+    return tuple((1 << 62) | (fields[2 * k + 1] << 32) | fields[2 * k] for k in range(MAX_LEVELS // 2))
 
 
-def forward(value, levels, sampling_locations, attention_weights,
-            block_q: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """levels: [(H, W), ...]. Returns (N, Lq, M*D) in value's dtype. block_q / num_warps override the tuned table (benchmarks)."""
+def _levels_key(levels) -> tuple:
+    return levels if isinstance(levels, tuple) else tuple(tuple(hw) for hw in levels)
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _device_guard(t: torch.Tensor):
+    """Triton launches on the current device: switch only when the tensors live elsewhere (rare, and not free)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
+
+
+def _check_grid(N: int, M: int):
+    if N * M > 65535:
+        raise ValueError(f"the Triton kernels put N*M on the grid's second axis (at most 65535), got N={N}, M={M}")
+
+
+def _common(value: torch.Tensor, M: int, D: int, L: int, P: int) -> dict:
+    return dict(M=M, D=D, L=L, P=P, BLOCK_D=triton.next_power_of_2(D),
+                COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+def forward(value, levels, sampling_locations, attention_weights, *, config: tuple | None = None) -> torch.Tensor:
+    """Returns (N, Lq, M*D) in value's dtype. config = (BLOCK_Q, BLOCK_P, num_warps) overrides the table."""
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    default_q, default_warps = launch_config(D, value.element_size(), backward=False)
-    block_q = block_q or default_q
     output = torch.empty((N, Lq, M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
-    with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
-        msda_forward_kernel[_grid(N, M, Lq, block_q)](
-            value, level_table(tuple(levels), value.device), sampling_locations, attention_weights, output,
-            S, Lq, M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
-            COMPUTE_DTYPE=_COMPUTE_DTYPES.get(value.dtype, tl.float32),
-            num_warps=num_warps or default_warps)
+    if N == 0 or Lq == 0:
+        return output.view(N, Lq, M * D)
+    _check_grid(N, M)
+    levels = _levels_key(levels)
+    block_q, block_p, warps = config or launch_config(
+        ("forward", D, value.element_size(), L, P, N * Lq * M >= LARGE))
+    with _device_guard(value):
+        msda_forward_kernel[(triton.cdiv(Lq, block_q), N * M)](
+            value, sampling_locations, attention_weights, output, Lq, *pack_levels(levels),
+            BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps, **_common(value, M, D, L, P))
     return output.view(N, Lq, M * D)
 
 
-def backward(grad_output, value, levels, sampling_locations, attention_weights,
-             block_q: int | None = None, num_warps: int | None = None):
+# ----------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------
+def backward(grad_output, value, levels, sampling_locations, attention_weights, *, deterministic: bool = False,
+             scheme: str | None = None, configs: dict | None = None):
     """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
 
-    grad_value is accumulated with atomics in a float32 buffer (float64 for float64 value) and cast once,
-    so it is run-to-run nondeterministic in the last bits.
+    deterministic=False: the scheme from the table. "fused" and "split" add grad_value with fp32 atomics
+    (fp64 for fp64 value) into a zeroed buffer, cast once; "gather" buckets the samples by cell with atomics
+    and sums every value row in registers. Either way the last bits of grad_value vary run to run.
+    deterministic=True: the gather scheme over a stable sort of the samples by cell; every value row is summed
+    in a fixed order, so all three gradients are bitwise identical run to run (the location and weight
+    gradients never use atomics). scheme / configs (kernel name -> config tuple) override the table (benchmarks).
     """
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    default_q, default_warps = launch_config(D, value.element_size(), backward=True)
-    block_q = block_q or default_q
-    accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
-    grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
     grad_loc = torch.empty_like(sampling_locations)  # (N, Lq, M, L, P, 2)
     grad_weight = torch.empty_like(attention_weights)  # (N, Lq, M, L, P)
-    with torch.cuda.device(value.device) if value.is_cuda else contextlib.nullcontext():
-        msda_backward_kernel[_grid(N, M, Lq, block_q)](
-            grad_output, value, level_table(tuple(levels), value.device), sampling_locations,
-            attention_weights, grad_value, grad_loc, grad_weight,
-            S, Lq, M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_D=triton.next_power_of_2(D),
-            COMPUTE_DTYPE=_COMPUTE_DTYPES.get(value.dtype, tl.float32),
-            num_warps=num_warps or default_warps)
-    return grad_value.to(value.dtype), grad_loc, grad_weight
+    if N == 0 or Lq == 0:
+        return torch.zeros_like(value), grad_loc, grad_weight
+    _check_grid(N, M)
+    levels = _levels_key(levels)
+    nbytes, large = value.element_size(), N * Lq * M >= LARGE
+    scheme = "gather" if deterministic else scheme or launch_config(("scheme", D, nbytes, L, P, large))
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    configs = configs or {}
+
+    def query_kernel(name, grad_value, keys, counts, sample_grads, scatter, key_cells):
+        block_q, block_p, warps = configs.get(name) or launch_config((name, D, nbytes, L, P, large))
+        msda_backward_kernel[(triton.cdiv(Lq, block_q), N * M)](
+            grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc, grad_weight,
+            keys, counts, Lq, *pack_levels(levels), BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps,
+            SAMPLE_GRADS=sample_grads, SCATTER=scatter, KEYS=key_cells, **_common(value, M, D, L, P))
+
+    with _device_guard(value):
+        if scheme != "gather":
+            accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+            grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
+            if scheme == "fused":
+                query_kernel("fused", grad_value, grad_weight, grad_weight, True, True, False)
+            else:  # two passes: location/weight gradients without atomics, then the scatter alone
+                query_kernel("sample_grads", grad_value, grad_weight, grad_weight, True, False, False)
+                query_kernel("scatter", grad_value, grad_weight, grad_weight, False, True, False)
+            return grad_value.to(value.dtype), grad_loc, grad_weight
+
+        num_cells = N * M * sum((h + 1) * (w + 1) for h, w in levels)
+        num_samples = N * Lq * M * L * P
+        index_dtype = torch.int32 if max(num_cells + 1, num_samples) < 2 ** 31 else torch.int64
+        keys = torch.empty(num_samples, dtype=index_dtype, device=value.device)  # (N, Lq, M, L, P) flat
+        counts = torch.zeros(num_cells + 1, dtype=index_dtype, device=value.device)  # last: no cell
+        query_kernel("keys", grad_loc, keys, counts, True, False, True)
+        counts.cumsum_(0)  # inclusive: counts[k] is the end of cell k
+        if deterministic:
+            perm = torch.sort(keys, stable=True).indices  # ascending sample id inside every cell
+        else:
+            perm = torch.empty(num_samples, dtype=index_dtype, device=value.device)
+            block = 1024
+            msda_fill_cells_kernel[(triton.cdiv(num_samples, block),)](
+                keys, counts, perm, num_samples, num_cells, BLOCK=block, num_warps=4)
+        grad_value = torch.empty_like(value)  # (N, S, M, D): every row written once
+        lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes))
+        for s_begin, s_end, block_e in gather_groups(levels, Lq, P, lanes):
+            block_s = lanes // block_e
+            msda_grad_value_gather_kernel[(triton.cdiv(s_end - s_begin, block_s), N * M)](
+                grad_output, sampling_locations, attention_weights, counts, perm, grad_value,
+                Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e,
+                FILLED=not deterministic, num_warps=warps, **_common(value, M, D, L, P))
+        return grad_value, grad_loc, grad_weight
+
+
+@functools.lru_cache(maxsize=256)
+def gather_groups(levels: tuple, Lq: int, P: int, lanes: int) -> list:
+    """[(s_begin, s_end, BLOCK_E)]: value rows cut into runs of levels that share a gather tile shape.
+
+    A value row of level l receives about 4*Lq*P / (H*W) entries per (n, m). Sparse levels get one entry
+    lane per row and many rows per program; dense (coarse) levels put all lanes on few rows, so that no
+    program walks a long cell alone at the end of the launch. Each lane takes about a quarter of its row's
+    expected entries, so programs run a few steps.
+    """
+    groups, start = [], 0
+    for h, w in levels:
+        expected = 4 * Lq * P / (h * w)
+        block_e = 1
+        while block_e < lanes and block_e * 4 * 4 <= expected:
+            block_e *= 4
+        block_e = min(block_e, lanes)
+        if groups and groups[-1][2] == block_e:
+            groups[-1] = (groups[-1][0], start + h * w, block_e)
+        else:
+            groups.append((start, start + h * w, block_e))
+        start += h * w
+    return groups
