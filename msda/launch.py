@@ -14,7 +14,6 @@ import functools
 import os
 
 import torch
-import triton
 import triton.language as tl
 
 from .kernels import (
@@ -34,13 +33,21 @@ SCHEMES = ("fused", "split", "gather")
 # fastest measured entries (msda_sweep.md); paste it over the one below. Keys:
 #   query kernels  (kernel, D, value bytes, L, P, large) -> (BLOCK_Q, BLOCK_P, num_warps)
 #                  kernel: forward | fused | sample_grads | scatter | keys
-#   gather kernel  ("gather", D, value bytes)            -> (lanes = BLOCK_S * BLOCK_E, num_warps)
+#   gather kernel  ("gather", D, value bytes, large)     -> (lanes = BLOCK_S * BLOCK_E, num_warps)
 #   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather   (non-deterministic)
 # Anything not in the table falls back to _default_config (a 2026-11-29 sweep of the previous kernels:
 # 16 queries and 4 warps, 2 warps for a 2-byte forward; the atomic scatter fused into one backward kernel).
 # ----------------------------------------------------------------------------------------------------
 TUNED: dict = {
 }
+
+
+def _pow2(n: int) -> int:  # triton.next_power_of_2 / triton.cdiv are jit-callable objects: slow on the host
+    return 1 << (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _default_config(key: tuple):
@@ -51,11 +58,11 @@ def _default_config(key: tuple):
         if kernel == "scheme":
             return "fused"
         L, P = key[3], key[4]
-        return 64, triton.next_power_of_2(L * P), 4
+        return 64, _pow2(L * P), 4
     if kernel == "scheme":
         return "fused"
     if kernel == "gather":
-        return max(8, 1024 // triton.next_power_of_2(D)), 4
+        return max(8, 1024 // _pow2(D)), 4
     block_q = 16 if D <= 32 else 8 if D <= 64 else 4
     warps = 2 if kernel == "forward" and nbytes == 2 else 4
     return block_q, 1, warps
@@ -92,14 +99,22 @@ def _device_guard(t: torch.Tensor):
     return _NO_GUARD
 
 
-def _check_grid(N: int, M: int):
+@functools.lru_cache(maxsize=1024)
+def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: torch.dtype, levels: tuple,
+          config: tuple | None):
+    """(grid, trailing int arguments, keyword arguments) of one query-kernel launch, built once per shape.
+
+    The eager training step is host-bound: per call only a dict lookup remains of the configuration work.
+    """
     if N * M > 65535:
         raise ValueError(f"the Triton kernels put N*M on the grid's second axis (at most 65535), got N={N}, M={M}")
-
-
-def _common(value: torch.Tensor, M: int, D: int, L: int, P: int) -> dict:
-    return dict(M=M, D=D, L=L, P=P, BLOCK_D=triton.next_power_of_2(D),
-                COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)
+    nbytes = dtype.itemsize
+    block_q, block_p, warps = config or launch_config((kernel, D, nbytes, L, P, N * Lq * M >= LARGE))
+    kwargs = dict(M=M, D=D, L=L, P=P, BLOCK_D=_pow2(D), COMPUTE_DTYPE=tl.float64 if dtype == torch.float64
+                  else tl.float32, BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps)
+    if kernel != "forward":
+        kwargs.update(SAMPLE_GRADS=kernel != "scatter", SCATTER=kernel in ("fused", "scatter"), KEYS=kernel == "keys")
+    return (_cdiv(Lq, block_q), N * M), (Lq, *pack_levels(levels)), kwargs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,19 +123,15 @@ def _common(value: torch.Tensor, M: int, D: int, L: int, P: int) -> dict:
 def forward(value, levels, sampling_locations, attention_weights, *, config: tuple | None = None) -> torch.Tensor:
     """Returns (N, Lq, M*D) in value's dtype. config = (BLOCK_Q, BLOCK_P, num_warps) overrides the table."""
     N, S, M, D = value.shape
-    _, Lq, _, L, P, _ = sampling_locations.shape
-    output = torch.empty((N, Lq, M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
-    if N == 0 or Lq == 0:
-        return output.view(N, Lq, M * D)
-    _check_grid(N, M)
-    levels = _levels_key(levels)
-    block_q, block_p, warps = config or launch_config(
-        ("forward", D, value.element_size(), L, P, N * Lq * M >= LARGE))
+    shape = sampling_locations.shape  # (N, Lq, M, L, P, 2)
+    output = torch.empty((N, shape[1], M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
+    if N == 0 or shape[1] == 0:
+        return output.view(N, shape[1], M * D)
+    grid, args, kwargs = _plan("forward", N, shape[1], M, D, shape[3], shape[4], value.dtype, _levels_key(levels),
+                               config)
     with _device_guard(value):
-        msda_forward_kernel[(triton.cdiv(Lq, block_q), N * M)](
-            value, sampling_locations, attention_weights, output, Lq, *pack_levels(levels),
-            BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps, **_common(value, M, D, L, P))
-    return output.view(N, Lq, M * D)
+        msda_forward_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
+    return output.view(N, shape[1], M * D)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,30 +154,29 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
     grad_weight = torch.empty_like(attention_weights)  # (N, Lq, M, L, P)
     if N == 0 or Lq == 0:
         return torch.zeros_like(value), grad_loc, grad_weight
-    _check_grid(N, M)
     levels = _levels_key(levels)
-    nbytes, large = value.element_size(), N * Lq * M >= LARGE
-    scheme = "gather" if deterministic else scheme or launch_config(("scheme", D, nbytes, L, P, large))
-    if scheme not in SCHEMES:
+    if deterministic:
+        scheme = "gather"
+    elif scheme is None:
+        scheme = launch_config(("scheme", D, value.element_size(), L, P, N * Lq * M >= LARGE))
+    elif scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     configs = configs or {}
 
-    def query_kernel(name, grad_value, keys, counts, sample_grads, scatter, key_cells):
-        block_q, block_p, warps = configs.get(name) or launch_config((name, D, nbytes, L, P, large))
-        msda_backward_kernel[(triton.cdiv(Lq, block_q), N * M)](
-            grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc, grad_weight,
-            keys, counts, Lq, *pack_levels(levels), BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps,
-            SAMPLE_GRADS=sample_grads, SCATTER=scatter, KEYS=key_cells, **_common(value, M, D, L, P))
+    def query_kernel(name, grad_value, keys, counts):
+        grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name))
+        msda_backward_kernel[grid](grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc,
+                                   grad_weight, keys, counts, *args, **kwargs)
 
     with _device_guard(value):
         if scheme != "gather":
             accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
             grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
             if scheme == "fused":
-                query_kernel("fused", grad_value, grad_weight, grad_weight, True, True, False)
+                query_kernel("fused", grad_value, grad_weight, grad_weight)
             else:  # two passes: location/weight gradients without atomics, then the scatter alone
-                query_kernel("sample_grads", grad_value, grad_weight, grad_weight, True, False, False)
-                query_kernel("scatter", grad_value, grad_weight, grad_weight, False, True, False)
+                query_kernel("sample_grads", grad_value, grad_weight, grad_weight)
+                query_kernel("scatter", grad_value, grad_weight, grad_weight)
             return grad_value.to(value.dtype), grad_loc, grad_weight
 
         num_cells = N * M * sum((h + 1) * (w + 1) for h, w in levels)
@@ -174,23 +184,24 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
         index_dtype = torch.int32 if max(num_cells + 1, num_samples) < 2 ** 31 else torch.int64
         keys = torch.empty(num_samples, dtype=index_dtype, device=value.device)  # (N, Lq, M, L, P) flat
         counts = torch.zeros(num_cells + 1, dtype=index_dtype, device=value.device)  # last: no cell
-        query_kernel("keys", grad_loc, keys, counts, True, False, True)
+        query_kernel("keys", grad_loc, keys, counts)
         counts.cumsum_(0)  # inclusive: counts[k] is the end of cell k
         if deterministic:
             perm = torch.sort(keys, stable=True).indices  # ascending sample id inside every cell
         else:
             perm = torch.empty(num_samples, dtype=index_dtype, device=value.device)
-            block = 1024
-            msda_fill_cells_kernel[(triton.cdiv(num_samples, block),)](
-                keys, counts, perm, num_samples, num_cells, BLOCK=block, num_warps=4)
+            msda_fill_cells_kernel[(_cdiv(num_samples, 1024),)](keys, counts, perm, num_samples, num_cells,
+                                                                 BLOCK=1024, num_warps=4)
         grad_value = torch.empty_like(value)  # (N, S, M, D): every row written once
-        lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes))
+        lanes, warps = configs.get("gather") or launch_config(("gather", D, value.element_size(),
+                                                               N * Lq * M >= LARGE))
+        common = dict(M=M, D=D, L=L, P=P, BLOCK_D=_pow2(D), FILLED=not deterministic, num_warps=warps,
+                      COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)
         for s_begin, s_end, block_e in gather_groups(levels, Lq, P, lanes):
             block_s = lanes // block_e
-            msda_grad_value_gather_kernel[(triton.cdiv(s_end - s_begin, block_s), N * M)](
+            msda_grad_value_gather_kernel[(_cdiv(s_end - s_begin, block_s), N * M)](
                 grad_output, sampling_locations, attention_weights, counts, perm, grad_value,
-                Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e,
-                FILLED=not deterministic, num_warps=warps, **_common(value, M, D, L, P))
+                Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e, **common)
         return grad_value, grad_loc, grad_weight
 
 
