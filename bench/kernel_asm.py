@@ -93,7 +93,7 @@ def main():
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     flags = {"fused": (True, True, False), "sample_grads": (True, False, False), "scatter": (False, True, False),
-             "keys": (True, False, True)}
+             "keys": (True, False, True), "hybrid": (True, True, True)}
     for D in args.D:
         for dtype in args.dtype:
             value_type, nbytes = DTYPES[dtype]
@@ -107,7 +107,7 @@ def main():
                                  KEYS=keys)
                 compile_report(kernels.msda_backward_kernel, constants, value_type, warps, args.arch, args.out,
                                f"backward:{name} D{D} {dtype} q{block_q} p{block_p} w{warps}")
-            lanes, warps = launch_config(("gather", D, nbytes))
+            lanes, warps = launch_config(("gather", D, nbytes, True))
             for block_e in sorted({1, min(4, lanes), min(16, lanes), lanes}):
                 constants = dict(common, BLOCK_S=lanes // block_e, BLOCK_E=block_e, FILLED=False)
                 compile_report(kernels.msda_grad_value_gather_kernel, constants, value_type, warps, args.arch,

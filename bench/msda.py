@@ -68,10 +68,12 @@ def heads(D: int) -> int:
 
 def candidates(D: int) -> dict:
     """Configurations timed per kernel. Query kernels: (BLOCK_Q, BLOCK_P, num_warps); split uses one for both
-    of its kernels; gather: ((BLOCK_Q, BLOCK_P, warps) of the keys kernel, (lanes, warps) of the row sums)."""
+    of its kernels; gather: ((BLOCK_Q, BLOCK_P, warps) of the keys kernel, (lanes, warps) of the row sums);
+    hybrid: ((BLOCK_Q, BLOCK_P, warps), entries per value row from which a level is gathered)."""
     if DEVICE == "cpu":  # --smoke: wide programs, which the interpreter runs fastest; two each for the picks
         return {"forward": [(64, 16, 4), (32, 16, 2)], "fused": [(64, 16, 4), (32, 16, 2)],
-                "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))]}
+                "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
+                "hybrid": [((64, 16, 4), 8)]}
     return _candidates(D)
 
 
@@ -80,12 +82,14 @@ def _candidates(D: int) -> dict:
         return {"forward": [(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)],
                 "fused": [(16, 1, 4), (8, 2, 4), (4, 4, 4), (2, 16, 4)],
                 "split": [(4, 4, 4), (2, 16, 4)],
-                "gather": [((4, 4, 4), (32, 4)), ((2, 16, 4), (32, 4)), ((2, 16, 4), (64, 8))]}
+                "gather": [((4, 4, 4), (32, 4)), ((2, 16, 4), (32, 4)), ((2, 16, 4), (64, 8))],
+                "hybrid": [((4, 4, 4), 256), ((4, 4, 4), 64), ((2, 16, 4), 256)]}
     wide, narrow = max(1, 512 // D), max(1, 128 // D)  # keep BLOCK_Q * D about that of the D=32 candidates
     return {"forward": [(wide, 1, 4), (narrow, 4, 4), (1, 16, 4 if D <= 64 else 8)],
             "fused": [(wide, 1, 4), (narrow, 4, 4)],
             "split": [(narrow, 4, 4)],
-            "gather": [((narrow, 4, 4), (max(8, 1024 // D), 4))]}
+            "gather": [((narrow, 4, 4), (max(8, 1024 // D), 4))],
+            "hybrid": [((narrow, 4, 4), 256)]}
 
 
 def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
@@ -121,6 +125,9 @@ def run_variant(kind, config, value, loc, weights, grad_out):
     if kind == "split":
         return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="split",
                                configs={"sample_grads": config, "scatter": config})
+    if kind == "hybrid":
+        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="hybrid",
+                               configs={"hybrid": config[0], "hybrid_split": config[1]})
     keys, lanes = config
     return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="gather", deterministic=kind == "sorted",
                            configs={"keys": keys, "gather": lanes})
@@ -165,7 +172,7 @@ def precompile(dims, jobs: int):
             for dtype_name in DTYPES:
                 for kind, configs in candidates(D).items():
                     # Query kernels compile the same for every workload; the gather's tiles follow its density.
-                    if kind in ("gather", "sorted") or (N, Lq) == SWEEP_WORKLOADS[0][1:]:
+                    if kind in ("gather", "hybrid") or (N, Lq) == SWEEP_WORKLOADS[0][1:]:
                         tasks += [(D, N, Lq, dtype_name, kind, config) for config in configs]
                     if kind == "gather":  # the deterministic path: same keys kernel, int64 perm
                         tasks += [(D, N, Lq, dtype_name, "sorted", config) for config in configs]
@@ -208,8 +215,9 @@ def picks(records) -> dict:
     totals: dict = {}
     for r in records:
         key = (r["kind"], r["D"], NBYTES[r["dtype"]], r["large"])
-        totals.setdefault(key, {}).setdefault(tuple(map(tuple, r["config"]) if r["kind"] == "gather"
-                                                    else r["config"]), []).append(r["ms"])
+        config = r["config"]
+        config = tuple(tuple(c) if isinstance(c, (list, tuple)) else c for c in config)
+        totals.setdefault(key, {}).setdefault(config, []).append(r["ms"])
     table, best_scheme = {}, {}
     for (kind, D, nbytes, large), by_config in totals.items():
         config, times = min(by_config.items(), key=lambda item: sum(item[1]))
@@ -220,6 +228,8 @@ def picks(records) -> dict:
             table[("fused", D, nbytes, L, P, large)] = config
         elif kind == "split":
             table[("sample_grads", D, nbytes, L, P, large)] = table[("scatter", D, nbytes, L, P, large)] = config
+        elif kind == "hybrid":
+            table[("hybrid", D, nbytes, L, P, large)], table[("hybrid_split", D, nbytes, large)] = config
         else:
             table[("keys", D, nbytes, L, P, large)], table[("gather", D, nbytes, large)] = config
         best_scheme.setdefault((D, nbytes, large), []).append((sum(times), kind))

@@ -102,7 +102,7 @@ def _query_block(Lq, M: tl.constexpr, BLOCK_Q: tl.constexpr):
 def _load_samples(loc_ptr, weight_ptr, query_row, q_in, step: tl.constexpr,
                   levels01, levels23, levels45, levels67,
                   L: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Samples step*BLOCK_P .. +BLOCK_P of every query: their flat index, mask, level geometry, x, y, weight.
+    """Samples step*BLOCK_P .. +BLOCK_P of every query: flat index, mask, level, level geometry, x, y, weight.
 
     A query's L*P locations are one contiguous run, so with BLOCK_P = L*P each query reads whole lines.
     """
@@ -113,7 +113,7 @@ def _load_samples(loc_ptr, weight_ptr, query_row, q_in, step: tl.constexpr,
     loc_x = tl.load(loc_ptr + 2 * sample, mask=s_in, other=0.0)
     loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=s_in, other=0.0)
     attn = tl.load(weight_ptr + sample, mask=s_in, other=0.0)
-    return sample, s_in, H[None, :], W[None, :], row0[None, :], cell0[None, :], loc_x, loc_y, attn
+    return sample, s_in, lp // P, H[None, :], W[None, :], row0[None, :], cell0[None, :], loc_x, loc_y, attn
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def msda_forward_kernel(
     acc = tl.zeros((BLOCK_Q, BLOCK_P, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P, BLOCK_D)
     for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
         # ---- load: locations and weights of BLOCK_P samples per query
-        sample, s_in, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
+        sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
             loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)
         x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)
         y = _pixel(loc_y, H, COMPUTE_DTYPE)
@@ -204,7 +204,7 @@ def msda_forward_kernel(
 #
 # Per corner only t = sum_d g * v is needed for the first three, so each corner costs one channel reduction.
 # Corners outside the map hold zeros in val and take no gradient, exactly as grid_sample's zero padding.
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit(do_not_specialize=_DYNAMIC + ["gather_level"])
 def msda_backward_kernel(
     grad_out_ptr,     # (N, Lq, M, D)
     value_ptr,        # (N, S, M, D)
@@ -215,7 +215,7 @@ def msda_backward_kernel(
     grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype; SAMPLE_GRADS only
     keys_ptr,         # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
     counts_ptr,       # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
-    Lq, levels01, levels23, levels45, levels67,
+    Lq, gather_level, levels01, levels23, levels45, levels67,
     M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     SAMPLE_GRADS: tl.constexpr, SCATTER: tl.constexpr, KEYS: tl.constexpr,
@@ -232,8 +232,10 @@ def msda_backward_kernel(
     g = g.to(COMPUTE_DTYPE)[:, None, :]  # (BLOCK_Q, 1, BLOCK_D)
 
     for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
-        sample, s_in, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
+        sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
             loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)
+        # Levels from gather_level on are left to the gather (KEYS), the finer ones to the scatter.
+        scattered = s_in & (level < gather_level)[None, :]  # (BLOCK_Q, BLOCK_P)
         x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)
         y = _pixel(loc_y, H, COMPUTE_DTYPE)
         x0 = tl.floor(x)
@@ -255,7 +257,8 @@ def msda_backward_kernel(
                 grad_ly += (wx if corner // 2 == 1 else -wx) * t
             if SCATTER:
                 # ---- scatter: relaxed fp32 atomics, only the sums must be right
-                tl.atomic_add(grad_value_ptr + offs, (attn * wy * wx)[:, :, None] * g, mask=c_in, sem="relaxed")
+                tl.atomic_add(grad_value_ptr + offs, (attn * wy * wx)[:, :, None] * g,
+                              mask=(inside & scattered)[:, :, None] & d_in, sem="relaxed")
         if SAMPLE_GRADS:
             # ---- store: one weight and one (x, y) gradient per sample
             tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=s_in)
@@ -264,8 +267,9 @@ def msda_backward_kernel(
             tl.store(grad_loc_ptr + 2 * sample, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=s_in)
             tl.store(grad_loc_ptr + 2 * sample + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=s_in)
         if KEYS:
-            # ---- file the sample under its top-left corner's cell; none if no corner is in the map
-            touches = s_in & (x0 >= -1) & (x0 <= W - 1) & (y0 >= -1) & (y0 <= H - 1)
+            # ---- file the sample under its top-left corner's cell; none if no corner is in the map or if
+            #      its level is scattered
+            touches = s_in & ~scattered & (x0 >= -1) & (x0 <= W - 1) & (y0 >= -1) & (y0 <= H - 1)
             cell_x = tl.where(touches, x0 + 1, 0.0).to(tl.int64)
             cell_y = tl.where(touches, y0 + 1, 0.0).to(tl.int64)
             cell = pid_nm * C + cell0 + cell_y * (W + 1) + cell_x  # (BLOCK_Q, BLOCK_P)

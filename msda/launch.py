@@ -26,15 +26,18 @@ from .kernels import (
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_LEVELS, MAX_SIDE = 8, 2 ** 14
 LARGE = 2 ** 16  # N*Lq*M from which a call counts as encoder-sized in the tables below
-SCHEMES = ("fused", "split", "gather")
+SCHEMES = ("fused", "split", "gather", "hybrid")
+_FLAGS = {"fused": (True, True, False), "sample_grads": (True, False, False), "scatter": (False, True, False),
+          "keys": (True, False, True), "hybrid": (True, True, True)}  # SAMPLE_GRADS, SCATTER, KEYS
 
 # ----------------------------------------------------------------------------------------------------
 # launch table, measured on an H200 by `python bench/msda.py --out DIR`: it prints this block with the
 # fastest measured entries (msda_sweep.md); paste it over the one below. Keys:
 #   query kernels  (kernel, D, value bytes, L, P, large) -> (BLOCK_Q, BLOCK_P, num_warps)
-#                  kernel: forward | fused | sample_grads | scatter | keys
+#                  kernel: forward | fused | sample_grads | scatter | keys | hybrid
 #   gather kernel  ("gather", D, value bytes, large)     -> (lanes = BLOCK_S * BLOCK_E, num_warps)
-#   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather   (non-deterministic)
+#   hybrid split   ("hybrid_split", D, value bytes, large) -> entries per value row from which a level is gathered
+#   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather | hybrid (non-deterministic)
 # Anything not in the table falls back to _default_config (a 2026-11-29 sweep of the previous kernels:
 # 16 queries and 4 warps, 2 warps for a 2-byte forward; the atomic scatter fused into one backward kernel).
 # ----------------------------------------------------------------------------------------------------
@@ -57,10 +60,14 @@ def _default_config(key: tuple):
             return 256, 4
         if kernel == "scheme":
             return "fused"
+        if kernel == "hybrid_split":
+            return 8
         L, P = key[3], key[4]
         return 64, _pow2(L * P), 4
     if kernel == "scheme":
         return "fused"
+    if kernel == "hybrid_split":
+        return 256
     if kernel == "gather":
         return max(8, 1024 // _pow2(D)), 4
     block_q = 16 if D <= 32 else 8 if D <= 64 else 4
@@ -101,7 +108,7 @@ def _device_guard(t: torch.Tensor):
 
 @functools.lru_cache(maxsize=1024)
 def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: torch.dtype, levels: tuple,
-          config: tuple | None):
+          config: tuple | None, gather_level: int = 0):
     """(grid, trailing int arguments, keyword arguments) of one query-kernel launch, built once per shape.
 
     The eager training step is host-bound: per call only a dict lookup remains of the configuration work.
@@ -112,9 +119,10 @@ def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: t
     block_q, block_p, warps = config or launch_config((kernel, D, nbytes, L, P, N * Lq * M >= LARGE))
     kwargs = dict(M=M, D=D, L=L, P=P, BLOCK_D=_pow2(D), COMPUTE_DTYPE=tl.float64 if dtype == torch.float64
                   else tl.float32, BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps)
-    if kernel != "forward":
-        kwargs.update(SAMPLE_GRADS=kernel != "scatter", SCATTER=kernel in ("fused", "scatter"), KEYS=kernel == "keys")
-    return (_cdiv(Lq, block_q), N * M), (Lq, *pack_levels(levels)), kwargs
+    if kernel == "forward":
+        return (_cdiv(Lq, block_q), N * M), (Lq, *pack_levels(levels)), kwargs
+    kwargs.update(zip(("SAMPLE_GRADS", "SCATTER", "KEYS"), _FLAGS[kernel]))
+    return (_cdiv(Lq, block_q), N * M), (Lq, gather_level, *pack_levels(levels)), kwargs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,7 +151,9 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
 
     deterministic=False: the scheme from the table. "fused" and "split" add grad_value with fp32 atomics
     (fp64 for fp64 value) into a zeroed buffer, cast once; "gather" buckets the samples by cell with atomics
-    and sums every value row in registers. Either way the last bits of grad_value vary run to run.
+    and sums every value row in registers; "hybrid" scatters the fine levels and gathers the dense coarse
+    ones (their rows collect many entries, on which atomics would queue). Either way the last bits of
+    grad_value vary run to run.
     deterministic=True: the gather scheme over a stable sort of the samples by cell; every value row is summed
     in a fixed order, so all three gradients are bitwise identical run to run (the location and weight
     gradients never use atomics). scheme / configs (kernel name -> config tuple) override the table (benchmarks).
@@ -159,18 +169,26 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
         scheme = "gather"
     elif scheme is None:
         scheme = launch_config(("scheme", D, value.element_size(), L, P, N * Lq * M >= LARGE))
-    elif scheme not in SCHEMES:
+    if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     configs = configs or {}
 
+    nbytes, large = value.element_size(), N * Lq * M >= LARGE
+    first_gathered = 0  # levels from this one on are summed by the gather kernel
+    if scheme == "hybrid":
+        threshold = configs.get("hybrid_split") or launch_config(("hybrid_split", D, nbytes, large))
+        first_gathered = gather_from(levels, Lq, P, threshold)
+        scheme = "fused" if first_gathered == L else scheme
+
     def query_kernel(name, grad_value, keys, counts):
-        grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name))
+        grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name),
+                                   L if name in ("fused", "scatter") else first_gathered)
         msda_backward_kernel[grid](grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc,
                                    grad_weight, keys, counts, *args, **kwargs)
 
     with _device_guard(value):
-        if scheme != "gather":
-            accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+        accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+        if scheme in ("fused", "split"):
             grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
             if scheme == "fused":
                 query_kernel("fused", grad_value, grad_weight, grad_weight)
@@ -184,7 +202,12 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
         index_dtype = torch.int32 if max(num_cells + 1, num_samples) < 2 ** 31 else torch.int64
         keys = torch.empty(num_samples, dtype=index_dtype, device=value.device)  # (N, Lq, M, L, P) flat
         counts = torch.zeros(num_cells + 1, dtype=index_dtype, device=value.device)  # last: no cell
-        query_kernel("keys", grad_loc, keys, counts)
+        if scheme == "hybrid":  # the scatter's rows stay zero where the gather writes
+            grad_value = torch.zeros((N, S, M, D), dtype=accum_dtype, device=value.device)  # (N, S, M, D)
+            query_kernel("hybrid", grad_value, keys, counts)
+        else:
+            grad_value = torch.empty_like(value)  # (N, S, M, D): every row written once, in value's dtype
+            query_kernel("keys", grad_loc, keys, counts)
         counts.cumsum_(0)  # inclusive: counts[k] is the end of cell k
         if deterministic:
             perm = torch.sort(keys, stable=True).indices  # ascending sample id inside every cell
@@ -192,17 +215,28 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
             perm = torch.empty(num_samples, dtype=index_dtype, device=value.device)
             msda_fill_cells_kernel[(_cdiv(num_samples, 1024),)](keys, counts, perm, num_samples, num_cells,
                                                                  BLOCK=1024, num_warps=4)
-        grad_value = torch.empty_like(value)  # (N, S, M, D): every row written once
-        lanes, warps = configs.get("gather") or launch_config(("gather", D, value.element_size(),
-                                                               N * Lq * M >= LARGE))
+        lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes, large))
         common = dict(M=M, D=D, L=L, P=P, BLOCK_D=_pow2(D), FILLED=not deterministic, num_warps=warps,
                       COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)
+        s_first = sum(h * w for h, w in levels[:first_gathered])
         for s_begin, s_end, block_e in gather_groups(levels, Lq, P, lanes):
+            s_begin = max(s_begin, s_first)
+            if s_begin >= s_end:
+                continue
             block_s = lanes // block_e
             msda_grad_value_gather_kernel[(_cdiv(s_end - s_begin, block_s), N * M)](
                 grad_output, sampling_locations, attention_weights, counts, perm, grad_value,
                 Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e, **common)
-        return grad_value, grad_loc, grad_weight
+        return grad_value.to(value.dtype), grad_loc, grad_weight
+
+
+def gather_from(levels: tuple, Lq: int, P: int, threshold: float) -> int:
+    """First level of the coarse run whose value rows expect at least ``threshold`` entries (4*Lq*P / (H*W)
+    per (n, m)); len(levels) if the coarsest level does not."""
+    first = len(levels)
+    while first > 0 and 4 * Lq * P >= threshold * levels[first - 1][0] * levels[first - 1][1]:
+        first -= 1
+    return first
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,8 +15,9 @@ from msda.reference import multi_scale_deformable_attention_reference
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
     ["cuda"] if torch.cuda.is_available() else [])
-SCHEMES = [dict(scheme="fused"), dict(scheme="split"), dict(scheme="gather"), dict(deterministic=True)]
-SCHEME_IDS = ["fused", "split", "gather", "deterministic"]
+SCHEMES = [dict(scheme="fused"), dict(scheme="split"), dict(scheme="gather"), dict(scheme="hybrid"),
+           dict(deterministic=True)]
+SCHEME_IDS = ["fused", "split", "gather", "hybrid", "deterministic"]
 
 
 @pytest.fixture
@@ -133,9 +134,9 @@ def test_query_block_shapes(gen, device, config):
     inputs = make_inputs(gen, M=1, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2,
                          device=device)
     expected = reference(*inputs)
-    configs = {name: config for name in ("fused", "sample_grads", "scatter", "keys")}
-    # fused, split (sample_grads + scatter) and the bucket gather (keys) cover every query-kernel variant.
-    for scheme in ("fused", "split", "gather"):
+    configs = {name: config for name in ("fused", "sample_grads", "scatter", "keys", "hybrid")}
+    # fused, split (sample_grads + scatter), the bucket gather (keys) and hybrid: every query-kernel variant.
+    for scheme in ("fused", "split", "gather", "hybrid"):
         results = triton_results(*inputs, forward_config=config, configs=configs, scheme=scheme)
         assert_close(results, expected, 1e-10, inputs)
 
@@ -149,6 +150,25 @@ def test_gather_tiles(gen, device, lanes, deterministic):
                          device=device)
     results = triton_results(*inputs, scheme="gather", deterministic=deterministic, configs={"gather": (lanes, 4)})
     assert_close(results, reference(*inputs), 1e-10, inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threshold", [0, 10, 30, 1e9], ids=["all-gathered", "coarse-gathered", "coarsest", "none"])
+def test_hybrid_split_points(gen, device, threshold):
+    """Hybrid with every split: all levels gathered, the coarse ones, the coarsest only, none (all scattered)."""
+    inputs = make_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
+                         device=device)
+    results = triton_results(*inputs, scheme="hybrid", configs={"hybrid_split": threshold})
+    assert_close(results, reference(*inputs), 1e-10, inputs)
+
+
+def test_gather_from_takes_the_dense_coarse_levels():
+    levels = ((100, 167), (50, 84), (25, 42), (13, 21))
+    S = sum(h * w for h, w in levels)
+    assert launch.gather_from(levels, S, 4, 256) == 2  # expected entries per row: 21, 85, 339, 1302
+    assert launch.gather_from(levels, S, 4, 64) == 1
+    assert launch.gather_from(levels, S, 4, 1e9) == 4
+    assert launch.gather_from(levels, 300, 4, 64) == 4  # decoder: every level sparse
 
 
 def test_gather_groups_split_levels_by_density():
@@ -247,8 +267,8 @@ def test_levels_as_list_and_eight_levels(gen, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_scheme_raises(gen, device):
     levels, value, loc, weights, grad_out = make_inputs(gen, device=device)
-    with pytest.raises(ValueError, match=r"scheme must be one of \('fused', 'split', 'gather'\), got 'sorted'"):
-        launch.backward(grad_out, value, levels, loc, weights, scheme="sorted")
+    with pytest.raises(ValueError, match=r"scheme must be one of \('fused', 'split', 'gather', 'hybrid'\), got 'x'"):
+        launch.backward(grad_out, value, levels, loc, weights, scheme="x")
 
 
 # ------------------------------------------------------------------------------------------------
