@@ -5,11 +5,11 @@ consecutive queries of one (batch n, head m) pair and walks their L*P samples BL
 works on (BLOCK_Q, BLOCK_P, BLOCK_D) tiles. BLOCK_P = 1 unrolls one sample per step; BLOCK_P = L*P loads
 every location and weight of a query in one contiguous row and gathers all corners at once.
 
-grad_value has two schemes. Scatter: the backward kernel adds every corner's contribution with fp32 atomics.
-Gather: the backward kernel files each sample under the cell of its top-left corner (keys, and a count per
-cell); the samples are grouped by cell (an atomic bucket fill, or a stable sort for a deterministic result);
-then msda_grad_value_gather_kernel gives every value row the sum over the four cells that can reach it, in a
-fixed order, and writes it once in value's dtype.
+grad_value has two mechanisms, which the backward kernel can mix by level (gather_level). Scatter: every
+corner's contribution is added with fp32 atomics. Gather: the sample is filed under the cell of its top-left
+corner (a key, and a count per cell); the samples are grouped by cell (an atomic bucket fill, or a stable
+sort for a deterministic result); then msda_grad_value_gather_kernel gives every value row the sum over the
+four cells that can reach it, in a fixed order, and writes it once.
 
 Layouts (all contiguous, element offsets in int64 because N*S*M*D passes 2^31 at encoder scale):
     value               (N, S, M, D)            row (n, s, m) is D contiguous channels

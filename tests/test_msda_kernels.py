@@ -276,6 +276,8 @@ def test_bad_scheme_raises(gen, device):
 # ------------------------------------------------------------------------------------------------
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 COCO_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
+# Configurations that compile in about a second (one-sample-per-step kernels take tens): GPU time is scarce.
+QUICK = {name: (2, 16, 4) for name in ("fused", "keys", "sample_grads", "scatter", "hybrid")}
 
 
 @CUDA
@@ -290,11 +292,12 @@ def test_deterministic_bitwise_on_gpu(dtype):
     loc = (ref_points + 0.01 * torch.randn(N, S, M, 4, P, 2, device="cuda", generator=gen)).contiguous()
     weights = torch.rand(N, S, M, 4 * P, device="cuda", generator=gen).softmax(-1).view(N, S, M, 4, P)
     grad_out = torch.randn(N, S, M * D, device="cuda", generator=gen).to(dtype)
-    runs = [launch.backward(grad_out, value, COCO_LEVELS, loc, weights, deterministic=True) for _ in range(5)]
+    runs = [launch.backward(grad_out, value, COCO_LEVELS, loc, weights, deterministic=True, configs=QUICK)
+            for _ in range(5)]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
-    atomic = launch.backward(grad_out, value, COCO_LEVELS, loc, weights, scheme="fused")
+    atomic = launch.backward(grad_out, value, COCO_LEVELS, loc, weights, scheme="fused", configs=QUICK)
     for a, b in zip(runs[0], atomic):
         assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -311,13 +314,13 @@ def test_new_image_size_neither_syncs_nor_recompiles(gen):
     """The level layout and Lq are unspecialized kernel arguments: a new layout reuses the compiled kernels."""
     first = make_inputs(gen, levels=((6, 4), (3, 2)), Lq=5, dtype=torch.float32, device="cuda")
     second = make_inputs(gen, levels=((17, 33), (9, 16)), Lq=32, dtype=torch.float32, device="cuda")
-    triton_results(*first, scheme="fused")
+    triton_results(*first, forward_config=QUICK["fused"], scheme="fused", configs=QUICK)
     torch.cuda.synchronize()
     kernels = (launch.msda_forward_kernel, launch.msda_backward_kernel)
     before = [compiled_variants(k) for k in kernels]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        results = triton_results(*second, scheme="fused")
+        results = triton_results(*second, forward_config=QUICK["fused"], scheme="fused", configs=QUICK)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [compiled_variants(k) for k in kernels] == before
