@@ -400,8 +400,7 @@ def main():
         (args.out / "msda_launch_table.py").write_text(table_source(table, header))
         (args.out / "msda_sweep.json").write_text(json.dumps(
             {"header": header, "records": records, "table": [[list(k), v] for k, v in table.items()]}, indent=1))
-        launch.TUNED.update(table)
-        launch.launch_config.cache_clear()
+        launch.update_table(table)
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
     rows = targets(args.out)
     header["seconds"] = time.perf_counter() - start

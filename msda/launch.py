@@ -81,6 +81,13 @@ def launch_config(key: tuple):
     return TUNED.get(key) or _default_config(key)
 
 
+def update_table(entries: dict):
+    """Merge measured entries into TUNED at run time (bench/msda.py does, after its sweep)."""
+    TUNED.update(entries)
+    launch_config.cache_clear()
+    _plan.cache_clear()
+
+
 @functools.lru_cache(maxsize=256)
 def pack_levels(levels: tuple) -> tuple:
     """((H, W), ...) -> the four int64 level arguments of the kernels (layout in msda/kernels.py)."""

@@ -265,6 +265,25 @@ def test_levels_as_list_and_eight_levels(gen, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_table_entries_take_effect(gen, device, monkeypatch):
+    """update_table (what bench/msda.py applies after its sweep) reaches the next call's plan."""
+    levels, value, loc, weights, grad_out = make_inputs(gen, device=device)
+    key = ("scheme", 8, 8, 2, 2, False)  # D=8, fp64, L=2, P=2, decoder-sized
+    monkeypatch.setattr(launch, "TUNED", dict(launch.TUNED))
+    gathered = []
+    monkeypatch.setattr(launch, "gather_groups", lambda *args: gathered.append(args) or [])
+    launch.backward(grad_out, value, levels, loc, weights)  # cached plans from the default table
+    launch.update_table({key: "gather", ("forward", 8, 8, 2, 2, False): (1, 2, 1)})
+    try:
+        launch.backward(grad_out, value, levels, loc, weights)
+        assert gathered  # the gather scheme ran
+        assert launch._plan("forward", 1, 5, 2, 8, 2, 2, torch.float64, levels, None)[0] == (5, 2)  # BLOCK_Q 1
+    finally:
+        launch.launch_config.cache_clear()
+        launch._plan.cache_clear()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bad_scheme_raises(gen, device):
     levels, value, loc, weights, grad_out = make_inputs(gen, device=device)
     with pytest.raises(ValueError, match=r"scheme must be one of \('fused', 'split', 'gather', 'hybrid'\), got 'x'"):
