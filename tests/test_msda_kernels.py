@@ -273,11 +273,10 @@ def test_table_entries_take_effect(gen, device, monkeypatch):
     gathered = []
     monkeypatch.setattr(launch, "gather_groups", lambda *args: gathered.append(args) or [])
     launch.backward(grad_out, value, levels, loc, weights)  # cached plans from the default table
-    launch.update_table({key: "gather", ("forward", 8, 8, 2, 2, False): (1, 2, 1)})
+    launch.update_table({key: "gather"})
     try:
         launch.backward(grad_out, value, levels, loc, weights)
         assert gathered  # the gather scheme ran
-        assert launch._plan("forward", 1, 5, 2, 8, 2, 2, torch.float64, levels, None)[0] == (5, 2)  # BLOCK_Q 1
     finally:
         launch.launch_config.cache_clear()
         launch._plan.cache_clear()
