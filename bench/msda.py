@@ -1,14 +1,21 @@
-"""Kernel benchmark: Triton multi-scale deformable attention against the grid_sample reference.
+"""Kernel benchmark: sweep the launch configurations, then the DESIGN workloads against the grid_sample reference.
 
-    python bench/msda.py --out bench/results            # the DESIGN section 4 workloads, GPU only
-    python bench/msda.py --sweep --out bench/results    # also time every (BLOCK_Q, num_warps) per workload
-    python bench/msda.py --graphs --out bench/results   # decoder workloads replayed as CUDA graphs only
+    python bench/msda.py --out DIR                 # everything below, one process tree, about 3-4 min on an H200
+    python bench/msda.py --out DIR --no-sweep      # targets only, with the table already in msda/launch.py
 
-Workloads: COCO 800x1333 levels (100,167) (50,84) (25,42) (13,21), S = 22223, M=8, D=32, L=4, P=4;
-encoder N=2 and N=4 with Lq=S, decoder N=4 with Lq=300 and 900; realistic locations (each query's
-reference point plus offsets of a few pixels) and uniform ones in [0, 1]; fp32 and bf16. Everything is
-timed in the same process, so ratios compare like with like. Writes msda_h200.md, msda_h200.json and
-msda_h200.png into --out.
+1. precompile  every candidate kernel in --jobs worker processes; they fill Triton's on-disk cache, so the
+               timing process only loads binaries (the unrolled kernels take seconds each to compile).
+2. sweep       per head dim D (32: M=8; 64: M=4; 128: M=2, so M*D = 256) on encoder N2 (Lq=S) and decoder
+               N4 Lq300, uniform and realistic locations, fp32 and bf16: the forward's (BLOCK_Q, BLOCK_P, warps)
+               and each grad_value scheme (fused, split, gather) in its candidate configurations. For every
+               table key the configuration with the least summed time over both distributions wins; the
+               winners go into this run's launch table and into msda_launch_table.py (paste into launch.py).
+3. targets     encoder N2/N4 and decoder N4 Lq300/Lq900, fp32/bf16, uniform/realistic, D=32, through the
+               public op with the picked table: forward, backward, forward+backward (triton.testing.do_bench
+               median ms) against the reference in the same run; the deterministic backward's cost, a bitwise
+               check of all gradients over 5 deterministic runs, peak memory, error against the reference;
+               decoder rows also as CUDA-graph replays (GPU time) and as eager loops (host time per call).
+Writes msda_h200.{json,md}, msda_sweep.{json,md} and msda_launch_table.py into --out (partial JSON as it goes).
 """
 
 from __future__ import annotations
@@ -16,9 +23,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
+import os
 import platform
 import sys
+import time
 from pathlib import Path
+
+if "--smoke" in sys.argv:  # the interpreter must be on before triton is imported (also in the workers)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import triton
@@ -27,46 +40,214 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msda  # noqa: E402
 from msda import launch  # noqa: E402
+from bench.msda_report import summary_line, table_source, target_checks, write_markdown  # noqa: E402
 
-LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
-M, D, P = 8, 32, 4
+LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 S = sum(h * w for h, w in LEVELS)
-WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 300), ("decoder N4 Lq900", 4, 900)]
+L, P, HIDDEN = len(LEVELS), 4, 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SWEEP = [(16, 2), (16, 4), (32, 4), (32, 8)]
+NBYTES = {"fp32": 4, "bf16": 2}
+DISTS = ("uniform", "realistic")
+SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 300)]
+TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 300),
+                    ("decoder N4 Lq900", 4, 900)]
+DEVICE = "cuda"
 
 
-def encoder_reference_points(N: int, device) -> torch.Tensor:
-    """(N, S, 2) pixel centres of every level in normalized coordinates, as the encoder's queries."""
-    points = []
-    for H, W in LEVELS:
-        ys, xs = torch.meshgrid(torch.arange(H, device=device), torch.arange(W, device=device), indexing="ij")
-        points.append(torch.stack([(xs.flatten() + 0.5) / W, (ys.flatten() + 0.5) / H], -1))
-    return torch.cat(points).expand(N, -1, -1)
+if "--smoke" in sys.argv:  # tiny levels and query counts on the CPU: every code path runs in minutes
+    LEVELS, DEVICE, HIDDEN = ((6, 5), (3, 3), (2, 2), (1, 1)), "cpu", 64
+    S = sum(h * w for h, w in LEVELS)
+    SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 3)]
+    TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 3),
+                        ("decoder N4 Lq900", 4, 5)]
 
 
-def make_inputs(N, Lq, dtype, locations, device="cuda", seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    L = len(LEVELS)
-    shapes = torch.tensor(LEVELS, device=device)
-    value = torch.randn(N, S, M, D, device=device, generator=gen).to(dtype)
+def heads(D: int) -> int:
+    """M for head dim D at the model's width (M*D = 256)."""
+    return max(1, HIDDEN // D)
+
+
+def candidates(D: int) -> dict:
+    """Configurations timed per kernel. Query kernels: (BLOCK_Q, BLOCK_P, num_warps); split uses one for both
+    of its kernels; gather: ((BLOCK_Q, BLOCK_P, warps) of the keys kernel, (lanes, warps) of the row sums);
+    hybrid: ((BLOCK_Q, BLOCK_P, warps), entries per value row from which a level is gathered)."""
+    if DEVICE == "cpu":  # --smoke: wide programs, which the interpreter runs fastest; two each for the picks
+        return {"forward": [(64, 16, 4), (32, 16, 2)], "fused": [(64, 16, 4), (32, 16, 2)],
+                "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
+                "hybrid": [((64, 16, 4), 8)]}
+    return _candidates(D)
+
+
+def _candidates(D: int) -> dict:
+    if D == 32:  # (16, 1, *) is the previous kernels' measured best: one sample per step, 16 queries
+        return {"forward": [(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)],
+                "fused": [(16, 1, 4), (8, 2, 4), (4, 4, 4), (2, 16, 4)],
+                "split": [(4, 4, 4), (2, 16, 4)],
+                "gather": [((4, 4, 4), (32, 4)), ((2, 16, 4), (32, 4)), ((2, 16, 4), (64, 8))],
+                "hybrid": [((4, 4, 4), 256), ((4, 4, 4), 64), ((2, 16, 4), 256)]}
+    wide, narrow = max(1, 512 // D), max(1, 128 // D)  # keep BLOCK_Q * D about that of the D=32 candidates
+    return {"forward": [(wide, 1, 4), (narrow, 4, 4), (1, 16, 4 if D <= 64 else 8)],
+            "fused": [(wide, 1, 4), (narrow, 4, 4)],
+            "split": [(narrow, 4, 4)],
+            "gather": [((narrow, 4, 4), (max(8, 1024 // D), 4))],
+            "hybrid": [((narrow, 4, 4), 256)]}
+
+
+def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
+    """value, fp32 locations and weights, upstream gradient. Realistic: each query's reference point (the
+    encoder's own pixel centre, the decoder's a random point) plus offsets of a few pixels on every level."""
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    value = torch.randn(N, S, M, D, device=dev, generator=gen).to(dtype)
     if locations == "uniform":
-        loc = torch.rand(N, Lq, M, L, P, 2, device=device, generator=gen)
-    else:  # reference point plus a few pixels of offset on each level, as a trained model samples
-        ref = encoder_reference_points(N, device) if Lq == S else torch.rand(N, Lq, 2, device=device, generator=gen)
-        wh = torch.tensor([[w, h] for h, w in LEVELS], device=device, dtype=torch.float32)  # (L, 2)
-        pixels = torch.randn(N, Lq, M, L, P, 2, device=device, generator=gen) * 2.0
+        loc = torch.rand(N, Lq, M, L, P, 2, device=dev, generator=gen)
+    else:
+        if Lq == S:
+            ref = torch.cat([torch.stack(torch.meshgrid((torch.arange(w, device=dev) + 0.5) / w,
+                                                        (torch.arange(h, device=dev) + 0.5) / h,
+                                                        indexing="xy"), -1).reshape(-1, 2) for h, w in LEVELS])
+            ref = ref.expand(N, -1, -1)
+        else:
+            ref = torch.rand(N, Lq, 2, device=dev, generator=gen)
+        wh = torch.tensor([[w, h] for h, w in LEVELS], device=dev, dtype=torch.float32)  # (L, 2)
+        pixels = torch.randn(N, Lq, M, L, P, 2, device=dev, generator=gen) * 2.0
         loc = ref[:, :, None, None, None, :] + pixels / wh[None, None, None, :, None, :]
-    weights = torch.rand(N, Lq, M, L * P, device=device, generator=gen).softmax(-1).view(N, Lq, M, L, P)
-    return value, shapes, loc.contiguous(), weights.to(torch.float32)
+    weights = torch.rand(N, Lq, M, L * P, device=dev, generator=gen).softmax(-1).view(N, Lq, M, L, P)
+    grad_out = torch.randn(N, Lq, M * D, device=dev, generator=gen).to(dtype)
+    return value, loc.contiguous(), weights, grad_out
 
 
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def run_variant(kind, config, value, loc, weights, grad_out):
+    """One call of a sweep candidate through the launchers."""
+    if kind == "forward":
+        return launch.forward(value, LEVELS, loc, weights, config=config)
+    if kind == "fused":
+        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config})
+    if kind == "split":
+        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="split",
+                               configs={"sample_grads": config, "scatter": config})
+    if kind == "hybrid":
+        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="hybrid",
+                               configs={"hybrid": config[0], "hybrid_split": config[1]})
+    keys, lanes = config
+    return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="gather", deterministic=kind == "sorted",
+                           configs={"keys": keys, "gather": lanes})
 
 
+def median_ms(fn, rep=50) -> float:
+    if DEVICE == "cpu":  # --smoke: one interpreted call, wall clock
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. precompile in worker processes
+# ----------------------------------------------------------------------------------------------------
+_WORKER_INPUTS: dict = {}
+
+
+def _warm(task) -> str:
+    D, N, Lq, dtype_name, kind, config = task
+    try:
+        key = (D, N, Lq, dtype_name)
+        if key not in _WORKER_INPUTS:
+            _WORKER_INPUTS[key] = make_inputs(N, Lq, heads(D), D, DTYPES[dtype_name], "uniform")
+        run_variant(kind, config, *_WORKER_INPUTS[key])
+        sync()
+        return ""
+    except Exception as error:  # reported, and the timing process compiles it itself
+        return f"{task}: {type(error).__name__}: {error}"
+
+
+def precompile(dims, jobs: int):
+    tasks = []
+    for D in dims:
+        for _, N, Lq in SWEEP_WORKLOADS:
+            for dtype_name in DTYPES:
+                for kind, configs in candidates(D).items():
+                    # Query kernels compile the same for every workload; the gather's tiles follow its density.
+                    if kind in ("gather", "hybrid") or (N, Lq) == SWEEP_WORKLOADS[0][1:]:
+                        tasks += [(D, N, Lq, dtype_name, kind, config) for config in configs]
+                    if kind == "gather":  # the deterministic path: same keys kernel, int64 perm
+                        tasks += [(D, N, Lq, dtype_name, "sorted", config) for config in configs]
+    # One-sample-per-step kernels compile longest: start them first.
+    tasks.sort(key=lambda t: t[4] in ("gather", "sorted") or t[5][1] != 1)
+    tasks = tasks[:4] if DEVICE == "cpu" else tasks  # --smoke: the pool itself is what is checked
+    start = time.perf_counter()
+    try:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
+    except Exception as error:  # without the pool every kernel still compiles on first use, only slower
+        errors = [f"the pool itself: {type(error).__name__}: {error}"]
+    print(f"precompiled {len(tasks)} variants in {time.perf_counter() - start:.0f} s with {jobs} processes"
+          + "".join(f"\n  failed {e}" for e in errors), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. sweep and picks
+# ----------------------------------------------------------------------------------------------------
+def sweep(dims, out: Path) -> list:
+    records = []
+    for D in dims:
+        for name, N, Lq in SWEEP_WORKLOADS:
+            for dtype_name, dtype in DTYPES.items():
+                for dist in DISTS:
+                    inputs = make_inputs(N, Lq, heads(D), D, dtype, dist)
+                    for kind, configs in candidates(D).items():
+                        for config in configs:
+                            ms = median_ms(lambda: run_variant(kind, config, *inputs), rep=30)
+                            records.append({"D": D, "workload": name, "large": N * Lq * (heads(D)) >= launch.LARGE,
+                                            "dtype": dtype_name, "locations": dist, "kind": kind,
+                                            "config": config, "ms": ms})
+                    best = {k: min(r["ms"] for r in records[-sum(len(c) for c in candidates(D).values()):]
+                                   if r["kind"] == k) for k in candidates(D)}
+                    print(f"sweep D{D} {name:<17} {dtype_name} {dist:<9} best ms: "
+                          + " ".join(f"{k} {v:.3f}" for k, v in best.items()), flush=True)
+        (out / "msda_sweep.partial.json").write_text(json.dumps(records))
+    return records
+
+
+def picks(records) -> dict:
+    """Launch-table entries: per (kind, D, dtype, size) the config with the least time summed over locations."""
+    totals: dict = {}
+    for r in records:
+        key = (r["kind"], r["D"], NBYTES[r["dtype"]], r["large"])
+        config = r["config"]
+        config = tuple(tuple(c) if isinstance(c, (list, tuple)) else c for c in config)
+        totals.setdefault(key, {}).setdefault(config, []).append(r["ms"])
+    table, best_scheme = {}, {}
+    for (kind, D, nbytes, large), by_config in totals.items():
+        config, times = min(by_config.items(), key=lambda item: sum(item[1]))
+        if kind == "forward":
+            table[("forward", D, nbytes, L, P, large)] = config
+            continue
+        if kind == "fused":
+            table[("fused", D, nbytes, L, P, large)] = config
+        elif kind == "split":
+            table[("sample_grads", D, nbytes, L, P, large)] = table[("scatter", D, nbytes, L, P, large)] = config
+        elif kind == "hybrid":
+            table[("hybrid", D, nbytes, L, P, large)], table[("hybrid_split", D, nbytes, large)] = config
+        else:
+            table[("keys", D, nbytes, L, P, large)], table[("gather", D, nbytes, large)] = config
+        best_scheme.setdefault((D, nbytes, large), []).append((sum(times), kind))
+    for (D, nbytes, large), options in best_scheme.items():
+        table[("scheme", D, nbytes, L, P, large)] = min(options)[1]
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. targets
+# ----------------------------------------------------------------------------------------------------
 def peak_extra_mib(fn) -> float:
-    """Peak memory above what was allocated before fn, in MiB (output and gradients included)."""
+    if DEVICE == "cpu":
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -75,45 +256,22 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
 
 
-def time_impl(impl, value, shapes, loc, weights, grad_out, block_q=None, num_warps=None):
-    """Median forward, backward and forward+backward ms and extra peak MiB of one implementation."""
-    start = msda.level_start_index_from_shapes(shapes)
-    if impl == "triton" and (block_q or num_warps):  # the launchers alone, for the block-size sweep
-        def fwd():
-            return launch.forward(value, LEVELS, loc, weights, block_q=block_q, num_warps=num_warps)
-
-        def bwd():
-            return launch.backward(grad_out, value, LEVELS, loc, weights, block_q=block_q, num_warps=num_warps)
-
-        return {"fwd": median_ms(fwd), "bwd": median_ms(bwd)}
-    leaves = [t.detach().requires_grad_() for t in (value, loc, weights)]
-
-    def fwd():
-        return msda.multi_scale_deformable_attention(leaves[0], shapes, start, leaves[1], leaves[2], impl=impl)
-
-    out = fwd()
-
-    def bwd():
-        return torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
-
-    def fwd_bwd():
-        return torch.autograd.grad(fwd(), leaves, grad_out)
-
-    result = {"fwd": median_ms(fwd), "bwd": median_ms(bwd), "fwd_bwd": median_ms(fwd_bwd)}
-    del out
-    result["peak_mib"] = peak_extra_mib(fwd_bwd)
-    return result
-
-
 def graph_ms(fn) -> float:
-    """Median ms of ``fn`` captured once as a CUDA graph and replayed: GPU time without host overhead.
+    """fn captured once as a CUDA graph and replayed: its GPU time without the host's share (NaN if the
+    capture fails, which is itself a finding: the op must stay capturable)."""
+    if DEVICE == "cpu":
+        return float("nan")
+    try:
+        return _graph_ms(fn)
+    except Exception as error:
+        print(f"CUDA-graph capture failed: {type(error).__name__}: {error}", flush=True)
+        return float("nan")
 
-    In a training step the host runs ahead of the GPU, so a small op costs its GPU time, not the Python
-    and launch time that an eager loop around it alone measures.
-    """
+
+def _graph_ms(fn) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture: compiles, caches the level layout
+    with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -123,177 +281,136 @@ def graph_ms(fn) -> float:
     return median_ms(graph.replay)
 
 
-def run_graphs() -> list[dict]:
-    rows = []
-    for name, N, Lq in WORKLOADS:
-        if Lq == S:
-            continue
-        for dtype_name, dtype in DTYPES.items():
-            value, shapes, loc, weights = make_inputs(N, Lq, dtype, "uniform")
-            grad_out = torch.randn(N, Lq, M * D, device="cuda", dtype=dtype)
-            start = msda.level_start_index_from_shapes(shapes)
-            leaves = [t.detach().requires_grad_() for t in (value, loc, weights)]
-            row = {"workload": name, "dtype": dtype_name}
-            for impl in ("triton", "pytorch"):
-                def fwd(impl=impl):
-                    return msda.multi_scale_deformable_attention(leaves[0], shapes, start, leaves[1], leaves[2],
-                                                                 impl=impl)
-
-                def fwd_bwd(fwd=fwd):
-                    return torch.autograd.grad(fwd(), leaves, grad_out)
-
-                row[impl] = {"fwd": graph_ms(fwd), "fwd_bwd": graph_ms(fwd_bwd)}
-            rows.append(row)
-            print(f"graphs {name} {dtype_name}: triton fwd {row['triton']['fwd']:.3f} fwd+bwd "
-                  f"{row['triton']['fwd_bwd']:.3f} | ref {row['pytorch']['fwd']:.3f} / {row['pytorch']['fwd_bwd']:.3f} ms "
-                  f"| x{row['pytorch']['fwd'] / row['triton']['fwd']:.1f} / "
-                  f"x{row['pytorch']['fwd_bwd'] / row['triton']['fwd_bwd']:.1f}", flush=True)
-    return rows
+def eager_ms(fn, calls=100) -> tuple[float, float]:
+    """(host ms per call, wall ms per call) of a plain Python loop: the loop alone, then with the final sync."""
+    calls = calls if DEVICE == "cuda" else 1
+    for _ in range(5 if DEVICE == "cuda" else 0):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    sync()
+    return host / calls * 1e3, (time.perf_counter() - start) / calls * 1e3
 
 
-def write_graphs_markdown(rows, path: Path, header: dict):
-    lines = [f"# msda decoder workloads as CUDA graphs on {header['gpu']}", "",
-             f"Date {header['date']}; torch {header['torch']}, triton {header['triton']}, Python {header['python']}.",
-             f"Command: `{header['command']}`", "",
-             "Each call captured once as a CUDA graph and replayed (median ms, triton.testing.do_bench): the GPU "
-             "time of the op without the host's Python and launch overhead, which is what it costs inside a "
-             "training step where the host runs ahead. Uniform locations; both implementations in one run.", "",
-             "| workload | dtype | triton fwd | triton fwd+bwd | ref fwd | ref fwd+bwd | fwd x | fwd+bwd x |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t, p = r["triton"], r["pytorch"]
-        lines.append(f"| {r['workload']} | {r['dtype']} | {t['fwd']:.4f} | {t['fwd_bwd']:.4f} | {p['fwd']:.4f} | "
-                     f"{p['fwd_bwd']:.4f} | {p['fwd'] / t['fwd']:.1f} | {p['fwd_bwd'] / t['fwd_bwd']:.1f} |")
-    path.write_text("\n".join(lines) + "\n")
+def time_public(impl, inputs, shapes, decoder: bool) -> dict:
+    """Forward, backward (autograd over a retained graph) and forward+backward through the public op."""
+    value, loc, weights, grad_out = inputs
+    leaves = [t.detach().requires_grad_() for t in (value, loc, weights)]
+
+    def fwd():
+        return msda.multi_scale_deformable_attention(leaves[0], shapes, None, leaves[1], leaves[2], impl=impl)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), leaves, grad_out)
+
+    out = fwd()
+    result = {"fwd": median_ms(fwd), "bwd": median_ms(lambda: torch.autograd.grad(out, leaves, grad_out,
+                                                                                   retain_graph=True)),
+              "fwd_bwd": median_ms(fwd_bwd), "peak_mib": peak_extra_mib(fwd_bwd)}
+    if decoder:
+        result["graph_fwd_bwd"] = graph_ms(fwd_bwd)
+        result["eager_fwd_host"], result["eager_fwd"] = eager_ms(fwd)
+        result["eager_fwd_bwd_host"], result["eager_fwd_bwd"] = eager_ms(fwd_bwd)
+        if impl == "triton":  # the launchers alone: what is left of the host time without validation and autograd
+            result["eager_launch_host"], result["eager_launch"] = eager_ms(lambda: launch.backward(
+                grad_out, value, LEVELS, loc, weights) and launch.forward(value, LEVELS, loc, weights))
+    return result
 
 
-def gradient_mib(value, loc, weights) -> dict:
-    grads = sum(t.numel() * t.element_size() for t in (value, loc, weights))
-    fp32_buffer = value.numel() * 4 if value.dtype != torch.float32 else 0
-    output = value.shape[0] * loc.shape[1] * M * D * value.element_size()
-    return {"grads_mib": grads / 2 ** 20, "fp32_buffer_mib": fp32_buffer / 2 ** 20, "output_mib": output / 2 ** 20}
-
-
-def check_close(value, shapes, loc, weights, grad_out) -> float:
-    """Largest relative error of the Triton output and gradients against the reference at this dtype."""
+def max_rel_err(inputs, shapes) -> float:
+    value, loc, weights, grad_out = inputs
     results = []
     for impl in ("triton", "pytorch"):
-        leaves = [t.detach().float().requires_grad_() if impl == "pytorch" else t.detach().requires_grad_()
-                  for t in (value, loc, weights)]
+        cast = (lambda t: t.float()) if impl == "pytorch" else (lambda t: t)
+        leaves = [cast(t.detach()).requires_grad_() for t in (value, loc, weights)]
         out = msda.multi_scale_deformable_attention(leaves[0], shapes, None, leaves[1], leaves[2], impl=impl)
         results.append([out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype))])
     return max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(*results))
 
 
-def run(args):
-    rows, sweeps = [], []
-    for name, N, Lq in WORKLOADS:
+def deterministic_stats(inputs) -> dict:
+    value, loc, weights, grad_out = inputs
+
+    def det():
+        return launch.backward(grad_out, value, LEVELS, loc, weights, deterministic=True)
+
+    def default():
+        return launch.backward(grad_out, value, LEVELS, loc, weights)
+
+    runs = [det() for _ in range(5)]
+    bitwise = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    atomic_runs = [default() for _ in range(5)]
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(runs[0], atomic_runs[0]))
+    atomic_runs = [r[0] for r in atomic_runs]
+    return {"det_bwd": median_ms(det), "default_bwd": median_ms(default), "det_bitwise_5": bitwise,
+            "det_vs_default_err": err,
+            "default_bitwise_5": all(torch.equal(atomic_runs[0], r) for r in atomic_runs[1:]),
+            "det_peak_mib": peak_extra_mib(det), "default_peak_mib": peak_extra_mib(default),
+            "det_graph_bwd": graph_ms(det) if value.shape[0] * loc.shape[1] < 4 * S else None}
+
+
+def targets(out: Path) -> list:
+    rows = []
+    shapes = torch.tensor(LEVELS, device=DEVICE)
+    for name, N, Lq in TARGET_WORKLOADS:
         for dtype_name, dtype in DTYPES.items():
-            for locations in ("uniform", "realistic"):
-                value, shapes, loc, weights = make_inputs(N, Lq, dtype, locations)
-                grad_out = torch.randn(N, Lq, M * D, device="cuda", dtype=dtype)
-                row = {"workload": name, "N": N, "Lq": Lq, "dtype": dtype_name, "locations": locations}
-                row["max_rel_err"] = check_close(value, shapes, loc, weights, grad_out)
-                row["triton"] = time_impl("triton", value, shapes, loc, weights, grad_out)
-                row["pytorch"] = time_impl("pytorch", value, shapes, loc, weights, grad_out)
-                row.update(gradient_mib(value, loc, weights))
-                gathered = N * Lq * M * len(LEVELS) * P * 4 * D * value.element_size()
-                row["gather_gbps"] = gathered / (row["triton"]["fwd"] * 1e-3) / 1e9
-                if args.sweep and locations == "uniform" and name in ("encoder N2", "decoder N4 Lq300"):
-                    for block_q, warps in SWEEP:
-                        t = time_impl("triton", value, shapes, loc, weights, grad_out, block_q, warps)
-                        sweeps.append({"workload": name, "dtype": dtype_name, "block_q": block_q,
-                                       "num_warps": warps, **t})
-                        print(f"sweep {name} {dtype_name} BLOCK_Q={block_q} warps={warps}: "
-                              f"fwd {t['fwd']:.3f} bwd {t['bwd']:.3f} ms", flush=True)
+            for dist in DISTS:
+                inputs = make_inputs(N, Lq, heads(32), 32, dtype, dist)
+                decoder = Lq < S
+                row = {"workload": name, "N": N, "Lq": Lq, "dtype": dtype_name, "locations": dist,
+                       "scheme": launch.launch_config(("scheme", 32, NBYTES[dtype_name], L, P,
+                                                       N * Lq * heads(32) >= launch.LARGE)),
+                       "max_rel_err": max_rel_err(inputs, shapes)}
+                row["triton"] = time_public("triton", inputs, shapes, decoder and dist == "uniform")
+                row["pytorch"] = time_public("pytorch", inputs, shapes, decoder and dist == "uniform")
+                row.update(deterministic_stats(inputs))
                 rows.append(row)
                 print(summary_line(row), flush=True)
-                # Keep what is measured so far: a run cut short by its time limit still reports.
-                (args.out / "msda_h200.partial.json").write_text(json.dumps({"rows": rows, "sweeps": sweeps}))
-                del value, loc, weights, grad_out
-                torch.cuda.empty_cache()
-    return rows, sweeps
-
-
-def summary_line(r) -> str:
-    t, p = r["triton"], r["pytorch"]
-    return (f"{r['workload']:<17} {r['dtype']} {r['locations']:<9} triton fwd {t['fwd']:.3f} bwd {t['bwd']:.3f} "
-            f"fwd+bwd {t['fwd_bwd']:.3f} ms | ref {p['fwd']:.3f} / {p['fwd_bwd']:.3f} ms | x{p['fwd'] / t['fwd']:.1f} "
-            f"/ x{p['fwd_bwd'] / t['fwd_bwd']:.1f} | peak {t['peak_mib']:.0f} vs {p['peak_mib']:.0f} MiB "
-            f"| {r['gather_gbps']:.0f} GB/s | err {r['max_rel_err']:.1e}")
-
-
-def write_markdown(rows, sweeps, path: Path, header: dict):
-    lines = [f"# msda kernel benchmark on {header['gpu']}", "",
-             f"Date {header['date']}; torch {header['torch']}, triton {header['triton']}, Python {header['python']}.",
-             f"Command: `{header['command']}`", "",
-             "Median ms by triton.testing.do_bench; ratio = reference time / Triton time in the same run; "
-             "gather GB/s = N*Lq*M*L*P*4*D*bytes / Triton forward time; peak = extra peak memory of "
-             "forward+backward above the inputs (output and gradients included); max rel err = largest "
-             "relative L2 error of output and gradients against the fp32 reference.", "",
-             "| workload | dtype | locations | triton fwd | bwd | fwd+bwd | ref fwd | ref fwd+bwd | fwd x | fwd+bwd x "
-             "| gather GB/s | triton peak MiB | ref peak MiB | budget MiB | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t, p = r["triton"], r["pytorch"]
-        budget = 1.1 * (r["grads_mib"] + r["fp32_buffer_mib"]) + r["output_mib"]
-        lines.append(
-            f"| {r['workload']} | {r['dtype']} | {r['locations']} | {t['fwd']:.3f} | {t['bwd']:.3f} | {t['fwd_bwd']:.3f} "
-            f"| {p['fwd']:.3f} | {p['fwd_bwd']:.3f} | {p['fwd'] / t['fwd']:.1f} | {p['fwd_bwd'] / t['fwd_bwd']:.1f} "
-            f"| {r['gather_gbps']:.0f} | {t['peak_mib']:.0f} | {p['peak_mib']:.0f} | {budget:.0f} | {r['max_rel_err']:.1e} |")
-    lines += ["", "Budget = output + 1.1 x (the three gradients + the fp32 grad_value buffer for bf16 value)."]
-    if sweeps:
-        lines += ["", "## Block-size sweep (uniform locations)", "",
-                  "| workload | dtype | BLOCK_Q | num_warps | fwd ms | bwd ms |", "|---|---|---|---|---|---|"]
-        lines += [f"| {s['workload']} | {s['dtype']} | {s['block_q']} | {s['num_warps']} | {s['fwd']:.3f} | "
-                  f"{s['bwd']:.3f} |" for s in sweeps]
-    path.write_text("\n".join(lines) + "\n")
-
-
-def plot(rows, path: Path, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    uniform = [r for r in rows if r["locations"] == "uniform"]
-    labels = [f"{r['workload']}\n{r['dtype']}" for r in uniform]
-    fwd = [r["pytorch"]["fwd"] / r["triton"]["fwd"] for r in uniform]
-    both = [r["pytorch"]["fwd_bwd"] / r["triton"]["fwd_bwd"] for r in uniform]
-    x = range(len(uniform))
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    ax.bar([i - 0.2 for i in x], fwd, width=0.4, label="forward")
-    ax.bar([i + 0.2 for i in x], both, width=0.4, label="forward+backward")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("speed-up over grid_sample reference (x)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                (out / "msda_h200.partial.json").write_text(json.dumps(rows))
+                del inputs
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--sweep", action="store_true", help="also time every (BLOCK_Q, num_warps)")
-    parser.add_argument("--graphs", action="store_true", help="only the decoder workloads, as CUDA graphs")
+    parser.add_argument("--no-sweep", action="store_true", help="targets only, with the table in msda/launch.py")
+    parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128], help="head dims to sweep")
+    parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)))
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/msda.py needs a CUDA GPU")
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench/msda.py needs a CUDA GPU (or --smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
-    header = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+    header = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (smoke)", "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
               "command": "python " + " ".join(sys.argv)}
-    if args.graphs:
-        rows = run_graphs()
-        (args.out / "msda_h200_graphs.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-        write_graphs_markdown(rows, args.out / "msda_h200_graphs.md", header)
-        return
-    rows, sweeps = run(args)
-    (args.out / "msda_h200.json").write_text(json.dumps({"header": header, "rows": rows, "sweeps": sweeps}, indent=1))
-    write_markdown(rows, sweeps, args.out / "msda_h200.md", header)
-    (args.out / "msda_h200.partial.json").unlink()
-    plot(rows, args.out / "msda_h200.png", f"msda on {header['gpu']}, {header['date']} (uniform locations)")
+    start = time.perf_counter()
+    records, table = [], {}
+    if not args.no_sweep:
+        precompile(args.dims, args.jobs)
+        records = sweep(args.dims, args.out)
+        table = picks(records)
+        (args.out / "msda_launch_table.py").write_text(table_source(table, header))
+        (args.out / "msda_sweep.json").write_text(json.dumps(
+            {"header": header, "records": records, "table": [[list(k), v] for k, v in table.items()]}, indent=1))
+        launch.update_table(table)
+        print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
+    rows = targets(args.out)
+    header["seconds"] = time.perf_counter() - start
+    (args.out / "msda_h200.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    write_markdown(rows, records, table, header, args.out)
+    for partial in args.out.glob("*.partial.json"):
+        partial.unlink()
+    print(f"\ndone in {header['seconds']:.0f} s\n")
+    for name, value, ok in target_checks(rows):
+        print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
 
 
 if __name__ == "__main__":

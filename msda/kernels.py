@@ -1,212 +1,397 @@
-"""Triton forward and backward kernels for multi-scale deformable attention. Kernels only: no launch logic.
+"""Triton kernels for multi-scale deformable attention. Kernels and their jit helpers only: no launch logic.
 
-Both kernels use the same decomposition: a 2D grid (cdiv(Lq, BLOCK_Q), N*M); one program owns BLOCK_Q
-consecutive queries of one (batch n, head m) pair and all their L*P samples, unrolled at compile time.
-Nothing is shared between programs except the atomic grad_value scatter in the backward.
+Query kernels (forward, backward) run on a 2D grid (cdiv(Lq, BLOCK_Q), N*M): one program owns BLOCK_Q
+consecutive queries of one (batch n, head m) pair and walks their L*P samples BLOCK_P at a time, so a step
+works on (BLOCK_Q, BLOCK_P, BLOCK_D) tiles. BLOCK_P = 1 unrolls one sample per step; BLOCK_P = L*P loads
+every location and weight of a query in one contiguous row and gathers all corners at once.
+
+grad_value has two mechanisms, which the backward kernel can mix by level (gather_level). Scatter: every
+corner's contribution is added with fp32 atomics. Gather: the sample is filed under the cell of its top-left
+corner (a key, and a count per cell); the samples are grouped by cell (an atomic bucket fill, or a stable
+sort for a deterministic result); then msda_grad_value_gather_kernel gives every value row the sum over the
+four cells that can reach it, in a fixed order, and writes it once.
 
 Layouts (all contiguous, element offsets in int64 because N*S*M*D passes 2^31 at encoder scale):
     value               (N, S, M, D)            row (n, s, m) is D contiguous channels
     sampling_locations  (N, Lq, M, L, P, 2)     (x, y) normalized; x*W - 0.5 is the pixel coordinate
     attention_weights   (N, Lq, M, L, P)
     output              (N, Lq, M, D)           viewed by the caller as (N, Lq, M*D)
+    level layout        four int64 scalars, two levels each: bits 32k..32k+13 W, 32k+16..32k+29 H, bit 62 set
+                        so that Triton always types them int64; passed by value, never as a device table.
+    cells               per (n, m), level l owns (H_l+1)*(W_l+1) cells: the top-left corners -1..H-1, -1..W-1
 """
 
 import triton
 import triton.language as tl
 
+# Sizes and the level layout change with every image: specializing on them (==1, divisible by 16) would
+# recompile the kernels for new image sizes.
+_DYNAMIC = ["Lq", "levels01", "levels23", "levels45", "levels67"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# shared helpers: level layout, program prologue, sample loads, bilinear corners
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _level_shape(levels01, levels23, levels45, levels67, l: tl.constexpr):
+    """(H, W) of level l, unpacked from the scalar arguments (see the module docstring)."""
+    if l // 2 == 0:
+        pair = levels01
+    elif l // 2 == 1:
+        pair = levels23
+    elif l // 2 == 2:
+        pair = levels45
+    else:
+        pair = levels67
+    field = pair >> (32 * (l % 2))
+    H = ((field >> 16) & 0x3FFF).to(tl.int32)
+    W = (field & 0x3FFF).to(tl.int32)
+    return H, W
+
 
 @triton.jit
-def _bilinear_corners(loc_x, loc_y, H, W, COMPUTE_DTYPE: tl.constexpr):
-    """Corner rows and weights of grid_sample(align_corners=False, padding_mode="zeros") at 2*loc-1.
+def _layout_totals(levels01, levels23, levels45, levels67, L: tl.constexpr):
+    """(S, C): value rows and corner cells of one (n, m) pair, both int64."""
+    S = tl.zeros((), dtype=tl.int64)
+    C = tl.zeros((), dtype=tl.int64)
+    for l in tl.static_range(L):
+        H, W = _level_shape(levels01, levels23, levels45, levels67, l)
+        S += H.to(tl.int64) * W
+        C += (H + 1).to(tl.int64) * (W + 1)
+    return S, C
 
-    loc_x, loc_y: (BLOCK_Q,) normalized coordinates. Returns the pixel-space fractions (lx, ly), the
-    in-map masks of the four corners and their flat in-level row offsets y*W + x (int64, 0 where the
-    corner is outside, so no address is ever formed outside the level).
+
+@triton.jit
+def _levels_of(level, levels01, levels23, levels45, levels67, L: tl.constexpr):
+    """Per element of ``level`` (any shape, int32): H, W, first value row and first cell of that level.
+
+    Levels are compile-time unrolled; a level index >= L (padding lanes) gets H = W = 0, so every corner of
+    it is outside the map.
     """
-    # align_corners=False: pixel centres sit at (i + 0.5) / W in normalized space.
-    x = loc_x.to(COMPUTE_DTYPE) * W - 0.5  # (BLOCK_Q,)
-    y = loc_y.to(COMPUTE_DTYPE) * H - 0.5
-    x0 = tl.floor(x)
-    y0 = tl.floor(y)
-    lx = x - x0
-    ly = y - y0
-    # Validity from the float corners: converting a far-outside coordinate to int could overflow.
-    # NaN compares false everywhere, so a NaN location samples zeros.
-    x0_in = (x0 >= 0) & (x0 <= W - 1)
-    x1_in = (x0 >= -1) & (x0 <= W - 2)
-    y0_in = (y0 >= 0) & (y0 <= H - 1)
-    y1_in = (y0 >= -1) & (y0 <= H - 2)
-    x0_i = tl.where(x0_in, x0, 0.0).to(tl.int64)
-    x1_i = tl.where(x1_in, x0 + 1, 0.0).to(tl.int64)
-    y0_i = tl.where(y0_in, y0, 0.0).to(tl.int64)
-    y1_i = tl.where(y1_in, y0 + 1, 0.0).to(tl.int64)
-    W64 = W.to(tl.int64)
-    row00 = y0_i * W64 + x0_i
-    row01 = y0_i * W64 + x1_i
-    row10 = y1_i * W64 + x0_i
-    row11 = y1_i * W64 + x1_i
-    in00 = y0_in & x0_in
-    in01 = y0_in & x1_in
-    in10 = y1_in & x0_in
-    in11 = y1_in & x1_in
-    return lx, ly, row00, row01, row10, row11, in00, in01, in10, in11
+    H = tl.zeros_like(level)
+    W = tl.zeros_like(level)
+    row0 = tl.zeros_like(level).to(tl.int64)
+    cell0 = tl.zeros_like(level).to(tl.int64)
+    rows = tl.zeros((), dtype=tl.int64)
+    cells = tl.zeros((), dtype=tl.int64)
+    for l in tl.static_range(L):
+        H_l, W_l = _level_shape(levels01, levels23, levels45, levels67, l)
+        here = level == l
+        H = tl.where(here, H_l, H)
+        W = tl.where(here, W_l, W)
+        row0 = tl.where(here, rows, row0)
+        cell0 = tl.where(here, cells, cell0)
+        rows += H_l.to(tl.int64) * W_l
+        cells += (H_l + 1).to(tl.int64) * (W_l + 1)
+    return H, W, row0, cell0
 
 
 @triton.jit
-def msda_forward_kernel(
-    value_ptr,        # (N, S, M, D)
-    levels_ptr,       # (L, 3) int64: H_l, W_l, first flat row of level l
-    loc_ptr,          # (N, Lq, M, L, P, 2)
-    weight_ptr,       # (N, Lq, M, L, P)
-    out_ptr,          # (N, Lq, M, D)
-    S,
-    Lq,
-    M: tl.constexpr,
-    D: tl.constexpr,
-    L: tl.constexpr,
-    P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,
-):
-    pid_q = tl.program_id(0)
+def _query_block(Lq, M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Program prologue of the query kernels: (n, m), which queries, and their row (n, q, m) in loc/weight/out."""
     pid_nm = tl.program_id(1)
     n = pid_nm // M
     m = pid_nm % M
-
-    q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BLOCK_Q,)
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BLOCK_Q,)
     q_in = q < Lq
+    query_row = (n.to(tl.int64) * Lq + q) * M + m  # (BLOCK_Q,)
+    return pid_nm, n, m, q_in, query_row
+
+
+@triton.jit
+def _load_samples(loc_ptr, weight_ptr, query_row, q_in, step: tl.constexpr,
+                  levels01, levels23, levels45, levels67,
+                  L: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Samples step*BLOCK_P .. +BLOCK_P of every query: flat index, mask, level, level geometry, x, y, weight.
+
+    A query's L*P locations are one contiguous run, so with BLOCK_P = L*P each query reads whole lines.
+    """
+    lp = step * BLOCK_P + tl.arange(0, BLOCK_P)  # (BLOCK_P,) sample index l*P + p
+    H, W, row0, cell0 = _levels_of(lp // P, levels01, levels23, levels45, levels67, L)
+    sample = query_row[:, None] * (L * P) + lp[None, :]  # (BLOCK_Q, BLOCK_P)
+    s_in = q_in[:, None] & (lp < L * P)[None, :]  # (BLOCK_Q, BLOCK_P)
+    loc_x = tl.load(loc_ptr + 2 * sample, mask=s_in, other=0.0)
+    loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=s_in, other=0.0)
+    attn = tl.load(weight_ptr + sample, mask=s_in, other=0.0)
+    return sample, s_in, lp // P, H[None, :], W[None, :], row0[None, :], cell0[None, :], loc_x, loc_y, attn
+
+
+@triton.jit
+def _pixel(loc, size, COMPUTE_DTYPE: tl.constexpr):
+    """grid_sample(align_corners=False) at 2*loc-1: pixel centres sit at (i + 0.5) / size."""
+    return loc.to(COMPUTE_DTYPE) * size - 0.5
+
+
+@triton.jit
+def _corner(x0, y0, lx, ly, H, W, DY: tl.constexpr, DX: tl.constexpr):
+    """Corner (y0 + DY, x0 + DX): its in-level row (int64, 0 when outside), inside mask and weights wy, wx.
+
+    Validity comes from the float corner: converting a far-outside coordinate to int could overflow, and a
+    NaN compares false everywhere, so a NaN location samples zeros. No address is formed outside the level.
+    """
+    cx = x0 + DX
+    cy = y0 + DY
+    inside = (cx >= 0) & (cx <= W - 1) & (cy >= 0) & (cy <= H - 1)
+    row = tl.where(inside, cy, 0.0).to(tl.int64) * W.to(tl.int64) + tl.where(inside, cx, 0.0).to(tl.int64)
+    wx = lx if DX == 1 else 1 - lx
+    wy = ly if DY == 1 else 1 - ly
+    return row, inside, wy, wx
+
+
+@triton.jit
+def _channel_offsets(rows, m, M: tl.constexpr, D: tl.constexpr, d):
+    """(BLOCK_Q, BLOCK_P) flat value rows -> (BLOCK_Q, BLOCK_P, BLOCK_D) element offsets of head m."""
+    return ((rows * M + m) * D)[:, :, None] + d[None, None, :]
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=_DYNAMIC)
+def msda_forward_kernel(
+    value_ptr,        # (N, S, M, D)
+    loc_ptr,          # (N, Lq, M, L, P, 2)
+    weight_ptr,       # (N, Lq, M, L, P)
+    out_ptr,          # (N, Lq, M, D)
+    Lq, levels01, levels23, levels45, levels67,
+    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+):
+    pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    d_in = d < D
-    query_row = (n.to(tl.int64) * Lq + q) * M + m  # (BLOCK_Q,) row of (n, q, m) in loc/weight/out
-    value_row0 = n.to(tl.int64) * S  # first value row of batch n
+    d_in = (d < D)[None, None, :]
+    S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
+    batch_row0 = n.to(tl.int64) * S  # first value row of batch n
 
-    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_D)
-    for l in tl.static_range(L):
-        H = tl.load(levels_ptr + 3 * l).to(tl.int32)
-        W = tl.load(levels_ptr + 3 * l + 1).to(tl.int32)
-        level_row0 = value_row0 + tl.load(levels_ptr + 3 * l + 2)
-        for p in tl.static_range(P):
-            # ---- load: one location and weight per query, through separate x / y / w pointers
-            sample = query_row * (L * P) + (l * P + p)  # (BLOCK_Q,)
-            loc_x = tl.load(loc_ptr + 2 * sample, mask=q_in, other=0.0)
-            loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=q_in, other=0.0)
-            attn = tl.load(weight_ptr + sample, mask=q_in, other=0.0).to(COMPUTE_DTYPE)
-            lx, ly, r00, r01, r10, r11, in00, in01, in10, in11 = _bilinear_corners(
-                loc_x, loc_y, H, W, COMPUTE_DTYPE)
-            hx = 1 - lx
-            hy = 1 - ly
-            # ---- gather: each corner is a (BLOCK_Q, BLOCK_D) tile of scattered D-channel rows
-            base = value_ptr + ((level_row0 + r00) * M + m) * D
-            v00 = tl.load(base[:, None] + d[None, :], mask=(in00 & q_in)[:, None] & d_in[None, :], other=0.0)
-            base = value_ptr + ((level_row0 + r01) * M + m) * D
-            v01 = tl.load(base[:, None] + d[None, :], mask=(in01 & q_in)[:, None] & d_in[None, :], other=0.0)
-            base = value_ptr + ((level_row0 + r10) * M + m) * D
-            v10 = tl.load(base[:, None] + d[None, :], mask=(in10 & q_in)[:, None] & d_in[None, :], other=0.0)
-            base = value_ptr + ((level_row0 + r11) * M + m) * D
-            v11 = tl.load(base[:, None] + d[None, :], mask=(in11 & q_in)[:, None] & d_in[None, :], other=0.0)
-            # ---- compute: bilinear weights fused with the attention weight
-            acc += (attn * hy * hx)[:, None] * v00.to(COMPUTE_DTYPE)
-            acc += (attn * hy * lx)[:, None] * v01.to(COMPUTE_DTYPE)
-            acc += (attn * ly * hx)[:, None] * v10.to(COMPUTE_DTYPE)
-            acc += (attn * ly * lx)[:, None] * v11.to(COMPUTE_DTYPE)
+    acc = tl.zeros((BLOCK_Q, BLOCK_P, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P, BLOCK_D)
+    for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
+        # ---- load: locations and weights of BLOCK_P samples per query
+        sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
+            loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)
+        x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)
+        y = _pixel(loc_y, H, COMPUTE_DTYPE)
+        x0 = tl.floor(x)
+        y0 = tl.floor(y)
+        attn = attn.to(COMPUTE_DTYPE)
+        for corner in tl.static_range(4):
+            row, inside, wy, wx = _corner(x0, y0, x - x0, y - y0, H, W, corner // 2, corner % 2)
+            # ---- gather: a (BLOCK_Q, BLOCK_P, BLOCK_D) tile of scattered D-channel rows
+            offs = _channel_offsets(batch_row0 + row0 + row, m, M, D, d)
+            v = tl.load(value_ptr + offs, mask=(inside & s_in)[:, :, None] & d_in, other=0.0)
+            # ---- compute: bilinear weight fused with the attention weight
+            acc += (attn * wy * wx)[:, :, None] * v.to(COMPUTE_DTYPE)
 
-    # ---- store: one coalesced tile, cast to the output dtype
+    # ---- store: one coalesced (BLOCK_Q, BLOCK_D) tile, cast to the output dtype
+    out = tl.sum(acc, axis=1)  # (BLOCK_Q, BLOCK_D)
     out_ptrs = out_ptr + query_row[:, None] * D + d[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_in[:, None] & d_in[None, :])
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_in[:, None] & (d < D)[None, :])
 
 
+# ----------------------------------------------------------------------------------------------------
+# backward over queries: location / weight gradients, and the scatter or the cell keys of grad_value
+# ----------------------------------------------------------------------------------------------------
 # Gradient of one sample, with corners v_yx (v00 = (y0, x0), v01 = (y0, x1), v10 = (y1, x0), v11 = (y1, x1)),
 # fractions lx = x - x0, ly = y - y0, hx = 1 - lx, hy = 1 - ly, attention weight a and upstream gradient g:
 #
 #   val          = hy*hx*v00 + hy*lx*v01 + ly*hx*v10 + ly*lx*v11          (per channel)
 #   out         += a * val
 #   dL/da        = sum_d g * val
-#   dL/dv_yx    += a * w_yx * g                 (w_yx the corner's bilinear weight; atomic scatter)
-#   dval/dlx     = hy*(v01 - v00) + ly*(v11 - v10)
-#   dval/dly     = hx*(v10 - v00) + lx*(v11 - v01)
+#   dL/dv_yx    += a * w_yx * g                 (w_yx = wy*wx, the corner's bilinear weight)
+#   dval/dlx     = hy*(v01 - v00) + ly*(v11 - v10)   = sum_corners (+-1 by corner x) * wy * v
+#   dval/dly     = hx*(v10 - v00) + lx*(v11 - v01)   = sum_corners (+-1 by corner y) * wx * v
 #   dL/dloc_x    = a * W * sum_d g * dval/dlx   (x = loc_x*W - 0.5, so dx/dloc_x = W)
 #   dL/dloc_y    = a * H * sum_d g * dval/dly
 #
+# Per corner only t = sum_d g * v is needed for the first three, so each corner costs one channel reduction.
 # Corners outside the map hold zeros in val and take no gradient, exactly as grid_sample's zero padding.
-@triton.jit
+@triton.jit(do_not_specialize=_DYNAMIC + ["gather_level"])
 def msda_backward_kernel(
     grad_out_ptr,     # (N, Lq, M, D)
     value_ptr,        # (N, S, M, D)
-    levels_ptr,       # (L, 3) int64: H_l, W_l, first flat row of level l
     loc_ptr,          # (N, Lq, M, L, P, 2)
     weight_ptr,       # (N, Lq, M, L, P)
-    grad_value_ptr,   # (N, S, M, D) accumulation buffer (float32, or float64 for float64 value), zeroed
-    grad_loc_ptr,     # (N, Lq, M, L, P, 2) in sampling_locations' dtype
-    grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype
-    S,
-    Lq,
-    M: tl.constexpr,
-    D: tl.constexpr,
-    L: tl.constexpr,
-    P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,
+    grad_value_ptr,   # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
+    grad_loc_ptr,     # (N, Lq, M, L, P, 2) in sampling_locations' dtype; SAMPLE_GRADS only
+    grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype; SAMPLE_GRADS only
+    keys_ptr,         # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
+    counts_ptr,       # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
+    Lq, gather_level, levels01, levels23, levels45, levels67,
+    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    SAMPLE_GRADS: tl.constexpr, SCATTER: tl.constexpr, KEYS: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
+    pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    d_in = (d < D)[None, None, :]
+    S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
+    batch_row0 = n.to(tl.int64) * S
+
+    # ---- load: the upstream gradient of these queries, reused by every sample
+    g = tl.load(grad_out_ptr + query_row[:, None] * D + d[None, :], mask=q_in[:, None] & (d < D)[None, :],
+                other=0.0)
+    g = g.to(COMPUTE_DTYPE)[:, None, :]  # (BLOCK_Q, 1, BLOCK_D)
+
+    for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
+        sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
+            loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)
+        # Levels from gather_level on are left to the gather (KEYS), the finer ones to the scatter.
+        scattered = s_in & (level < gather_level)[None, :]  # (BLOCK_Q, BLOCK_P)
+        x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)
+        y = _pixel(loc_y, H, COMPUTE_DTYPE)
+        x0 = tl.floor(x)
+        y0 = tl.floor(y)
+        attn = attn.to(COMPUTE_DTYPE)
+        grad_attn = tl.zeros_like(x)  # (BLOCK_Q, BLOCK_P)
+        grad_lx = tl.zeros_like(x)
+        grad_ly = tl.zeros_like(x)
+        for corner in tl.static_range(4):
+            row, inside, wy, wx = _corner(x0, y0, x - x0, y - y0, H, W, corner // 2, corner % 2)
+            offs = _channel_offsets(batch_row0 + row0 + row, m, M, D, d)  # (BLOCK_Q, BLOCK_P, BLOCK_D)
+            c_in = (inside & s_in)[:, :, None] & d_in
+            if SAMPLE_GRADS:
+                # ---- gather one corner, reduce over channels inside the program
+                v = tl.load(value_ptr + offs, mask=c_in, other=0.0).to(COMPUTE_DTYPE)
+                t = tl.sum(g * v, axis=2)  # (BLOCK_Q, BLOCK_P)
+                grad_attn += wy * wx * t
+                grad_lx += (wy if corner % 2 == 1 else -wy) * t
+                grad_ly += (wx if corner // 2 == 1 else -wx) * t
+            if SCATTER:
+                # ---- scatter: relaxed fp32 atomics, only the sums must be right
+                tl.atomic_add(grad_value_ptr + offs, (attn * wy * wx)[:, :, None] * g,
+                              mask=(inside & scattered)[:, :, None] & d_in, sem="relaxed")
+        if SAMPLE_GRADS:
+            # ---- store: one weight and one (x, y) gradient per sample
+            tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=s_in)
+            grad_x = attn * W * grad_lx
+            grad_y = attn * H * grad_ly
+            tl.store(grad_loc_ptr + 2 * sample, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=s_in)
+            tl.store(grad_loc_ptr + 2 * sample + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=s_in)
+        if KEYS:
+            # ---- file the sample under its top-left corner's cell; none if no corner is in the map or if
+            #      its level is scattered
+            touches = s_in & ~scattered & (x0 >= -1) & (x0 <= W - 1) & (y0 >= -1) & (y0 <= H - 1)
+            cell_x = tl.where(touches, x0 + 1, 0.0).to(tl.int64)
+            cell_y = tl.where(touches, y0 + 1, 0.0).to(tl.int64)
+            cell = pid_nm * C + cell0 + cell_y * (W + 1) + cell_x  # (BLOCK_Q, BLOCK_P)
+            key = tl.where(touches, cell, tl.num_programs(1) * C)
+            tl.store(keys_ptr + sample, key.to(keys_ptr.dtype.element_ty), mask=s_in)
+            tl.atomic_add(counts_ptr + key, 1, mask=touches, sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------------
+# gather scheme of grad_value: bucket fill, then one fixed-order sum per value row
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_samples", "num_cells"])
+def msda_fill_cells_kernel(
+    keys_ptr,    # (num_samples,) int cell per sample, num_cells if none
+    counts_ptr,  # (num_cells + 1,) inclusive prefix sums of the counts: the end of every cell
+    perm_ptr,    # (num_samples,) out: sample ids grouped by cell
+    num_samples, num_cells,
+    BLOCK: tl.constexpr,
+):
+    """Counting-sort fill: each sample takes a slot just below its cell's end. Afterwards counts[k] is the
+    first slot of cell k. The order inside a cell depends on the atomics' timing: not deterministic."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    key = tl.load(keys_ptr + i, mask=i < num_samples, other=num_cells)
+    filed = key < num_cells
+    slot = tl.atomic_add(counts_ptr + key, -1, mask=filed, sem="relaxed") - 1
+    tl.store(perm_ptr + slot, i.to(perm_ptr.dtype.element_ty), mask=filed)
+
+
+@triton.jit
+def _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, DY: tl.constexpr, DX: tl.constexpr, FILLED: tl.constexpr):
+    """(first entry, number of entries) of the cell whose corner (DY, DX) is pixel (y, x): top-left (y-DY, x-DX)."""
+    cell = cell_base + (y + 1 - DY).to(tl.int64) * (W + 1) + (x + 1 - DX)  # (BLOCK_S,)
+    if FILLED:  # after the bucket fill, counts holds the start of every cell
+        begin = tl.load(counts_ptr + cell, mask=s_in, other=0)
+        end = tl.load(counts_ptr + cell + 1, mask=s_in, other=0)
+    else:  # inclusive prefix sums: the end of every cell
+        begin = tl.load(counts_ptr + cell - 1, mask=s_in & (cell > 0), other=0)
+        end = tl.load(counts_ptr + cell, mask=s_in, other=0)
+    return begin, end - begin
+
+
+@triton.jit(do_not_specialize=_DYNAMIC + ["s_begin", "s_end"])
+def msda_grad_value_gather_kernel(
+    grad_out_ptr,    # (N, Lq, M, D)
+    loc_ptr,         # (N, Lq, M, L, P, 2)
+    weight_ptr,      # (N, Lq, M, L, P)
+    counts_ptr,      # (N*M*C + 1,) cell bounds: ends of cells (FILLED=False) or starts (FILLED=True)
+    perm_ptr,        # sample ids grouped by cell, ascending inside a cell when sorted
+    grad_value_ptr,  # (N, S, M, D) out, in value's dtype: every row in [s_begin, s_end) written once
+    Lq, s_begin, s_end, levels01, levels23, levels45, levels67,
+    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    FILLED: tl.constexpr,
+):
+    """Row (n, s, m) of grad_value = sum over the samples in the four cells whose 2x2 corners include pixel
+    (y, x) of s: cell (y - dy, x - dx) reaches it as corner (dy, dx), with weight a * wy * wx. A program owns
+    BLOCK_S rows of one (n, m) and walks their concatenated entries BLOCK_E at a time; each row's sum runs in
+    a fixed order (cell by cell, entry by entry), so a sorted perm gives bitwise-reproducible results.
+    """
+    # Coarse levels sit at the end of S and have the longest cells: start them first.
+    pid_s = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_nm = tl.program_id(1)
     n = pid_nm // M
     m = pid_nm % M
-
-    q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # (BLOCK_Q,)
-    q_in = q < Lq
+    s = s_begin + pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) value rows of this program
+    s_in = s < s_end
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    d_in = d < D
-    tile_in = q_in[:, None] & d_in[None, :]  # (BLOCK_Q, BLOCK_D)
-    query_row = (n.to(tl.int64) * Lq + q) * M + m  # (BLOCK_Q,)
-    value_row0 = n.to(tl.int64) * S
+    d_in = (d < D)[None, None, :]
+    S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
 
-    # ---- load: the upstream gradient of these queries, reused by every sample
-    g = tl.load(grad_out_ptr + query_row[:, None] * D + d[None, :], mask=tile_in, other=0.0)
-    g = g.to(COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_D)
+    # ---- where each row sits: level, pixel (y, x), and the bounds of its four source cells
+    level = tl.zeros_like(s)
+    rows = tl.zeros((), dtype=tl.int64)
+    for l in tl.static_range(1, L):
+        H_l, W_l = _level_shape(levels01, levels23, levels45, levels67, l - 1)
+        rows += H_l.to(tl.int64) * W_l
+        level = tl.where(s >= rows, l, level)
+    H, W, row0, cell0 = _levels_of(level, levels01, levels23, levels45, levels67, L)  # (BLOCK_S,)
+    pixel = s - row0
+    y = pixel // W
+    x = pixel - y * W
+    cell_base = pid_nm * C + cell0
+    begin0, count0 = _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, 0, 0, FILLED)
+    begin1, count1 = _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, 0, 1, FILLED)
+    begin2, count2 = _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, 1, 0, FILLED)
+    begin3, count3 = _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, 1, 1, FILLED)
+    n01 = count0 + count1
+    n012 = n01 + count2
+    total = n012 + count3  # (BLOCK_S,)
 
-    for l in tl.static_range(L):
-        H = tl.load(levels_ptr + 3 * l).to(tl.int32)
-        W = tl.load(levels_ptr + 3 * l + 1).to(tl.int32)
-        level_row0 = value_row0 + tl.load(levels_ptr + 3 * l + 2)
-        for p in tl.static_range(P):
-            sample = query_row * (L * P) + (l * P + p)  # (BLOCK_Q,)
-            loc_x = tl.load(loc_ptr + 2 * sample, mask=q_in, other=0.0)
-            loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=q_in, other=0.0)
-            attn = tl.load(weight_ptr + sample, mask=q_in, other=0.0).to(COMPUTE_DTYPE)
-            lx, ly, r00, r01, r10, r11, in00, in01, in10, in11 = _bilinear_corners(
-                loc_x, loc_y, H, W, COMPUTE_DTYPE)
-            hx = 1 - lx
-            hy = 1 - ly
-            m00 = (in00 & q_in)[:, None] & d_in[None, :]
-            m01 = (in01 & q_in)[:, None] & d_in[None, :]
-            m10 = (in10 & q_in)[:, None] & d_in[None, :]
-            m11 = (in11 & q_in)[:, None] & d_in[None, :]
-            off00 = (((level_row0 + r00) * M + m) * D)[:, None] + d[None, :]  # (BLOCK_Q, BLOCK_D)
-            off01 = (((level_row0 + r01) * M + m) * D)[:, None] + d[None, :]
-            off10 = (((level_row0 + r10) * M + m) * D)[:, None] + d[None, :]
-            off11 = (((level_row0 + r11) * M + m) * D)[:, None] + d[None, :]
-            # ---- gather the four corners
-            v00 = tl.load(value_ptr + off00, mask=m00, other=0.0).to(COMPUTE_DTYPE)
-            v01 = tl.load(value_ptr + off01, mask=m01, other=0.0).to(COMPUTE_DTYPE)
-            v10 = tl.load(value_ptr + off10, mask=m10, other=0.0).to(COMPUTE_DTYPE)
-            v11 = tl.load(value_ptr + off11, mask=m11, other=0.0).to(COMPUTE_DTYPE)
-            # ---- compute: channel reductions stay inside the program
-            val = (hy * hx)[:, None] * v00 + (hy * lx)[:, None] * v01 \
-                + (ly * hx)[:, None] * v10 + (ly * lx)[:, None] * v11
-            grad_attn = tl.sum(g * val, axis=1)  # (BLOCK_Q,)
-            dval_dlx = hy[:, None] * (v01 - v00) + ly[:, None] * (v11 - v10)
-            dval_dly = hx[:, None] * (v10 - v00) + lx[:, None] * (v11 - v01)
-            grad_x = attn * W * tl.sum(g * dval_dlx, axis=1)  # (BLOCK_Q,)
-            grad_y = attn * H * tl.sum(g * dval_dly, axis=1)
-            # ---- store: location and weight gradients, one element per query each
-            tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=q_in)
-            tl.store(grad_loc_ptr + 2 * sample, grad_x.to(grad_loc_ptr.dtype.element_ty), mask=q_in)
-            tl.store(grad_loc_ptr + 2 * sample + 1, grad_y.to(grad_loc_ptr.dtype.element_ty), mask=q_in)
-            # ---- scatter: grad_value of the four corners; relaxed atomics, only the sums must be right
-            ga = g * attn[:, None]
-            tl.atomic_add(grad_value_ptr + off00, ga * (hy * hx)[:, None], mask=m00, sem="relaxed")
-            tl.atomic_add(grad_value_ptr + off01, ga * (hy * lx)[:, None], mask=m01, sem="relaxed")
-            tl.atomic_add(grad_value_ptr + off10, ga * (ly * hx)[:, None], mask=m10, sem="relaxed")
-            tl.atomic_add(grad_value_ptr + off11, ga * (ly * lx)[:, None], mask=m11, sem="relaxed")
+    # ---- walk the entries: lane e of step j takes entry j + e of its row, in cell order
+    e = tl.arange(0, BLOCK_E)  # (BLOCK_E,)
+    acc = tl.zeros((BLOCK_S, BLOCK_E, BLOCK_D), dtype=COMPUTE_DTYPE)
+    for j in range(0, tl.max(total, axis=0), BLOCK_E):
+        k = j + e[None, :]  # (BLOCK_S, BLOCK_E)
+        ok = k < total[:, None]
+        in0 = k < count0[:, None]
+        in1 = k < n01[:, None]
+        in2 = k < n012[:, None]
+        slot = tl.where(in0, begin0[:, None] + k,
+                        tl.where(in1, begin1[:, None] + k - count0[:, None],
+                                 tl.where(in2, begin2[:, None] + k - n01[:, None], begin3[:, None] + k - n012[:, None])))
+        dx = tl.where(in0 | (~in1 & in2), 0, 1)  # corners in cell order: (0,0) (0,1) (1,0) (1,1)
+        dy = tl.where(in1, 0, 1)
+        # ---- load: the sample, its location and weight, and its query's upstream gradient
+        sample = tl.load(perm_ptr + slot, mask=ok, other=0).to(tl.int64)
+        loc_x = tl.load(loc_ptr + 2 * sample, mask=ok, other=0.0)
+        loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0)
+        attn = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(COMPUTE_DTYPE)
+        query_row = sample // (L * P)
+        gq = tl.load(grad_out_ptr + (query_row * D)[:, :, None] + d[None, None, :], mask=ok[:, :, None] & d_in,
+                     other=0.0)
+        # ---- compute: the sample's top-left corner is (y - dy, x - dx); its weight on this row is wy * wx
+        lx = _pixel(loc_x, W[:, None], COMPUTE_DTYPE) - (x[:, None] - dx)
+        ly = _pixel(loc_y, H[:, None], COMPUTE_DTYPE) - (y[:, None] - dy)
+        wx = tl.where(dx == 1, lx, 1 - lx)
+        wy = tl.where(dy == 1, ly, 1 - ly)
+        coef = tl.where(ok, attn * wy * wx, 0.0)  # (BLOCK_S, BLOCK_E)
+        acc += coef[:, :, None] * gq.to(COMPUTE_DTYPE)
+
+    # ---- store: each row once, in the output dtype
+    out = tl.sum(acc, axis=1)  # (BLOCK_S, BLOCK_D)
+    out_rows = (n.to(tl.int64) * S + s) * M + m  # (BLOCK_S,)
+    tl.store(grad_value_ptr + (out_rows * D)[:, None] + d[None, :], out.to(grad_value_ptr.dtype.element_ty),
+             mask=s_in[:, None] & (d < D)[None, :])

@@ -71,11 +71,13 @@ SHAPES = [
     pytest.param(dict(D=48), id="original-D48"),
     pytest.param(dict(D=64), id="original-D64"),
     pytest.param(dict(D=71), id="original-D71"),
+    pytest.param(dict(D=128, M=1, Lq=3), id="original-D128"),
     pytest.param(dict(levels=[(1, 1)], D=4, P=3), id="single-1x1-level"),
     pytest.param(dict(levels=[(7, 5)], D=8), id="L1"),
     pytest.param(dict(levels=[(5, 7), (3, 4), (2, 2), (1, 3), (1, 1)], D=8, P=2), id="L5"),
     pytest.param(dict(P=1, D=8), id="P1"),
     pytest.param(dict(P=8, D=8, M=1), id="P8"),
+    pytest.param(dict(levels=[(4, 5), (2, 3), (1, 1)], P=3, D=8), id="L3-P3-not-power-of-2"),
     pytest.param(dict(Lq=67, N=2, D=16, M=3), id="ragged-query-block"),
     pytest.param(dict(Lq=9, loc_low=-0.6, loc_high=1.6, D=8), id="outside-unit-square"),
     pytest.param(dict(Lq=9, loc_low=-50.0, loc_high=50.0, D=8), id="far-outside"),
@@ -170,8 +172,9 @@ def test_reduced_precision(gen, device, dtype, loc_fp32):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck(gen, device):
-    value, shapes, loc, weights = make_inputs(gen, N=1, M=2, D=3, Lq=3, P=2, loc_low=-0.1, loc_high=1.1,
-                                              device=device)
+    # Tiny on purpose: every input element costs two interpreted launches.
+    value, shapes, loc, weights = make_inputs(gen, N=1, M=1, D=2, Lq=2, P=2, levels=[(3, 2), (2, 2)],
+                                              loc_low=-0.1, loc_high=1.1, device=device)
     inputs = [t.requires_grad_() for t in (value, loc, weights)]
 
     def fn(v, l, w):
