@@ -127,7 +127,7 @@ def run_scaling(args, work: Path) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------
 def run_ap(args, work: Path) -> list[dict]:
     runs = []
-    for gpus, seed in ((1, 0), (1, 1), (max(args.gpus), 0)):
+    for gpus, seed in [(g, s) for g in args.ap_gpus for s in ((0, 1) if g == 1 else (0,))]:
         out = work / f"ap_{gpus}gpu_seed{seed}"
         overrides = [f"output_dir={out}", f"seed={seed}", f"epochs={args.epochs}", f"optim.lr_drop={args.epochs - 2}",
                      f"eval_every={args.epochs}", f"checkpoint_every={args.epochs}", f"device={args.device}", "log_every=50",
@@ -184,6 +184,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=12, help="ap: epochs of the synthetic schedule")
+    parser.add_argument("--ap-gpus", type=int, nargs="+", default=[1, 2],
+                        help="ap: 1 runs seeds 0 and 1 on one GPU, N > 1 runs seed 0 on N GPUs")
     parser.add_argument("--device", default="cuda", help="ap: where train.py runs (cpu: a check of this script)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_ddp"))
     parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
@@ -198,12 +200,17 @@ def main():
     args.work.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     name = "ddp_" + gpu.split()[-1].lower()
-    results = {"header": {"gpu": f"{torch.cuda.device_count()} x {gpu}", "date": datetime.date.today().isoformat(),
-                          "torch": torch.__version__, "triton": __import__("triton").__version__,
-                          "python": platform.python_version(), "command": "python " + " ".join(sys.argv)}}
+    saved = args.out / f"{name}.json"
+    results = json.loads(saved.read_text()) if saved.exists() else {}  # parts of earlier runs are merged
+    results["header"] = {"gpu": f"{torch.cuda.device_count()} x {gpu}", "date": datetime.date.today().isoformat(),
+                         "torch": torch.__version__, "triton": __import__("triton").__version__,
+                         "python": platform.python_version(), "command": "python " + " ".join(sys.argv)}
     for part, fn in (("scaling", run_scaling), ("ap", run_ap)):
         if part in args.parts:
-            results[part] = fn(args, args.work)
+            new = fn(args, args.work)
+            keys = {(r["gpus"], r.get("seed"), r.get("compile")) for r in new}
+            results[part] = [r for r in results.get(part, [])
+                             if (r["gpus"], r.get("seed"), r.get("compile")) not in keys] + new
             (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
             write_report(results, args.out, name)
 

@@ -244,6 +244,10 @@ def main():
     plot(args.out)
 
 
+def _row_key(row: dict) -> tuple:
+    return row["impl"], row["amp"], row["compile"], row["batch"], row["shapes"]
+
+
 def run_parts(args) -> None:
     """Each part saves its own json as soon as it ends, so a later failure keeps what was measured."""
     device = torch.device(args.device)
@@ -259,9 +263,13 @@ def run_parts(args) -> None:
         write_report(args.out)
 
     if "steptime" in args.parts:
-        rows = run_steptime(args, device)
-        save("steptime", [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row}
-                          for row in rows])
+        rows = [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row}
+                for row in run_steptime(args, device)]
+        # Rows of an earlier run (other modes) stay unless this run measured the same configuration.
+        saved = args.out / "e2e_h200_steptime.json"
+        keys = {_row_key(r) for r in rows}
+        earlier = [r for r in json.loads(saved.read_text()) if _row_key(r) not in keys] if saved.exists() else []
+        save("steptime", earlier + rows)
     if "trainpy" in args.parts:
         save("trainpy", {"header": header, **run_trainpy(args, args.work)})
     if "parity" in args.parts:
