@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv > "$OUT/gpu
 run_step() {  # name gpu
   local name=$1 gpu=$2
   case $name in
-    tests) CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -p no:cacheprovider tests -x --durations=15 ;;
+    tests) CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" tests --durations=15 ;;
     # The measured launch table goes into this copy's msda/launch.py, so that later steps run with it.
     msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" ${MSDA_ARGS:-} \
             && python3 bench/apply_launch_table.py "$OUT/msda_launch_table.py" ;;
