@@ -104,7 +104,7 @@ def scaling_worker(args) -> None:
         shutdown_distributed(ctx)
 
 
-def run_scaling(args, work: Path) -> list[dict]:
+def run_scaling(args, work: Path, save) -> list[dict]:
     rows = []
     for compiled in [m == "compiled" for m in args.compile_modes]:
         for gpus in args.gpus:
@@ -117,6 +117,7 @@ def run_scaling(args, work: Path) -> list[dict]:
             one = next((r for r in rows if r["gpus"] == 1 and r["compile"] == compiled), None)
             row["efficiency"] = row["images_per_s"] / (gpus * one["images_per_s"]) if one else None
             rows.append(row)
+            save(rows)
             print(f"scaling {gpus} GPU(s) {'compiled' if compiled else 'eager'}: {row['step_ms']:.1f} ms/step, "
                   f"{row['images_per_s']:.1f} images/s, efficiency {row['efficiency']}", flush=True)
     return rows
@@ -125,7 +126,7 @@ def run_scaling(args, work: Path) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------
 # a short synthetic run, 1 GPU (two seeds) and N GPUs
 # ----------------------------------------------------------------------------------------------------
-def run_ap(args, work: Path) -> list[dict]:
+def run_ap(args, work: Path, save) -> list[dict]:
     runs = []
     for gpus, seed in [(g, s) for g in args.ap_gpus for s in ((0, 1) if g == 1 else (0,))]:
         out = work / f"ap_{gpus}gpu_seed{seed}"
@@ -139,6 +140,7 @@ def run_ap(args, work: Path) -> list[dict]:
         evaluation = json.loads((out / f"eval_epoch{args.epochs:04d}.json").read_text())
         runs.append({"gpus": gpus, "seed": seed, "AP": evaluation["AP"], "AP50": evaluation["AP50"],
                      "wall_s": time.perf_counter() - t0, "command": " ".join(cmd[1:])})
+        save(runs)
         print(f"ap {gpus} GPU(s) seed {seed}: AP {evaluation['AP']:.4f} AP50 {evaluation['AP50']:.4f} in "
               f"{runs[-1]['wall_s']:.0f} s", flush=True)
     return runs
@@ -207,12 +209,15 @@ def main():
                          "python": platform.python_version(), "command": "python " + " ".join(sys.argv)}
     for part, fn in (("scaling", run_scaling), ("ap", run_ap)):
         if part in args.parts:
-            new = fn(args, args.work)
-            keys = {(r["gpus"], r.get("seed"), r.get("compile")) for r in new}
-            results[part] = [r for r in results.get(part, [])
-                             if (r["gpus"], r.get("seed"), r.get("compile")) not in keys] + new
-            (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
-            write_report(results, args.out, name)
+            earlier = results.get(part, [])
+
+            def save(new, part=part, earlier=earlier):
+                keys = {(r["gpus"], r.get("seed"), r.get("compile")) for r in new}
+                results[part] = [r for r in earlier if (r["gpus"], r.get("seed"), r.get("compile")) not in keys] + new
+                (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
+                write_report(results, args.out, name)
+
+            fn(args, args.work, save)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def compose_config(overrides: list[str]):
 # ----------------------------------------------------------------------------------------------------
 # step time
 # ----------------------------------------------------------------------------------------------------
-def run_steptime(args, device) -> list[dict]:
+def run_steptime(args, device, save_rows) -> list[dict]:
+    """Every configuration's rows; save_rows(rows so far) after each, so a stopped run keeps what it measured."""
     from bench.e2e_steptime import measure
 
     rows = []
@@ -65,7 +66,8 @@ def run_steptime(args, device) -> list[dict]:
                     cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
                     new = measure(cfg=cfg, impl=impl, amp=amp, compile=compiled, batch=batch, height=args.height,
                                   width=args.width, warmup=args.warmup, steps=args.steps,
-                                  multishape_steps=args.multishape_steps, device=device)
+                                  multishape_steps=args.multishape_steps, device=device,
+                                  profile_shapes=args.profile_shapes)
                     for row in new:
                         print(f"steptime batch {batch} {amp:<4} {impl:<7} {'compiled' if compiled else 'eager':<8} "
                               f"{row['shapes']:<18} {row['step_ms']:.1f} ms, GPU kernels "
@@ -73,6 +75,7 @@ def run_steptime(args, device) -> list[dict]:
                               f"syncs, {row['peak_gib']:.2f} GiB, first step {row.get('first_step_s', 0):.1f} s, "
                               f"recompiles {row.get('recompiles', '-')}", flush=True)
                     rows.extend(new)
+                    save_rows(rows)
                     torch.cuda.empty_cache()
     return rows
 
@@ -219,6 +222,8 @@ def main():
     parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--multishape-steps", type=int, default=60,
                         help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones (0: none)")
+    parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",
+                        help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
     parser.add_argument("--trainpy-steps", type=int, default=80)
     parser.add_argument("--trainpy-compile", action="store_true")
     parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
@@ -263,13 +268,16 @@ def run_parts(args) -> None:
         write_report(args.out)
 
     if "steptime" in args.parts:
-        rows = [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row}
-                for row in run_steptime(args, device)]
-        # Rows of an earlier run (other modes) stay unless this run measured the same configuration.
+        # Rows of an earlier run (other modes) stay unless this run measures the same configuration.
         saved = args.out / "e2e_h200_steptime.json"
-        keys = {_row_key(r) for r in rows}
-        earlier = [r for r in json.loads(saved.read_text()) if _row_key(r) not in keys] if saved.exists() else []
-        save("steptime", earlier + rows)
+        earlier = json.loads(saved.read_text()) if saved.exists() else []
+
+        def save_rows(rows):
+            rows = [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row} for row in rows]
+            keys = {_row_key(r) for r in rows}
+            save("steptime", [r for r in earlier if _row_key(r) not in keys] + rows)
+
+        run_steptime(args, device, save_rows)
     if "trainpy" in args.parts:
         save("trainpy", {"header": header, **run_trainpy(args, args.work)})
     if "parity" in args.parts:

@@ -107,7 +107,8 @@ def _unique_graphs() -> int:
 
 
 def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int, width: int, warmup: int,
-            steps: int, multishape_steps: int, device: torch.device, seed: int = 0) -> list[dict]:
+            steps: int, multishape_steps: int, device: torch.device, seed: int = 0,
+            profile_shapes: int = 0) -> list[dict]:
     """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row for this configuration."""
     torch._dynamo.reset()
     torch.manual_seed(seed)
@@ -166,6 +167,22 @@ def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int,
                      "images_per_s": batch / statistics.median(settled) * 1e3, "distinct_shapes": len(shapes),
                      "recompiles": _unique_graphs() - graphs_fixed, "max_step_s": max(times) / 1e3,
                      "peak_gib": peak_gib()})
+        if profile_shapes:
+            rows[-1]["host_profile"] = host_profile(
+                lambda: step(*random_batch([coco_recipe_size(rng) for _ in range(batch)], num_classes, device, gen)),
+                sync, steps=profile_shapes)
+            print(rows[-1]["host_profile"], flush=True)
     for r in rows:
         r["graphs_compiled"] = _unique_graphs() - graphs_before
     return rows
+
+
+def host_profile(run_step, sync, *, steps: int) -> str:
+    """The host operations that take the most time over ``steps`` steps (each on a new image size)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            run_step()
+        sync()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
