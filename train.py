@@ -74,7 +74,8 @@ def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -
 
 def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
     return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=False,
-                             seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size)
+                             seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
+                             pad_to_multiple=cfg.dataset.pad_to_multiple)
 
 
 def train(cfg: DictConfig) -> dict:
@@ -121,7 +122,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     precision = Precision(amp=cfg.amp, device=device)
 
     train_loader = build_data_loader(data["train"], batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                                     train=True, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size)
+                                     train=True, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                     pad_to_multiple=cfg.dataset.pad_to_multiple)
     if len(train_loader) == 0:
         raise ValueError(f"the training set has {len(data['train'])} images, fewer than one batch of "
                          f"{cfg.batch_size} x {ctx.world_size} processes")

@@ -39,6 +39,11 @@ def steptime_lines(rows: list[dict], header: dict) -> list[str]:
                  pct(r.get("attention_share")), _ms(r.get("first_step_s")), r.get("recompiles", "-"),
                  f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for r in rows:
+        if r.get("host_profile"):
+            lines += ["", f"Host profile of {r['impl']}, {'compiled' if r['compile'] else 'eager'}, steps on new COCO "
+                      "recipe sizes (torch.profiler, CPU, top operations by their own time):", "", "```",
+                      r["host_profile"].rstrip(), "```"]
     return lines
 
 

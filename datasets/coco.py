@@ -14,6 +14,7 @@ Layout (COCO 2017)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 from pathlib import Path
@@ -195,15 +196,16 @@ def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
     return image_dir, annotation_file
 
 
-def collate_fn(batch: list) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
-    """[(image (3, h_i, w_i), target)] -> images (B, 3, Hmax, Wmax), masks (B, Hmax, Wmax), targets.
+def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """[(image (3, h_i, w_i), target)] -> images (B, 3, H, W), masks (B, H, W), targets.
 
-    Images are zero padded at the bottom and right (boxes stay relative to the unpadded image, as the
-    model's mask tells it where the image ends); masks are True on padding.
+    H, W are the largest image's, rounded up to a multiple of ``pad_to_multiple``. Images are zero padded at
+    the bottom and right (boxes stay relative to the unpadded image, as the model's mask tells it where the
+    image ends); masks are True on padding.
     """
     images, targets = zip(*batch)
-    height = max(image.shape[-2] for image in images)
-    width = max(image.shape[-1] for image in images)
+    height = -(-max(image.shape[-2] for image in images) // pad_to_multiple) * pad_to_multiple
+    width = -(-max(image.shape[-1] for image in images) // pad_to_multiple) * pad_to_multiple
     padded = images[0].new_zeros((len(images), images[0].shape[0], height, width))  # (B, 3, Hmax, Wmax)
     masks = torch.ones((len(images), height, width), dtype=torch.bool)  # (B, Hmax, Wmax)
     for i, image in enumerate(images):
@@ -246,6 +248,7 @@ def build_data_loader(
     rank: int = 0,
     world_size: int = 1,
     drop_last: bool | None = None,
+    pad_to_multiple: int = 1,
 ) -> DataLoader:
     """DataLoader yielding ``collate_fn`` batches: (images, masks, targets).
 
@@ -265,7 +268,7 @@ def build_data_loader(
         batch_size=batch_size,
         sampler=sampler,
         drop_last=train if drop_last is None else drop_last,
-        collate_fn=collate_fn,
+        collate_fn=functools.partial(collate_fn, pad_to_multiple=pad_to_multiple),
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,

@@ -54,9 +54,12 @@ class DatasetConfig:
     crop_scales: list[int] = field(default_factory=lambda: list(COCO_CROP_SCALES))
     crop_min_size: int = COCO_CROP_MIN_SIZE
     crop_max_size: int = COCO_CROP_MAX_SIZE
+    # Batches are padded to a multiple of this (1: to the largest image, as the original). Fewer distinct
+    # batch sizes mean fewer one-off costs per new size on the GPU (cuDNN plans for the backbone).
+    pad_to_multiple: int = 1
 
     def __post_init__(self) -> None:
-        problems = _positive(self, ("max_size", "val_size", "crop_min_size", "crop_max_size"))
+        problems = _positive(self, ("max_size", "val_size", "crop_min_size", "crop_max_size", "pad_to_multiple"))
         kind = next(f.default for f in fields(self) if f.name == "name")  # the set this schema is for
         if kind is not MISSING and self.name != kind:
             problems.append(f"dataset.name is {self.name} in the {kind} dataset config: choose the set with "

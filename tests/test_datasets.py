@@ -391,6 +391,16 @@ def test_collate_pads_with_zeros_and_masks_the_padding():
     assert [t["id"] for t in targets] == [0, 1]
 
 
+def test_collate_pads_to_a_multiple_when_asked():
+    a, b = torch.rand(3, 33, 5) + 1, torch.rand(3, 6, 65) + 1
+    images, masks, _ = collate_fn([(a, {}), (b, {})], pad_to_multiple=32)
+    assert images.shape == (2, 3, 64, 96) and masks.shape == (2, 64, 96)
+    assert torch.equal(images[0, :, :33, :5], a) and not masks[0, :33, :5].any() and masks[0, 33:].all()
+    assert masks[1, :, 65:].all() and masks[1, 6:].all() and (images[masks[:, None].expand_as(images)] == 0).all()
+    same, _, _ = collate_fn([(a, {}), (b, {})])
+    assert same.shape == (2, 3, 33, 65)  # the default pads to the largest image only, as the original
+
+
 def test_epoch_sampler_order_depends_only_on_seed_and_epoch():
     sampler = EpochSampler(size=20, shuffle=True, seed=3)
     first = list(sampler)

@@ -60,6 +60,9 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     (["dataset.image_size=8"], r"dataset\.image_size must be at least 16 pixels"),
     (["dataset.crop_min_size=700"], r"dataset\.crop_min_size \(700\) must not exceed dataset\.crop_max_size"),
     (["dataset.name=coco"], r"dataset\.name is coco in the synthetic dataset config: choose the set with dataset=coco"),
+    (["dataset.pad_to_multiple=0"], r"dataset\.pad_to_multiple must be"),
+    (["compile_backend=123", "dist_timeout_s=0"], r"dist_timeout_s must be > 0 seconds, got 0\.0"),
+    (["eval_images=-1"], r"eval_images must be an integer >= 0, got -1"),
 ])
 def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
     with pytest.raises(ValueError, match=message):
