@@ -127,7 +127,8 @@ def _corner(x0, y0, lx, ly, H, W, DY: tl.constexpr, DX: tl.constexpr):
     """Corner (y0 + DY, x0 + DX): its in-level row (int64, 0 when outside), inside mask and weights wy, wx.
 
     Validity comes from the float corner: converting a far-outside coordinate to int could overflow, and a
-    NaN compares false everywhere, so a NaN location samples zeros. No address is formed outside the level.
+    NaN compares false everywhere, so a NaN location reads no memory; its NaN bilinear weights still make the
+    output NaN, as grid_sample's does. No address is formed outside the level.
     """
     cx = x0 + DX
     cy = y0 + DY
