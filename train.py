@@ -27,12 +27,11 @@ from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, Ranks, argv_for_rank, average_over_processes, barrier,
                                 broadcast_object, env_rank, init_distributed, shutdown_distributed)
 from engine.detection_images import build_detection_images
-from engine.evaluation import evaluate_coco, write_eval_json
+from engine.evaluation import evaluate_coco, record_evaluation
 from engine.init_from import InitFrom, prepare_init_from
 from engine.loop import NonFiniteLossError, Position, Trainer
 from engine.num_classes import resolve_num_classes
 from engine.optim import build_lr_scheduler, build_optimizer
-from engine.per_class_report import report_per_class
 from engine.precision import Precision
 from engine.resume import config_for_resume, find_resume_checkpoint, restore_training_state
 from engine.rng import seed_all
@@ -189,19 +188,14 @@ def evaluate(cfg: DictConfig) -> dict:
                                    coco_gt=val_set.coco, device=ctx.device,
                                    precision=Precision(amp=cfg.amp, device=ctx.device),
                                    keep_detections=detection_images.image_ids, ranks=Ranks(ctx))
-        stats = evaluation.stats
         if ctx.is_main:
-            step = int(ckpt.get("step", 0) or 0)
             writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
-            writer.add("eval", stats, step)
-            write_eval_json(output_dir / "eval.json", stats=stats, checkpoint=str(Path(cfg.checkpoint).resolve()),
-                            step=step, num_images=evaluation.num_images, per_class=evaluation.per_class)
-            log.info("evaluation of %s (%d images): %s", cfg.checkpoint, evaluation.num_images,
-                     " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
-            report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
-            detection_images.write(writer, evaluation.detections, step)
+            record_evaluation(evaluation, writer=writer, json_path=output_dir / "eval.json",
+                              step=int(ckpt.get("step", 0) or 0), what=f"of {cfg.checkpoint}",
+                              detection_images=detection_images, log=log,
+                              checkpoint=str(Path(cfg.checkpoint).resolve()))
             writer.close()
-        return {"output_dir": output_dir, "eval": stats}
+        return {"output_dir": output_dir, "eval": evaluation.stats}
     finally:
         shutdown_distributed(ctx)
 

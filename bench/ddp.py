@@ -53,12 +53,11 @@ def run(cmd: list[str], log: Path) -> None:
 # scaling: the worker runs in every torchrun process
 # ----------------------------------------------------------------------------------------------------
 def scaling_worker(args) -> None:
-    from hydra import compose, initialize_config_dir
     from torch.nn.parallel import DistributedDataParallel
 
+    from bench.e2e import compose_config
     from bench.e2e_steptime import random_batch
     from engine.compile import compile_regions
-    from engine.config import register_configs
     from engine.distributed import average_over_processes, init_distributed, shutdown_distributed
     from engine.optim import build_optimizer
     from engine.precision import Precision
@@ -67,9 +66,7 @@ def scaling_worker(args) -> None:
 
     ctx = init_distributed(device="cuda", timeout_s=600)
     try:
-        register_configs()
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=["dataset=coco", "model.msda=triton", "model.pretrained=none"])
+        cfg = compose_config(["dataset=coco", "model.msda=triton", "model.pretrained=none"])
         torch.manual_seed(0)
         model, criterion, _ = build_model(cfg.model)
         model.to(ctx.device).train()

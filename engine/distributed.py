@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from models.host_copy import to_device_async
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -157,10 +159,8 @@ def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tens
     """
     if not ctx.distributed:
         return max(1.0, value)
-    host = torch.tensor([value], dtype=torch.float32)
-    if ctx.device.type == "cuda":
-        host = host.pin_memory()  # an asynchronous copy: nothing waits for the GPU
-    return all_reduce_mean(host.to(ctx.device, non_blocking=True), ctx).clamp(min=1.0)[0]
+    count = to_device_async(torch.tensor([value], dtype=torch.float32), ctx.device)  # nothing waits for the GPU
+    return all_reduce_mean(count, ctx).clamp(min=1.0)[0]
 
 
 def argv_for_rank(argv: list[str], rank: int) -> list[str]:

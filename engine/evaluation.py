@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from datasets import CocoEvaluator
 
 from .distributed import Ranks
+from .per_class_report import report_per_class
 from .precision import Precision
 from .rng import rng_preserved
 
@@ -82,3 +84,17 @@ def write_eval_json(path: str | Path, *, stats: dict[str, float], per_class: dic
         json.dump(record, f, indent=2)
     os.replace(tmp, path)
     return path
+
+
+def record_evaluation(evaluation: Evaluation, *, writer, json_path: str | Path, step: int, what: str,
+                      detection_images, log: logging.Logger, **info) -> None:
+    """Rank 0: an evaluation into TensorBoard (eval/*, eval_per_class/*, the pictures), ``json_path`` (with
+    ``info``) and the log ("evaluation <what> (N images): AP ..." and the per-class table)."""
+    writer.add("eval", evaluation.stats, step)
+    write_eval_json(json_path, stats=evaluation.stats, step=step, num_images=evaluation.num_images,
+                    per_class=evaluation.per_class, **info)
+    log.info("evaluation %s (%d images): %s", what, evaluation.num_images,
+             " ".join(f"{k} {v:.4f}" for k, v in evaluation.stats.items()))
+    report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
+    detection_images.write(writer, evaluation.detections, step)
+

@@ -22,9 +22,8 @@ from datasets import ImageReadError
 from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
 from .detection_images import DetectionImages
 from .distributed import DistContext, Ranks, all_reduce_mean, barrier
-from .evaluation import evaluate_coco, write_eval_json
+from .evaluation import evaluate_coco, record_evaluation
 from .optim import group_lrs
-from .per_class_report import report_per_class
 from .progress import Progress, format_duration
 from .resume import last_checkpoint_hint
 from .rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
@@ -216,15 +215,11 @@ class Trainer:
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=Ranks(self.ctx))
-        self.eval_stats = stats = evaluation.stats
+        self.eval_stats = evaluation.stats
         step = self.position.step
         if self.ctx.is_main:
-            self.writer.add("eval", stats, step)
-            write_eval_json(self.output_dir / f"eval_epoch{epoch:04d}.json", stats=stats, epoch=epoch, step=step,
-                            epoch_complete=epoch_complete, num_images=evaluation.num_images,
-                            per_class=evaluation.per_class)
-            log.info("evaluation after epoch %d (step %d, %d images): %s", epoch, step, evaluation.num_images,
-                     " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
-            report_per_class(evaluation.per_class, writer=self.writer, step=step, log=log)
-            self.detection_images.write(self.writer, evaluation.detections, step)
+            record_evaluation(evaluation, writer=self.writer, json_path=self.output_dir / f"eval_epoch{epoch:04d}.json",
+                              step=step, what=f"after epoch {epoch}, step {step}",
+                              detection_images=self.detection_images, log=log, epoch=epoch,
+                              epoch_complete=epoch_complete)
         self.step_log.restart_clock()

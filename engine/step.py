@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from models.host_copy import to_device_async
+
 from .precision import Precision
 
 
@@ -93,9 +95,7 @@ class TrainStep:
         """weight_dict as a vector over loss_names (0 for logged-only values), copied to the device once."""
         if self._weights is None:
             weights = torch.tensor([float(self.criterion.weight_dict.get(k, 0.0)) for k in self.loss_names])
-            if device.type == "cuda":
-                weights = weights.pin_memory()
-            self._weights = weights.to(device, non_blocking=True)
+            self._weights = to_device_async(weights, device)
         return self._weights
 
     @property

@@ -31,9 +31,6 @@ class Interval:
     def last(self) -> dict[str, float]:
         return self.rows[-1]
 
-    def mean(self, name: str) -> float:
-        return sum(r[name] for r in self.rows) / len(self.rows)
-
     def first_non_finite(self, names: tuple[str, ...]) -> tuple[int, dict[str, float]] | None:
         """(global step index, row) of the first step where one of ``names`` is NaN/inf, else None."""
         for i, row in enumerate(self.rows):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou, sigmoid_focal_loss
 
+from models.host_copy import to_device_async
 from models.matcher import HungarianMatcher
 from models.model_config import read_criterion_config, resolved_num_classes
 from models.postprocess import PostProcess
@@ -149,7 +150,7 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
     """The matcher's host indices of every group, and the targets per image, in one host->device copy.
 
     Indexing a CUDA tensor with CPU indices copies them one by one, each copy waiting for the GPU; packing
-    them into one page-locked buffer makes a single asynchronous copy.
+    them into one buffer makes a single asynchronous copy (models.host_copy).
     """
     starts = np.cumsum([0] + tgt_lengths)
     arrays, layouts = [], []
@@ -168,10 +169,7 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
         arrays.extend(np.concatenate(c).astype(np.int64) if c else np.empty(0, np.int64) for c in columns)
         layouts.append(per_layer)
     arrays.append(np.asarray(tgt_lengths, dtype=np.int64))
-    host = torch.from_numpy(np.concatenate(arrays))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True).split([len(a) for a in arrays])
+    flat = to_device_async(torch.from_numpy(np.concatenate(arrays)), device).split([len(a) for a in arrays])
     matches = [_Matches(*flat[4 * i:4 * i + 4], per_layer=per_layer) for i, per_layer in enumerate(layouts)]
     return matches, flat[-1]
 

@@ -13,19 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import msda
+from models.host_copy import to_device_async
 from msda import IMPLS
 
 
 def level_sizes_xy(levels, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(L, 2) tensor of (W_l, H_l) made from host ints, with no device sync.
-
-    A plain ``torch.tensor(..., device="cuda")`` waits for the GPU queue; the copy from page-locked
-    memory is asynchronous. Under torch.compile the sizes may be symbolic and the tensor part of the graph.
-    """
-    sizes = torch.tensor([[w, h] for h, w in levels], dtype=dtype)
-    if device.type == "cuda" and not torch.compiler.is_compiling():
-        sizes = sizes.pin_memory()
-    return sizes.to(device, non_blocking=True)
+    """(L, 2) tensor of (W_l, H_l) made from host ints, with no device sync (models.host_copy)."""
+    return to_device_async(torch.tensor([[w, h] for h, w in levels], dtype=dtype), device)
 
 
 class MSDeformAttn(nn.Module):
