@@ -3,7 +3,9 @@ public entry point ``multi_scale_deformable_attention``.
 
 The Triton forward and backward are registered with ``torch.library.custom_op``, each with a fake
 (meta) implementation, and the backward is attached with ``register_autograd``, so torch.compile traces
-through the op with no graph break and propagates dynamic shapes. The level layout is an argument of
+through the op with no graph break and propagates dynamic shapes. Eager calls take a plain
+``torch.autograd.Function`` over the same two functions instead: the dispatcher round trips of a custom
+op cost more host time per call than a decoder-sized kernel takes on the GPU. The level layout is an argument of
 the op as host integers (flattened H_0, W_0, H_1, W_1, ...; symbolic under dynamic shapes), so nothing
 is read back from the device.
 
@@ -26,18 +28,35 @@ def _pairs(flat_levels: list[int]) -> tuple[tuple[int, int], ...]:
 # ----------------------------------------------------------------------------------------------------
 # the operator
 # ----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("msda::attention", mutates_args=())
-def attention_op(value: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
-                 flat_levels: list[int], deterministic: bool) -> torch.Tensor:
-    """Triton forward on validated inputs -> (N, Lq, M*D). ``deterministic`` only matters to the backward."""
+def _forward(value, sampling_locations, attention_weights, levels) -> torch.Tensor:
+    """Triton forward on validated inputs -> (N, Lq, M*D)."""
     N, _, M, D = value.shape
     Lq = sampling_locations.shape[1]
     if N == 0 or Lq == 0:
         return value.new_zeros((N, Lq, M * D))  # nothing to gather: no launch
     from . import launch  # triton is imported only when the Triton path is used
 
-    return launch.forward(value.contiguous(), _pairs(flat_levels), sampling_locations.contiguous(),
+    return launch.forward(value.contiguous(), levels, sampling_locations.contiguous(),
                           attention_weights.contiguous())
+
+
+def _backward_impl(grad_output, value, sampling_locations, attention_weights, levels, deterministic):
+    """(grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype."""
+    N = value.shape[0]
+    Lq = sampling_locations.shape[1]
+    if N == 0 or Lq == 0:
+        return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
+    from . import launch
+
+    return launch.backward(grad_output.contiguous(), value.contiguous(), levels, sampling_locations.contiguous(),
+                           attention_weights.contiguous(), deterministic=deterministic)
+
+
+@torch.library.custom_op("msda::attention", mutates_args=())
+def attention_op(value: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
+                 flat_levels: list[int], deterministic: bool) -> torch.Tensor:
+    """Triton forward on validated inputs -> (N, Lq, M*D). ``deterministic`` only matters to the backward."""
+    return _forward(value, sampling_locations, attention_weights, _pairs(flat_levels))
 
 
 @attention_op.register_fake
@@ -51,15 +70,8 @@ def attention_backward_op(grad_output: torch.Tensor, value: torch.Tensor, sampli
                           attention_weights: torch.Tensor, flat_levels: list[int],
                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype."""
-    N = value.shape[0]
-    Lq = sampling_locations.shape[1]
-    if N == 0 or Lq == 0:
-        return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
-    from . import launch
-
-    return launch.backward(grad_output.contiguous(), value.contiguous(), _pairs(flat_levels),
-                           sampling_locations.contiguous(), attention_weights.contiguous(),
-                           deterministic=deterministic)
+    return _backward_impl(grad_output, value, sampling_locations, attention_weights, _pairs(flat_levels),
+                          deterministic)
 
 
 @attention_backward_op.register_fake
@@ -85,6 +97,25 @@ def _backward(ctx, grad_output):
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The op for eager calls: the same forward and backward as msda::attention, without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights, levels, deterministic):
+        ctx.save_for_backward(value, sampling_locations, attention_weights)
+        ctx.levels = levels
+        ctx.deterministic = deterministic
+        return _forward(value, sampling_locations, attention_weights, levels)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        value, sampling_locations, attention_weights = ctx.saved_tensors
+        grads = _backward_impl(grad_output, value, sampling_locations, attention_weights, ctx.levels,
+                               ctx.deterministic)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:3])), None, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,5 +154,7 @@ def multi_scale_deformable_attention(
         return multi_scale_deformable_attention_reference(value, levels, sampling_locations, attention_weights)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    flat_levels = [size for level in levels for size in level]
-    return attention_op(value, sampling_locations, attention_weights, flat_levels, bool(deterministic))
+    if torch.compiler.is_compiling():  # traced: the registered op, which torch.compile sees through
+        flat_levels = [size for level in levels for size in level]
+        return attention_op(value, sampling_locations, attention_weights, flat_levels, bool(deterministic))
+    return EagerAttention.apply(value, sampling_locations, attention_weights, levels, bool(deterministic))
