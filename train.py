@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from datasets import build_data_loader, build_dataset
 from engine.checkpoint import check_training_state, load_checkpoint, load_model_weights, model_config_for_checkpoint
-from engine.compile import compile_regions
+from engine.compile import compile_regions, size_warning
 from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, Ranks, argv_for_rank, average_over_processes, barrier,
                                 broadcast_object, env_rank, init_distributed, shutdown_distributed)
@@ -115,7 +115,10 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     model.to(device)
     criterion.to(device)
     if cfg.compile:
-        compile_regions(model, backend=cfg.compile_backend)  # in place: training and evaluation use it
+        # In place: training and evaluation use it.
+        compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode)
+        if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple):
+            log.warning(warning)
     optimizer = build_optimizer(model, cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
     precision = Precision(amp=cfg.amp, device=device)
@@ -182,7 +185,7 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         if cfg.compile:
-            compile_regions(model, backend=cfg.compile_backend)
+            compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode)
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,

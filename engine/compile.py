@@ -4,13 +4,21 @@ Regional compilation: each encoder and decoder layer is compiled in place (``nn.
 layers of one kind share one graph, so the warm-up costs two graphs rather than the whole network's.
 That is where the step's thousands of small launches are (attention projections, softmax, layer norms,
 feed-forward, the deformable attention op itself, which is a registered operator and traced with no
-break). The ResNet backbone stays eager: its kernels are few and large, and its stride-2 size arithmetic
-would make a compiled graph specialize on the parity of the image size.
+break). In the default mode the ResNet backbone stays eager: its kernels are few and large, and its
+stride-2 size arithmetic would make a compiled graph specialize on the parity of the image size.
 
 Dynamic shapes from the first call: the COCO recipe feeds a different padded image size almost every
 batch (short side 480-800, long side up to 1333), and a layer's graph with symbolic sizes serves them all.
 Recompilations are logged (torch's "recompiles" log), so a shape that does force one shows in train.log.
 Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere.
+
+``compile_mode=reduce-overhead`` replays the compiled kernels as CUDA graphs (Inductor's CUDA-graph trees),
+which takes their launch cost off the host, and compiles the backbone's ResNet and the input projections
+too, so that the step's eager remainder is small. A size is run once, recorded at its second step and
+replayed from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
+``dataset.pad_to_multiple=128`` (24 sizes in an epoch, all multiples of the backbone's stride). Each model
+call starts a new step of the graph trees (a forward pre-hook), so a step's outputs stay valid until the
+next call.
 """
 
 from __future__ import annotations
@@ -22,12 +30,45 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def compile_regions(model: torch.nn.Module, *, backend: str = "inductor") -> torch.nn.Module:
-    """Compile ``model``'s (a DeformableDETR) encoder and decoder layers in place; returns the model."""
+# Inductor's modes that this setting offers: plain kernels, or the same kernels replayed as CUDA graphs.
+COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def compile_regions(model: torch.nn.Module, *, backend="inductor", mode: str = "default") -> torch.nn.Module:
+    """Compile ``model``'s (a DeformableDETR) encoder and decoder layers in place; returns the model.
+
+    backend  "inductor", another torch.compile backend's name, or a backend callable (tests)
+    mode     one of COMPILE_MODES; a mode other than "default" needs the inductor backend
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode != "default" and backend != "inductor":
+        raise ValueError(f"compile mode {mode!r} needs the inductor backend, got backend {backend!r}")
     torch._logging.set_logs(recompiles=True)
-    layers = [*model.transformer.encoder.layers, *model.transformer.decoder.layers]
-    for layer in layers:
-        layer.compile(dynamic=True, backend=backend)
-    log.info("torch.compile (backend %s, dynamic shapes) of the %d transformer layers; the first steps of "
-             "training and of evaluation include the compilation", backend, len(layers))
+    regions = [*model.transformer.encoder.layers, *model.transformer.decoder.layers]
+    if mode == "reduce-overhead":
+        regions += [model.backbone[0].body, *model.input_proj]
+        model.register_forward_pre_hook(_new_cuda_graph_step)
+    for region in regions:
+        region.compile(dynamic=True, backend=backend, **({"mode": str(mode)} if mode != "default" else {}))
+    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %d regions (%s); the first steps of "
+             "training and of evaluation include the compilation", backend, mode, len(regions),
+             "backbone, input projections and transformer layers" if mode == "reduce-overhead"
+             else "the transformer layers")
     return model
+
+
+def size_warning(mode: str, pad_to_multiple: int) -> str | None:
+    """Why a multi-scale recipe's image sizes would defeat ``mode``, or None."""
+    if mode == "reduce-overhead" and pad_to_multiple < 32:
+        return (f"compile_mode=reduce-overhead with dataset.pad_to_multiple={pad_to_multiple}: almost every batch "
+                "of the multi-scale recipe has a new size, and each new size costs a CUDA-graph recording (and a "
+                "backbone recompilation per stride parity). Set dataset.pad_to_multiple=128 (24 sizes in a COCO "
+                "epoch) or compile_mode=default")
+    return None
+
+
+def _new_cuda_graph_step(module, args) -> None:
+    # The graph trees reuse a replay's output memory at the next step; telling them where a step starts
+    # lets each layer be replayed several times per model call without a live output being overwritten.
+    torch.compiler.cudagraph_mark_step_begin()

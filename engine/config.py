@@ -26,9 +26,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from datasets import DATASET_SCHEMAS, DatasetConfig
 from models.model_config import ModelConfig
 
+from .compile import COMPILE_MODES
 from .precision import AMP_DTYPES
 
 Amp = StrEnum("Amp", {name: name for name in AMP_DTYPES})  # none | bf16 | fp16, as engine/precision.py knows
+CompileMode = StrEnum("CompileMode", {name: name for name in COMPILE_MODES})  # as engine/compile.py knows
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -87,6 +89,7 @@ class TrainConfig:
     amp: Amp = MISSING
     compile: bool = False
     compile_backend: str = "inductor"
+    compile_mode: CompileMode = CompileMode.default
     eval_every: int = MISSING
     checkpoint_every: int = MISSING
     log_every: int = MISSING
@@ -109,6 +112,9 @@ class TrainConfig:
                             f"drawn), got {self.eval_images_min_score!r}")
         if not self.dist_timeout_s > 0:
             problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
+        if self.compile_mode != CompileMode.default and self.compile_backend != "inductor":
+            problems.append(f"compile_mode={self.compile_mode} needs compile_backend=inductor, got "
+                            f"{self.compile_backend!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:

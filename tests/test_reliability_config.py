@@ -63,6 +63,8 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     (["dataset.pad_to_multiple=0"], r"dataset\.pad_to_multiple must be"),
     (["compile_backend=123", "dist_timeout_s=0"], r"dist_timeout_s must be > 0 seconds, got 0\.0"),
     (["eval_images=-1"], r"eval_images must be an integer >= 0, got -1"),
+    (["compile_mode=reduce-overhead", "compile_backend=aot_eager"],
+     r"compile_mode=reduce-overhead needs compile_backend=inductor, got 'aot_eager'"),
 ])
 def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -26,11 +26,13 @@ def seeded():
     torch.manual_seed(0)
 
 
-def make_step(variant="base", msda="pytorch", **overrides):
+def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
     model, criterion, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL, **overrides))
+    model.to(device)
+    criterion.to(device)
     optimizer = build_optimizer(model, _optim_cfg())
     return TrainStep(model=model, criterion=criterion, optimizer=optimizer,
-                     precision=Precision(amp="none", device=torch.device("cpu")), clip_max_norm=0.1)
+                     precision=Precision(amp="none", device=torch.device(device)), clip_max_norm=0.1)
 
 
 def _optim_cfg():
@@ -141,6 +143,33 @@ def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(se
     # Graphs for the encoder layers and the decoder layers (the first decoder layer's reference points need a
     # gradient, the refined ones of later layers do not); the second size compiles nothing new.
     assert 2 <= frames[0] <= 5 and frames[1] == frames[0], frames
+
+
+def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
+    from engine.compile import compile_regions
+
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        compile_regions(model, mode="max-speed")
+    with pytest.raises(ValueError, match="needs the inductor backend"):
+        compile_regions(model, backend="aot_eager", mode="reduce-overhead")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_steps_with_cuda_graphs_give_the_losses_of_eager_steps(seeded):
+    """compile_mode=reduce-overhead: the layers replayed as CUDA graphs, several steps and two sizes."""
+    from engine.compile import compile_regions
+
+    torch._dynamo.reset()
+    eager = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)  # Inductor draws its own RNG
+    graphed = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)
+    graphed.model.load_state_dict(eager.model.state_dict())
+    compile_regions(graphed.model, mode="reduce-overhead")
+    for H, W in ((128, 160), (128, 160), (160, 136), (128, 160)):
+        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        expected, got = eager(*batch, targets), graphed(*batch, targets)
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
