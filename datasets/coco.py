@@ -196,6 +196,12 @@ def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
     return image_dir, annotation_file
 
 
+def padded_size(sizes, pad_to_multiple: int = 1) -> tuple[int, int]:
+    """The (H, W) a batch of images of ``sizes`` [(h, w), ...] is padded to: the largest h and w, each
+    rounded up to a multiple of ``pad_to_multiple``."""
+    return tuple(-(-max(size[d] for size in sizes) // pad_to_multiple) * pad_to_multiple for d in (0, 1))
+
+
 def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
     """[(image (3, h_i, w_i), target)] -> images (B, 3, H, W), masks (B, H, W), targets.
 
@@ -204,8 +210,7 @@ def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, tor
     image ends); masks are True on padding.
     """
     images, targets = zip(*batch)
-    height = -(-max(image.shape[-2] for image in images) // pad_to_multiple) * pad_to_multiple
-    width = -(-max(image.shape[-1] for image in images) // pad_to_multiple) * pad_to_multiple
+    height, width = padded_size([image.shape[-2:] for image in images], pad_to_multiple)
     padded = images[0].new_zeros((len(images), images[0].shape[0], height, width))  # (B, 3, Hmax, Wmax)
     masks = torch.ones((len(images), height, width), dtype=torch.bool)  # (B, Hmax, Wmax)
     for i, image in enumerate(images):
