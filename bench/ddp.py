@@ -31,6 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.e2e import COMPILE_MODES  # noqa: E402
+from bench.e2e_report import mode_label  # noqa: E402
+
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -71,8 +74,8 @@ def scaling_worker(args) -> None:
         model, criterion, _ = build_model(cfg.model)
         model.to(ctx.device).train()
         criterion.to(ctx.device)
-        if args.compile:
-            compile_regions(model)
+        if args.compile_mode:
+            compile_regions(model, mode=args.compile_mode)
         optimizer = build_optimizer(model, cfg.optim)
         trained = DistributedDataParallel(model, device_ids=[ctx.device.index]) if ctx.distributed else model
         step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
@@ -94,7 +97,8 @@ def scaling_worker(args) -> None:
         if ctx.is_main:
             median = statistics.median(times)
             Path(args.result).write_text(json.dumps({
-                "gpus": ctx.world_size, "compile": args.compile, "batch_per_gpu": args.batch, "step_ms": median,
+                "gpus": ctx.world_size, "compile": args.compile_mode is not None, "compile_mode": args.compile_mode,
+                "batch_per_gpu": args.batch, "step_ms": median,
                 "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30}))
     finally:
@@ -103,19 +107,20 @@ def scaling_worker(args) -> None:
 
 def run_scaling(args, work: Path, save) -> list[dict]:
     rows = []
-    for compiled in [m == "compiled" for m in args.compile_modes]:
+    for mode in args.compile_modes:
+        compile_mode = COMPILE_MODES[mode]
         for gpus in args.gpus:
-            result = work / f"scaling_{gpus}_{int(compiled)}.json"
+            result = work / f"scaling_{gpus}_{mode}.json"
             cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           *(["--compile"] if compiled else []))
-            run(cmd, work / f"scaling_{gpus}_{int(compiled)}.log")
+                           *(["--compile-mode", compile_mode] if compile_mode else []))
+            run(cmd, work / f"scaling_{gpus}_{mode}.log")
             row = json.loads(result.read_text())
-            one = next((r for r in rows if r["gpus"] == 1 and r["compile"] == compiled), None)
+            one = next((r for r in rows if r["gpus"] == 1 and mode_label(r) == mode_label(row)), None)
             row["efficiency"] = row["images_per_s"] / (gpus * one["images_per_s"]) if one else None
             rows.append(row)
             save(rows)
-            print(f"scaling {gpus} GPU(s) {'compiled' if compiled else 'eager'}: {row['step_ms']:.1f} ms/step, "
+            print(f"scaling {gpus} GPU(s) {mode_label(row)}: {row['step_ms']:.1f} ms/step, "
                   f"{row['images_per_s']:.1f} images/s, efficiency {row['efficiency']}", flush=True)
     return rows
 
@@ -155,7 +160,7 @@ def write_report(results: dict, out: Path, name: str) -> None:
                   "|---|---|---|---|---|---|---|---|"]
         for r in results["scaling"]:
             eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] else "-"
-            lines.append(f"| {r['gpus']} | {'compiled' if r['compile'] else 'eager'} | {r['batch_per_gpu']} | "
+            lines.append(f"| {r['gpus']} | {mode_label(r)} | {r['batch_per_gpu']} | "
                          f"{r['step_ms']:.1f} | {r['images_per_s']:.1f} | {eff} | {r['peak_gib']:.2f} | "
                          f"{r['warmup_s']:.0f} |")
     if results.get("ap"):
@@ -178,7 +183,8 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--parts", nargs="+", default=["scaling", "ap"], choices=["scaling", "ap"])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=list(COMPILE_MODES),
+                        help="scaling: eager, compiled (compile=true), cudagraphs (compile_mode=reduce-overhead)")
     parser.add_argument("--batch", type=int, default=2, help="images per GPU")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -189,7 +195,7 @@ def main():
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_ddp"))
     parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "scaling":
         scaling_worker(args)
@@ -209,8 +215,11 @@ def main():
             earlier = results.get(part, [])
 
             def save(new, part=part, earlier=earlier):
-                keys = {(r["gpus"], r.get("seed"), r.get("compile")) for r in new}
-                results[part] = [r for r in earlier if (r["gpus"], r.get("seed"), r.get("compile")) not in keys] + new
+                def key(r):
+                    return r["gpus"], r.get("seed"), mode_label(r) if "compile" in r else None
+
+                keys = {key(r) for r in new}
+                results[part] = [r for r in earlier if key(r) not in keys] + new
                 (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
                 write_report(results, args.out, name)
 

@@ -27,6 +27,7 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -37,12 +38,13 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bench.e2e_report import plot, write_report  # noqa: E402
+from bench.e2e_report import mode_label, plot, write_report  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
 
-ATTENTION_KERNELS = {"triton": ("msda_forward_kernel", "msda_backward_kernel"), "pytorch": ("grid_sampler",)}
+# --compile-modes -> engine.compile mode (None: eager).
+COMPILE_MODES = {"eager": None, "compiled": "default", "cudagraphs": "reduce-overhead"}
 
 
 def compose_config(overrides: list[str]):
@@ -61,15 +63,20 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     rows = []
     for batch in args.batches:
         for amp in args.amps:
-            for compiled in [m == "compiled" for m in args.compile_modes]:
+            for mode in args.compile_modes:
                 for impl in args.impls:
                     cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
-                    new = measure(cfg=cfg, impl=impl, amp=amp, compile=compiled, batch=batch, height=args.height,
-                                  width=args.width, warmup=args.warmup, steps=args.steps,
-                                  multishape_steps=args.multishape_steps, device=device,
-                                  profile_shapes=args.profile_shapes)
+                    try:
+                        new = measure(cfg=cfg, impl=impl, amp=amp, compile_mode=COMPILE_MODES[mode], batch=batch,
+                                      height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
+                                      multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples,
+                                      device=device, profile_shapes=args.profile_shapes)
+                    except Exception:  # one configuration's failure is reported; the others are still measured
+                        print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}",
+                              flush=True)
+                        continue
                     for row in new:
-                        print(f"steptime batch {batch} {amp:<4} {impl:<7} {'compiled' if compiled else 'eager':<8} "
+                        print(f"steptime batch {batch} {amp:<4} {impl:<7} {mode:<10} "
                               f"{row['shapes']:<18} {row['step_ms']:.1f} ms, GPU kernels "
                               f"{row.get('gpu_kernel_ms') or float('nan'):.1f} ms, {row.get('syncs_per_step', '-')} "
                               f"syncs, {row['peak_gib']:.2f} GiB, first step {row.get('first_step_s', 0):.1f} s, "
@@ -95,7 +102,8 @@ def run_trainpy(args, work: Path) -> dict:
            "model.msda=triton", f"compile={str(args.trainpy_compile).lower()}", "amp=bf16", "batch_size=2",
            f"dataset.root={work / 'synthetic_coco_sizes'}", "dataset.image_size=1067", f"dataset.train_scales={scales}",
            "dataset.max_size=1333", "dataset.val_size=800", f"dataset.num_train={2 * args.trainpy_steps}",
-           "dataset.num_val=8", "num_workers=4", "epochs=1", f"max_steps={args.trainpy_steps}", "log_every=10",
+           "dataset.num_val=8", f"dataset.pad_to_multiple={args.trainpy_pad}", "num_workers=4", "epochs=1",
+           f"max_steps={args.trainpy_steps}", "log_every=10",
            f"output_dir={run_dir}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -105,7 +113,7 @@ def run_trainpy(args, work: Path) -> dict:
     settled = values[1:]  # the first interval holds the kernels' compilation (and the model's, compiled)
     result = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": steps, "step_time_ms": values,
               "median_step_time_ms": statistics.median(settled) if settled else float("nan"),
-              "compile": args.trainpy_compile}
+              "compile": args.trainpy_compile, "pad_to_multiple": args.trainpy_pad}
     print(f"trainpy: train/step_time_ms in TensorBoard {result['median_step_time_ms']:.1f} ms (median of "
           f"{len(settled)} intervals after the first)", flush=True)
     return result
@@ -219,13 +227,18 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", type=int, nargs="+", default=[2])
     parser.add_argument("--amps", nargs="+", default=["bf16"], choices=["bf16", "fp16", "none"])
-    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
-    parser.add_argument("--multishape-steps", type=int, default=60,
-                        help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones (0: none)")
+    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=list(COMPILE_MODES),
+                        help="steptime: eager, compiled (compile=true), cudagraphs (compile_mode=reduce-overhead)")
+    parser.add_argument("--multishape-steps", type=int, default=40,
+                        help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones, "
+                             "run twice (0: none)")
+    parser.add_argument("--pad-multiples", type=int, nargs="+", default=[1, 128],
+                        help="steptime: dataset.pad_to_multiple values of the COCO-sizes rows")
     parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",
                         help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
     parser.add_argument("--trainpy-steps", type=int, default=80)
     parser.add_argument("--trainpy-compile", action="store_true")
+    parser.add_argument("--trainpy-pad", type=int, default=1, help="trainpy: dataset.pad_to_multiple")
     parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
                         help="steptime: implementations to time")
     parser.add_argument("--height", type=int, default=800)
@@ -250,7 +263,7 @@ def main():
 
 
 def _row_key(row: dict) -> tuple:
-    return row["impl"], row["amp"], row["compile"], row["batch"], row["shapes"]
+    return row["impl"], row["amp"], mode_label(row), row["batch"], row["shapes"]
 
 
 def run_parts(args) -> None:

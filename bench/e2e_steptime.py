@@ -7,7 +7,7 @@ of 32, long side up to 1333, padded to the batch's largest image). Per row:
     gpu_kernel_ms   device time of the CUDA kernels of one step (torch.profiler), and its share of step_ms
     launches        kernel launches per step (profiler)
     syncs_per_step  host syncs of one step, counted by torch.cuda.set_sync_debug_mode("warn")
-    peak_gib        max GPU memory allocated
+    peak_gib        max GPU memory allocated since the model was built (warm-up and CUDA-graph recording included)
     attention_share share of the kernel time in the attention op
     compile_s       wall time of the first (compiling) step; recompiles: graphs compiled after it
 """
@@ -24,12 +24,14 @@ import torch
 from engine.compile import compile_regions
 from engine.optim import build_optimizer
 from engine.precision import Precision
+from datasets.coco import padded_size
 from engine.step import TrainStep
 from models import build_model
 
 ATTENTION_KERNELS = {"triton": ("msda_",), "pytorch": ("grid_sampler",)}
 COCO_SHORT_SIDES = tuple(range(480, 801, 32))
 COCO_MAX_SIZE = 1333
+COCO_TRAIN_IMAGES = 118_287  # train2017
 
 
 def coco_recipe_size(rng: random.Random) -> tuple[int, int]:
@@ -40,9 +42,11 @@ def coco_recipe_size(rng: random.Random) -> tuple[int, int]:
     return (short, long) if rng.random() < 0.5 else (long, short)
 
 
-def random_batch(sizes: list[tuple[int, int]], num_classes: int, device, gen: torch.Generator):
-    """Images padded to the largest (h, w) with their masks, and 6 random boxes per image."""
-    H, W = max(h for h, _ in sizes), max(w for _, w in sizes)
+def random_batch(sizes: list[tuple[int, int]], num_classes: int, device, gen: torch.Generator,
+                 pad_to_multiple: int = 1):
+    """Images padded as the data loader pads them (datasets.coco.padded_size), with their masks, and 6 random
+    boxes per image."""
+    H, W = padded_size(sizes, pad_to_multiple)
     images = torch.zeros(len(sizes), 3, H, W, device=device)
     masks = torch.ones(len(sizes), H, W, dtype=torch.bool, device=device)
     targets = []
@@ -54,6 +58,14 @@ def random_batch(sizes: list[tuple[int, int]], num_classes: int, device, gen: to
         labels = torch.randint(1, num_classes, (6,), device=device, generator=gen)
         targets.append({"labels": labels, "boxes": torch.cat([centres, box_sizes], -1)})
     return images, masks, targets
+
+
+def shapes_per_epoch(batch: int, pad_to_multiple: int, *, seed: int = 0) -> int:
+    """Distinct padded batch sizes in one COCO epoch of the recipe's sizes: how many new sizes (each a cuDNN
+    plan build, and with CUDA graphs a recording) a long run meets before every size has been seen."""
+    rng = random.Random(seed)
+    return len({padded_size([coco_recipe_size(rng) for _ in range(batch)], pad_to_multiple)
+                for _ in range(COCO_TRAIN_IMAGES // batch)})
 
 
 def _device_us(event) -> float:
@@ -106,17 +118,21 @@ def _unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int, width: int, warmup: int,
-            steps: int, multishape_steps: int, device: torch.device, seed: int = 0,
-            profile_shapes: int = 0) -> list[dict]:
-    """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row for this configuration."""
-    torch._dynamo.reset()
+def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, height: int, width: int,
+            warmup: int, steps: int, multishape_steps: int, device: torch.device, pad_multiples=(1,),
+            seed: int = 0, profile_shapes: int = 0) -> list[dict]:
+    """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for this
+    configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES."""
+    torch._dynamo.reset()  # also frees the CUDA-graph trees of an earlier configuration
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # peaks include warm-up: CUDA graphs take their memory there
     torch.manual_seed(seed)
     model, criterion, _ = build_model(cfg.model)
     model.to(device).train()
     criterion.to(device)
-    if compile:
-        compile_regions(model)
+    if compile_mode is not None:
+        compile_regions(model, mode=compile_mode)
     optimizer = build_optimizer(model, cfg.optim)
     step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
@@ -138,14 +154,13 @@ def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int,
         sync()
         return (time.perf_counter() - t0) * 1e3
 
-    base = {"impl": impl, "amp": amp, "compile": compile, "batch": batch}
+    base = {"impl": impl, "amp": amp, "compile": compile_mode is not None, "compile_mode": compile_mode,
+            "batch": batch}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
     graphs_before = _unique_graphs()
     first_ms = timed(fixed)
     for _ in range(warmup - 1):
         timed(fixed)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     times = [timed(fixed) for _ in range(steps)]
     row = {**base, "shapes": f"fixed {height}x{width}", "step_ms": statistics.median(times), "all_ms": times,
            "images_per_s": batch / statistics.median(times) * 1e3, "first_step_s": first_ms / 1e3,
@@ -153,24 +168,25 @@ def measure(*, cfg, impl: str, amp: str, compile: bool, batch: int, height: int,
            **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}
     row["kernel_share"] = row["gpu_kernel_ms"] / row["step_ms"]
     rows = [row]
-    if multishape_steps:
+    for pad in pad_multiples if multishape_steps else ():
+        # The same sequence of sizes twice: the first pass meets each size for the first time (cuDNN plans,
+        # and with CUDA graphs a recording, per new size); the second is the steady state once they are known.
         rng = random.Random(seed)
+        sequence = [[coco_recipe_size(rng) for _ in range(batch)] for _ in range(multishape_steps)]
         graphs_fixed = _unique_graphs()
-        shapes, times = set(), []
-        for _ in range(multishape_steps):
-            sizes = [coco_recipe_size(rng) for _ in range(batch)]
-            data = random_batch(sizes, num_classes, device, gen)
-            shapes.add(tuple(data[0].shape[-2:]))
-            times.append(timed(data))
-        settled = times[len(times) // 5:]  # the first fifth holds any new-shape compilation
-        rows.append({**base, "shapes": "COCO recipe sizes", "step_ms": statistics.median(settled), "all_ms": times,
-                     "images_per_s": batch / statistics.median(settled) * 1e3, "distinct_shapes": len(shapes),
-                     "recompiles": _unique_graphs() - graphs_fixed, "max_step_s": max(times) / 1e3,
+        passes = [[timed(random_batch(sizes, num_classes, device, gen, pad)) for sizes in sequence]
+                  for _ in range(2)]
+        rows.append({**base, "shapes": f"COCO recipe sizes, pad {pad}", "pad_to_multiple": pad,
+                     "step_ms": statistics.median(passes[1]), "first_pass_ms": statistics.median(passes[0]),
+                     "all_ms": passes[0] + passes[1], "images_per_s": batch / statistics.median(passes[1]) * 1e3,
+                     "distinct_shapes": len({padded_size(sizes, pad) for sizes in sequence}),
+                     "shapes_per_epoch": shapes_per_epoch(batch, pad, seed=seed),
+                     "recompiles": _unique_graphs() - graphs_fixed, "max_step_s": max(passes[0]) / 1e3,
                      "peak_gib": peak_gib()})
-        if profile_shapes:
+        if profile_shapes and pad == pad_multiples[0]:
             rows[-1]["host_profile"] = host_profile(
-                lambda: step(*random_batch([coco_recipe_size(rng) for _ in range(batch)], num_classes, device, gen)),
-                sync, steps=profile_shapes)
+                lambda: step(*random_batch([coco_recipe_size(rng) for _ in range(batch)], num_classes, device, gen,
+                                           pad)), sync, steps=profile_shapes)
             print(rows[-1]["host_profile"], flush=True)
     for r in rows:
         r["graphs_compiled"] = _unique_graphs() - graphs_before

@@ -4,8 +4,9 @@
 #   OUT=/tmp/out bash bench/h200_run.sh tests:1 msda:0 e2e:0      # step:GPU; steps on different GPUs run at once
 #
 # Steps: tests (the whole pytest suite on that GPU), msda (bench/msda.py, then its launch table into this copy's
-# msda/launch.py), e2e (bench/e2e.py step times and the train.py run), e2e-eager / e2e-compiled (those rows only),
-# ddp (bench/ddp.py on every GPU), ddp-ap1 (its 1-GPU synthetic runs), nccl-tests (rank parity on 2 GPUs).
+# msda/launch.py), msda-targets (bench/msda.py with the committed table), e2e (bench/e2e.py step times and the
+# train.py run), e2e-steptime (step times only), ddp (bench/ddp.py on every GPU), ddp-ap1 (its 1-GPU synthetic
+# runs), nccl-tests (rank parity on 2 GPUs).
 # ddp and nccl-tests use every GPU: give them a call, or a place in the queue, of their own. Extra arguments for a step come
 # from the environment: MSDA_ARGS, E2E_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
 # antlr4, pycocotools) are installed from .whl/ when that folder holds their wheels.
@@ -23,15 +24,15 @@ nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv > "$OUT/gpu
 run_step() {  # name gpu
   local name=$1 gpu=$2
   case $name in
-    tests) CUDA_VISIBLE_DEVICES=$gpu python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-4}" tests --durations=15 ;;
+    # Two threads per test worker: the workers share the host's cores with whatever else this call runs.
+    tests) CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
+             -n "${TEST_WORKERS:-4}" tests --durations=15 ;;
     # The measured launch table goes into this copy's msda/launch.py, so that later steps run with it.
     msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" ${MSDA_ARGS:-} \
             && python3 bench/apply_launch_table.py "$OUT/msda_launch_table.py" ;;
+    msda-targets) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --no-sweep ${MSDA_ARGS:-} ;;
     e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
-    e2e-compiled) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime \
-                    --compile-modes compiled ${E2E_ARGS:-} ;;
-    e2e-eager) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime \
-                 --compile-modes eager ${E2E_ARGS:-} ;;
+    e2e-steptime) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime ${E2E_ARGS:-} ;;
     ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
     ddp-ap1) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ddp.py --out "$OUT" --parts ap --gpus 1 ${DDP_ARGS:-} ;;
     nccl-tests) python3 -m pytest -q -p no:cacheprovider tests/test_rank_parity.py tests/test_distributed.py ;;
