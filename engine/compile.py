@@ -4,21 +4,20 @@ Regional compilation: each encoder and decoder layer is compiled in place (``nn.
 layers of one kind share one graph, so the warm-up costs two graphs rather than the whole network's.
 That is where the step's thousands of small launches are (attention projections, softmax, layer norms,
 feed-forward, the deformable attention op itself, which is a registered operator and traced with no
-break). In the default mode the ResNet backbone stays eager: its kernels are few and large, and its
-stride-2 size arithmetic would make a compiled graph specialize on the parity of the image size.
+break). The ResNet backbone stays eager: its kernels are few and large, and its stride-2 size arithmetic
+would make a compiled graph specialize on the parity of the image size.
 
 Dynamic shapes from the first call: the COCO recipe feeds a different padded image size almost every
 batch (short side 480-800, long side up to 1333), and a layer's graph with symbolic sizes serves them all.
 Recompilations are logged (torch's "recompiles" log), so a shape that does force one shows in train.log.
 Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere.
 
-``compile_mode=reduce-overhead`` replays the compiled kernels as CUDA graphs (Inductor's CUDA-graph trees),
-which takes their launch cost off the host, and compiles the backbone's ResNet and the input projections
-too, so that the step's eager remainder is small. A size is run once, recorded at its second step and
-replayed from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
-``dataset.pad_to_multiple=128`` (24 sizes in an epoch, all multiples of the backbone's stride). Each model
-call starts a new step of the graph trees (a forward pre-hook), so a step's outputs stay valid until the
-next call.
+``compile_mode=reduce-overhead`` replays the layers' kernels as CUDA graphs (Inductor's CUDA-graph trees),
+which takes their launch cost off the host. A size is run once, recorded at its second step and replayed
+from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
+``dataset.pad_to_multiple=128`` (24 sizes in an epoch). Each model call starts a new step of the graph
+trees (a forward pre-hook), so a step's outputs stay valid until the next call. (Compiling the backbone
+too, in this mode, crashed the process on the H200 in the one trial made: it stays eager here as well.)
 """
 
 from __future__ import annotations
@@ -47,14 +46,11 @@ def compile_regions(model: torch.nn.Module, *, backend="inductor", mode: str = "
     torch._logging.set_logs(recompiles=True)
     regions = [*model.transformer.encoder.layers, *model.transformer.decoder.layers]
     if mode == "reduce-overhead":
-        regions += [model.backbone[0].body, *model.input_proj]
         model.register_forward_pre_hook(_new_cuda_graph_step)
     for region in regions:
         region.compile(dynamic=True, backend=backend, **({"mode": str(mode)} if mode != "default" else {}))
-    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %d regions (%s); the first steps of "
-             "training and of evaluation include the compilation", backend, mode, len(regions),
-             "backbone, input projections and transformer layers" if mode == "reduce-overhead"
-             else "the transformer layers")
+    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of the %d transformer layers; the first "
+             "steps of training and of evaluation include the compilation", backend, mode, len(regions))
     return model
 
 
@@ -62,9 +58,8 @@ def size_warning(mode: str, pad_to_multiple: int) -> str | None:
     """Why a multi-scale recipe's image sizes would defeat ``mode``, or None."""
     if mode == "reduce-overhead" and pad_to_multiple < 32:
         return (f"compile_mode=reduce-overhead with dataset.pad_to_multiple={pad_to_multiple}: almost every batch "
-                "of the multi-scale recipe has a new size, and each new size costs a CUDA-graph recording (and a "
-                "backbone recompilation per stride parity). Set dataset.pad_to_multiple=128 (24 sizes in a COCO "
-                "epoch) or compile_mode=default")
+                "of the multi-scale recipe has a new size, and each new size costs a warm-up step and a CUDA-graph "
+                "recording. Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_mode=default")
     return None
 
 
