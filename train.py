@@ -18,14 +18,14 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
 
 from datasets import build_data_loader, build_dataset
 from engine.checkpoint import check_training_state, load_checkpoint, load_model_weights, model_config_for_checkpoint
 from engine.compile import compile_regions, size_warning
 from engine.config import check_config, plain_config, register_configs
 from engine.distributed import (DistContext, Ranks, argv_for_rank, average_over_processes, barrier,
-                                broadcast_object, env_rank, init_distributed, shutdown_distributed)
+                                broadcast_object, data_parallel, env_rank, init_distributed,
+                                shutdown_distributed)
 from engine.detection_images import build_detection_images
 from engine.evaluation import evaluate_coco, record_evaluation
 from engine.init_from import InitFrom, prepare_init_from
@@ -139,10 +139,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                             rng=rng if ctx.world_size == 1 else None)
         log.info("resumed from %s at epoch %d, step %d", resume_path, epoch, step)
 
-    trained = model
-    if ctx.distributed:
-        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          find_unused_parameters=cfg.find_unused_parameters)
+    trained = data_parallel(model, ctx, find_unused_parameters=cfg.find_unused_parameters)
     step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                      precision=precision, clip_max_norm=cfg.optim.clip_max_norm,
                      average_num_boxes=lambda n: average_over_processes(n, ctx))

@@ -56,12 +56,10 @@ def run(cmd: list[str], log: Path) -> None:
 # scaling: the worker runs in every torchrun process
 # ----------------------------------------------------------------------------------------------------
 def scaling_worker(args) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
     from bench.e2e import compose_config
     from bench.e2e_steptime import random_batch
     from engine.compile import compile_regions
-    from engine.distributed import average_over_processes, init_distributed, shutdown_distributed
+    from engine.distributed import average_over_processes, data_parallel, init_distributed, shutdown_distributed
     from engine.optim import build_optimizer
     from engine.precision import Precision
     from engine.step import TrainStep
@@ -77,7 +75,7 @@ def scaling_worker(args) -> None:
         if args.compile_mode:
             compile_regions(model, mode=args.compile_mode)
         optimizer = build_optimizer(model, cfg.optim)
-        trained = DistributedDataParallel(model, device_ids=[ctx.device.index]) if ctx.distributed else model
+        trained = data_parallel(model, ctx)
         step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                          precision=Precision(amp="bf16", device=ctx.device), clip_max_norm=cfg.optim.clip_max_norm,
                          average_num_boxes=lambda n: average_over_processes(n, ctx))
@@ -130,7 +128,7 @@ def run_scaling(args, work: Path, save) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------
 def run_ap(args, work: Path, save) -> list[dict]:
     runs = []
-    for gpus, seed in [(g, s) for g in args.ap_gpus for s in ((0, 1) if g == 1 else (0,))]:
+    for gpus, seed in [(g, s) for g in args.ap_gpus for s in (args.ap_seeds if g == 1 else args.ap_seeds[:1])]:
         out = work / f"ap_{gpus}gpu_seed{seed}"
         overrides = [f"output_dir={out}", f"seed={seed}", f"epochs={args.epochs}", f"optim.lr_drop={args.epochs - 2}",
                      f"eval_every={args.epochs}", f"checkpoint_every={args.epochs}", f"device={args.device}", "log_every=50",
@@ -148,10 +146,31 @@ def run_ap(args, work: Path, save) -> list[dict]:
     return runs
 
 
+COCO_TRAIN_IMAGES = 118_287
+
+
+def coco_epoch_estimate(scaling: list[dict], gpus: int = 8) -> list[str]:
+    """What a COCO epoch on ``gpus`` GPUs of one host should take, from the eager 1- and 2-GPU rows."""
+    eager = {r["gpus"]: r for r in scaling if not r["compile"]}
+    if 1 not in eager or 2 not in eager:
+        return []
+    efficiency = eager[2]["efficiency"]
+    images_per_s = gpus * eager[1]["images_per_s"] * efficiency
+    return ["", f"**A COCO epoch on {gpus} GPUs (the paper's {gpus} x 2 images), estimated:** {gpus} x "
+            f"{eager[1]['images_per_s']:.1f} images/s x {100 * efficiency:.1f}% (the 2-GPU efficiency, assumed to "
+            f"hold on one host's NVLink) = {images_per_s:.0f} images/s, so {COCO_TRAIN_IMAGES:,} images take "
+            f"about {COCO_TRAIN_IMAGES / images_per_s / 60:.0f} minutes per epoch and the 50-epoch schedule about "
+            f"{50 * COCO_TRAIN_IMAGES / images_per_s / 3600:.0f} hours. Assumes 800x1333-like batches with known "
+            "sizes (dataset.pad_to_multiple=128) and data loading that keeps up (about "
+            f"{eager[1]['images_per_s']:.0f} decoded and augmented images/s per GPU); not measured on 8 GPUs."]
+
+
 def write_report(results: dict, out: Path, name: str) -> None:
     h = results["header"]
-    lines = [f"# Several GPUs: {h['gpu']}", "", f"{h['date']}; torch {h['torch']}, triton {h['triton']}. "
-             f"Command: `{h['command']}`.", ""]
+    runs = results.get("runs") or [f"{h['date']}: `{h['command']}`"]
+    lines = [f"# Several GPUs: {h['gpu']}", "", f"torch {h['torch']}, triton {h['triton']}. The figures below come "
+             "from these runs (each a fresh machine of this kind; the rows of one part come from one run unless "
+             "said otherwise):", "", *[f"- {run}" for run in runs], ""]
     if results.get("scaling"):
         lines += ["## Training step over NCCL (DistributedDataParallel)", "",
                   "Default model, random 800x1333 batches, bf16, msda=triton, the same batch per GPU; median step "
@@ -163,6 +182,7 @@ def write_report(results: dict, out: Path, name: str) -> None:
             lines.append(f"| {r['gpus']} | {mode_label(r)} | {r['batch_per_gpu']} | "
                          f"{r['step_ms']:.1f} | {r['images_per_s']:.1f} | {eff} | {r['peak_gib']:.2f} | "
                          f"{r['warmup_s']:.0f} |")
+        lines += coco_epoch_estimate(results["scaling"])
     if results.get("ap"):
         lines += ["", "## A short synthetic run on 1 and several GPUs", "",
                   "| GPUs | seed | AP | AP50 | wall s |", "|---|---|---|---|---|"]
@@ -174,7 +194,8 @@ def write_report(results: dict, out: Path, name: str) -> None:
             spread, low, high = abs(one[0] - one[1]), min(one), max(one)
             lines += ["", f"1-GPU seed-to-seed range [{low:.4f}, {high:.4f}] (spread {spread:.4f}); the multi-GPU "
                       f"run's AP {many[0]:.4f} is {'inside' if low - spread <= many[0] <= high + spread else 'outside'} "
-                      "that range widened by the spread."]
+                      "that range widened by the spread. With the same batch per GPU and the same schedule, it takes "
+                      "1/N of the optimizer steps of a 1-GPU run, at the same learning rate."]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -190,7 +211,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=12, help="ap: epochs of the synthetic schedule")
     parser.add_argument("--ap-gpus", type=int, nargs="+", default=[1, 2],
-                        help="ap: 1 runs seeds 0 and 1 on one GPU, N > 1 runs seed 0 on N GPUs")
+                        help="ap: 1 runs every --ap-seeds on one GPU, N > 1 runs the first seed on N GPUs")
+    parser.add_argument("--ap-seeds", type=int, nargs="+", default=[0, 1],
+                        help="ap: seeds of the 1-GPU runs (their spread is what the N-GPU run is compared with)")
     parser.add_argument("--device", default="cuda", help="ap: where train.py runs (cpu: a check of this script)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_ddp"))
     parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
@@ -210,6 +233,8 @@ def main():
     results["header"] = {"gpu": f"{torch.cuda.device_count()} x {gpu}", "date": datetime.date.today().isoformat(),
                          "torch": torch.__version__, "triton": __import__("triton").__version__,
                          "python": platform.python_version(), "command": "python " + " ".join(sys.argv)}
+    this_run = f"{results['header']['date']}: `{results['header']['command']}`"
+    results["runs"] = [run for run in results.get("runs", []) if run != this_run] + [this_run]
     for part, fn in (("scaling", run_scaling), ("ap", run_ap)):
         if part in args.parts:
             earlier = results.get(part, [])

@@ -152,6 +152,20 @@ class Ranks:
         return broadcast_object(obj, self.ctx)
 
 
+def data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_unused_parameters: bool = False):
+    """``model`` in DistributedDataParallel when there are several processes, else ``model`` itself.
+
+    Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy of every
+    gradient into its bucket after backward, which on a host-bound step is one launch per parameter.
+    """
+    if not ctx.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                   find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True)
+
+
 def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tensor:
     """Mean of a per-process number over ranks, at least 1, as a device tensor (no host read).
 

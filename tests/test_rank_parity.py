@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
-from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import register_configs
-from engine.distributed import DistContext, average_over_processes
+from engine.distributed import DistContext, average_over_processes, data_parallel
 from engine.precision import Precision
 from engine.step import TrainStep
 from models import build_model
@@ -47,7 +46,7 @@ def global_batch(counts: tuple[int, ...], device="cpu"):
 
 def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext):
     """The trainer's step (no clipping, lr 0); returns its loss and the gradients it computed."""
-    module = model.module if isinstance(model, DistributedDataParallel) else model
+    module = getattr(model, "module", model)  # the DDP-wrapped model's own parameters
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.0, fused=True)
     step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp="none", device=ctx.device), clip_max_norm=0.0,
@@ -67,9 +66,9 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...]) -> N
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         torch.manual_seed(0)
         model, criterion, _ = build_model(tiny_model_config())
-        ddp = DistributedDataParallel(model.to(device), device_ids=[rank] if device.type == "cuda" else None)
-        images, masks, targets = global_batch(counts, device)
         ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)
+        ddp = data_parallel(model.to(device), ctx)  # as train.py wraps it
+        images, masks, targets = global_batch(counts, device)
         loss, grads = loss_and_grads(ddp, criterion, images[rank:rank + 1], masks[rank:rank + 1], [targets[rank]], ctx)
         dist.all_reduce(loss)
         # A file, not a queue: tensors sent through a queue live in the sender's shared memory, gone at exit.
