@@ -128,7 +128,8 @@ def _corner(x0, y0, lx, ly, H, W, DY: tl.constexpr, DX: tl.constexpr):
 
     Validity comes from the float corner: converting a far-outside coordinate to int could overflow, and a
     NaN compares false everywhere, so a NaN location reads no memory; its NaN bilinear weights still make the
-    output NaN, as grid_sample's does. No address is formed outside the level.
+    output NaN, as grid_sample's does on the CPU (its CUDA kernel gives a finite value). No address is formed
+    outside the level.
     """
     cx = x0 + DX
     cy = y0 + DY

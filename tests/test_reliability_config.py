@@ -3,7 +3,6 @@ check_config (ranges, rules between keys), always naming the key; checkpoints ke
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from child_process import child_env
 from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from engine.config import check_config, plain_config
 
@@ -105,7 +105,7 @@ def test_checkpoints_record_the_config_as_plain_values(tmp_path):
 
 @pytest.mark.slow
 def test_the_command_line_names_the_bad_key_and_starts_nothing(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=fast"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1

@@ -99,7 +99,9 @@ def _loss(out):
 @pytest.mark.parametrize("msda,variant", [("pytorch", "base"), ("triton", "two_stage")])
 def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, variant):
     torch._dynamo.reset()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # triton on the CPU runs under the interpreter
     eager, _, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL))
+    eager.to(device)
     with torch.no_grad():  # non-trivial offsets and weights, so that the attention gradients are not all zero
         for m in eager.modules():
             if isinstance(m, MSDeformAttn):
@@ -107,17 +109,22 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
                 m.attention_weights.weight.normal_(0, 0.05)
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin, fullgraph=True, backend="aot_eager", dynamic=True)
-    images, mask = _batch(pad_w=16)
+    images, mask = (t.to(device) for t in _batch(pad_w=16))
     out_eager, out_compiled = eager(images, mask), compiled(images, mask)
     torch.testing.assert_close(out_compiled["pred_logits"], out_eager["pred_logits"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
     _loss(out_eager).backward()
     _loss(out_compiled).backward()
     grads = dict(twin.named_parameters())
+    # On a GPU the convolutions' weight gradients and the attention backward sum with atomics, in an order
+    # that changes run to run: on the H200, 2 of 294,912 elements of input_proj.3.0.weight (gradients that
+    # mostly cancel) differed by 1.2e-5 of the largest, in both implementations. A traced model that
+    # computed something else would differ by orders of magnitude more.
+    atol = 1e-4 if device == "cuda" else 1e-5
     for name, p in eager.named_parameters():
         if p.grad is not None:
             scale = p.grad.abs().max().clamp(min=1e-3)
-            torch.testing.assert_close(grads[name].grad / scale, p.grad / scale, rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(grads[name].grad / scale, p.grad / scale, rtol=1e-4, atol=atol,
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 

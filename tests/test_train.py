@@ -6,7 +6,6 @@ checkpoints so that each adds only a few steps.
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train as trainer
+from child_process import child_env
 from engine.checkpoint import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,9 +185,7 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path):
     """
     data_root = tmp_path / "data"
     uneven = ["dataset.num_train=18", "dataset.num_val=7"]
-    # Keep the caller's PYTHONPATH (where packages may be installed) behind the repository root.
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+    env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train.py"), *tiny_overrides(data_root), *uneven, "epochs=1", "batch_size=2", "dist_timeout_s=120"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
