@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bench.e2e_report import mode_label, plot, write_report  # noqa: E402
+from bench.e2e_report import bench_row_for_trainpy, mode_label, plot, write_report  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
@@ -290,9 +290,13 @@ def run_parts(args) -> None:
             keys = {_row_key(r) for r in rows}
             save("steptime", [r for r in earlier if _row_key(r) not in keys] + rows)
 
-        run_steptime(args, device, save_rows)
+        steptime_rows = run_steptime(args, device, save_rows)
     if "trainpy" in args.parts:
-        save("trainpy", {"header": header, **run_trainpy(args, args.work)})
+        result = run_trainpy(args, args.work)
+        bench = bench_row_for_trainpy(result, steptime_rows if "steptime" in args.parts else [])
+        if bench:  # the figure of this run, kept beside the TensorBoard one
+            result["bench_step_ms"] = bench.get("first_pass_ms", bench["step_ms"])
+        save("trainpy", {"header": header, **result})
     if "parity" in args.parts:
         save("parity", {"header": header, "parity": run_parity(args, device, args.work)})
 
