@@ -34,7 +34,7 @@ run_step() {  # name gpu
     e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
     e2e-steptime) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime ${E2E_ARGS:-} ;;
     ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
-    ddp-ap1) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ddp.py --out "$OUT" --parts ap --gpus 1 ${DDP_ARGS:-} ;;
+    ddp-ap1) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ddp.py --out "$OUT" --parts ap --ap-gpus 1 ${DDP_ARGS:-} ;;
     nccl-tests) python3 -m pytest -q -p no:cacheprovider tests/test_rank_parity.py tests/test_distributed.py ;;
     *) echo "unknown step $name"; return 2 ;;
   esac
