@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e import COMPILE_MODES  # noqa: E402
+from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import mode_label  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -144,9 +145,6 @@ def run_ap(args, work: Path, save) -> list[dict]:
         print(f"ap {gpus} GPU(s) seed {seed}: AP {evaluation['AP']:.4f} AP50 {evaluation['AP50']:.4f} in "
               f"{runs[-1]['wall_s']:.0f} s", flush=True)
     return runs
-
-
-COCO_TRAIN_IMAGES = 118_287
 
 
 def coco_epoch_estimate(scaling: list[dict], gpus: int = 8) -> list[str]:

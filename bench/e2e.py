@@ -231,7 +231,7 @@ def main():
                         help="steptime: eager, compiled (compile=true), cudagraphs (compile_mode=reduce-overhead)")
     parser.add_argument("--multishape-steps", type=int, default=40,
                         help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones, "
-                             "run twice (0: none)")
+                             "run twice, three times with CUDA graphs (0: none)")
     parser.add_argument("--pad-multiples", type=int, nargs="+", default=[1, 128],
                         help="steptime: dataset.pad_to_multiple values of the COCO-sizes rows")
     parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",

@@ -38,7 +38,8 @@ def steptime_lines(rows: list[dict], header: dict) -> list[str]:
              "several times: new sizes is the median of the first pass (each size met for the first time, as early "
              "in a run), step the median of the last (every size met before, as once a run has seen them all; "
              "'in a COCO epoch' says how many sizes that takes). Two passes eager, three with CUDA graphs, which "
-             "run a new size once, record it at its second step and replay it from the third. GPU kernels: device time of the step's CUDA "
+             "run a new size once, record it at its second step and replay it from the third. "
+             "GPU kernels: device time of the step's CUDA "
              "kernels (torch.profiler), and its share of the step. Syncs: host syncs in one step "
              "(torch.cuda.set_sync_debug_mode). First step: wall time of the first step (kernel and model "
              "compilation). Speed-up: pytorch's step time over this row's, same batch, precision, mode and sizes.",
@@ -56,19 +57,19 @@ def steptime_lines(rows: list[dict], header: dict) -> list[str]:
     for r in rows:
         base = reference.get(key(r))
         cells = [r["batch"], r["amp"].replace("none", "fp32"), r["impl"], mode_label(r), _sizes(r),
-                 f"{r['step_ms']:.1f}", _ms(r.get("first_pass_ms")), _ms(r.get("gpu_kernel_ms")), pct(r.get("kernel_share")),
+                 f"{r['step_ms']:.1f}", _ms(r.get("first_pass_ms")), _ms(r.get("gpu_kernel_ms")),
+                 pct(r.get("kernel_share")),
                  _ms(r.get("launches")).removesuffix(".0"), r.get("syncs_per_step", "-"), _gib(r.get("peak_gib")),
                  pct(r.get("attention_share")), _ms(r.get("first_step_s")), r.get("recompiles", "-"),
                  f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if any(r.get("compile_mode") == "reduce-overhead" and "passes" in r and r["passes"] < 3 for r in rows):
-        lines += ["", "The CUDA-graph rows of COCO sizes above come from a run of two passes: its second pass holds "
-                  "the recordings (0.5-1 s each), so the pad-1 row's step is a recording, not a replay; in the pad-128 "
-                  "row most sizes recur within the first pass, and its second is mostly replays (62-100 ms) with a "
-                  "few recordings."]
+        lines += ["", "The CUDA-graph rows of COCO sizes above come from a run of two passes: its second pass "
+                  "holds the recordings of the sizes met once in the first, so where every size was new (pad 1) "
+                  "the step is a recording, not a replay; where sizes recur (pad 128), it is mostly replays."]
     if any(r.get("peak_note") for r in rows):
-        lines += ["", "Peak memory of the CUDA-graph rows is not shown: " + next(r["peak_note"] for r in rows if r.get("peak_note"))
-                  + "."]
+        note = next(r["peak_note"] for r in rows if r.get("peak_note"))
+        lines += ["", f"Peak memory of the CUDA-graph rows is not shown: {note}."]
     for r in rows:
         if r.get("host_profile"):
             lines += ["", f"Host profile of {r['impl']}, {mode_label(r)}, steps on new COCO "
@@ -105,8 +106,9 @@ def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
         bench_ms = bench.get("first_pass_ms", bench["step_ms"]) if bench else None
     if bench_ms is not None:
         ratio = result["median_step_time_ms"] / bench_ms
+        verdict = "within" if abs(ratio - 1) <= 0.1 else "outside"
         lines.append(f"The bench's step on new sizes of the COCO recipe in the same run, same mode: "
-                     f"{bench_ms:.1f} ms; TensorBoard / bench = {ratio:.2f} ({'within' if abs(ratio - 1) <= 0.1 else 'outside'} 10%).")
+                     f"{bench_ms:.1f} ms; TensorBoard / bench = {ratio:.2f} ({verdict} 10%).")
     return lines
 
 

@@ -5,8 +5,8 @@ The Triton forward and backward are registered with ``torch.library.custom_op``,
 (meta) implementation, and the backward is attached with ``register_autograd``, so torch.compile traces
 through the op with no graph break and propagates dynamic shapes. Eager calls take a plain
 ``torch.autograd.Function`` over the same two functions instead: the dispatcher round trips of a custom
-op cost more host time per call than a decoder-sized kernel takes on the GPU. The level layout is an argument of
-the op as host integers (flattened H_0, W_0, H_1, W_1, ...; symbolic under dynamic shapes), so nothing
+op cost more host time per call than a decoder-sized kernel takes on the GPU. The level layout is an
+argument of the op as host integers (flattened H_0, W_0, H_1, W_1, ...; symbolic under dynamic shapes), so nothing
 is read back from the device.
 
 Dimensions, named once: N batch, S flattened value positions (sum of H_l * W_l), M heads, D channels per
