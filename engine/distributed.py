@@ -157,13 +157,17 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_unused_param
 
     Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy of every
     gradient into its bucket after backward, which on a host-bound step is one launch per parameter.
+    Buffers are not broadcast before every forward: the model's only buffers are the backbone's frozen
+    batch-norm statistics, the same on every rank (one checkpoint or the same constants) and never updated,
+    and a broadcast would cost a collective per step and void their cached affine (models.frozen_batch_norm).
     """
     if not ctx.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                                   find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True)
+                                   find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
+                                   broadcast_buffers=False)
 
 
 def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tensor:

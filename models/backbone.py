@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torchvision.models._utils import IntermediateLayerGetter
-from torchvision.ops.misc import FrozenBatchNorm2d
+
+from .frozen_batch_norm import FrozenBatchNorm2d
 
 # Output channels of layer2/3/4 per torchvision ResNet; BasicBlock nets cannot dilate layer4.
 RESNET_CHANNELS = {
