@@ -116,7 +116,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     criterion.to(device)
     if cfg.compile:
         # In place: training and evaluation use it.
-        compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode)
+        compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode)
         if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple):
             log.warning(warning)
     optimizer = build_optimizer(model, cfg.optim)

@@ -1,7 +1,8 @@
-"""``compile=true``: the transformer's layers through torch.compile, for training and for evaluation.
+"""``compile=true``: the transformer's layers and the heads through torch.compile, for training and evaluation.
 
 Regional compilation: each encoder and decoder layer is compiled in place (``nn.Module.compile``), and
-layers of one kind share one graph, so the warm-up costs two graphs rather than the whole network's.
+layers of one kind share one graph, so the warm-up costs a few graphs rather than the whole network's;
+the heads of all decoder layers (``DeformableDETR.heads``) are one more.
 That is where the step's thousands of small launches are (attention projections, softmax, layer norms,
 feed-forward, the deformable attention op itself, which is a registered operator and traced with no
 break). The ResNet backbone stays eager: its kernels are few and large, and its stride-2 size arithmetic
@@ -33,11 +34,15 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "reduce-overhead")
 
 
-def compile_regions(model: torch.nn.Module, *, backend="inductor", mode: str = "default") -> torch.nn.Module:
-    """Compile ``model``'s (a DeformableDETR) encoder and decoder layers in place; returns the model.
+def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None = None, backend="inductor",
+                    mode: str = "default") -> torch.nn.Module:
+    """Compile ``model``'s (a DeformableDETR) encoder and decoder layers and heads in place; returns the model.
 
-    backend  "inductor", another torch.compile backend's name, or a backend callable (tests)
-    mode     one of COMPILE_MODES; a mode other than "default" needs the inductor backend
+    criterion  a SetCriterion whose losses after the matching are compiled too (training), in the default
+               mode whatever ``mode`` says: their sizes follow the matched pairs, new in every batch, and
+               a CUDA graph would be recorded for each
+    backend    "inductor", another torch.compile backend's name, or a backend callable (tests)
+    mode       one of COMPILE_MODES; a mode other than "default" needs the inductor backend
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
@@ -47,10 +52,19 @@ def compile_regions(model: torch.nn.Module, *, backend="inductor", mode: str = "
     regions = [*model.transformer.encoder.layers, *model.transformer.decoder.layers]
     if mode == "reduce-overhead":
         model.register_forward_pre_hook(_new_cuda_graph_step)
+    options = dict(dynamic=True, backend=backend, **({"mode": str(mode)} if mode != "default" else {}))
     for region in regions:
-        region.compile(dynamic=True, backend=backend, **({"mode": str(mode)} if mode != "default" else {}))
-    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of the %d transformer layers; the first "
-             "steps of training and of evaluation include the compilation", backend, mode, len(regions))
+        region.compile(**options)
+    # The prediction heads of all decoder layers: a few hundred small launches forward and backward, one
+    # graph. An instance attribute over the method, so parameters and state_dict keys stay where they are.
+    model.heads = torch.compile(model.heads, **options)
+    if criterion is not None:
+        # Five hundred small launches forward and backward, between the matching and the backward: with
+        # the GPU waiting on the matching's host sync there, their host time is the step's.
+        criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
+    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of the %d transformer layers, the "
+             "prediction heads%s; the first steps of training and of evaluation include the compilation",
+             backend, mode, len(regions), " and the losses" if criterion is not None else "")
     return model
 
 

@@ -21,6 +21,7 @@ from models.model_config import read_criterion_config, resolved_num_classes
 from models.postprocess import PostProcess
 
 _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
+_PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
 
 
 class SetCriterion(nn.Module):
@@ -83,15 +84,10 @@ class SetCriterion(nn.Module):
 
     def _group_losses(self, suffixes, logits, boxes, targets, m: "_Matches", tgt_lengths, num_boxes) -> dict:
         """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix."""
-        per_layer = {}
         labels = torch.cat([t["labels"] for t in targets]).to(logits.device, torch.int64)  # (T,)
-        if "labels" in self.losses:
-            per_layer["loss_ce"] = self._loss_labels(logits, labels, m, num_boxes)
-        if "boxes" in self.losses:
-            tgt_boxes = torch.cat([t["boxes"] for t in targets])  # (T, 4)
-            per_layer.update(_loss_boxes(boxes, tgt_boxes, m, num_boxes, num_layers=len(suffixes)))
-        if "cardinality" in self.losses:
-            per_layer["cardinality_error"] = _loss_cardinality(logits, tgt_lengths)
+        tgt_boxes = torch.cat([t["boxes"] for t in targets]).to(logits.device)  # (T, 4)
+        sums = self.stacked_losses(logits, boxes, labels, tgt_boxes, m.layer, m.batch, m.query, m.target, tgt_lengths)
+        per_layer = {name: values / num_boxes if name in _PER_BOX else values for name, values in sums.items()}
         losses = {name + suffix: value for name, values in per_layer.items()
                   for suffix, value in zip(suffixes, values.unbind())}
         if "labels" in self.losses and "" in suffixes:
@@ -103,19 +99,36 @@ class SetCriterion(nn.Module):
                                                          labels[m.target[rows]])
         return losses
 
-    def _loss_labels(self, logits, labels, m: "_Matches", num_boxes) -> torch.Tensor:
-        """(G,) sigmoid focal loss over all B*Q*K logits per layer; unmatched queries have all-zero targets."""
+    def stacked_losses(self, logits, boxes, labels, tgt_boxes, layer, batch, query, target, tgt_lengths) -> dict:
+        """{name: (G,)} of G stacked layers, before the division by num_boxes (for the names in _PER_BOX).
+
+        Tensors only, no host values, so that engine.compile can compile it once for every batch: the number
+        of matched pairs M changes with every batch. logits (G, B, Q, K), boxes (G, B, Q, 4), labels (T,),
+        tgt_boxes (T, 4), the matched pairs' layer, batch, query and target indices (M,), tgt_lengths (B,).
+        """
+        sums = {}
+        if "labels" in self.losses:
+            sums["loss_ce"] = self._loss_labels(logits, labels, layer, batch, query, target)
+        if "boxes" in self.losses:
+            sums.update(_loss_boxes(boxes, tgt_boxes, layer, batch, query, target, num_layers=logits.shape[0]))
+        if "cardinality" in self.losses:
+            sums["cardinality_error"] = _loss_cardinality(logits, tgt_lengths)
+        return sums
+
+    def _loss_labels(self, logits, labels, layer, batch, query, target) -> torch.Tensor:
+        """(G,) sigmoid focal loss over all B*Q*K logits per layer, times num_boxes; unmatched queries have
+        all-zero targets."""
         if logits.dtype in (torch.float16, torch.bfloat16):
             # The loss sums B*Q*K small terms; accumulate them in fp32 (the gradient flows through the cast).
             logits = logits.float()
         G, B, Q, K = logits.shape
         # Index K is the "no object" class: its one-hot column is dropped below, leaving zeros.
         target_classes = torch.full((G, B, Q), K, dtype=torch.int64, device=logits.device)  # (G, B, Q)
-        target_classes[m.layer, m.batch, m.query] = labels[m.target]
+        target_classes[layer, batch, query] = labels[target]
         onehot = F.one_hot(target_classes, K + 1)[..., :K].to(logits.dtype)  # (G, B, Q, K)
         focal = sigmoid_focal_loss(logits, onehot, alpha=self.focal_alpha, gamma=2.0, reduction="none")
         # The original normalizes as mean over queries, sum over the rest, / num_boxes, then * Q.
-        return focal.mean(2).sum((1, 2)) / num_boxes * Q
+        return focal.mean(2).sum((1, 2)) * Q
 
 
 class _Matches(NamedTuple):
@@ -174,12 +187,12 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
     return matches, flat[-1]
 
 
-def _loss_boxes(boxes, tgt_boxes, m: _Matches, num_boxes, *, num_layers: int) -> dict[str, torch.Tensor]:
-    """(G,) L1 on normalized cxcywh and 1 - GIoU on xyxy, over each layer's matched pairs, / num_boxes."""
-    src_boxes = boxes[m.layer, m.batch, m.query]  # (M, 4)
+def _loss_boxes(boxes, tgt_boxes, layer, batch, query, target, *, num_layers: int) -> dict[str, torch.Tensor]:
+    """(G,) L1 on normalized cxcywh and 1 - GIoU on xyxy, summed over each layer's matched pairs."""
+    src_boxes = boxes[layer, batch, query]  # (M, 4)
     if src_boxes.dtype in (torch.float16, torch.bfloat16):
         src_boxes = src_boxes.float()
-    target_boxes = tgt_boxes[m.target].to(src_boxes.device, src_boxes.dtype)  # (M, 4)
+    target_boxes = tgt_boxes[target].to(src_boxes.dtype)  # (M, 4)
     l1 = (src_boxes - target_boxes).abs().sum(-1)  # (M,)
     # diag of the pairwise matrix (no eps), as the original; torchvision's generalized_box_iou_loss
     # adds eps terms that change the numbers slightly.
@@ -187,8 +200,7 @@ def _loss_boxes(boxes, tgt_boxes, m: _Matches, num_boxes, *, num_layers: int) ->
         generalized_box_iou(box_convert(src_boxes, "cxcywh", "xyxy"), box_convert(target_boxes, "cxcywh", "xyxy"))
     )  # (M,)
     zeros = src_boxes.new_zeros(num_layers)
-    return {"loss_bbox": zeros.index_add(0, m.layer, l1) / num_boxes,
-            "loss_giou": zeros.index_add(0, m.layer, 1 - giou) / num_boxes}
+    return {"loss_bbox": zeros.index_add(0, layer, l1), "loss_giou": zeros.index_add(0, layer, 1 - giou)}
 
 
 @torch.no_grad()

@@ -131,12 +131,12 @@ class DeformableDETR(nn.Module):
             pos.append(self.backbone[1](lvl_mask).to(src.dtype))
         return srcs, masks, pos
 
-    def predict(self, srcs, masks, pos) -> dict:
-        """Transformer and heads on projected levels (as returned by ``features``) -> output dict."""
-        query_embed = None if self.two_stage else self.query_embed.weight
-        hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
-            srcs, masks, pos, query_embed)  # hs (K, B, Q, C)
+    def heads(self, hs: torch.Tensor, init_reference: torch.Tensor, inter_references: torch.Tensor):
+        """Class logits and boxes of every decoder layer (engine.compile compiles this as one region).
 
+        hs (K, B, Q, C), init_reference (B, Q, 2 or 4), inter_references (K, B, Q, 2 or 4) in [0, 1]
+        -> (logits (K, B, Q, num_classes), boxes (K, B, Q, 4) normalized cxcywh)
+        """
         outputs_classes, outputs_coords = [], []
         for lvl in range(hs.shape[0]):
             reference = inverse_sigmoid(init_reference if lvl == 0 else inter_references[lvl - 1])
@@ -148,8 +148,14 @@ class DeformableDETR(nn.Module):
                 tmp = torch.cat([tmp[..., :2] + reference, tmp[..., 2:]], -1)
             outputs_classes.append(outputs_class)
             outputs_coords.append(tmp.sigmoid())
-        outputs_class = torch.stack(outputs_classes)  # (K, B, Q, num_classes)
-        outputs_coord = torch.stack(outputs_coords)  # (K, B, Q, 4)
+        return torch.stack(outputs_classes), torch.stack(outputs_coords)
+
+    def predict(self, srcs, masks, pos) -> dict:
+        """Transformer and heads on projected levels (as returned by ``features``) -> output dict."""
+        query_embed = None if self.two_stage else self.query_embed.weight
+        hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
+            srcs, masks, pos, query_embed)  # hs (K, B, Q, C)
+        outputs_class, outputs_coord = self.heads(hs, init_reference, inter_references)
 
         out = {"pred_logits": outputs_class[-1], "pred_boxes": outputs_coord[-1]}
         if self.aux_loss:

@@ -373,3 +373,41 @@ def test_bf16_outputs_give_fp32_losses_close_to_fp32(gen):
         torch.testing.assert_close(losses[key], ref[key], rtol=2e-2, atol=2e-2)
     (losses["loss_ce"] + losses["loss_bbox"]).backward()
     assert low["pred_logits"].grad.dtype == torch.bfloat16 and low["pred_boxes"].grad.abs().sum() > 0
+
+
+def _outputs_with_aux(B, Q, gen, n_aux, requires_grad=True):
+    outputs = rand_outputs(B, Q, gen)
+    outputs["aux_outputs"] = [rand_outputs(B, Q, gen) for _ in range(n_aux)]
+    leaves = [outputs["pred_logits"], outputs["pred_boxes"]] + [t for aux in outputs["aux_outputs"]
+                                                                for t in (aux["pred_logits"], aux["pred_boxes"])]
+    for t in leaves:
+        t.requires_grad_(requires_grad)
+    return outputs, leaves
+
+
+def test_compiled_losses_equal_eager_for_every_number_of_matches_without_recompiling(gen):
+    """engine.compile compiles stacked_losses once (dynamic shapes): the matched pairs change every batch."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager = make_criterion()
+    compiled = make_criterion()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled.stacked_losses = torch.compile(compiled.stacked_losses, dynamic=True, backend=counter, fullgraph=True)
+    frames = []
+    for sizes in ([3, 5], [2, 7], [4, 1], [6, 6]):  # 8, 9, 5 and 12 targets: new sizes M = 6 * T each time
+        outputs, leaves = _outputs_with_aux(2, 12, gen, n_aux=5)
+        targets = rand_targets(sizes, gen)
+        expected = eager(outputs, targets)
+        got = compiled(outputs, targets)
+        assert set(got) == set(expected)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-6, msg=name)
+        total = sum(v * eager.weight_dict[k] for k, v in expected.items() if k in eager.weight_dict)
+        total_compiled = sum(v * eager.weight_dict[k] for k, v in got.items() if k in eager.weight_dict)
+        grads = torch.autograd.grad(total, leaves)
+        grads_compiled = torch.autograd.grad(total_compiled, leaves)
+        for g, g_compiled in zip(grads, grads_compiled):
+            torch.testing.assert_close(g_compiled, g, rtol=1e-5, atol=1e-7)
+        frames.append(counter.frame_count)
+    assert frames[0] == 1 and frames[-1] <= 2, frames  # at most one recompile, when a size first becomes symbolic
