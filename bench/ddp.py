@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
-from bench.e2e_report import mode_label  # noqa: E402
+from bench.e2e_report import mode_label, ms_cell  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -57,8 +57,10 @@ def run(cmd: list[str], log: Path) -> None:
 # scaling: the worker runs in every torchrun process
 # ----------------------------------------------------------------------------------------------------
 def scaling_worker(args) -> None:
+    from torch._dynamo.utils import counters as dynamo_counters
+
     from bench.e2e import compose_config
-    from bench.e2e_steptime import random_batch
+    from bench.e2e_steptime import ATTENTION_KERNELS, count_syncs, profile_steps, random_batch
     from engine.compile import compile_regions
     from engine.distributed import average_over_processes, data_parallel, init_distributed, shutdown_distributed
     from engine.optim import build_optimizer
@@ -74,7 +76,9 @@ def scaling_worker(args) -> None:
         model.to(ctx.device).train()
         criterion.to(ctx.device)
         if args.compile_mode:
-            compile_regions(model, mode=args.compile_mode)
+            compile_regions(model, criterion=criterion, mode=args.compile_mode)
+        # Dynamo cuts graphs compiled inside DDP at its bucket boundaries (its "DDPOptimizer"); off for comparison.
+        torch._dynamo.config.optimize_ddp = not args.no_ddp_graph_split
         optimizer = build_optimizer(model, cfg.optim)
         trained = data_parallel(model, ctx)
         step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
@@ -87,19 +91,27 @@ def scaling_worker(args) -> None:
             step(*batch)
         torch.cuda.synchronize(ctx.device)
         warmup_s = time.perf_counter() - t0
-        times = []
+        times, host_times = [], []
         for _ in range(args.steps):
             t = time.perf_counter()
             step(*batch)
+            host_times.append((time.perf_counter() - t) * 1e3)  # until the host has queued the whole step
             torch.cuda.synchronize(ctx.device)
             times.append((time.perf_counter() - t) * 1e3)
+        # Every rank profiles the same steps: the collectives inside need all of them.
+        sync = lambda: torch.cuda.synchronize(ctx.device)  # noqa: E731
+        syncs = count_syncs(lambda: step(*batch))
+        kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True)
         if ctx.is_main:
             median = statistics.median(times)
             Path(args.result).write_text(json.dumps({
                 "gpus": ctx.world_size, "compile": args.compile_mode is not None, "compile_mode": args.compile_mode,
-                "batch_per_gpu": args.batch, "step_ms": median,
+                "batch_per_gpu": args.batch, "step_ms": median, "host_ms": statistics.median(host_times),
                 "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
-                "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30}))
+                "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
+                **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
+                "inductor_counters": dict(dynamo_counters["inductor"]),
+                **({"ddp_graph_split": False} if args.no_ddp_graph_split else {})}))
     finally:
         shutdown_distributed(ctx)
 
@@ -112,15 +124,18 @@ def run_scaling(args, work: Path, save) -> list[dict]:
             result = work / f"scaling_{gpus}_{mode}.json"
             cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           *(["--compile-mode", compile_mode] if compile_mode else []))
+                           *(["--compile-mode", compile_mode] if compile_mode else []),
+                           *(["--no-ddp-graph-split"] if args.no_ddp_graph_split else []))
             run(cmd, work / f"scaling_{gpus}_{mode}.log")
             row = json.loads(result.read_text())
             one = next((r for r in rows if r["gpus"] == 1 and mode_label(r) == mode_label(row)), None)
             row["efficiency"] = row["images_per_s"] / (gpus * one["images_per_s"]) if one else None
             rows.append(row)
             save(rows)
-            print(f"scaling {gpus} GPU(s) {mode_label(row)}: {row['step_ms']:.1f} ms/step, "
-                  f"{row['images_per_s']:.1f} images/s, efficiency {row['efficiency']}", flush=True)
+            print(f"scaling {gpus} GPU(s) {mode_label(row)}: {row['step_ms']:.1f} ms/step (host {row['host_ms']:.1f}, "
+                  f"GPU kernels {row['gpu_kernel_ms']:.1f}, NCCL {row['nccl_kernel_ms']:.1f}, {row['syncs_per_step']} "
+                  f"syncs), {row['images_per_s']:.1f} images/s, efficiency {row['efficiency']}; inductor counters "
+                  f"{row['inductor_counters']}", flush=True)
     return rows
 
 
@@ -173,13 +188,21 @@ def write_report(results: dict, out: Path, name: str) -> None:
         lines += ["## Training step over NCCL (DistributedDataParallel)", "",
                   "Default model, random 800x1333 batches, bf16, msda=triton, the same batch per GPU; median step "
                   "after warm-up. Efficiency: images/s over the number of GPUs times the 1-GPU images/s.", "",
-                  "| GPUs | mode | batch per GPU | step ms | images/s | efficiency | peak GiB | warm-up s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| GPUs | mode | batch per GPU | step ms | host ms | GPU kernels ms | NCCL kernels ms | syncs "
+                  "| images/s | efficiency | peak GiB | warm-up s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["scaling"]:
             eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] else "-"
-            lines.append(f"| {r['gpus']} | {mode_label(r)} | {r['batch_per_gpu']} | "
-                         f"{r['step_ms']:.1f} | {r['images_per_s']:.1f} | {eff} | {r['peak_gib']:.2f} | "
+            timing = " | ".join(ms_cell(r.get(key)) for key in ("host_ms", "gpu_kernel_ms", "nccl_kernel_ms"))
+            lines.append(f"| {r['gpus']} | {mode_label(r)} | {r['batch_per_gpu']} | {r['step_ms']:.1f} | {timing} | "
+                         f"{r.get('syncs_per_step', '-')} | {r['images_per_s']:.1f} | {eff} | {r['peak_gib']:.2f} | "
                          f"{r['warmup_s']:.0f} |")
+        lines += ["", "Host ms: until the step call returns, the wait at the matching's host sync included; step ms "
+                  "minus host ms is the GPU work still queued then, so a gap near 0 means the host, not the GPU, "
+                  "sets the pace after the matching. GPU "
+                  "kernels: device time of one step's CUDA kernels, NCCL's included (torch.profiler, rank 0); NCCL "
+                  "kernels: theirs alone, waiting for the other rank included. Syncs: host syncs in one step. "
+                  "Rows without these columns come from runs that did not measure them."]
         lines += coco_epoch_estimate(results["scaling"])
     if results.get("ap"):
         lines += ["", "## A short synthetic run on 1 and several GPUs", "",
@@ -217,6 +240,8 @@ def main():
     parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
+    parser.add_argument("--no-ddp-graph-split", action="store_true",
+                        help="scaling: torch._dynamo.config.optimize_ddp=False (one graph per compiled layer under DDP)")
     args = parser.parse_args()
     if args.worker == "scaling":
         scaling_worker(args)

@@ -63,14 +63,18 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     rows = []
     for batch in args.batches:
         for amp in args.amps:
-            for mode in args.compile_modes:
+            # The losses' setting only means something where the model is compiled.
+            modes = [(mode, losses) for mode in args.compile_modes
+                     for losses in (args.losses if COMPILE_MODES[mode] else [None])]
+            for mode, losses in modes:
                 for impl in args.impls:
                     cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
                     try:
                         new = measure(cfg=cfg, impl=impl, amp=amp, compile_mode=COMPILE_MODES[mode], batch=batch,
                                       height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
                                       multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples,
-                                      device=device, profile_shapes=args.profile_shapes)
+                                      device=device, profile_shapes=args.profile_shapes,
+                                      compile_losses=losses != "eager")
                     except Exception:  # one configuration's failure is reported; the others are still measured
                         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}",
                               flush=True)
@@ -94,12 +98,14 @@ def run_trainpy(args, work: Path) -> dict:
     """`python train.py` on synthetic 1067-pixel images with the COCO recipe's resizing; its step times."""
     import subprocess
 
-    run_dir = work / f"trainpy_{'compiled' if args.trainpy_compile else 'eager'}"
+    compile_mode = COMPILE_MODES[args.trainpy_mode]
+    run_dir = work / f"trainpy_{args.trainpy_mode}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     scales = "[" + ",".join(str(s) for s in range(480, 801, 32)) + "]"
     cmd = [sys.executable, str(ROOT / "train.py"), "model=deformable_detr", "model.pretrained=none",
-           "model.msda=triton", f"compile={str(args.trainpy_compile).lower()}", "amp=bf16", "batch_size=2",
+           "model.msda=triton", f"compile={str(compile_mode is not None).lower()}",
+           *([f"compile_mode={compile_mode}"] if compile_mode else []), "amp=bf16", "batch_size=2",
            f"dataset.root={work / 'synthetic_coco_sizes'}", "dataset.image_size=1067", f"dataset.train_scales={scales}",
            "dataset.max_size=1333", "dataset.val_size=800", f"dataset.num_train={2 * args.trainpy_steps}",
            "dataset.num_val=8", f"dataset.pad_to_multiple={args.trainpy_pad}", "num_workers=4", "epochs=1",
@@ -113,7 +119,7 @@ def run_trainpy(args, work: Path) -> dict:
     settled = values[1:]  # the first interval holds the kernels' compilation (and the model's, compiled)
     result = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": steps, "step_time_ms": values,
               "median_step_time_ms": statistics.median(settled) if settled else float("nan"),
-              "compile": args.trainpy_compile, "pad_to_multiple": args.trainpy_pad}
+              "compile": compile_mode is not None, "compile_mode": compile_mode, "pad_to_multiple": args.trainpy_pad}
     print(f"trainpy: train/step_time_ms in TensorBoard {result['median_step_time_ms']:.1f} ms (median of "
           f"{len(settled)} intervals after the first)", flush=True)
     return result
@@ -229,6 +235,9 @@ def main():
     parser.add_argument("--amps", nargs="+", default=["bf16"], choices=["bf16", "fp16", "none"])
     parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=list(COMPILE_MODES),
                         help="steptime: eager, compiled (compile=true), cudagraphs (compile_mode=reduce-overhead)")
+    parser.add_argument("--losses", nargs="+", default=["compiled"], choices=["compiled", "eager"],
+                        help="compiled modes: the losses after the matching compiled too (as train.py does), or eager "
+                             "(both: the difference it makes, in one run)")
     parser.add_argument("--multishape-steps", type=int, default=40,
                         help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones, "
                              "run twice, three times with CUDA graphs (0: none)")
@@ -237,7 +246,8 @@ def main():
     parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",
                         help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
     parser.add_argument("--trainpy-steps", type=int, default=80)
-    parser.add_argument("--trainpy-compile", action="store_true")
+    parser.add_argument("--trainpy-mode", default="eager", choices=list(COMPILE_MODES),
+                        help="trainpy: eager, compiled (compile=true) or cudagraphs (compile_mode=reduce-overhead)")
     parser.add_argument("--trainpy-pad", type=int, default=1, help="trainpy: dataset.pad_to_multiple")
     parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
                         help="steptime: implementations to time")
@@ -263,7 +273,8 @@ def main():
 
 
 def _row_key(row: dict) -> tuple:
-    return row["impl"], row["amp"], mode_label(row), row["batch"], row["shapes"]
+    """A row replaces the earlier row of the same configuration measured by the same command."""
+    return row["command"], row["impl"], row["amp"], mode_label(row), row["batch"], row["shapes"]
 
 
 def run_parts(args) -> None:
@@ -288,7 +299,7 @@ def run_parts(args) -> None:
         def save_rows(rows):
             rows = [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row} for row in rows]
             keys = {_row_key(r) for r in rows}
-            save("steptime", [r for r in earlier if _row_key(r) not in keys] + rows)
+            save("steptime", rows + [r for r in earlier if _row_key(r) not in keys])  # newest run first
 
         steptime_rows = run_steptime(args, device, save_rows)
     if "trainpy" in args.parts:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 
-def _ms(value) -> str:
+def ms_cell(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -18,7 +18,8 @@ def mode_label(row: dict) -> str:
     """eager, compiled (compile=true) or compiled + CUDA graphs (compile_mode=reduce-overhead)."""
     if not row["compile"]:
         return "eager"
-    return "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
+    label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
+    return label + (", losses eager" if row.get("losses_compiled") is False else "")
 
 
 def _sizes(row: dict) -> str:
@@ -28,10 +29,11 @@ def _sizes(row: dict) -> str:
     return f"{row['shapes']} ({row['distinct_shapes']} sizes{per_epoch})"
 
 
-def steptime_lines(rows: list[dict], header: dict) -> list[str]:
-    lines = [f"## Training step, default model, batch {', '.join(sorted({str(r['batch']) for r in rows}))}", "",
+def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> list[str]:
+    batches = ", ".join(sorted({str(r["batch"]) for r in rows}))
+    lines = [f"### {title}" if title else f"## Training step, default model, batch {batches}", "",
              f"{header['date']}, {header['gpu']}, torch {header['torch']}, triton {header['triton']}: "
-             f"`{header['command']}`. The trainer's own step (engine.step.TrainStep: forward, matching and "
+             f"`{header['command']}`.{' ' + header['note'] if header.get('note') else ''} The trainer's own step (engine.step.TrainStep: forward, matching and "
              "losses, backward, clipping, fused AdamW). Fixed: random 800x1333 batches, median of the timed "
              "steps after warm-up. COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, "
              "long side up to 1333), padded as `dataset.pad_to_multiple=N` pads them; one sequence of sizes run "
@@ -57,10 +59,10 @@ def steptime_lines(rows: list[dict], header: dict) -> list[str]:
     for r in rows:
         base = reference.get(key(r))
         cells = [r["batch"], r["amp"].replace("none", "fp32"), r["impl"], mode_label(r), _sizes(r),
-                 f"{r['step_ms']:.1f}", _ms(r.get("first_pass_ms")), _ms(r.get("gpu_kernel_ms")),
+                 f"{r['step_ms']:.1f}", ms_cell(r.get("first_pass_ms")), ms_cell(r.get("gpu_kernel_ms")),
                  pct(r.get("kernel_share")),
-                 _ms(r.get("launches")).removesuffix(".0"), r.get("syncs_per_step", "-"), _gib(r.get("peak_gib")),
-                 pct(r.get("attention_share")), _ms(r.get("first_step_s")), r.get("recompiles", "-"),
+                 ms_cell(r.get("launches")).removesuffix(".0"), r.get("syncs_per_step", "-"), _gib(r.get("peak_gib")),
+                 pct(r.get("attention_share")), ms_cell(r.get("first_step_s")), r.get("recompiles", "-"),
                  f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if any(r.get("compile_mode") == "reduce-overhead" and "passes" in r and r["passes"] < 3 for r in rows):
@@ -85,18 +87,17 @@ def bench_row_for_trainpy(result: dict, rows: list[dict]) -> dict | None:
     pass over new sizes is the figure to compare with.
     """
     return next((r for r in rows if r["impl"] == "triton" and r["amp"] == "bf16"
-                 and r["compile"] == result["compile"] and r.get("compile_mode") in (None, "default")
+                 and mode_label(r) == mode_label(result)
                  and r["shapes"].startswith("COCO recipe sizes")
                  and r.get("pad_to_multiple", 1) == result.get("pad_to_multiple", 1)), None)
 
 
 def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
-    mode = result["compile"]
     header = result.get("header", {})
     lines = ["", "## train/step_time_ms of a real `python train.py` run", "",
              f"{header.get('date', '')}, {header.get('gpu', '')}, from `{header.get('command', '')}`: "
              f"`python {result['command']}` (synthetic images resized as the COCO recipe does; "
-             f"{'compiled' if mode else 'eager'}): median of the TensorBoard values after the first interval "
+             f"{mode_label(result)}): median of the TensorBoard values after the first interval "
              f"{result['median_step_time_ms']:.1f} ms."]
     # Only a figure of the same run compares: the one it recorded, else a row of the run that made it.
     bench_ms = result.get("bench_step_ms")
@@ -115,6 +116,14 @@ def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
 PARTS = ("steptime", "trainpy", "parity")
 
 
+def runs_of(rows: list[dict]) -> list[list[dict]]:
+    """Step-time rows grouped by the command that measured them, in the order the file holds them."""
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(r["command"], []).append(r)
+    return list(runs.values())
+
+
 def load_parts(out: Path) -> dict:
     """The results bench/e2e.py saved in ``out``, one json per part: e2e_h200_<part>.json."""
     return {name: json.loads((out / f"e2e_h200_{name}.json").read_text())
@@ -127,8 +136,9 @@ def write_report(out: Path) -> None:
     lines = ["# End-to-end training: model.msda=triton vs pytorch", "",
              "Written by `bench/e2e.py` from the json files beside this one; each part names its own run."]
     rows = parts.get("steptime", [])
-    if rows:
-        lines += [""] + steptime_lines(rows, rows[0])
+    runs = runs_of(rows)
+    for i, run in enumerate(runs):  # one table per run: speed-ups are ratios within a run
+        lines += [""] + steptime_lines(run, run[0], title=None if i == 0 else f"Run {i + 1} of {len(runs)}")
     if "trainpy" in parts:
         lines += trainpy_lines(parts["trainpy"], rows)
     header = parts["parity"]["header"] if "parity" in parts else {}
@@ -199,7 +209,7 @@ def plot(out: Path) -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "e2e_tensorboard_step_time.png", dpi=110)
-    rows = parts.get("steptime")
+    rows = (runs_of(parts.get("steptime", [])) or [None])[0]  # the file's first run
     if rows:
         # One group of bars per (mode, sizes); the hatched inner bar is the GPU kernel time of the step.
         groups = list(dict.fromkeys((r["batch"], r["amp"], mode_label(r), r["shapes"]) for r in rows))

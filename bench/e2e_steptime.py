@@ -78,14 +78,15 @@ def _device_us(event) -> float:
 
 
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
-    """GPU kernel time and launches per step, and the attention op's share of the kernel time."""
+    """GPU kernel time and launches per step, the attention op's share of the kernel time, and the time of
+    NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             run_step()
         sync()
-    kernel_us = attention_us = 0.0
+    kernel_us = attention_us = nccl_us = 0.0
     launches = 0
     for event in prof.key_averages():
         if "LaunchKernel" in event.key:
@@ -96,8 +97,10 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
         kernel_us += us
         if any(name in event.key for name in attention_names):
             attention_us += us
+        if "nccl" in event.key.lower():
+            nccl_us += us
     return {"gpu_kernel_ms": kernel_us / steps / 1e3, "launches": launches / steps,
-            "attention_share": attention_us / max(kernel_us, 1e-9)}
+            "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3}
 
 
 def count_syncs(run_step) -> int:
@@ -120,7 +123,7 @@ def _unique_graphs() -> int:
 
 def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, height: int, width: int,
             warmup: int, steps: int, multishape_steps: int, device: torch.device, pad_multiples=(1,),
-            seed: int = 0, profile_shapes: int = 0) -> list[dict]:
+            seed: int = 0, profile_shapes: int = 0, compile_losses: bool = True) -> list[dict]:
     """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for this
     configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES."""
     torch._dynamo.reset()  # also frees the CUDA-graph trees of an earlier configuration
@@ -132,7 +135,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
     model.to(device).train()
     criterion.to(device)
     if compile_mode is not None:
-        compile_regions(model, mode=compile_mode)
+        compile_regions(model, criterion=criterion if compile_losses else None, mode=compile_mode)
     optimizer = build_optimizer(model, cfg.optim)
     step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
@@ -155,7 +158,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
         return (time.perf_counter() - t0) * 1e3
 
     base = {"impl": impl, "amp": amp, "compile": compile_mode is not None, "compile_mode": compile_mode,
-            "batch": batch}
+            "batch": batch, **({"losses_compiled": False} if compile_mode and not compile_losses else {})}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
     graphs_before = _unique_graphs()
     first_ms = timed(fixed)
