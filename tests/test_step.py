@@ -156,6 +156,32 @@ def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(se
     assert 3 <= frames[0] <= 6 and frames[1] == frames[0], frames
 
 
+def test_compiled_regions_give_the_detections_of_eager_in_evaluation(seeded):
+    """Evaluation runs the compiled model under inference mode and postprocesses its outputs."""
+    from engine.compile import compile_regions
+
+    torch._dynamo.reset()
+    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    with torch.no_grad():  # non-trivial offsets and weights, as a trained model has
+        for m in eager.modules():
+            if isinstance(m, MSDeformAttn):
+                m.sampling_offsets.weight.normal_(0, 0.05)
+                m.attention_weights.weight.normal_(0, 0.05)
+    compiled = copy.deepcopy(eager)
+    compile_regions(compiled, backend="aot_eager")
+    eager.eval()
+    compiled.eval()
+    images, mask = _batch(pad_w=8)
+    sizes = torch.tensor([[images.shape[-2], images.shape[-1] - 8]] * images.shape[0])
+    with torch.inference_mode():
+        expected = postprocess(eager(images, mask), sizes)
+        got = postprocess(compiled(images, mask), sizes)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g["labels"], e["labels"])
+        torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-5, atol=1e-4)
+
+
 def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
     from engine.compile import compile_regions
 

@@ -129,6 +129,17 @@ def test_resume_mid_epoch_continues_identically(tiny_run, data_root, tmp_path):
     assert first["losses"] + second["losses"] == pytest.approx(tiny_run["losses"][STEPS_PER_EPOCH:], rel=1e-5)
 
 
+def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path):
+    """compile=true: layers, heads and losses compiled (aot_eager traces them and runs the same kernels)."""
+    torch._dynamo.reset()
+    common = ("epochs=1", "model.dropout=0.0")  # dropout draws its mask in another order once traced
+    eager = trainer.train(compose_run(data_root, tmp_path / "eager", *common))
+    compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile=true",
+                                         "compile_backend=aot_eager"))
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    assert compiled["eval"] == pytest.approx(eager["eval"], abs=1e-3)
+
+
 def test_unreadable_checkpoint_is_a_clear_error(data_root, tmp_path):
     bad = tmp_path / "corrupt.pth"
     bad.write_bytes(b"\x80\x02 not a checkpoint")
