@@ -13,6 +13,9 @@ batch (short side 480-800, long side up to 1333), and a layer's graph with symbo
 Recompilations are logged (torch's "recompiles" log), so a shape that does force one shows in train.log.
 Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere.
 
+In training the losses after the Hungarian matching are compiled too (``SetCriterion.stacked_losses``),
+always without CUDA graphs: the number of matched pairs changes with every batch.
+
 ``compile_mode=reduce-overhead`` replays the layers' kernels as CUDA graphs (Inductor's CUDA-graph trees),
 which takes their launch cost off the host. A size is run once, recorded at its second step and replayed
 from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
