@@ -5,7 +5,8 @@
 
 steptime  The trainer's own step (engine.step.TrainStep: forward, matching + losses, backward, clipping,
           fused AdamW) of the default Deformable DETR, eager and torch.compile'd, triton and pytorch, in the
-          same process: on random 800x1333 batches (median step, GPU kernel time, launches and host syncs per
+          same process (--isolate: one process each; --repeats N: N times, in alternating order): on random
+          800x1333 batches (median step, GPU kernel time, launches and host syncs per
           step, peak memory, attention share) and on batches of the COCO recipe's sizes (median, distinct
           shapes, recompilations). See bench/e2e_steptime.py.
 trainpy   A real `python train.py` run (the default model on synthetic images resized as the COCO recipe
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bench.e2e_report import bench_row_for_trainpy, mode_label, plot, write_report  # noqa: E402
+from bench.e2e_report import bench_row_for_trainpy, combine_repeats, mode_label, plot, write_report  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
@@ -57,38 +58,73 @@ def compose_config(overrides: list[str]):
 # step time
 # ----------------------------------------------------------------------------------------------------
 def run_steptime(args, device, save_rows) -> list[dict]:
-    """Every configuration's rows; save_rows(rows so far) after each, so a stopped run keeps what it measured."""
+    """Every configuration's rows; save_rows(rows so far) after each, so a stopped run keeps what it measured.
+
+    The step is bound by the host, so its figure moves with whatever else the process and the machine do:
+    --isolate measures each configuration in a fresh process, and --repeats N measures the whole list N
+    times, in alternating order, so that no configuration always comes first or last (the report shows the
+    median and the range over the repeats).
+    """
+    configs = [(batch, amp, mode, losses, impl) for batch in args.batches for amp in args.amps
+               for mode in args.compile_modes
+               # The losses' setting only means something where the model is compiled.
+               for losses in (args.losses if COMPILE_MODES[mode] else [None])
+               for impl in args.impls]
+    rows = []
+    for repeat in range(args.repeats):
+        for config in configs if repeat % 2 == 0 else configs[::-1]:
+            new = (_measure_in_child if args.isolate else _measure_here)(args, device, *config)
+            for row in new:
+                if args.repeats > 1:
+                    row["repeat"] = repeat
+                if args.isolate:
+                    continue  # the child printed its rows
+                print(f"steptime batch {row['batch']} {row['amp']:<4} {row['impl']:<7} {mode_label(row):<24} "
+                      f"{row['shapes']:<18} {row['step_ms']:.1f} ms, GPU kernels "
+                      f"{row.get('gpu_kernel_ms') or float('nan'):.1f} ms, {row.get('syncs_per_step', '-')} "
+                      f"syncs, {row['peak_gib']:.2f} GiB, first step {row.get('first_step_s', 0):.1f} s, "
+                      f"recompiles {row.get('recompiles', '-')}", flush=True)
+            rows.extend(new)
+            save_rows(rows)
+    return rows
+
+
+def _measure_here(args, device, batch, amp, mode, losses, impl) -> list[dict]:
     from bench.e2e_steptime import measure
 
-    rows = []
-    for batch in args.batches:
-        for amp in args.amps:
-            # The losses' setting only means something where the model is compiled.
-            modes = [(mode, losses) for mode in args.compile_modes
-                     for losses in (args.losses if COMPILE_MODES[mode] else [None])]
-            for mode, losses in modes:
-                for impl in args.impls:
-                    cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
-                    try:
-                        new = measure(cfg=cfg, impl=impl, amp=amp, compile_mode=COMPILE_MODES[mode], batch=batch,
-                                      height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
-                                      multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples,
-                                      device=device, profile_shapes=args.profile_shapes,
-                                      compile_losses=losses != "eager")
-                    except Exception:  # one configuration's failure is reported; the others are still measured
-                        print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}",
-                              flush=True)
-                        continue
-                    for row in new:
-                        print(f"steptime batch {batch} {amp:<4} {impl:<7} {mode:<10} "
-                              f"{row['shapes']:<18} {row['step_ms']:.1f} ms, GPU kernels "
-                              f"{row.get('gpu_kernel_ms') or float('nan'):.1f} ms, {row.get('syncs_per_step', '-')} "
-                              f"syncs, {row['peak_gib']:.2f} GiB, first step {row.get('first_step_s', 0):.1f} s, "
-                              f"recompiles {row.get('recompiles', '-')}", flush=True)
-                    rows.extend(new)
-                    save_rows(rows)
-                    torch.cuda.empty_cache()
-    return rows
+    cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
+    try:
+        return measure(cfg=cfg, impl=impl, amp=amp, compile_mode=COMPILE_MODES[mode], batch=batch,
+                       height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
+                       multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
+                       profile_shapes=args.profile_shapes, compile_losses=losses != "eager")
+    except Exception:  # one configuration's failure is reported; the others are still measured
+        print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
+        return []
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _measure_in_child(args, device, batch, amp, mode, losses, impl) -> list[dict]:
+    """The same configuration measured by this script in a process of its own; its rows."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", tmp, "--parts", "steptime",
+               "--device", str(device), "--batches", str(batch), "--amps", amp, "--compile-modes", mode,
+               "--losses", losses or "compiled", "--impls", impl, "--height", str(args.height),
+               "--width", str(args.width), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--multishape-steps", str(args.multishape_steps), "--pad-multiples", *map(str, args.pad_multiples),
+               "--profile-shapes", str(args.profile_shapes)]
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            print(f"steptime batch {batch} {amp} {impl} {mode} FAILED in its process: {' '.join(cmd)}", flush=True)
+            return []
+        rows = json.loads((Path(tmp) / "e2e_h200_steptime.json").read_text())
+    # This run's header (date, GPU, command) replaces the child's.
+    return [{k: v for k, v in row.items() if k not in ("gpu", "date", "torch", "triton", "command", "note")}
+            for row in rows]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -238,6 +274,10 @@ def main():
     parser.add_argument("--losses", nargs="+", default=["compiled"], choices=["compiled", "eager"],
                         help="compiled modes: the losses after the matching compiled too (as train.py does), or eager "
                              "(both: the difference it makes, in one run)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="steptime: each configuration in a process of its own")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="steptime: measure every configuration this many times, in alternating order")
     parser.add_argument("--multishape-steps", type=int, default=40,
                         help="steptime: steps on batches of the COCO recipe's sizes after the fixed-size ones, "
                              "run twice, three times with CUDA graphs (0: none)")
@@ -265,6 +305,8 @@ def main():
     parser.add_argument("--score-threshold", type=float, default=0.3)
     parser.add_argument("--replot", action="store_true", help="only rewrite e2e_h200.md and the plots from --out")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.replot:
         run_parts(args)
@@ -274,7 +316,8 @@ def main():
 
 def _row_key(row: dict) -> tuple:
     """A row replaces the earlier row of the same configuration measured by the same command."""
-    return row["command"], row["impl"], row["amp"], mode_label(row), row["batch"], row["shapes"]
+    return (row["command"], row["impl"], row["amp"], mode_label(row), row["batch"], row["shapes"],
+            row.get("repeat", 0))
 
 
 def run_parts(args) -> None:
@@ -304,7 +347,7 @@ def run_parts(args) -> None:
         steptime_rows = run_steptime(args, device, save_rows)
     if "trainpy" in args.parts:
         result = run_trainpy(args, args.work)
-        bench = bench_row_for_trainpy(result, steptime_rows if "steptime" in args.parts else [])
+        bench = bench_row_for_trainpy(result, combine_repeats(steptime_rows) if "steptime" in args.parts else [])
         if bench:  # the figure of this run, kept beside the TensorBoard one
             result["bench_step_ms"] = bench.get("first_pass_ms", bench["step_ms"])
         save("trainpy", {"header": header, **result})

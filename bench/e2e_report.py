@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 
@@ -20,6 +21,14 @@ def mode_label(row: dict) -> str:
         return "eager"
     label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
     return label + (", losses eager" if row.get("losses_compiled") is False else "")
+
+
+def _step_cell(row: dict) -> str:
+    """The median step; with repeats, the median over them and their range."""
+    spread = row.get("repeat_ms")
+    if not spread:
+        return f"{row['step_ms']:.1f}"
+    return f"{row['step_ms']:.1f} ({spread[0]:.1f}-{spread[-1]:.1f} over {len(spread)} runs)"
 
 
 def _sizes(row: dict) -> str:
@@ -59,7 +68,7 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
     for r in rows:
         base = reference.get(key(r))
         cells = [r["batch"], r["amp"].replace("none", "fp32"), r["impl"], mode_label(r), _sizes(r),
-                 f"{r['step_ms']:.1f}", ms_cell(r.get("first_pass_ms")), ms_cell(r.get("gpu_kernel_ms")),
+                 _step_cell(r), ms_cell(r.get("first_pass_ms")), ms_cell(r.get("gpu_kernel_ms")),
                  pct(r.get("kernel_share")),
                  ms_cell(r.get("launches")).removesuffix(".0"), r.get("syncs_per_step", "-"), _gib(r.get("peak_gib")),
                  pct(r.get("attention_share")), ms_cell(r.get("first_step_s")), r.get("recompiles", "-"),
@@ -117,11 +126,36 @@ PARTS = ("steptime", "trainpy", "parity")
 
 
 def runs_of(rows: list[dict]) -> list[list[dict]]:
-    """Step-time rows grouped by the command that measured them, in the order the file holds them."""
+    """Step-time rows grouped by the command that measured them, in the order the file holds them, each
+    configuration's repeats (bench/e2e.py --repeats) combined into one row."""
     runs: dict[str, list[dict]] = {}
     for r in rows:
         runs.setdefault(r["command"], []).append(r)
-    return list(runs.values())
+    return [combine_repeats(run) for run in runs.values()]
+
+
+def combine_repeats(rows: list[dict]) -> list[dict]:
+    """One row per configuration: medians over its repeats, and the repeats' step times in repeat_ms."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["impl"], r["amp"], mode_label(r), r["batch"], r["shapes"]), []).append(r)
+    combined = []
+    for group in groups.values():
+        if len(group) == 1:
+            combined.append(group[0])
+            continue
+        row = dict(group[0])
+        for key in ("step_ms", "first_pass_ms", "gpu_kernel_ms", "launches", "attention_share", "first_step_s"):
+            values = [r[key] for r in group if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        row["peak_gib"] = max(r["peak_gib"] for r in group)
+        row["syncs_per_step"] = max((r["syncs_per_step"] for r in group if r.get("syncs_per_step") is not None),
+                                    default=None)
+        if row.get("gpu_kernel_ms") is not None:
+            row["kernel_share"] = row["gpu_kernel_ms"] / row["step_ms"]
+        row["repeat_ms"] = sorted(r["step_ms"] for r in group)
+        combined.append(row)
+    return combined
 
 
 def load_parts(out: Path) -> dict:
