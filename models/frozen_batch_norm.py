@@ -52,7 +52,9 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
         return scale.reshape(1, -1, 1, 1), shift.reshape(1, -1, 1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # traced: the arithmetic is fused into the graph, nothing to cache
+        # Traced: the arithmetic is fused into the graph, nothing to cache. Buffers made under inference mode
+        # keep no version counter, so a cache could not see them change: computed every call.
+        if torch.compiler.is_compiling() or any(t.is_inference() for t in self._statistics()):
             scale, shift = self._affine_of(*self._statistics())
             return torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
         scale, shift = self._scale_shift(x.dtype)

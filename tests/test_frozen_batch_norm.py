@@ -71,6 +71,17 @@ def test_a_cache_made_under_inference_mode_serves_a_later_backward():
     torch.testing.assert_close(grad, expected)
 
 
+def test_a_module_made_under_inference_mode_works_in_and_out_of_it():
+    """Its buffers are inference tensors, which keep no version counter to key a cache on."""
+    with torch.inference_mode():
+        ours, theirs = _pair(4, seed=8)
+        x = torch.randn(1, 4, 3, 3)
+        torch.testing.assert_close(ours(x), theirs(x))
+        ours.running_var.mul_(3)
+        theirs.running_var.mul_(3)
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
 def test_under_autocast_the_output_keeps_the_inputs_half_precision():
     ours, theirs = _pair(8, seed=6)
     x = torch.randn(2, 8, 4, 4).bfloat16()
