@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou, sigmoid_focal_loss
 
+from models.compiled_methods import CompiledMethods
 from models.host_copy import to_device_async
 from models.matcher import HungarianMatcher
 from models.model_config import read_criterion_config, resolved_num_classes
@@ -24,7 +25,7 @@ _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
 _PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
 
 
-class SetCriterion(nn.Module):
+class SetCriterion(CompiledMethods, nn.Module):
     """Hungarian-matched detection losses.
 
     forward(outputs, targets) -> dict of UNWEIGHTED scalar losses; multiply by weight_dict[k] and sum
@@ -36,6 +37,8 @@ class SetCriterion(nn.Module):
     Keys: loss_ce, class_error (logged only), loss_bbox, loss_giou, cardinality_error (logged only);
     loss_ce_i, loss_bbox_i, loss_giou_i, cardinality_error_i per aux output; the same with _enc.
     """
+
+    compiled_methods = ("stacked_losses",)  # see models.compiled_methods
 
     def __init__(
         self,

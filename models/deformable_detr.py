@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.backbone import Joiner, build_backbone, downsample_mask
+from models.compiled_methods import CompiledMethods
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
 from models.model_config import ModelConfig, read_model_config, resolved_num_classes
 from models.position_encoding import build_position_encoding
@@ -34,7 +35,7 @@ class MLP(nn.Module):
         return x
 
 
-class DeformableDETR(nn.Module):
+class DeformableDETR(CompiledMethods, nn.Module):
     """forward(images (B, 3, H, W) float, mask (B, H, W) bool True on padding) -> dict:
 
     pred_logits (B, Q, num_classes) logits of the last decoder layer (sigmoid per class, no background),
@@ -42,6 +43,8 @@ class DeformableDETR(nn.Module):
     aux_outputs [{pred_logits, pred_boxes}] for decoder layers 0..K-2 (when aux_loss),
     enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage).
     """
+
+    compiled_methods = ("heads",)  # see models.compiled_methods
 
     def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
                  num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,

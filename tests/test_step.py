@@ -182,6 +182,31 @@ def test_compiled_regions_give_the_detections_of_eager_in_evaluation(seeded):
         torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-5, atol=1e-4)
 
 
+def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickles(seeded):
+    """compile_regions shadows methods per instance (models.compiled_methods): copies drop them."""
+    import io
+
+    from engine.compile import compile_regions
+
+    torch._dynamo.reset()
+    model, criterion, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    compile_regions(model, criterion=criterion, backend="aot_eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.class_embed[-1].bias.add_(1.0)  # the copy's own weights, not the original's
+    images, mask = _batch(pad_w=8)
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        expected = model(images, mask)["pred_logits"] + 1.0
+        got = twin(images, mask)["pred_logits"]
+    torch.testing.assert_close(got, expected)
+    assert "stacked_losses" not in copy.deepcopy(criterion).__dict__
+    buffer = io.BytesIO()
+    torch.save({"model": model, "criterion": criterion}, buffer)  # a compiled function would not pickle
+    assert buffer.tell() > 0
+
+
 def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
     from engine.compile import compile_regions
 
