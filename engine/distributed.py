@@ -14,6 +14,7 @@ through torch's watchdog, whose message starts with the rank.)
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -157,9 +158,9 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_unused_param
 
     Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy of every
     gradient into its bucket after backward, which on a host-bound step is one launch per parameter.
-    Buffers are not broadcast before every forward: the model's only buffers are the backbone's frozen
-    batch-norm statistics, the same on every rank (one checkpoint or the same constants) and never updated,
-    and a broadcast would cost a collective per step and void their cached affine (models.frozen_batch_norm).
+    Buffers are synced once, when DDP is built, and not broadcast before every forward: the model's only
+    buffers are the backbone's frozen batch-norm statistics, never updated, and a broadcast would cost a
+    collective per step and void their cached affine (models.frozen_batch_norm).
     """
     if not ctx.distributed:
         return model
@@ -167,7 +168,16 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_unused_param
 
     return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                                    find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
-                                   broadcast_buffers=False)
+                                   **_no_forward_buffer_sync(DistributedDataParallel))
+
+
+def _no_forward_buffer_sync(ddp_class) -> dict:
+    """DDP's argument for "sync buffers at construction only". Newer torch names it forward_sync_buffers and
+    deprecates broadcast_buffers; older torch has only broadcast_buffers=False, which also skips the sync at
+    construction (harmless here: every rank loads the same statistics)."""
+    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tensor:
