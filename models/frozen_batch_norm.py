@@ -5,9 +5,13 @@ under bf16/fp16 autocast, multiplies the half-precision convolution output by fl
 whole residual stream of the backbone runs and is kept for backward in float32, and every convolution
 casts its input back. Here the affine (scale, shift) is computed once per version of the statistics, in
 the input's dtype, and applied with one ``addcmul``: the same function, with the activations of an
-autocast run kept in its half-precision dtype, as a BatchNorm2d's output would be.
+autocast run kept in its half-precision dtype. In half precision, scale and shift are rounded to it
+before use, so the output carries those roundings too (about twice the error of rounding a float32 result
+once; float32 and float64 inputs are computed as before).
 
-Same buffers, same state_dict keys, so the official checkpoints load unchanged.
+Same buffers, same state_dict keys, so the official checkpoints load unchanged. The cache notices buffers
+replaced (``.to()``, ``load_state_dict``) or modified in place through the tensor itself; a write through
+``.data``, which bypasses the version counter, is not seen.
 """
 
 from __future__ import annotations

@@ -52,6 +52,20 @@ def test_new_statistics_are_used_after_load_and_in_place_change():
     torch.testing.assert_close(ours(x.double()), theirs(x.double()))
 
 
+def test_buffers_replaced_by_load_state_dict_with_assign_are_used():
+    ours, theirs = _pair(5, seed=9)
+    x = torch.randn(2, 5, 3, 3)
+    ours(x)  # fills the cache
+    source, _ = _pair(5, seed=10)
+    # New tensors with the old ones' version (one in-place write each, as _pair made): only identity differs.
+    state = {k: v.clone().mul_(1) for k, v in source.state_dict().items()}
+    assert all(state[k]._version == getattr(ours, k)._version for k in STATS)
+    ours.load_state_dict(state, assign=True)
+    theirs.load_state_dict(state)
+    assert ours.running_var is state["running_var"]
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
 def test_state_dict_keys_are_torchvisions_and_num_batches_tracked_is_dropped():
     ours, theirs = _pair(4, seed=4)
     assert list(ours.state_dict()) == list(theirs.state_dict()) == list(STATS)
