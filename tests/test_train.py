@@ -137,7 +137,17 @@ def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path)
     compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile=true",
                                          "compile_backend=aot_eager"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
-    assert compiled["eval"] == pytest.approx(eager["eval"], abs=1e-3)
+    # The tiny model scores AP 0 after one epoch either way: compare the trained weights instead (the
+    # detections of compiled regions in evaluation are compared in tests/test_step.py).
+    weights = load_checkpoint(tmp_path / "eager" / "checkpoint.pth")["model"]
+    compiled_weights = load_checkpoint(tmp_path / "compiled" / "checkpoint.pth")["model"]
+    assert set(compiled_weights) == set(weights)
+    # AdamW moves every weight by up to lr (1e-3) per step, whatever its gradient's size; parameters whose
+    # gradient is zero up to rounding (biases before a GroupNorm, attention key biases) follow that
+    # rounding's sign, so they may differ by a fraction of a step: 1e-4 is a tenth of one.
+    for name, value in weights.items():
+        torch.testing.assert_close(compiled_weights[name], value, rtol=1e-4, atol=1e-4, msg=name)
+    assert set(compiled["eval"]) == set(eager["eval"])  # the evaluation ran through the compiled regions
 
 
 def test_unreadable_checkpoint_is_a_clear_error(data_root, tmp_path):
