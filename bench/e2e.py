@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import platform
 import shutil
@@ -102,6 +103,9 @@ def _measure_here(args, device, batch, amp, mode, losses, impl) -> list[dict]:
         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
         return []
     finally:
+        # A compiled model is a reference cycle (its compiled heads hold its bound method): collect it before the
+        # next configuration, whose peak memory would otherwise include this one's weights and gradients.
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

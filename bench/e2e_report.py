@@ -20,7 +20,8 @@ def mode_label(row: dict) -> str:
     if not row["compile"]:
         return "eager"
     label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
-    return label + (", losses eager" if row.get("losses_compiled") is False else "")
+    label += ", losses eager" if row.get("losses_compiled") is False else ""
+    return label + (", no DDP graph cuts" if row.get("ddp_graph_split") is False else "")  # bench/ddp.py
 
 
 def _step_cell(row: dict) -> str:
