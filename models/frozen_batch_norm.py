@@ -28,7 +28,7 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
 
     def __init__(self, num_features: int, eps: float = 1e-5):
         super().__init__(num_features, eps)
-        self._affine: tuple | None = None  # (key, scale, shift); see _scale_shift
+        self._affine: tuple | None = None  # (dtype, versions, buffers, scale, shift); see _scale_shift
 
     def _statistics(self) -> tuple[torch.Tensor, ...]:
         return self.weight, self.bias, self.running_mean, self.running_var
@@ -37,17 +37,20 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
         """(1, C, 1, 1) scale and shift in ``dtype``, recomputed only when a buffer was replaced (.to(),
         load_state_dict into new tensors) or modified in place (its version counter moved)."""
         buffers = self._statistics()
-        key = (dtype, *buffers, *(t._version for t in buffers))
+        if any(t.is_inference() for t in buffers):  # made under inference mode: no version counter to key on
+            scale, shift = self._affine_of(*buffers)
+            return scale.to(dtype), shift.to(dtype)
+        versions = tuple(t._version for t in buffers)
         cached = self._affine
-        if cached is not None and len(cached[0]) == len(key) and all(
-                a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(cached[0], key)):
-            return cached[1], cached[2]
+        if (cached is not None and cached[0] == dtype and cached[1] == versions
+                and all(a is b for a, b in zip(cached[2], buffers))):
+            return cached[3], cached[4]
         # Plain tensors even when first met under inference mode (evaluation), so a later training step may
         # save them for backward.
         with torch.inference_mode(False), torch.no_grad():
             scale, shift = self._affine_of(*buffers)
             scale, shift = scale.to(dtype), shift.to(dtype)
-        self._affine = (key, scale, shift)
+        self._affine = (dtype, versions, buffers, scale, shift)
         return scale, shift
 
     def _affine_of(self, weight, bias, running_mean, running_var):
@@ -56,10 +59,8 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
         return scale.reshape(1, -1, 1, 1), shift.reshape(1, -1, 1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Traced: the arithmetic is fused into the graph, nothing to cache. Buffers made under inference mode
-        # keep no version counter, so a cache could not see them change: computed every call.
-        if torch.compiler.is_compiling() or any(t.is_inference() for t in self._statistics()):
-            scale, shift = self._affine_of(*self._statistics())
-            return torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
-        scale, shift = self._scale_shift(x.dtype)
+        if torch.compiler.is_compiling():  # traced: the arithmetic is fused into the graph, nothing to cache
+            scale, shift = (t.to(x.dtype) for t in self._affine_of(*self._statistics()))
+        else:
+            scale, shift = self._scale_shift(x.dtype)
         return torch.addcmul(shift, x, scale)
