@@ -47,6 +47,7 @@ from models import build_model  # noqa: E402
 
 # --compile-modes -> engine.compile mode (None: eager).
 COMPILE_MODES = {"eager": None, "compiled": "default", "cudagraphs": "reduce-overhead"}
+RUN_KEYS = ("gpu", "date", "torch", "triton", "command")  # what a step-time row takes from its run's header
 
 
 def compose_config(overrides: list[str]):
@@ -127,8 +128,7 @@ def _measure_in_child(args, device, batch, amp, mode, losses, impl) -> list[dict
             return []
         rows = json.loads((Path(tmp) / "e2e_h200_steptime.json").read_text())
     # This run's header (date, GPU, command) replaces the child's.
-    return [{k: v for k, v in row.items() if k not in ("gpu", "date", "torch", "triton", "command", "note")}
-            for row in rows]
+    return [{k: v for k, v in row.items() if k not in (*RUN_KEYS, "note")} for row in rows]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def run_parts(args) -> None:
         earlier = json.loads(saved.read_text()) if saved.exists() else []
 
         def save_rows(rows):
-            rows = [{**{k: header[k] for k in ("gpu", "date", "torch", "triton", "command")}, **row} for row in rows]
+            rows = [{**{k: header[k] for k in RUN_KEYS}, **row} for row in rows]
             keys = {_row_key(r) for r in rows}
             save("steptime", rows + [r for r in earlier if _row_key(r) not in keys])  # newest run first
 
