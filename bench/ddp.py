@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import mode_label, ms_cell  # noqa: E402
+from engine.compile import BACKBONE_CHOICES  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -76,7 +77,7 @@ def scaling_worker(args) -> None:
         model.to(ctx.device).train()
         criterion.to(ctx.device)
         if args.compile_mode:
-            compile_regions(model, criterion=criterion, mode=args.compile_mode)
+            compile_regions(model, criterion=criterion, mode=args.compile_mode, backbone=args.compile_backbone)
         # Dynamo cuts graphs compiled inside DDP at its bucket boundaries (its "DDPOptimizer"); off for comparison.
         torch._dynamo.config.optimize_ddp = not args.no_ddp_graph_split
         optimizer = build_optimizer(model, cfg.optim)
@@ -111,7 +112,9 @@ def scaling_worker(args) -> None:
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
                 "inductor_counters": dict(dynamo_counters["inductor"]),
-                **({"ddp_graph_split": False} if args.no_ddp_graph_split else {})}))
+                **({"ddp_graph_split": False} if args.no_ddp_graph_split else {}),
+                **({"backbone_compiled": args.compile_backbone}
+                   if args.compile_mode and args.compile_backbone != "eager" else {})}))
     finally:
         shutdown_distributed(ctx)
 
@@ -121,12 +124,13 @@ def run_scaling(args, work: Path, save) -> list[dict]:
     for mode in args.compile_modes:
         compile_mode = COMPILE_MODES[mode]
         for gpus in args.gpus:
-            result = work / f"scaling_{gpus}_{mode}.json"
+            result = work / f"scaling_{gpus}_{mode}_{args.compile_backbone}.json"
             cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                            *(["--compile-mode", compile_mode] if compile_mode else []),
-                           *(["--no-ddp-graph-split"] if args.no_ddp_graph_split else []))
-            run(cmd, work / f"scaling_{gpus}_{mode}.log")
+                           *(["--no-ddp-graph-split"] if args.no_ddp_graph_split else []),
+                           "--compile-backbone", args.compile_backbone)
+            run(cmd, work / f"scaling_{gpus}_{mode}_{args.compile_backbone}.log")
             row = json.loads(result.read_text())
             one = next((r for r in rows if r["gpus"] == 1 and mode_label(r) == mode_label(row)), None)
             row["efficiency"] = row["images_per_s"] / (gpus * one["images_per_s"]) if one else None
@@ -240,6 +244,8 @@ def main():
     parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
+                        help="scaling: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
     parser.add_argument("--no-ddp-graph-split", action="store_true",
                         help="scaling: torch._dynamo.config.optimize_ddp=False (one graph per compiled layer under DDP)")
     args = parser.parse_args()

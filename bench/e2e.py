@@ -41,6 +41,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import bench_row_for_trainpy, combine_repeats, mode_label, plot, write_report  # noqa: E402
+from engine.compile import BACKBONE_CHOICES  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
@@ -99,7 +100,8 @@ def _measure_here(args, device, batch, amp, mode, losses, impl) -> list[dict]:
         return measure(cfg=cfg, impl=impl, amp=amp, compile_mode=COMPILE_MODES[mode], batch=batch,
                        height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
                        multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
-                       profile_shapes=args.profile_shapes, compile_losses=losses != "eager")
+                       profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed,
+                       compile_losses=losses != "eager", compile_backbone=args.compile_backbone)
     except Exception:  # one configuration's failure is reported; the others are still measured
         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
         return []
@@ -122,7 +124,8 @@ def _measure_in_child(args, device, batch, amp, mode, losses, impl) -> list[dict
                "--losses", losses or "compiled", "--impls", impl, "--height", str(args.height),
                "--width", str(args.width), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--multishape-steps", str(args.multishape_steps), "--pad-multiples", *map(str, args.pad_multiples),
-               "--profile-shapes", str(args.profile_shapes)]
+               "--profile-shapes", str(args.profile_shapes), "--profile-fixed", str(args.profile_fixed),
+               "--compile-backbone", args.compile_backbone]
         if subprocess.run(cmd, cwd=ROOT).returncode != 0:
             print(f"steptime batch {batch} {amp} {impl} {mode} FAILED in its process: {' '.join(cmd)}", flush=True)
             return []
@@ -289,6 +292,10 @@ def main():
                         help="steptime: dataset.pad_to_multiple values of the COCO-sizes rows")
     parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",
                         help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
+    parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
+                        help="steptime: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
+    parser.add_argument("--profile-fixed", type=int, default=0, metavar="STEPS",
+                        help="steptime: after the fixed-size steps, profile this many more with cProfile (Python)")
     parser.add_argument("--trainpy-steps", type=int, default=80)
     parser.add_argument("--trainpy-mode", default="eager", choices=list(COMPILE_MODES),
                         help="trainpy: eager, compiled (compile=true) or cudagraphs (compile_mode=reduce-overhead)")
@@ -354,7 +361,12 @@ def run_parts(args) -> None:
         bench = bench_row_for_trainpy(result, combine_repeats(steptime_rows) if "steptime" in args.parts else [])
         if bench:  # the figure of this run, kept beside the TensorBoard one
             result["bench_step_ms"] = bench.get("first_pass_ms", bench["step_ms"])
-        save("trainpy", {"header": header, **result})
+        # Runs of other commands stay, newest first (an older file holds one run as a dict).
+        saved = args.out / "e2e_h200_trainpy.json"
+        earlier = json.loads(saved.read_text()) if saved.exists() else []
+        earlier = [earlier] if isinstance(earlier, dict) else earlier
+        save("trainpy", [{"header": header, **result}]
+             + [r for r in earlier if r["header"]["command"] != header["command"]])
     if "parity" in args.parts:
         save("parity", {"header": header, "parity": run_parity(args, device, args.work)})
 

@@ -21,6 +21,7 @@ def mode_label(row: dict) -> str:
         return "eager"
     label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
     label += ", losses eager" if row.get("losses_compiled") is False else ""
+    label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
     return label + (", no DDP graph cuts" if row.get("ddp_graph_split") is False else "")  # bench/ddp.py
 
 
@@ -87,6 +88,9 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
             lines += ["", f"Host profile of {r['impl']}, {mode_label(r)}, steps on new COCO "
                       "recipe sizes (torch.profiler, CPU, top operations by their own time):", "", "```",
                       r["host_profile"].rstrip(), "```"]
+        if r.get("host_cprofile"):
+            lines += ["", f"Python profile of {r['impl']}, {mode_label(r)}, fixed-size steps (cProfile: own "
+                      "time, then cumulative):", "", "```", r["host_cprofile"].rstrip(), "```"]
     return lines
 
 
@@ -103,12 +107,12 @@ def bench_row_for_trainpy(result: dict, rows: list[dict]) -> dict | None:
 
 
 def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
+    """One train.py run's paragraph: its TensorBoard figure against the bench's of the same run, if any."""
     header = result.get("header", {})
-    lines = ["", "## train/step_time_ms of a real `python train.py` run", "",
-             f"{header.get('date', '')}, {header.get('gpu', '')}, from `{header.get('command', '')}`: "
+    lines = ["", f"{header.get('date', '')}, {header.get('gpu', '')}, from `{header.get('command', '')}`: "
              f"`python {result['command']}` (synthetic images resized as the COCO recipe does; "
              f"{mode_label(result)}): median of the TensorBoard values after the first interval "
-             f"{result['median_step_time_ms']:.1f} ms."]
+             f"{result['median_step_time_ms']:.1f} ms.{' ' + result['note'] if result.get('note') else ''}"]
     # Only a figure of the same run compares: the one it recorded, else a row of the run that made it.
     bench_ms = result.get("bench_step_ms")
     if bench_ms is None:
@@ -175,7 +179,10 @@ def write_report(out: Path) -> None:
     for i, run in enumerate(runs):  # one table per run: speed-ups are ratios within a run
         lines += [""] + steptime_lines(run, run[0], title=None if i == 0 else f"Run {i + 1} of {len(runs)}")
     if "trainpy" in parts:
-        lines += trainpy_lines(parts["trainpy"], rows)
+        trainpy = parts["trainpy"]
+        lines += ["", "## train/step_time_ms of a real `python train.py` run"]
+        for result in [trainpy] if isinstance(trainpy, dict) else trainpy:  # one run (older files) or several
+            lines += trainpy_lines(result, rows)
     header = parts["parity"]["header"] if "parity" in parts else {}
     parity = parts["parity"]["parity"] if "parity" in parts else None
     if parity:

@@ -123,7 +123,8 @@ def _unique_graphs() -> int:
 
 def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, height: int, width: int,
             warmup: int, steps: int, multishape_steps: int, device: torch.device, pad_multiples=(1,),
-            seed: int = 0, profile_shapes: int = 0, compile_losses: bool = True) -> list[dict]:
+            seed: int = 0, profile_shapes: int = 0, profile_fixed: int = 0,
+            compile_losses: bool = True, compile_backbone: str = "eager") -> list[dict]:
     """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for this
     configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES."""
     torch._dynamo.reset()  # also frees the CUDA-graph trees of an earlier configuration
@@ -135,7 +136,8 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
     model.to(device).train()
     criterion.to(device)
     if compile_mode is not None:
-        compile_regions(model, criterion=criterion if compile_losses else None, mode=compile_mode)
+        compile_regions(model, criterion=criterion if compile_losses else None, mode=compile_mode,
+                        backbone=compile_backbone)
     optimizer = build_optimizer(model, cfg.optim)
     step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
@@ -158,7 +160,8 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
         return (time.perf_counter() - t0) * 1e3
 
     base = {"impl": impl, "amp": amp, "compile": compile_mode is not None, "compile_mode": compile_mode,
-            "batch": batch, **({"losses_compiled": False} if compile_mode and not compile_losses else {})}
+            "batch": batch, **({"losses_compiled": False} if compile_mode and not compile_losses else {}),
+            **({"backbone_compiled": compile_backbone} if compile_mode and compile_backbone != "eager" else {})}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
     graphs_before = _unique_graphs()
     first_ms = timed(fixed)
@@ -170,6 +173,9 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
            "peak_gib": peak_gib(), "syncs_per_step": count_syncs(lambda: step(*fixed)) if cuda else None,
            **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}
     row["kernel_share"] = row["gpu_kernel_ms"] / row["step_ms"]
+    if profile_fixed:
+        row["host_cprofile"] = python_profile(lambda: step(*fixed), sync, steps=profile_fixed)
+        print(row["host_cprofile"], flush=True)
     rows = [row]
     for pad in pad_multiples if multishape_steps else ():
         # The same sequence of sizes several times: the first pass meets each size for the first time (cuDNN
@@ -196,6 +202,26 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
     for r in rows:
         r["graphs_compiled"] = _unique_graphs() - graphs_before
     return rows
+
+
+def python_profile(run_step, sync, *, steps: int) -> str:
+    """The Python functions that take the most host time over ``steps`` steps (cProfile, own and cumulative)."""
+    import cProfile
+    import io
+    import pstats
+
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        run_step()
+    sync()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(45)
+    return text.getvalue()
 
 
 def host_profile(run_step, sync, *, steps: int) -> str:

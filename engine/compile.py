@@ -37,8 +37,15 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "reduce-overhead")
 
 
+# The backbone's ResNet and input projections: eager, or (an experiment of the benches, --compile-backbone)
+# compiled by inductor with static shapes, one graph per image size, which suits fixed-size batches only. With
+# dynamic shapes and CUDA graphs the compiled backbone killed the process on the H200 in its first step, in
+# both trials (a SIGSEGV in the first; no Python error in the second).
+BACKBONE_CHOICES = ("eager", "static")
+
+
 def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None = None, backend="inductor",
-                    mode: str = "default") -> torch.nn.Module:
+                    mode: str = "default", backbone: str = "eager") -> torch.nn.Module:
     """Compile ``model``'s (a DeformableDETR) encoder and decoder layers and heads in place; returns the model.
 
     criterion  a SetCriterion whose losses after the matching are compiled too (training), in the default
@@ -46,11 +53,14 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
                a CUDA graph would be recorded for each
     backend    "inductor", another torch.compile backend's name, or a backend callable (tests)
     mode       one of COMPILE_MODES; a mode other than "default" needs the inductor backend
+    backbone   one of BACKBONE_CHOICES (see there)
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if mode != "default" and backend != "inductor":
         raise ValueError(f"compile mode {mode!r} needs the inductor backend, got backend {backend!r}")
+    if backbone not in BACKBONE_CHOICES:
+        raise ValueError(f"backbone must be one of {BACKBONE_CHOICES}, got {backbone!r}")
     torch._logging.set_logs(recompiles=True)
     regions = [*model.transformer.encoder.layers, *model.transformer.decoder.layers]
     if mode == "reduce-overhead":
@@ -61,13 +71,17 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
     # The prediction heads of all decoder layers: a few hundred small launches forward and backward, one
     # graph. An instance attribute over the method, so parameters and state_dict keys stay where they are.
     model.heads = torch.compile(model.heads, **options)
+    if backbone == "static":
+        for region in (model.backbone[0].body, *model.input_proj):
+            region.compile(**{**options, "dynamic": False})
     if criterion is not None:
         # Five hundred small launches forward and backward, between the matching and the backward: with
         # the GPU waiting on the matching's host sync there, their host time is the step's.
         criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
     log.info("torch.compile (backend %s, mode %s, dynamic shapes) of the %d transformer layers, the "
-             "prediction heads%s; the first steps of training and of evaluation include the compilation",
-             backend, mode, len(regions), " and the losses" if criterion is not None else "")
+             "prediction heads%s%s; the first steps of training and of evaluation include the compilation",
+             backend, mode, len(regions), " and the losses" if criterion is not None else "",
+             ", the backbone (static shapes)" if backbone == "static" else "")
     return model
 
 

@@ -215,6 +215,21 @@ def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
         compile_regions(model, mode="max-speed")
     with pytest.raises(ValueError, match="needs the inductor backend"):
         compile_regions(model, backend="aot_eager", mode="reduce-overhead")
+    with pytest.raises(ValueError, match=r"backbone must be one of \('eager', 'static'\), got 'dynamic'"):
+        compile_regions(model, backbone="dynamic")
+
+
+def test_a_statically_compiled_backbone_gives_the_features_of_eager(seeded):
+    """The benches' --compile-backbone static: the ResNet and input projections as static-shape graphs."""
+    from engine.compile import compile_regions
+
+    torch._dynamo.reset()
+    eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    twin = copy.deepcopy(eager)
+    compile_regions(twin, backend="aot_eager", backbone="static")
+    images, mask = _batch(pad_w=16)
+    for got, expected in zip(twin.features(images, mask)[0], eager.features(images, mask)[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
