@@ -138,7 +138,8 @@ def run_scaling(args, work: Path, save) -> list[dict]:
             save(rows)
             print(f"scaling {gpus} GPU(s) {mode_label(row)}: {row['step_ms']:.1f} ms/step (host {row['host_ms']:.1f}, "
                   f"GPU kernels {row['gpu_kernel_ms']:.1f}, NCCL {row['nccl_kernel_ms']:.1f}, {row['syncs_per_step']} "
-                  f"syncs), {row['images_per_s']:.1f} images/s, efficiency {row['efficiency']}; inductor counters "
+                  f"syncs; GPU idle by phase {row.get('gpu_idle_by_phase_ms')}), {row['images_per_s']:.1f} images/s, "
+                  f"efficiency {row['efficiency']}; inductor counters "
                   f"{row['inductor_counters']}", flush=True)
     return rows
 

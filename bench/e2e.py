@@ -84,7 +84,8 @@ def run_steptime(args, device, save_rows) -> list[dict]:
                     continue  # the child printed its rows
                 print(f"steptime batch {row['batch']} {row['amp']:<4} {row['impl']:<7} {mode_label(row):<24} "
                       f"{row['shapes']:<18} {row['step_ms']:.1f} ms, GPU kernels "
-                      f"{row.get('gpu_kernel_ms') or float('nan'):.1f} ms, {row.get('syncs_per_step', '-')} "
+                      f"{row.get('gpu_kernel_ms') or float('nan'):.1f} ms, GPU idle by phase "
+                      f"{row.get('gpu_idle_by_phase_ms', '-')}, {row.get('syncs_per_step', '-')} "
                       f"syncs, {row['peak_gib']:.2f} GiB, first step {row.get('first_step_s', 0):.1f} s, "
                       f"recompiles {row.get('recompiles', '-')}", flush=True)
             rows.extend(new)

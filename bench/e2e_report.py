@@ -83,6 +83,14 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
     if any(r.get("peak_note") for r in rows):
         note = next(r["peak_note"] for r in rows if r.get("peak_note"))
         lines += ["", f"Peak memory of the CUDA-graph rows is not shown: {note}."]
+    idle_rows = [r for r in rows if r.get("gpu_idle_by_phase_ms")]
+    if idle_rows:
+        lines += ["", "GPU idle per step, charged to what the host was doing meanwhile (torch.profiler; the phases "
+                  "of engine.step, with the matching's host wait and Hungarian solve as step.matching):", ""]
+        for r in idle_rows:
+            phases = ", ".join(f"{name.removeprefix('step.')} {ms:.1f}"
+                               for name, ms in r["gpu_idle_by_phase_ms"].items())
+            lines.append(f"- {r['impl']}, {mode_label(r)}, {r['shapes']}: {r['gpu_idle_ms']:.1f} ms ({phases})")
     for r in rows:
         if r.get("host_profile"):
             lines += ["", f"Host profile of {r['impl']}, {mode_label(r)}, steps on new COCO "

@@ -99,8 +99,51 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             attention_us += us
         if "nccl" in event.key.lower():
             nccl_us += us
+    gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
+           if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    phases = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.name.startswith(STEP_PHASES) and not str(e.device_type).endswith("CUDA")]
+    idle = idle_by_phase(gpu, phases) if cuda else {}
     return {"gpu_kernel_ms": kernel_us / steps / 1e3, "launches": launches / steps,
-            "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3}
+            "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3,
+            **({"gpu_idle_ms": sum(idle.values()) / steps / 1e3,
+                "gpu_idle_by_phase_ms": {k: v / steps / 1e3 for k, v in sorted(idle.items())}} if idle else {})}
+
+
+# The training step's phases as engine.step and models.criterion name them for the profiler.
+STEP_PHASES = "step."
+
+
+def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Time the GPU idles while the host runs each phase: {phase name: microseconds}, summed over steps.
+
+    busy    (start, end) of every GPU activity (kernels, copies, memsets), overlapping or not
+    phases  (name, start, end) of the host's named ranges, possibly nested; an idle moment is charged to
+            the innermost range around it (the latest-starting one), and idle time outside every range is
+            not counted (before the first step, after the last)
+    """
+    if not phases:
+        return {}
+    window_start, window_end = min(p[1] for p in phases), max(p[2] for p in phases)
+    gaps, cursor = [], window_start
+    for start, end in sorted(busy):
+        if start > cursor:
+            gaps.append((cursor, min(start, window_end)))
+        cursor = max(cursor, end)
+        if cursor >= window_end:
+            break
+    if cursor < window_end:
+        gaps.append((cursor, window_end))
+    ordered = sorted(phases, key=lambda p: p[1])
+    idle: dict[str, float] = {}
+    for gap_start, gap_end in gaps:
+        # Cut the gap where a phase starts or ends; each piece belongs to one innermost phase (or none).
+        cuts = sorted({gap_start, gap_end, *(t for _, a, b in ordered for t in (a, b) if gap_start < t < gap_end)})
+        for a, b in zip(cuts, cuts[1:]):
+            inner = [p for p in ordered if p[1] <= (a + b) / 2 < p[2]]
+            if inner:
+                idle[inner[-1][0]] = idle.get(inner[-1][0], 0.0) + (b - a)
+    return idle
 
 
 def count_syncs(run_step) -> int:

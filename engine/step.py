@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from models.host_copy import to_device_async
 
@@ -52,24 +53,28 @@ class TrainStep:
         self._weights: torch.Tensor | None = None
 
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
-        with self.precision.autocast():
+        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
+        with record_function("step.forward"), self.precision.autocast():
             outputs = self.model(images, masks)
-        # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
-        num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
-        loss_dict = self.criterion(outputs, targets, num_boxes=num_boxes)
-        parts = torch.stack([loss_dict[k].float() for k in self._names(loss_dict)])  # (K,)
-        loss = (parts * self._weight_vector(parts.device)).sum()
+        with record_function("step.losses"):
+            # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
+            num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
+            loss_dict = self.criterion(outputs, targets, num_boxes=num_boxes)
+            parts = torch.stack([loss_dict[k].float() for k in self._names(loss_dict)])  # (K,)
+            loss = (parts * self._weight_vector(parts.device)).sum()
 
-        self.optimizer.zero_grad(set_to_none=True)
-        scaler = self.precision.scaler
-        scaler.scale(loss).backward()
-        scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).float()
-        if scaler.is_enabled():
-            scaler.step(self.optimizer)  # fp16: the scaler finds overflows and skips those steps itself
-            scaler.update()
-        else:
-            self._step_unless_non_finite(grad_norm)
+        with record_function("step.backward"):
+            self.optimizer.zero_grad(set_to_none=True)
+            scaler = self.precision.scaler
+            scaler.scale(loss).backward()
+        with record_function("step.update"):
+            scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).float()
+            if scaler.is_enabled():
+                scaler.step(self.optimizer)  # fp16: the scaler finds overflows and skips those steps itself
+                scaler.update()
+            else:
+                self._step_unless_non_finite(grad_norm)
         return torch.cat([loss.detach().reshape(1), grad_norm.reshape(1), parts.detach()])
 
     def _step_unless_non_finite(self, grad_norm: torch.Tensor) -> None:

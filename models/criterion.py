@@ -77,7 +77,9 @@ class SetCriterion(CompiledMethods, nn.Module):
         if num_boxes is None:
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
         groups = _prediction_groups(outputs, targets)
-        matched = self.matcher.match_groups([(logits, boxes, tgts) for _, logits, boxes, tgts in groups])
+        # Named for torch.profiler: the host waits for the GPU here, then the GPU waits for the host.
+        with torch.profiler.record_function("step.matching"):
+            matched = self.matcher.match_groups([(logits, boxes, tgts) for _, logits, boxes, tgts in groups])
         device = outputs["pred_logits"].device
         matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device)
         losses = {}

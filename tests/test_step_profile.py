@@ -1,0 +1,53 @@
+"""Where the GPU idles in a training step: the step's named phases and bench/e2e's attribution of idle time.
+
+bench/e2e.py and bench/ddp.py charge every moment the GPU has nothing to run to the innermost phase the host
+was in (engine.step's step.forward / step.losses / step.backward / step.update, the criterion's
+step.matching); these tests check the attribution on hand-made timelines, and that a real step names its
+phases for the profiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.e2e_steptime import STEP_PHASES, idle_by_phase
+from test_models import _batch, _targets
+from test_step import make_step
+
+PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
+
+
+def test_idle_time_goes_to_the_innermost_phase_around_it():
+    busy = [(1, 5), (4, 9), (22, 30)]  # overlapping activities count once
+    assert idle_by_phase(busy, PHASES) == {"step.forward": 2, "step.losses": 7, "step.matching": 3,
+                                          "step.backward": 2}
+
+
+def test_idle_time_outside_every_phase_is_not_counted():
+    busy = [(-50, -40), (0, 10), (10, 30), (60, 70)]  # before, during and after the phases
+    assert idle_by_phase(busy, PHASES) == {}
+    assert idle_by_phase([], []) == {}
+
+
+def test_a_gpu_that_never_runs_idles_for_the_whole_of_every_phase():
+    assert idle_by_phase([], PHASES) == pytest.approx({"step.forward": 10, "step.losses": 7, "step.matching": 3,
+                                                       "step.backward": 10})
+
+
+def test_several_steps_add_up_per_phase():
+    second = [(name, a + 100, b + 100) for name, a, b in PHASES]
+    busy = [(1, 9), (101, 109)]
+    idle = idle_by_phase(busy, PHASES + second)
+    assert idle == pytest.approx({"step.forward": 4, "step.losses": 14, "step.matching": 6, "step.backward": 20})
+
+
+def test_a_training_step_names_its_phases_for_the_profiler():
+    torch.manual_seed(0)
+    step = make_step("base")
+    images, mask = _batch()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(images, mask, _targets())
+    names = {e.name for e in prof.events() if e.name.startswith(STEP_PHASES)}
+    assert names == {"step.forward", "step.losses", "step.matching", "step.backward", "step.update"}
