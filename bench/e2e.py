@@ -163,6 +163,8 @@ def run_trainpy(args, work: Path) -> dict:
     settled = values[1:]  # the first interval holds the kernels' compilation (and the model's, compiled)
     result = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "steps": steps, "step_time_ms": values,
               "median_step_time_ms": statistics.median(settled) if settled else float("nan"),
+              # Once most sizes have been met (with CUDA graphs: recorded), as a long run spends its time.
+              "late_step_time_ms": statistics.median(values[-max(1, len(values) // 3):]) if values else float("nan"),
               "compile": compile_mode is not None, "compile_mode": compile_mode, "pad_to_multiple": args.trainpy_pad}
     print(f"trainpy: train/step_time_ms in TensorBoard {result['median_step_time_ms']:.1f} ms (median of "
           f"{len(settled)} intervals after the first)", flush=True)
@@ -360,8 +362,9 @@ def run_parts(args) -> None:
     if "trainpy" in args.parts:
         result = run_trainpy(args, args.work)
         bench = bench_row_for_trainpy(result, combine_repeats(steptime_rows) if "steptime" in args.parts else [])
-        if bench:  # the figure of this run, kept beside the TensorBoard one
+        if bench:  # the figures of this run, kept beside the TensorBoard ones
             result["bench_step_ms"] = bench.get("first_pass_ms", bench["step_ms"])
+            result["bench_steady_ms"] = bench["step_ms"]
         # Runs of other commands stay, newest first (an older file holds one run as a dict).
         saved = args.out / "e2e_h200_trainpy.json"
         earlier = json.loads(saved.read_text()) if saved.exists() else []

@@ -132,6 +132,12 @@ def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
         verdict = "within" if abs(ratio - 1) <= 0.1 else "outside"
         lines.append(f"The bench's step on new sizes of the COCO recipe in the same run, same mode: "
                      f"{bench_ms:.1f} ms; TensorBoard / bench = {ratio:.2f} ({verdict} 10%).")
+    if result.get("bench_steady_ms") and result.get("late_step_time_ms"):
+        ratio = result["late_step_time_ms"] / result["bench_steady_ms"]
+        verdict = "within" if abs(ratio - 1) <= 0.1 else "outside"
+        lines.append(f"The last third of the TensorBoard intervals (most sizes met): {result['late_step_time_ms']:.1f} "
+                     f"ms, against the bench's step once every size is known, {result['bench_steady_ms']:.1f} ms: "
+                     f"{ratio:.2f} ({verdict} 10%).")
     return lines
 
 
