@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
-from bench.e2e_report import mode_label, ms_cell  # noqa: E402
+from bench.e2e_report import annotation_caveat, mode_label, ms_cell  # noqa: E402
 from engine.compile import BACKBONE_CHOICES  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -208,6 +208,7 @@ def write_report(results: dict, out: Path, name: str) -> None:
                   "kernels: device time of one step's CUDA kernels, NCCL's included (torch.profiler, rank 0); NCCL "
                   "kernels: theirs alone, waiting for the other rank included. Syncs: host syncs in one step. "
                   "Rows without these columns come from runs that did not measure them."]
+        lines += annotation_caveat(results["scaling"])
         lines += coco_epoch_estimate(results["scaling"])
     if results.get("ap"):
         lines += ["", "## A short synthetic run on 1 and several GPUs", "",

@@ -80,6 +80,7 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
         lines += ["", "The CUDA-graph rows of COCO sizes above come from a run of two passes: its second pass "
                   "holds the recordings of the sizes met once in the first, so where every size was new (pad 1) "
                   "the step is a recording, not a replay; where sizes recur (pad 128), it is mostly replays."]
+    lines += annotation_caveat(rows)
     if any(r.get("peak_note") for r in rows):
         note = next(r["peak_note"] for r in rows if r.get("peak_note"))
         lines += ["", f"Peak memory of the CUDA-graph rows is not shown: {note}."]
@@ -100,6 +101,16 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
             lines += ["", f"Python profile of {r['impl']}, {mode_label(r)}, fixed-size steps (cProfile: own "
                       "time, then cumulative):", "", "```", r["host_cprofile"].rstrip(), "```"]
     return lines
+
+
+def annotation_caveat(rows: list[dict]) -> list[str]:
+    """A warning under tables whose GPU kernel times were summed before named ranges were left out."""
+    if not any(r.get("gpu_kernel_ms") is not None and not r.get("kernel_time_excludes_annotations") for r in rows):
+        return []
+    return ["", "GPU kernel times (and kernel and attention shares) of these rows also summed the GPU-side spans "
+            "of named host ranges (torch.profiler's user annotations: the optimizer's step, compiled regions' "
+            "calls, DDP's forward and NCCL's calls), which counts some kernels twice: they overstate the "
+            "kernels' time by an amount these runs did not record. Rows measured since are free of it."]
 
 
 def bench_row_for_trainpy(result: dict, rows: list[dict]) -> dict | None:
@@ -132,7 +143,9 @@ def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
         verdict = "within" if abs(ratio - 1) <= 0.1 else "outside"
         lines.append(f"The bench's step on new sizes of the COCO recipe in the same run, same mode: "
                      f"{bench_ms:.1f} ms; TensorBoard / bench = {ratio:.2f} ({verdict} 10%).")
-    if result.get("bench_steady_ms") and result.get("late_step_time_ms"):
+    # The steady figure has seen every size: only a run whose sizes recur (padded batches) can approach it.
+    if (result.get("bench_steady_ms") and result.get("late_step_time_ms")
+            and result.get("pad_to_multiple", 1) >= 32 and len(result.get("step_time_ms", [])) >= 4):
         ratio = result["late_step_time_ms"] / result["bench_steady_ms"]
         verdict = "within" if abs(ratio - 1) <= 0.1 else "outside"
         lines.append(f"The last third of the TensorBoard intervals (most sizes met): {result['late_step_time_ms']:.1f} "
@@ -164,9 +177,14 @@ def combine_repeats(rows: list[dict]) -> list[dict]:
             combined.append(group[0])
             continue
         row = dict(group[0])
-        for key in ("step_ms", "first_pass_ms", "gpu_kernel_ms", "launches", "attention_share", "first_step_s"):
+        for key in ("step_ms", "first_pass_ms", "gpu_kernel_ms", "launches", "attention_share", "first_step_s",
+                    "gpu_idle_ms"):
             values = [r[key] for r in group if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
+        phases = {name for r in group for name in r.get("gpu_idle_by_phase_ms", {})}
+        if phases:
+            row["gpu_idle_by_phase_ms"] = {name: statistics.median(r.get("gpu_idle_by_phase_ms", {}).get(name, 0.0)
+                                                                   for r in group) for name in sorted(phases)}
         row["peak_gib"] = max(r["peak_gib"] for r in group)
         row["syncs_per_step"] = max((r["syncs_per_step"] for r in group if r.get("syncs_per_step") is not None),
                                     default=None)

@@ -78,8 +78,9 @@ def _device_us(event) -> float:
 
 
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
-    """GPU kernel time and launches per step, the attention op's share of the kernel time, and the time of
-    NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks)."""
+    """GPU kernel time and launches per step, the attention op's share of the kernel time, the time of
+    NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks), and the time
+    the GPU idles per step, charged to the step's phases (see idle_by_phase)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -91,7 +92,7 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
     for event in prof.key_averages():
         if "LaunchKernel" in event.key:
             launches += event.count
-        if not str(event.device_type).endswith("CUDA"):
+        if not is_device_work(event):
             continue
         us = _device_us(event)
         kernel_us += us
@@ -99,15 +100,32 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             attention_us += us
         if "nccl" in event.key.lower():
             nccl_us += us
-    gpu = [(e.time_range.start, e.time_range.end) for e in prof.events()
-           if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
-    phases = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-              if e.name.startswith(STEP_PHASES) and not str(e.device_type).endswith("CUDA")]
+    events = prof.events()
+    gpu = [(e.time_range.start, e.time_range.end) for e in events
+           if is_device_work(e) and e.time_range.end > e.time_range.start]
+    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
+              if e.name.startswith(STEP_PHASES) and not _on_device(e)]
     idle = idle_by_phase(gpu, phases) if cuda else {}
     return {"gpu_kernel_ms": kernel_us / steps / 1e3, "launches": launches / steps,
             "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3,
+            # Rows measured before this key existed also summed the GPU spans of annotated ranges.
+            "kernel_time_excludes_annotations": True,
             **({"gpu_idle_ms": sum(idle.values()) / steps / 1e3,
                 "gpu_idle_by_phase_ms": {k: v / steps / 1e3 for k, v in sorted(idle.items())}} if idle else {})}
+
+
+def _on_device(event) -> bool:
+    return str(event.device_type).endswith("CUDA")
+
+
+def is_device_work(event) -> bool:
+    """Whether a profiler event (FunctionEvent or its average) is work the GPU did: a kernel, copy or memset.
+
+    Every named range on the host (record_function: the optimizer's step, DDP's forward, NCCL's calls, the
+    step's own phases) also has a GPU-side twin spanning the kernels launched inside it; it is marked as a user
+    annotation, and counting it would count those kernels again (torch's own tables leave it out too).
+    """
+    return _on_device(event) and not getattr(event, "is_user_annotation", False)
 
 
 # The training step's phases as engine.step and models.criterion name them for the profiler.
@@ -134,7 +152,7 @@ def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float
             break
     if cursor < window_end:
         gaps.append((cursor, window_end))
-    ordered = sorted(phases, key=lambda p: p[1])
+    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))  # of ranges that start together, the outer first
     idle: dict[str, float] = {}
     for gap_start, gap_end in gaps:
         # Cut the gap where a phase starts or ends; each piece belongs to one innermost phase (or none).

@@ -21,7 +21,7 @@ which takes their launch cost off the host. A size is run once, recorded at its 
 from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
 ``dataset.pad_to_multiple=128`` (24 sizes in an epoch). Each model call starts a new step of the graph
 trees (a forward pre-hook), so a step's outputs stay valid until the next call. (Compiling the backbone
-too, in this mode, crashed the process on the H200 in the one trial made: it stays eager here as well.)
+too, in this mode, killed the process on the H200 in both trials made: it stays eager here as well.)
 """
 
 from __future__ import annotations

@@ -227,6 +227,9 @@ def test_a_statically_compiled_backbone_gives_the_features_of_eager(seeded):
     eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
     twin = copy.deepcopy(eager)
     compile_regions(twin, backend="aot_eager", backbone="static")
+    for region in (twin.backbone[0].body, *twin.input_proj):  # compiled in place, as nn.Module.compile does
+        assert region._compiled_call_impl is not None
+    assert eager.backbone[0].body._compiled_call_impl is None
     images, mask = _batch(pad_w=16)
     for got, expected in zip(twin.features(images, mask)[0], eager.features(images, mask)[0]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -8,11 +8,14 @@ phases for the profiler.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.e2e_steptime import STEP_PHASES, idle_by_phase
+from bench.e2e_steptime import STEP_PHASES, idle_by_phase, is_device_work
 from test_models import _batch, _targets
 from test_step import make_step
 
@@ -41,6 +44,22 @@ def test_several_steps_add_up_per_phase():
     busy = [(1, 9), (101, 109)]
     idle = idle_by_phase(busy, PHASES + second)
     assert idle == pytest.approx({"step.forward": 4, "step.losses": 14, "step.matching": 6, "step.backward": 20})
+
+
+def test_nested_phases_that_start_together_charge_the_inner_one_whatever_their_order():
+    nested = [("step.losses", 10, 20), ("step.matching", 10, 15)]
+    for phases in (nested, nested[::-1]):
+        assert idle_by_phase([], phases) == {"step.matching": 5, "step.losses": 5}
+
+
+def test_only_kernels_copies_and_memsets_count_as_gpu_work_not_the_gpu_spans_of_named_ranges():
+    def event(device, annotation):
+        return SimpleNamespace(device_type=device, is_user_annotation=annotation)
+
+    assert is_device_work(event(DeviceType.CUDA, False))
+    assert not is_device_work(event(DeviceType.CUDA, True))  # a record_function range's GPU-side twin
+    assert not is_device_work(event(DeviceType.CPU, False))
+    assert not is_device_work(event(DeviceType.CPU, True))
 
 
 def test_a_training_step_names_its_phases_for_the_profiler():
