@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bench.e2e_report import bench_row_for_trainpy, combine_repeats, mode_label, plot, write_report  # noqa: E402
+from bench.e2e_report import (  # noqa: E402
+    bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report)
 from engine.compile import BACKBONE_CHOICES  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
@@ -365,10 +366,9 @@ def run_parts(args) -> None:
         if bench:  # the figures of this run, kept beside the TensorBoard ones
             result["bench_step_ms"] = bench.get("first_pass_ms", bench["step_ms"])
             result["bench_steady_ms"] = bench["step_ms"]
-        # Runs of other commands stay, newest first (an older file holds one run as a dict).
+        # Runs of other commands stay, newest first.
         saved = args.out / "e2e_h200_trainpy.json"
-        earlier = json.loads(saved.read_text()) if saved.exists() else []
-        earlier = [earlier] if isinstance(earlier, dict) else earlier
+        earlier = trainpy_runs(json.loads(saved.read_text())) if saved.exists() else []
         save("trainpy", [{"header": header, **result}]
              + [r for r in earlier if r["header"]["command"] != header["command"]])
     if "parity" in args.parts:

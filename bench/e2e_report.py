@@ -125,6 +125,11 @@ def bench_row_for_trainpy(result: dict, rows: list[dict]) -> dict | None:
                  and r.get("pad_to_multiple", 1) == result.get("pad_to_multiple", 1)), None)
 
 
+def trainpy_runs(saved) -> list[dict]:
+    """The train.py runs of e2e_h200_trainpy.json, newest first (older files hold one run as a dict)."""
+    return [saved] if isinstance(saved, dict) else list(saved)
+
+
 def trainpy_lines(result: dict, rows: list[dict]) -> list[str]:
     """One train.py run's paragraph: its TensorBoard figure against the bench's of the same run, if any."""
     header = result.get("header", {})
@@ -211,9 +216,8 @@ def write_report(out: Path) -> None:
     for i, run in enumerate(runs):  # one table per run: speed-ups are ratios within a run
         lines += [""] + steptime_lines(run, run[0], title=None if i == 0 else f"Run {i + 1} of {len(runs)}")
     if "trainpy" in parts:
-        trainpy = parts["trainpy"]
         lines += ["", "## train/step_time_ms of a real `python train.py` run"]
-        for result in [trainpy] if isinstance(trainpy, dict) else trainpy:  # one run (older files) or several
+        for result in trainpy_runs(parts["trainpy"]):
             lines += trainpy_lines(result, rows)
     header = parts["parity"]["header"] if "parity" in parts else {}
     parity = parts["parity"]["parity"] if "parity" in parts else None

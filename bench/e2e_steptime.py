@@ -77,6 +77,10 @@ def _device_us(event) -> float:
     return 0.0
 
 
+# The training step's phases as engine.step and models.criterion name them for the profiler.
+STEP_PHASES = "step."
+
+
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
     """GPU kernel time and launches per step, the attention op's share of the kernel time, the time of
     NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks), and the time
@@ -126,10 +130,6 @@ def is_device_work(event) -> bool:
     annotation, and counting it would count those kernels again (torch's own tables leave it out too).
     """
     return _on_device(event) and not getattr(event, "is_user_annotation", False)
-
-
-# The training step's phases as engine.step and models.criterion name them for the profiler.
-STEP_PHASES = "step."
 
 
 def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:

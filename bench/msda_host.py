@@ -1,7 +1,7 @@
 """Where the host time of one eager msda call goes, on the decoder-sized workload (issue: the eager op must not
 be slower than the original CUDA op, whose host path is a few C++ calls).
 
-    python bench/msda_host.py [--out DIR] [--calls 2000]
+    python bench/msda_host.py [--out DIR] [--calls 300]
 
 Each line is one piece, timed as a plain loop of --calls calls: the host time per call (until the loop has
 queued everything) and the wall time per call (until the GPU has run it). Kept short (a few hundred launches)
@@ -13,12 +13,9 @@ under cProfile. Writes msda_host_h200.json and msda_host_h200_profile.txt into -
 from __future__ import annotations
 
 import argparse
-import cProfile
 import datetime
-import io
 import json
 import platform
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -28,6 +25,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msda  # noqa: E402
+from bench.e2e_steptime import python_profile  # noqa: E402
 from bench.msda import LEVELS, heads, make_inputs  # noqa: E402
 from msda import launch  # noqa: E402
 from msda.validation import validate_inputs  # noqa: E402
@@ -71,20 +69,8 @@ def pieces(dtype: torch.dtype, calls: int) -> dict:
         "torch.zeros (grad_value)": host_us(lambda: torch.zeros(value.shape, device="cuda"), calls),
         "public forward+backward": host_us(fwd_bwd("triton"), calls // 3),
         "reference forward+backward": host_us(fwd_bwd("pytorch"), calls // 20),
-        "_profile": cprofile(fwd_bwd("triton"), calls // 2),
+        "_profile": python_profile(fwd_bwd("triton"), torch.cuda.synchronize, steps=calls // 2),
     }
-
-
-def cprofile(fn, calls: int) -> str:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    return text.getvalue()
 
 
 def main():
@@ -101,7 +87,7 @@ def main():
     results, profiles = {}, []
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         timings = pieces(dtype, args.calls)
-        profiles.append(f"==== {name}: cProfile of public forward+backward, by own time\n{timings.pop('_profile')}")
+        profiles.append(f"==== {name}: cProfile of public forward+backward\n{timings.pop('_profile')}")
         results[name] = timings
         for piece, us in timings.items():
             print(f"{name} {piece:<32} host {us['host']:8.1f} us, wall {us['wall']:8.1f} us", flush=True)
