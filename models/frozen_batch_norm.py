@@ -38,8 +38,7 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
         load_state_dict into new tensors) or modified in place (its version counter moved)."""
         buffers = self._statistics()
         if any(t.is_inference() for t in buffers):  # made under inference mode: no version counter to key on
-            scale, shift = self._affine_of(*buffers)
-            return scale.to(dtype), shift.to(dtype)
+            return self._affine_of(*buffers, dtype=dtype)
         versions = tuple(t._version for t in buffers)
         cached = self._affine
         if (cached is not None and cached[0] == dtype and cached[1] == versions
@@ -48,19 +47,19 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
         # Plain tensors even when first met under inference mode (evaluation), so a later training step may
         # save them for backward.
         with torch.inference_mode(False), torch.no_grad():
-            scale, shift = self._affine_of(*buffers)
-            scale, shift = scale.to(dtype), shift.to(dtype)
+            scale, shift = self._affine_of(*buffers, dtype=dtype)
         self._affine = (dtype, versions, buffers, scale, shift)
         return scale, shift
 
-    def _affine_of(self, weight, bias, running_mean, running_var):
+    def _affine_of(self, weight, bias, running_mean, running_var, *, dtype: torch.dtype):
+        """(1, C, 1, 1) scale and shift, computed in the statistics' dtype, then cast to ``dtype``."""
         scale = weight * (running_var + self.eps).rsqrt()
         shift = bias - running_mean * scale
-        return scale.reshape(1, -1, 1, 1), shift.reshape(1, -1, 1, 1)
+        return scale.reshape(1, -1, 1, 1).to(dtype), shift.reshape(1, -1, 1, 1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # traced: the arithmetic is fused into the graph, nothing to cache
-            scale, shift = (t.to(x.dtype) for t in self._affine_of(*self._statistics()))
+            scale, shift = self._affine_of(*self._statistics(), dtype=x.dtype)
         else:
             scale, shift = self._scale_shift(x.dtype)
         return torch.addcmul(shift, x, scale)
