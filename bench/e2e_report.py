@@ -15,14 +15,15 @@ def _gib(value) -> str:
     return "-" if value is None or value != value else f"{value:.2f}"  # None or NaN: not measured
 
 
-def mode_label(row: dict) -> str:
-    """eager, compiled (compile=true) or compiled + CUDA graphs (compile_mode=reduce-overhead)."""
+def mode_label(row: dict, *, ddp_cuts: bool = True) -> str:
+    """eager, compiled (compile=true) or compiled + CUDA graphs (compile_mode=reduce-overhead); ddp_cuts=False
+    leaves out whether Dynamo cut the graphs at DDP's buckets (bench/ddp.py's comparison)."""
     if not row["compile"]:
         return "eager"
     label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
     label += ", losses eager" if row.get("losses_compiled") is False else ""
     label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
-    return label + (", no DDP graph cuts" if row.get("ddp_graph_split") is False else "")  # bench/ddp.py
+    return label + (", Dynamo's DDP graph cuts" if ddp_cuts and row.get("ddp_graph_split") else "")
 
 
 def _step_cell(row: dict) -> str:
