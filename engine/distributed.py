@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -180,15 +181,26 @@ def _no_forward_buffer_sync(ddp_class) -> dict:
     return {"broadcast_buffers": False}
 
 
-def average_over_processes(value: float, ctx: DistContext) -> float | torch.Tensor:
-    """Mean of a per-process number over ranks, at least 1, as a device tensor (no host read).
+def average_over_processes(value: float, ctx: DistContext) -> Callable[[], float | torch.Tensor]:
+    """Starts the mean of a per-process number over ranks; returns a function that gives it, at least 1, as a
+    device tensor (no host read).
 
     The criterion divides every loss by the number of target boxes averaged this way, as the original.
+    The all-reduce runs on the collectives' stream from this call on, and the function makes the caller's
+    stream wait for it: the GPU waits, not the host. The step starts it before the forward and the criterion
+    asks for the value after the matching, so the matching's host sync waits for this rank's forward only,
+    not for every rank to have reached its losses (each such meeting point costs the slowest rank's delay).
     """
     if not ctx.distributed:
-        return max(1.0, value)
+        return lambda: max(1.0, value)
     count = to_device_async(torch.tensor([value], dtype=torch.float32), ctx.device)  # nothing waits for the GPU
-    return all_reduce_mean(count, ctx).clamp(min=1.0)[0]
+    work = _collective("all_reduce", ctx, dist.all_reduce, count, op=dist.ReduceOp.SUM, async_op=True)
+
+    def mean() -> torch.Tensor:
+        _collective("all_reduce", ctx, work.wait)
+        return (count / ctx.world_size).clamp(min=1.0)[0]
+
+    return mean
 
 
 def argv_for_rank(argv: list[str], rank: int) -> list[str]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
+from models.criterion import NumBoxes
 from models.host_copy import to_device_async
 
 from .precision import Precision
@@ -30,14 +31,15 @@ class TrainStep:
     criterion        models.criterion.SetCriterion; weight_dict says which losses make the total
     optimizer        AdamW; fused=True lets a non-finite step be skipped without a host sync
     clip_max_norm    total L2 norm of the gradients is clipped to this (0: measured, not clipped)
-    average_num_boxes  maps this process's number of target boxes to the value every loss is divided by:
-                     the mean over processes, at least 1 (engine.distributed.average_over_processes; the
-                     default is this process's count, at least 1)
+    average_num_boxes  maps this process's number of target boxes to the value every loss is divided by, or
+                     to a function giving it that the criterion calls after the matching: the mean over
+                     processes, at least 1 (engine.distributed.average_over_processes; the default is this
+                     process's count, at least 1)
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  precision: Precision, clip_max_norm: float,
-                 average_num_boxes: Callable[[float], float | torch.Tensor] | None = None):
+                 average_num_boxes: Callable[[float], NumBoxes] | None = None):
         if clip_max_norm < 0:
             raise ValueError(f"clip_max_norm must be >= 0 (0 disables clipping), got {clip_max_norm}")
         self.model = model
@@ -53,12 +55,13 @@ class TrainStep:
         self._weights: torch.Tensor | None = None
 
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
+        # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
+        # Started before the forward; the criterion takes the value after the matching.
+        num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
         # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
         with record_function("step.forward"), self.precision.autocast():
             outputs = self.model(images, masks)
         with record_function("step.losses"):
-            # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
-            num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
             loss_dict = self.criterion(outputs, targets, num_boxes=num_boxes)
             parts = torch.stack([loss_dict[k].float() for k in self._names(loss_dict)])  # (K,)
             loss = (parts * self._weight_vector(parts.device)).sum()

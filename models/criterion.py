@@ -7,7 +7,8 @@ proposals with class-agnostic targets (suffix _enc).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Union
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from models.postprocess import PostProcess
 
 _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
 _PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
+
+# What the losses are divided by: a number, a device tensor, or a function giving either (SetCriterion.forward).
+NumBoxes = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]
 
 
 class SetCriterion(CompiledMethods, nn.Module):
@@ -67,12 +71,13 @@ class SetCriterion(CompiledMethods, nn.Module):
     # -- forward --------------------------------------------------------------------------------------
 
     def forward(self, outputs: dict, targets: list[dict],
-                num_boxes: float | torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                num_boxes: NumBoxes | None = None) -> dict[str, torch.Tensor]:
         """Unweighted losses (see the class docstring).
 
         num_boxes normalizes every loss: the number of target boxes per process, at least 1. None counts
         this process's targets; a multi-process trainer passes the average over processes (a device
-        tensor, so that no value is read back to the host).
+        tensor, so that no value is read back to the host), or a function giving it, called after the
+        matching (so that a collective still running need not finish before the matching's host sync).
         """
         if num_boxes is None:
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
@@ -80,6 +85,8 @@ class SetCriterion(CompiledMethods, nn.Module):
         # Named for torch.profiler: the host waits for the GPU here, then the GPU waits for the host.
         with torch.profiler.record_function("step.matching"):
             matched = self.matcher.match_groups([(logits, boxes, tgts) for _, logits, boxes, tgts in groups])
+        if callable(num_boxes):
+            num_boxes = num_boxes()
         device = outputs["pred_logits"].device
         matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device)
         losses = {}

@@ -275,6 +275,25 @@ def test_num_boxes_given_by_the_trainer_normalizes_every_loss(gen):
             torch.testing.assert_close(distributed[key], local[key] * 4 / 6, rtol=1e-5, atol=1e-6)
 
 
+def test_num_boxes_given_as_a_function_is_asked_for_once_after_the_matching(gen):
+    """The trainer's all-reduce of num_boxes may still run during the matching: the value is asked for later."""
+    criterion = make_criterion(aux_loss=False)
+    targets, outputs = rand_targets([4], gen), rand_outputs(1, 8, gen)
+    events = []
+    match_groups = criterion.matcher.match_groups
+    criterion.matcher.match_groups = lambda groups: events.append("matching") or match_groups(groups)
+
+    def num_boxes():
+        events.append("num_boxes")
+        return torch.tensor(6.0)
+
+    given = criterion(outputs, targets, num_boxes=num_boxes)
+    assert events == ["matching", "num_boxes"]
+    expected = criterion(outputs, targets, num_boxes=6.0)
+    for key in ("loss_ce", "loss_bbox", "loss_giou"):
+        torch.testing.assert_close(given[key], expected[key], rtol=0, atol=0)
+
+
 def test_losses_of_all_layers_at_once_equal_each_layer_alone(gen):
     """The decoder layers are matched and scored together; each equals its own single-layer criterion."""
     targets = rand_targets([3, 0, 2], gen)
