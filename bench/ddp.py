@@ -61,7 +61,8 @@ def scaling_worker(args) -> None:
     from torch._dynamo.utils import counters as dynamo_counters
 
     from bench.e2e import compose_config
-    from bench.e2e_steptime import ATTENTION_KERNELS, count_syncs, profile_steps, python_profile, random_batch
+    from bench.e2e_steptime import (ATTENTION_KERNELS, back_to_back_ms, count_syncs, profile_steps, python_profile,
+                                    random_batch)
     from engine.compile import compile_regions
     from engine.distributed import average_over_processes, data_parallel, init_distributed, shutdown_distributed
     from engine.optim import build_optimizer
@@ -100,18 +101,14 @@ def scaling_worker(args) -> None:
             host_times.append((time.perf_counter() - t) * 1e3)  # until the host has queued the whole step
             torch.cuda.synchronize(ctx.device)
             times.append((time.perf_counter() - t) * 1e3)
-        # As train.py runs: no sync between steps, so a rank's host may run ahead of its GPU, and the ranks meet
-        # only where the step makes them (the matching's host sync, the gradient all-reduce).
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            step(*batch)
-        torch.cuda.synchronize(ctx.device)
-        back_to_back_ms = (time.perf_counter() - t) * 1e3 / args.steps
-        # Every rank profiles the same steps: the collectives inside need all of them.
+        # Every rank runs the same steps from here: the collectives inside need all of them.
         sync = lambda: torch.cuda.synchronize(ctx.device)  # noqa: E731
+        # As train.py runs: a rank's host may run ahead of its GPU, and the ranks meet only where the step makes
+        # them (the gradient all-reduce, through the matching's host sync of the next step).
+        back_to_back = back_to_back_ms(lambda: step(*batch), sync, steps=args.steps)
         syncs = count_syncs(lambda: step(*batch))
         kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True)
-        # Every rank runs the profiled steps (their collectives need all ranks); rank 0's host is the one kept.
+        # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
         host_cprofile = python_profile(lambda: step(*batch), sync, steps=args.profile_fixed) if args.profile_fixed else None
         if ctx.is_main:
             median = statistics.median(times)
@@ -119,8 +116,8 @@ def scaling_worker(args) -> None:
                 "gpus": ctx.world_size, "compile": args.compile_mode is not None, "compile_mode": args.compile_mode,
                 "batch_per_gpu": args.batch, "step_ms": median, "host_ms": statistics.median(host_times),
                 "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
-                "back_to_back_ms": back_to_back_ms,
-                "back_to_back_images_per_s": ctx.world_size * args.batch / back_to_back_ms * 1e3,
+                "back_to_back_ms": back_to_back,
+                "back_to_back_images_per_s": ctx.world_size * args.batch / back_to_back * 1e3,
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
                 "inductor_counters": dict(dynamo_counters["inductor"]),

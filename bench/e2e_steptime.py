@@ -81,6 +81,17 @@ def _device_us(event) -> float:
 STEP_PHASES = "step."
 
 
+def back_to_back_ms(run_step, sync, *, steps: int) -> float:
+    """Wall time per step of ``steps`` steps with no sync between them, as train.py runs them: the host queues
+    a step while the GPU still runs the one before (the matching's host sync is the only wait)."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
     """GPU kernel time and launches per step, the attention op's share of the kernel time, the time of
     NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks), and the time
@@ -230,6 +241,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
         timed(fixed)
     times = [timed(fixed) for _ in range(steps)]
     row = {**base, "shapes": f"fixed {height}x{width}", "step_ms": statistics.median(times), "all_ms": times,
+           "back_to_back_ms": back_to_back_ms(lambda: step(*fixed), sync, steps=steps),
            "images_per_s": batch / statistics.median(times) * 1e3, "first_step_s": first_ms / 1e3,
            "peak_gib": peak_gib(), "syncs_per_step": count_syncs(lambda: step(*fixed)) if cuda else None,
            **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}
