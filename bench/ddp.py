@@ -79,11 +79,11 @@ def scaling_worker(args) -> None:
         criterion.to(ctx.device)
         if args.compile_mode:
             compile_regions(model, criterion=criterion, mode=args.compile_mode, backbone=args.compile_backbone)
-        # compile_regions turns Dynamo's cuts of graphs at DDP's bucket boundaries off; back on for comparison.
         cuts = args.ddp_graph_cuts == ["dynamo"]  # the worker is given one
-        torch._dynamo.config.optimize_ddp = cuts
         optimizer = build_optimizer(model, cfg.optim)
         trained = data_parallel(model, ctx)
+        # data_parallel turns Dynamo's cuts of compiled graphs at DDP's buckets off; back on for comparison.
+        torch._dynamo.config.optimize_ddp = cuts
         step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                          precision=Precision(amp="bf16", device=ctx.device), clip_max_norm=cfg.optim.clip_max_norm,
                          average_num_boxes=lambda n: average_over_processes(n, ctx))
@@ -109,7 +109,8 @@ def scaling_worker(args) -> None:
         syncs = count_syncs(lambda: step(*batch))
         kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True)
         # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
-        host_cprofile = python_profile(lambda: step(*batch), sync, steps=args.profile_fixed) if args.profile_fixed else None
+        host_cprofile = (python_profile(lambda: step(*batch), sync, steps=args.profile_fixed)
+                         if args.profile_fixed else None)
         if ctx.is_main:
             median = statistics.median(times)
             Path(args.result).write_text(json.dumps({
@@ -240,10 +241,12 @@ def write_report(results: dict, out: Path, name: str) -> None:
                          f"{back_cells} | {r['peak_gib']:.2f} | {r['warmup_s']:.0f} |")
         lines += ["", "Host ms: until the step call returns, the wait at the matching's host sync included; step ms "
                   "minus host ms is the GPU work still queued then, so a gap near 0 means the host, not the GPU, "
-                  "sets the pace after the matching. Back to back: the same number of steps again with no sync between "
-                  "them, as train.py runs them (one sync after the last), wall time per step on rank 0. GPU "
+                  "sets the pace after the matching. Back to back: the same number of steps again with no sync "
+                  "between them, as train.py runs them (one sync after the last), wall time per step on rank 0. GPU "
                   "kernels: device time of one step's CUDA kernels, NCCL's included (torch.profiler, rank 0); NCCL "
-                  "kernels: theirs alone, waiting for the other rank included. Syncs: host syncs in one step. "
+                  "kernels: theirs alone, waiting for the other rank included; they run on a stream of their own, "
+                  "beside the compute (the box-count all-reduce waits for the other rank during the forward), so on "
+                  "several GPUs the kernel time can exceed the step. Syncs: host syncs in one step. "
                   "Rows without these columns come from runs that did not measure them."]
         lines += annotation_caveat(results["scaling"])
         lines += coco_epoch_estimate(results["scaling"])

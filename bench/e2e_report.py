@@ -23,6 +23,8 @@ def mode_label(row: dict, *, ddp_cuts: bool = True) -> str:
     label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
     label += ", losses eager" if row.get("losses_compiled") is False else ""
     label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
+    # bench/ddp.py marks the rows run with Dynamo's cuts on; rows written before the trainer turned them off
+    # (2026-11-30) had them on without the mark (their run notes say so).
     return label + (", Dynamo's DDP graph cuts" if ddp_cuts and row.get("ddp_graph_split") else "")
 
 
@@ -45,21 +47,22 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
     batches = ", ".join(sorted({str(r["batch"]) for r in rows}))
     lines = [f"### {title}" if title else f"## Training step, default model, batch {batches}", "",
              f"{header['date']}, {header['gpu']}, torch {header['torch']}, triton {header['triton']}: "
-             f"`{header['command']}`.{' ' + header['note'] if header.get('note') else ''} The trainer's own step (engine.step.TrainStep: forward, matching and "
-             "losses, backward, clipping, fused AdamW). Fixed: random 800x1333 batches, median of the timed "
-             "steps after warm-up, each timed to the end of its GPU work; back to back: the same number of steps "
-             "with no sync between them, as train.py runs them, wall time per step. COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, "
-             "long side up to 1333), padded as `dataset.pad_to_multiple=N` pads them; one sequence of sizes run "
-             "several times: new sizes is the median of the first pass (each size met for the first time, as early "
-             "in a run), step the median of the last (every size met before, as once a run has seen them all; "
-             "'in a COCO epoch' says how many sizes that takes). Two passes eager, three with CUDA graphs, which "
-             "run a new size once, record it at its second step and replay it from the third. "
-             "GPU kernels: device time of the step's CUDA "
-             "kernels (torch.profiler), and its share of the step. Syncs: host syncs in one step "
+             f"`{header['command']}`.{' ' + header['note'] if header.get('note') else ''} The trainer's own step "
+             "(engine.step.TrainStep: forward, matching and losses, backward, clipping, fused AdamW). Fixed: random "
+             "800x1333 batches, median of the timed steps after warm-up, each timed to the end of its GPU work; "
+             "back to back: the same number of steps with no sync between them, as train.py runs them, wall time "
+             "per step. COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, long side up to "
+             "1333), padded as `dataset.pad_to_multiple=N` pads them; one sequence of sizes run several times: new "
+             "sizes is the median of the first pass (each size met for the first time, as early in a run), step "
+             "the median of the last (every size met before, as once a run has seen them all; 'in a COCO epoch' "
+             "says how many sizes that takes). Two passes eager, three with CUDA graphs, which run a new size "
+             "once, record it at its second step and replay it from the third. GPU kernels: device time of the "
+             "step's CUDA kernels (torch.profiler), and its share of the step. Syncs: host syncs in one step "
              "(torch.cuda.set_sync_debug_mode). First step: wall time of the first step (kernel and model "
              "compilation). Speed-up: pytorch's step time over this row's, same batch, precision, mode and sizes.",
-             "", "| batch | precision | msda | mode | sizes | step ms | back to back ms | new sizes ms | GPU kernels ms "
-             "| kernel share | launches | syncs | peak GiB | attention share | first step s | recompiles | speed-up |",
+             "", "| batch | precision | msda | mode | sizes | step ms | back to back ms | new sizes ms "
+             "| GPU kernels ms | kernel share | launches | syncs | peak GiB | attention share | first step s "
+             "| recompiles | speed-up |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def key(r):
@@ -72,8 +75,8 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
     for r in rows:
         base = reference.get(key(r))
         cells = [r["batch"], r["amp"].replace("none", "fp32"), r["impl"], mode_label(r), _sizes(r),
-                 _step_cell(r), ms_cell(r.get("back_to_back_ms")), ms_cell(r.get("first_pass_ms")), ms_cell(r.get("gpu_kernel_ms")),
-                 pct(r.get("kernel_share")),
+                 _step_cell(r), ms_cell(r.get("back_to_back_ms")), ms_cell(r.get("first_pass_ms")),
+                 ms_cell(r.get("gpu_kernel_ms")), pct(r.get("kernel_share")),
                  ms_cell(r.get("launches")).removesuffix(".0"), r.get("syncs_per_step", "-"), _gib(r.get("peak_gib")),
                  pct(r.get("attention_share")), ms_cell(r.get("first_step_s")), r.get("recompiles", "-"),
                  f"{base['step_ms'] / r['step_ms']:.2f}x" if base else "-"]

@@ -8,7 +8,7 @@ proposals with class-agnostic targets (suffix _enc).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
 _PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
 
 # What the losses are divided by: a number, a device tensor, or a function giving either (SetCriterion.forward).
-NumBoxes = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]
+NumBoxes = float | torch.Tensor | Callable[[], float | torch.Tensor]
 
 
 class SetCriterion(CompiledMethods, nn.Module):

@@ -49,6 +49,24 @@ def _state(step: TrainStep):
     return params, moments
 
 
+def test_the_box_count_average_starts_before_the_forward_and_is_read_after_the_matching(seeded):
+    """A multi-process run's all-reduce of the box count has the whole forward to finish, and the matching's
+    host sync does not wait for it (engine.distributed.average_over_processes)."""
+    step = make_step()
+    events = []
+    step.model.register_forward_pre_hook(lambda module, args: events.append("forward"))
+    match_groups = step.criterion.matcher.match_groups
+    step.criterion.matcher.match_groups = lambda groups: events.append("matching") or match_groups(groups)
+
+    def average_num_boxes(count):
+        events.append("average started")
+        return lambda: events.append("average read") or max(1.0, count)
+
+    step.average_num_boxes = average_num_boxes
+    step(*_batch(), _targets())
+    assert events == ["average started", "forward", "matching", "average read"]
+
+
 def test_a_step_returns_its_losses_and_updates_the_weights(seeded):
     step = make_step()
     before, _ = _state(step)
