@@ -132,9 +132,24 @@ def all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Mean of ``t`` over ranks (a NaN on any rank makes the mean NaN on all of them)."""
     if not ctx.distributed:
         return t
-    t = t.clone()
-    _collective("all_reduce", ctx, dist.all_reduce, t, op=dist.ReduceOp.SUM)
-    return t / ctx.world_size
+    return start_all_reduce_mean(t.clone(), ctx)()
+
+
+def start_all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> Callable[[], torch.Tensor]:
+    """Starts the mean of ``t`` over ranks, summing into ``t`` itself; returns a function that gives the mean.
+
+    On NCCL the sum runs on the collectives' stream from this call on, and the function makes the caller's
+    stream wait for it: the GPU waits, not the host (gloo's wait blocks the host).
+    """
+    if not ctx.distributed:
+        return lambda: t
+    work = _collective("all_reduce", ctx, dist.all_reduce, t, op=dist.ReduceOp.SUM, async_op=True)
+
+    def mean() -> torch.Tensor:
+        _collective("all_reduce", ctx, work.wait)
+        return t / ctx.world_size
+
+    return mean
 
 
 @dataclass(frozen=True)
@@ -194,22 +209,16 @@ def average_over_processes(value: float, ctx: DistContext) -> Callable[[], float
     device tensor (no host read).
 
     The criterion divides every loss by the number of target boxes averaged this way, as the original.
-    On NCCL the all-reduce runs on the collectives' stream from this call on, and the function makes the
-    caller's stream wait for it: the GPU waits, not the host (gloo's wait blocks the host; a world of one
-    gives a float). The step starts it before the forward and the criterion asks for the value after the
-    matching, so the matching's host sync waits for this rank's forward only, not for every rank to have
-    reached its losses (each such meeting point costs the slowest rank's delay).
+    A world of one gives a float. The step starts it before the forward and the criterion asks for the value
+    after the matching, so on NCCL the matching's host sync waits for this rank's forward only, not for every
+    rank to have reached its losses (each such meeting point costs the slowest rank's delay); see
+    start_all_reduce_mean.
     """
     if not ctx.distributed:
         return lambda: max(1.0, value)
     count = to_device_async(torch.tensor([value], dtype=torch.float32), ctx.device)  # nothing waits for the GPU
-    work = _collective("all_reduce", ctx, dist.all_reduce, count, op=dist.ReduceOp.SUM, async_op=True)
-
-    def mean() -> torch.Tensor:
-        _collective("all_reduce", ctx, work.wait)
-        return (count / ctx.world_size).clamp(min=1.0)[0]
-
-    return mean
+    mean = start_all_reduce_mean(count, ctx)  # the fresh copy is summed in place: no clone
+    return lambda: mean().clamp(min=1.0)[0]
 
 
 def argv_for_rank(argv: list[str], rank: int) -> list[str]:

@@ -55,11 +55,11 @@ class TrainStep:
         self._weights: torch.Tensor | None = None
 
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
+        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
         # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
         # Started before the forward; the criterion takes the value after the matching.
         with record_function("step.losses"):
             num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
-        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
         with record_function("step.forward"), self.precision.autocast():
             outputs = self.model(images, masks)
         with record_function("step.losses"):
