@@ -44,6 +44,21 @@ def host_us(fn, calls: int) -> dict:
     return {"host": queued / calls * 1e6, "wall": (time.perf_counter() - start) / calls * 1e6}
 
 
+class NoWork(torch.autograd.Function):
+    """The autograd engine's share of one eager call: saves the inputs and returns fresh outputs, no kernel."""
+
+    @staticmethod
+    def forward(ctx, value, sampling_locations, attention_weights):
+        ctx.save_for_backward(value, sampling_locations, attention_weights)
+        N, Lq, M = sampling_locations.shape[:3]
+        return value.new_empty((N, Lq, M * value.shape[-1]))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
 def pieces(dtype: torch.dtype, calls: int) -> dict:
     value, loc, weights, grad_out = make_inputs(4, 300, heads(32), 32, dtype, "uniform")
     leaves = [t.detach().requires_grad_() for t in (value, loc, weights)]
@@ -68,6 +83,8 @@ def pieces(dtype: torch.dtype, calls: int) -> dict:
         "launch.backward": host_us(lambda: launch.backward(grad_out, value, LEVELS, loc, weights), calls // 3),
         "torch.zeros (grad_value)": host_us(lambda: torch.zeros(value.shape, device="cuda"), calls),
         "public forward+backward": host_us(fwd_bwd("triton"), calls // 3),
+        "autograd alone (NoWork forward+backward)": host_us(
+            lambda: torch.autograd.grad(NoWork.apply(*leaves), leaves, grad_out), calls // 3),
         "reference forward+backward": host_us(fwd_bwd("pytorch"), calls // 20),
         "_profile": python_profile(fwd_bwd("triton"), torch.cuda.synchronize, steps=calls // 2),
     }
