@@ -105,7 +105,8 @@ def scaling_worker(args) -> None:
         sync = lambda: torch.cuda.synchronize(ctx.device)  # noqa: E731
         # As train.py runs: a rank's host may run ahead of its GPU, and the ranks meet only where the step makes
         # them (the gradient all-reduce, through the matching's host sync of the next step).
-        back_to_back = back_to_back_ms(lambda: step(*batch), sync, steps=args.steps)
+        back_to_back_blocks = back_to_back_ms(lambda: step(*batch), sync, steps=args.steps)
+        back_to_back = statistics.median(back_to_back_blocks)
         syncs = count_syncs(lambda: step(*batch))
         kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True)
         # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
@@ -117,7 +118,7 @@ def scaling_worker(args) -> None:
                 "gpus": ctx.world_size, "compile": args.compile_mode is not None, "compile_mode": args.compile_mode,
                 "batch_per_gpu": args.batch, "step_ms": median, "host_ms": statistics.median(host_times),
                 "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
-                "back_to_back_ms": back_to_back,
+                "back_to_back_ms": back_to_back, "back_to_back_blocks_ms": back_to_back_blocks,
                 "back_to_back_images_per_s": ctx.world_size * args.batch / back_to_back * 1e3,
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
@@ -160,7 +161,8 @@ def run_scaling(args, work: Path, save) -> list[dict]:
               f"GPU kernels {row['gpu_kernel_ms']:.1f}, NCCL {row['nccl_kernel_ms']:.1f}, {row['syncs_per_step']} "
               f"syncs; GPU idle by phase {row.get('gpu_idle_by_phase_ms')}), {row['images_per_s']:.1f} images/s, "
               f"efficiency {row['efficiency']}; back to back {row['back_to_back_ms']:.1f} ms/step, efficiency "
-              f"{row['back_to_back_efficiency']}; inductor counters {row['inductor_counters']}", flush=True)
+              f"{row['back_to_back_efficiency']} (blocks {[round(ms, 1) for ms in row['back_to_back_blocks_ms']]}); "
+              f"inductor counters {row['inductor_counters']}\n  host top ms/step: {row.get('host_top_ms')}", flush=True)
     return rows
 
 
@@ -242,7 +244,8 @@ def write_report(results: dict, out: Path, name: str) -> None:
         lines += ["", "Host ms: until the step call returns, the wait at the matching's host sync included; step ms "
                   "minus host ms is the GPU work still queued then, so a gap near 0 means the host, not the GPU, "
                   "sets the pace after the matching. Back to back: the same number of steps again with no sync "
-                  "between them, as train.py runs them (one sync after the last), wall time per step on rank 0. GPU "
+                  "between them, as train.py runs them (one sync after the last), wall time per step on rank 0, the median "
+                  "of three such runs (rows measured before 2026-11-30's fourth session: one run). GPU "
                   "kernels: device time of one step's CUDA kernels, NCCL's included (torch.profiler, rank 0); NCCL "
                   "kernels: theirs alone, waiting for the other rank included; they run on a stream of their own, "
                   "beside the compute (the box-count all-reduce waits for the other rank during the forward), so on "

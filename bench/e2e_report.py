@@ -51,7 +51,7 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
              "(engine.step.TrainStep: forward, matching and losses, backward, clipping, fused AdamW). Fixed: random "
              "800x1333 batches, median of the timed steps after warm-up, each timed to the end of its GPU work; "
              "back to back: the same number of steps with no sync between them, as train.py runs them, wall time "
-             "per step. COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, long side up to "
+             "per step, the median of three such runs (rows measured before 2026-11-30's fourth session: one run). COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, long side up to "
              "1333), padded as `dataset.pad_to_multiple=N` pads them; one sequence of sizes run several times: new "
              "sizes is the median of the first pass (each size met for the first time, as early in a run), step "
              "the median of the last (every size met before, as once a run has seen them all; 'in a COCO epoch' "

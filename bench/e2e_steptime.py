@@ -81,21 +81,32 @@ def _device_us(event) -> float:
 STEP_PHASES = "step."
 
 
-def back_to_back_ms(run_step, sync, *, steps: int) -> float:
+def back_to_back_ms(run_step, sync, *, steps: int, blocks: int = 3) -> list[float]:
     """Wall time per step of ``steps`` steps with no sync between them, as train.py runs them: the host queues
-    a step while the GPU still runs the one before (the matching's host sync is the only wait)."""
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        run_step()
-    sync()
-    return (time.perf_counter() - t0) * 1e3 / steps
+    a step while the GPU still runs the one before (the matching's host sync is the only wait). One figure per
+    block of ``blocks``; report their median: one block of a dozen steps moves by tens of percent with a
+    single slow step."""
+    per_block = []
+    for _ in range(blocks):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        sync()
+        per_block.append((time.perf_counter() - t0) * 1e3 / steps)
+    return per_block
+
+
+def _back_to_back_keys(blocks: list[float]) -> dict:
+    return {"back_to_back_ms": statistics.median(blocks), "back_to_back_blocks_ms": blocks}
 
 
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
     """GPU kernel time and launches per step, the attention op's share of the kernel time, the time of
     NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks), and the time
-    the GPU idles per step, charged to the step's phases (see idle_by_phase)."""
+    the GPU idles per step, charged to the step's phases (see idle_by_phase); and the host operations with the
+    most time of their own per step (where a host that waits, waits: a sync, a copy to the host, a launch into a
+    full queue)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -115,6 +126,8 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             attention_us += us
         if "nccl" in event.key.lower():
             nccl_us += us
+    host = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages() if not _on_device(e)),
+                  key=lambda kv: -kv[1])[:10]
     events = prof.events()
     gpu = [(e.time_range.start, e.time_range.end) for e in events
            if is_device_work(e) and e.time_range.end > e.time_range.start]
@@ -125,6 +138,7 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3,
             # Rows measured before this key existed also summed the GPU spans of annotated ranges.
             "kernel_time_excludes_annotations": True,
+            "host_top_ms": {name[:80]: us / steps / 1e3 for name, us in host},
             **({"gpu_idle_ms": sum(idle.values()) / steps / 1e3,
                 "gpu_idle_by_phase_ms": {k: v / steps / 1e3 for k, v in sorted(idle.items())}} if idle else {})}
 
@@ -241,7 +255,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
         timed(fixed)
     times = [timed(fixed) for _ in range(steps)]
     row = {**base, "shapes": f"fixed {height}x{width}", "step_ms": statistics.median(times), "all_ms": times,
-           "back_to_back_ms": back_to_back_ms(lambda: step(*fixed), sync, steps=steps),
+           **_back_to_back_keys(back_to_back_ms(lambda: step(*fixed), sync, steps=steps)),
            "images_per_s": batch / statistics.median(times) * 1e3, "first_step_s": first_ms / 1e3,
            "peak_gib": peak_gib(), "syncs_per_step": count_syncs(lambda: step(*fixed)) if cuda else None,
            **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}

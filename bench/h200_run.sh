@@ -4,7 +4,8 @@
 #   OUT=/tmp/out bash bench/h200_run.sh tests:1 msda:0 e2e:0      # step:GPU; steps on different GPUs run at once
 #
 # Steps: tests (the whole pytest suite on that GPU), msda (bench/msda.py, then its launch table into this copy's
-# msda/launch.py), msda-targets (bench/msda.py with the committed table), msda-host (bench/msda_host.py), e2e (bench/e2e.py step times and the
+# msda/launch.py), msda-targets (bench/msda.py with the committed table), msda-host (bench/msda_host.py),
+# msda-bounds (bench/msda_bounds.py), e2e (bench/e2e.py step times and the
 # train.py run), e2e-steptime (step times only), ddp (bench/ddp.py on every GPU), ddp-ap1 (its 1-GPU synthetic
 # runs), nccl-tests (rank parity on 2 GPUs).
 # ddp and nccl-tests use every GPU: give them a call, or a place in the queue, of their own. Extra arguments for a step come
@@ -33,6 +34,7 @@ run_step() {  # name gpu
             && python3 bench/apply_launch_table.py "$OUT/msda_launch_table.py" ;;
     msda-targets) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --no-sweep ${MSDA_ARGS:-} ;;
     msda-host) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_host.py --out "$OUT" ;;
+    msda-bounds) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_bounds.py --out "$OUT" ;;
     e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
     e2e-steptime) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime ${E2E_ARGS:-} ;;
     ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
