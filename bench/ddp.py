@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
-from bench.e2e_report import annotation_caveat, mode_label, ms_cell  # noqa: E402
+from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
 from engine.compile import BACKBONE_CHOICES  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -61,8 +61,8 @@ def scaling_worker(args) -> None:
     from torch._dynamo.utils import counters as dynamo_counters
 
     from bench.e2e import compose_config
-    from bench.e2e_steptime import (ATTENTION_KERNELS, back_to_back_ms, count_syncs, profile_steps, python_profile,
-                                    random_batch)
+    from bench.e2e_steptime import (ATTENTION_KERNELS, back_to_back_blocks_ms, back_to_back_keys, count_syncs,
+                                    profile_steps, python_profile, random_batch)
     from engine.compile import compile_regions
     from engine.distributed import average_over_processes, data_parallel, init_distributed, shutdown_distributed
     from engine.optim import build_optimizer
@@ -105,8 +105,7 @@ def scaling_worker(args) -> None:
         sync = lambda: torch.cuda.synchronize(ctx.device)  # noqa: E731
         # As train.py runs: a rank's host may run ahead of its GPU, and the ranks meet only where the step makes
         # them (the gradient all-reduce, through the matching's host sync of the next step).
-        back_to_back_blocks = back_to_back_ms(lambda: step(*batch), sync, steps=args.steps)
-        back_to_back = statistics.median(back_to_back_blocks)
+        back_to_back = back_to_back_keys(back_to_back_blocks_ms(lambda: step(*batch), sync, steps=args.steps))
         syncs = count_syncs(lambda: step(*batch))
         kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True)
         # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
@@ -118,8 +117,8 @@ def scaling_worker(args) -> None:
                 "gpus": ctx.world_size, "compile": args.compile_mode is not None, "compile_mode": args.compile_mode,
                 "batch_per_gpu": args.batch, "step_ms": median, "host_ms": statistics.median(host_times),
                 "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
-                "back_to_back_ms": back_to_back, "back_to_back_blocks_ms": back_to_back_blocks,
-                "back_to_back_images_per_s": ctx.world_size * args.batch / back_to_back * 1e3,
+                **back_to_back,
+                "back_to_back_images_per_s": ctx.world_size * args.batch / back_to_back["back_to_back_ms"] * 1e3,
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
                 "inductor_counters": dict(dynamo_counters["inductor"]),
@@ -244,8 +243,8 @@ def write_report(results: dict, out: Path, name: str) -> None:
         lines += ["", "Host ms: until the step call returns, the wait at the matching's host sync included; step ms "
                   "minus host ms is the GPU work still queued then, so a gap near 0 means the host, not the GPU, "
                   "sets the pace after the matching. Back to back: the same number of steps again with no sync "
-                  "between them, as train.py runs them (one sync after the last), wall time per step on rank 0, the median "
-                  "of three such runs (rows measured before 2026-11-30's fourth session: one run). GPU "
+                  "between them, as train.py runs them (one sync after the last), wall time per step on rank 0, "
+                  f"{back_to_back_how(results['scaling'])}. GPU "
                   "kernels: device time of one step's CUDA kernels, NCCL's included (torch.profiler, rank 0); NCCL "
                   "kernels: theirs alone, waiting for the other rank included; they run on a stream of their own, "
                   "beside the compute (the box-count all-reduce waits for the other rank during the forward), so on "

@@ -43,6 +43,17 @@ def _sizes(row: dict) -> str:
     return f"{row['shapes']} ({row['distinct_shapes']} sizes{per_epoch})"
 
 
+def back_to_back_how(rows: list[dict]) -> str:
+    """How these rows' back-to-back figures were taken: as the median of blocks where a row keeps its blocks
+    (rows measured since blocks were kept), else from one run of the steps."""
+    blocks = {len(r["back_to_back_blocks_ms"]) for r in rows if r.get("back_to_back_blocks_ms")}
+    single = any(r.get("back_to_back_ms") is not None and not r.get("back_to_back_blocks_ms") for r in rows)
+    if not blocks:
+        return "one such run"
+    counts = " or ".join(str(n) for n in sorted(blocks))
+    return f"the median of {counts} such runs" + ("; one run in rows without blocks" if single else "")
+
+
 def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> list[str]:
     batches = ", ".join(sorted({str(r["batch"]) for r in rows}))
     lines = [f"### {title}" if title else f"## Training step, default model, batch {batches}", "",
@@ -51,8 +62,9 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
              "(engine.step.TrainStep: forward, matching and losses, backward, clipping, fused AdamW). Fixed: random "
              "800x1333 batches, median of the timed steps after warm-up, each timed to the end of its GPU work; "
              "back to back: the same number of steps with no sync between them, as train.py runs them, wall time "
-             "per step, the median of three such runs (rows measured before 2026-11-30's fourth session: one run). COCO sizes: batches of the COCO recipe's image sizes (short side 480-800, long side up to "
-             "1333), padded as `dataset.pad_to_multiple=N` pads them; one sequence of sizes run several times: new "
+             f"per step, {back_to_back_how(rows)}. COCO sizes: batches of the COCO recipe's image sizes (short side "
+             "480-800, long side up to 1333), padded as `dataset.pad_to_multiple=N` pads them; one sequence of "
+             "sizes run several times: new "
              "sizes is the median of the first pass (each size met for the first time, as early in a run), step "
              "the median of the last (every size met before, as once a run has seen them all; 'in a COCO epoch' "
              "says how many sizes that takes). Two passes eager, three with CUDA graphs, which run a new size "

@@ -81,7 +81,7 @@ def _device_us(event) -> float:
 STEP_PHASES = "step."
 
 
-def back_to_back_ms(run_step, sync, *, steps: int, blocks: int = 3) -> list[float]:
+def back_to_back_blocks_ms(run_step, sync, *, steps: int, blocks: int = 3) -> list[float]:
     """Wall time per step of ``steps`` steps with no sync between them, as train.py runs them: the host queues
     a step while the GPU still runs the one before (the matching's host sync is the only wait). One figure per
     block of ``blocks``; report their median: one block of a dozen steps moves by tens of percent with a
@@ -97,7 +97,8 @@ def back_to_back_ms(run_step, sync, *, steps: int, blocks: int = 3) -> list[floa
     return per_block
 
 
-def _back_to_back_keys(blocks: list[float]) -> dict:
+def back_to_back_keys(blocks: list[float]) -> dict:
+    """A result row's back-to-back keys: the median of the blocks, and every block."""
     return {"back_to_back_ms": statistics.median(blocks), "back_to_back_blocks_ms": blocks}
 
 
@@ -255,7 +256,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
         timed(fixed)
     times = [timed(fixed) for _ in range(steps)]
     row = {**base, "shapes": f"fixed {height}x{width}", "step_ms": statistics.median(times), "all_ms": times,
-           **_back_to_back_keys(back_to_back_ms(lambda: step(*fixed), sync, steps=steps)),
+           **back_to_back_keys(back_to_back_blocks_ms(lambda: step(*fixed), sync, steps=steps)),
            "images_per_s": batch / statistics.median(times) * 1e3, "first_step_s": first_ms / 1e3,
            "peak_gib": peak_gib(), "syncs_per_step": count_syncs(lambda: step(*fixed)) if cuda else None,
            **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}

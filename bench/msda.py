@@ -62,6 +62,13 @@ if "--smoke" in sys.argv:  # tiny levels and query counts on the CPU: every code
                         ("decoder N4 Lq900", 4, 5)]
 
 
+def run_header(**extra) -> dict:
+    """What the kernel benches' result files record about their run: GPU, versions, date and command."""
+    return {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (smoke)",
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "command": "python " + " ".join(sys.argv), **extra}
+
+
 def heads(D: int) -> int:
     """M for head dim D at the model's width (M*D = 256)."""
     return max(1, HIDDEN // D)
@@ -388,9 +395,7 @@ def main():
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/msda.py needs a CUDA GPU (or --smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
-    header = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (smoke)", "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-              "command": "python " + " ".join(sys.argv)}
+    header = run_header()
     start = time.perf_counter()
     records, table = [], {}
     if not args.no_sweep:

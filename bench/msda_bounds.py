@@ -7,10 +7,11 @@
             (triton.testing.do_bench): the forward kernel; the fused backward kernel alone (into a reused
             fp32 buffer, so without its memset); its two halves as the split scheme launches them
             (sample_grads: the value gathers and the location and weight gradients; scatter: grad_value's
-            fp32 atomics and nothing else); the memset of the fp32 buffer; launch.backward whole; the reference
-            forward+backward. From them, the floor that the atomics put under forward+backward (forward +
-            memset + scatter alone, as if the fused kernel hid every gather behind its atomics) and the ratio
-            to the reference that floor allows.
+            fp32 atomics and nothing else); the memset of the fp32 buffer; for bf16 value, the cast of that
+            buffer to bf16; launch.backward whole; the reference forward+backward (fp32 for both dtypes). From
+            them, the floor that the atomics put under forward+backward (forward + memset + scatter alone +
+            cast, as if the fused kernel hid every gather behind its atomics) and the ratio to the reference
+            that floor allows. Bandwidths count every corner, those outside the map (masked, free) included.
 2. probe    one small kernel that touches as many 32-channel fp32 rows as the encoder's corners
             (N*Lq*M*L*P*4 = 22.8M) in a buffer the size of grad_value: random rows read, written, and added
             with relaxed atomics, and consecutive rows added. It says what the atomics cost on this GPU apart
@@ -25,11 +26,9 @@ Writes msda_bounds_h200.json into --out and prints every figure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -41,9 +40,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import msda  # noqa: E402  (bench.msda switches to the interpreter first under --smoke)
-from bench.msda import DEVICE, DTYPES, L, LEVELS, P, S, heads, make_inputs, median_ms, sync  # noqa: E402
+import msda  # noqa: E402
 from bench.e2e_steptime import _device_us, is_device_work  # noqa: E402
+from bench.msda import (DEVICE, DTYPES, L, LEVELS, P, S, heads, make_inputs, median_ms, run_header,  # noqa: E402
+                        sync)
 from msda import launch  # noqa: E402
 
 D = 32
@@ -84,16 +84,20 @@ def pieces(N: int, Lq: int, dtype_name: str, locations: str) -> dict:
         "sample_grads kernel": median_ms(backward_kernel("sample_grads", value, loc, weights, grad_out4, buffer)),
         "scatter kernel": median_ms(backward_kernel("scatter", value, loc, weights, grad_out4, buffer)),
         "memset (fp32 grad_value)": median_ms(buffer.zero_),
+        "cast (fp32 grad_value to value's dtype)": (median_ms(lambda: buffer.to(value.dtype))
+                                                    if value.dtype != torch.float32 else 0.0),
         "launch.backward (fused)": median_ms(lambda: launch.backward(grad_out4, value, LEVELS, loc, weights,
                                                                      scheme="fused")),
         "reference forward+backward": reference_fwd_bwd_ms(value, loc, weights, grad_out),
     }
-    floor = ms["forward"] + ms["memset (fp32 grad_value)"] + ms["scatter kernel"]
+    floor = (ms["forward"] + ms["memset (fp32 grad_value)"] + ms["scatter kernel"]
+             + ms["cast (fp32 grad_value to value's dtype)"])
     now = ms["forward"] + ms["launch.backward (fused)"]
     corner_rows = N * Lq * M * L * P * 4
     return {"ms": ms, "corner_rows": corner_rows,
-            "atomic GB/s (scatter kernel)": corner_rows * D * 4 / ms["scatter kernel"] / 1e6,
-            "gathered GB/s (forward)": corner_rows * D * value.element_size() / ms["forward"] / 1e6,
+            "scatter GB/s (all corners counted)": corner_rows * D * 4 / ms["scatter kernel"] / 1e6,
+            "gathered GB/s (forward, all corners counted)":
+                corner_rows * D * value.element_size() / ms["forward"] / 1e6,
             "forward+backward now": now, "atomic floor of forward+backward": floor,
             "x reference now": ms["reference forward+backward"] / now,
             "x reference at the floor": ms["reference forward+backward"] / floor,
@@ -154,14 +158,18 @@ def kernel_ms(fn, calls: int = 10) -> dict:
         for _ in range(calls):
             fn()
         sync()
-    times = {e.key[:90]: _device_us(e) / 1e3 / calls for e in prof.key_averages() if is_device_work(e)}
+    times: dict = {}
+    for e in prof.key_averages():
+        if is_device_work(e):  # names are cut short for the report: two kernels may share one
+            times[e.key[:90]] = times.get(e.key[:90], 0.0) + _device_us(e) / 1e3 / calls
     return dict(sorted(((k, v) for k, v in times.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def breakdown(N: int, Lq: int, dtype_name: str) -> dict:
     value, loc, weights, grad_out = make_inputs(N, Lq, heads(D), D, DTYPES[dtype_name], "uniform")
     grad_out4 = grad_out.view(N, Lq, heads(D), D)
-    schemes = {"fused": dict(scheme="fused"), "gather": dict(scheme="gather"), "deterministic": dict(deterministic=True)}
+    schemes = {"fused": dict(scheme="fused"), "gather": dict(scheme="gather"),
+               "deterministic": dict(deterministic=True)}
     return {name: kernel_ms(lambda: launch.backward(grad_out4, value, LEVELS, loc, weights, **options))
             for name, options in schemes.items()}
 
@@ -175,10 +183,7 @@ def main():
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/msda_bounds.py needs a CUDA GPU (or --smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
-    header = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (smoke)",
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "command": "python " + " ".join(sys.argv),
-              "workload": f"encoder N2, Lq=S={S}, D={D}, M={heads(D)}, L={L}, P={P}"}
+    header = run_header(workload=f"encoder N2, Lq=S={S}, D={D}, M={heads(D)}, L={L}, P={P}")
     start = time.perf_counter()
     rows = []
     for dtype_name in DTYPES:

@@ -13,20 +13,17 @@ under cProfile. Writes msda_host_h200.json and msda_host_h200_profile.txt into -
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msda  # noqa: E402
 from bench.e2e_steptime import python_profile  # noqa: E402
-from bench.msda import LEVELS, heads, make_inputs  # noqa: E402
+from bench.msda import LEVELS, heads, make_inputs, run_header  # noqa: E402
 from msda import launch  # noqa: E402
 from msda.validation import validate_inputs  # noqa: E402
 
@@ -45,7 +42,8 @@ def host_us(fn, calls: int) -> dict:
 
 
 class NoWork(torch.autograd.Function):
-    """The autograd engine's share of one eager call: saves the inputs and returns fresh outputs, no kernel."""
+    """The floor of any eager autograd op: saves the inputs, allocates its output and three gradients, launches
+    nothing. What torch.autograd.grad costs around it is the autograd engine's share of one eager call."""
 
     @staticmethod
     def forward(ctx, value, sampling_locations, attention_weights):
@@ -83,7 +81,7 @@ def pieces(dtype: torch.dtype, calls: int) -> dict:
         "launch.backward": host_us(lambda: launch.backward(grad_out, value, LEVELS, loc, weights), calls // 3),
         "torch.zeros (grad_value)": host_us(lambda: torch.zeros(value.shape, device="cuda"), calls),
         "public forward+backward": host_us(fwd_bwd("triton"), calls // 3),
-        "autograd alone (NoWork forward+backward)": host_us(
+        "autograd and allocations only (NoWork forward+backward)": host_us(
             lambda: torch.autograd.grad(NoWork.apply(*leaves), leaves, grad_out), calls // 3),
         "reference forward+backward": host_us(fwd_bwd("pytorch"), calls // 20),
         "_profile": python_profile(fwd_bwd("triton"), torch.cuda.synchronize, steps=calls // 2),
@@ -98,9 +96,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench/msda_host.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    header = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-              "command": "python " + " ".join(sys.argv), "workload": "decoder N4 Lq300, D=32, M=8, uniform"}
+    header = run_header(workload="decoder N4 Lq300, D=32, M=8, uniform")
     results, profiles = {}, []
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         timings = pieces(dtype, args.calls)
