@@ -107,7 +107,9 @@ def scaling_worker(args) -> None:
         # them (the gradient all-reduce, through the matching's host sync of the next step).
         back_to_back = back_to_back_keys(back_to_back_blocks_ms(lambda: step(*batch), sync, steps=args.steps))
         syncs = count_syncs(lambda: step(*batch))
-        kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True)
+        trace = (Path(args.trace_dir) / f"trace_{ctx.world_size}gpu_{args.compile_mode or 'eager'}_rank{ctx.rank}"
+                 ".json.gz") if args.trace_dir and ctx.is_main else None
+        kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True, trace=trace)
         # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
         host_cprofile = (python_profile(lambda: step(*batch), sync, steps=args.profile_fixed)
                          if args.profile_fixed else None)
@@ -146,7 +148,8 @@ def run_scaling(args, work: Path, save) -> list[dict]:
         cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        *(["--compile-mode", compile_mode] if compile_mode else []), "--ddp-graph-cuts", cuts,
-                       "--compile-backbone", args.compile_backbone, "--profile-fixed", str(args.profile_fixed))
+                       "--compile-backbone", args.compile_backbone, "--profile-fixed", str(args.profile_fixed),
+                       *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else []))
         run(cmd, work / f"{name}.log")
         row = json.loads(result.read_text())
         # The 1-GPU run has no DDP, hence no cuts: it is the baseline of every N-GPU variant of its mode.
@@ -296,12 +299,16 @@ def main():
                         "both: each is run")
     parser.add_argument("--profile-fixed", type=int, default=0,
                         help="scaling: cProfile of rank 0's host over this many more steps, kept in the json")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="scaling: write rank 0's profiled steps there as gzipped Chrome traces")
     args = parser.parse_args()
     if args.worker == "scaling":
         scaling_worker(args)
         return
     os.environ.update(SAFE_ENV)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     name = "ddp_" + gpu.split()[-1].lower()

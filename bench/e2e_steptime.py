@@ -14,10 +14,13 @@ of 32, long side up to 1333, padded to the batch's largest image). Per row:
 
 from __future__ import annotations
 
+import gzip
 import random
+import shutil
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -102,18 +105,25 @@ def back_to_back_keys(blocks: list[float]) -> dict:
     return {"back_to_back_ms": statistics.median(blocks), "back_to_back_blocks_ms": blocks}
 
 
-def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
+def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3,
+                  trace: Path | None = None) -> dict:
     """GPU kernel time and launches per step, the attention op's share of the kernel time, the time of
     NCCL's kernels (a collective's kernel also counts the time it waits for the other ranks), and the time
     the GPU idles per step, charged to the step's phases (see idle_by_phase); and the host operations with the
     most time of their own per step (where a host that waits, waits: a sync, a copy to the host, a launch into a
-    full queue)."""
+    full queue). ``trace``: also write the profile there as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             run_step()
         sync()
+    if trace is not None:
+        plain = trace.with_suffix("")  # the exporter writes plain JSON; a step's trace is tens of MB
+        prof.export_chrome_trace(str(plain))
+        with open(plain, "rb") as source, gzip.open(trace, "wb") as packed:
+            shutil.copyfileobj(source, packed)
+        plain.unlink()
     kernel_us = attention_us = nccl_us = 0.0
     launches = 0
     for event in prof.key_averages():
