@@ -14,9 +14,7 @@ of 32, long side up to 1333, padded to the batch's largest image). Per row:
 
 from __future__ import annotations
 
-import gzip
 import random
-import shutil
 import statistics
 import time
 import warnings
@@ -119,14 +117,11 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             run_step()
         sync()
     if trace is not None:
-        plain = trace.with_suffix("")  # the exporter writes plain JSON; a step's trace is tens of MB
-        prof.export_chrome_trace(str(plain))
-        with open(plain, "rb") as source, gzip.open(trace, "wb") as packed:
-            shutil.copyfileobj(source, packed)
-        plain.unlink()
+        prof.export_chrome_trace(str(trace))  # torch gzips a path ending in .gz
+    averages = prof.key_averages()  # aggregates every event: once
     kernel_us = attention_us = nccl_us = 0.0
     launches = 0
-    for event in prof.key_averages():
+    for event in averages:
         if "LaunchKernel" in event.key:
             launches += event.count
         if not is_device_work(event):
@@ -137,7 +132,7 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             attention_us += us
         if "nccl" in event.key.lower():
             nccl_us += us
-    host = sorted(((e.key, e.self_cpu_time_total) for e in prof.key_averages() if not _on_device(e)),
+    host = sorted(((e.key, e.self_cpu_time_total) for e in averages if not _on_device(e)),
                   key=lambda kv: -kv[1])[:10]
     events = prof.events()
     gpu = [(e.time_range.start, e.time_range.end) for e in events

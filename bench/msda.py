@@ -69,6 +69,18 @@ def run_header(**extra) -> dict:
             "python": platform.python_version(), "command": "python " + " ".join(sys.argv), **extra}
 
 
+def kernel_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """--out and --smoke for a kernel bench, parsed; stops without a GPU unless --smoke; makes --out."""
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit(f"bench/{parser.prog} needs a CUDA GPU (or --smoke)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
 def heads(D: int) -> int:
     """M for head dim D at the model's width (M*D = 256)."""
     return max(1, HIDDEN // D)
@@ -385,16 +397,10 @@ def targets(out: Path) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--no-sweep", action="store_true", help="targets only, with the table in msda/launch.py")
     parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128], help="head dims to sweep")
     parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)))
-    parser.add_argument("--smoke", action="store_true",
-                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
-    args = parser.parse_args()
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench/msda.py needs a CUDA GPU (or --smoke)")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = kernel_bench_args(parser)
     header = run_header()
     start = time.perf_counter()
     records, table = [], {}

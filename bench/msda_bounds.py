@@ -42,8 +42,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msda  # noqa: E402
 from bench.e2e_steptime import _device_us, is_device_work  # noqa: E402
-from bench.msda import (DEVICE, DTYPES, L, LEVELS, P, S, heads, make_inputs, median_ms, run_header,  # noqa: E402
-                        sync)
+from bench.msda import (DEVICE, DTYPES, L, LEVELS, P, S, heads, kernel_bench_args, make_inputs,  # noqa: E402
+                        median_ms, run_header, sync)
 from msda import launch  # noqa: E402
 
 D = 32
@@ -175,14 +175,8 @@ def breakdown(N: int, Lq: int, dtype_name: str) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--smoke", action="store_true",
-                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
-    args = parser.parse_args()
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench/msda_bounds.py needs a CUDA GPU (or --smoke)")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = kernel_bench_args(argparse.ArgumentParser(description=__doc__,
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
     header = run_header(workload=f"encoder N2, Lq=S={S}, D={D}, M={heads(D)}, L={L}, P={P}")
     start = time.perf_counter()
     rows = []
