@@ -4,7 +4,7 @@
     python train.py dataset=coco dataset.root=PATH    # COCO 2017, the published recipe
     python train.py eval_only=true checkpoint=PATH    # evaluate ours or an official checkpoint
     python train.py resume=auto                       # continue the latest run of this model and data
-    torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel, one run directory
+    torchrun --nproc_per_node=N train.py ...          # data parallel over N processes, one run directory
 
 ``train(cfg)`` and ``evaluate(cfg)`` take a composed config and are what the tests call.
 """
@@ -139,10 +139,11 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
                             rng=rng if ctx.world_size == 1 else None)
         log.info("resumed from %s at epoch %d, step %d", resume_path, epoch, step)
 
-    trained = data_parallel(model, ctx, find_unused_parameters=cfg.find_unused_parameters)
+    trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
+                                            find_unused_parameters=cfg.find_unused_parameters)
     step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                      precision=precision, clip_max_norm=cfg.optim.clip_max_norm,
-                     average_num_boxes=lambda n: average_over_processes(n, ctx))
+                     average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
     if ctx.is_main:
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %d steps per "

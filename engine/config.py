@@ -27,10 +27,12 @@ from datasets import DATASET_SCHEMAS, DatasetConfig
 from models.model_config import ModelConfig
 
 from .compile import COMPILE_MODES
+from .distributed import GRADIENT_SYNCS
 from .precision import AMP_DTYPES
 
 Amp = StrEnum("Amp", {name: name for name in AMP_DTYPES})  # none | bf16 | fp16, as engine/precision.py knows
 CompileMode = StrEnum("CompileMode", {name: name for name in COMPILE_MODES})  # as engine/compile.py knows
+GradientSync = StrEnum("GradientSync", {name: name for name in GRADIENT_SYNCS})  # as engine/distributed.py knows
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -95,6 +97,7 @@ class TrainConfig:
     log_every: int = MISSING
     eval_images: int = 4
     eval_images_min_score: float = 0.3
+    gradient_sync: GradientSync = GradientSync.allreduce
     find_unused_parameters: bool = False
     dist_timeout_s: float = 1800.0
     output_dir: Optional[str] = None

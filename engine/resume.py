@@ -47,7 +47,7 @@ INVOCATION_KEYS = frozenset({"resume", "output_dir", "checkpoint", "eval_only"})
 # schedule, and how to run. Any other difference (model, data, batch, seed, lr ...) is another experiment.
 RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "device", "amp", "compile", "compile_backend", "compile_mode",
                                "num_workers", "log_every", "eval_every", "checkpoint_every", "eval_images", "eval_images_min_score", "dist_timeout_s",
-                               "find_unused_parameters", "model.msda",
+                               "gradient_sync", "find_unused_parameters", "model.msda",
                                "model.pretrained", "dataset.verify"})
 # The lr schedule as the optimizer and the scheduler hold it; a change to any of these is applied on resume.
 SCHEDULE_KEYS = ("lr", "lr_backbone", "lr_linear_proj_mult", "weight_decay", "lr_drop", "lr_gamma")

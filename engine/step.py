@@ -7,7 +7,8 @@ models.matcher): the losses, the gradient norm and whether the update was skippe
 as one vector per step, which engine.step_log reads once per log interval. A step whose gradient
 norm is not finite (a NaN/inf loss gives NaN gradients) is skipped on the device, as GradScaler skips
 fp16 overflows: the fused AdamW is handed a ``found_inf`` flag and leaves weights, moments and its
-step count untouched. On DDP the gradients, hence the norm and the decision, are the same on every rank.
+step count untouched. On several processes the gradients are averaged before the norm, so the norm
+and the decision are the same on every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class TrainStep:
     [weighted total loss, gradient norm (before clipping), each loss in ``loss_names`` order, unweighted].
 
     model            the module to train (plain, DDP-wrapped or compiled)
+    sync_gradients   called after backward, before clipping: averages the gradients over processes when the
+                     model is not DDP-wrapped (engine.distributed.GradientAllReduce.sync); None: nothing to do
     criterion        models.criterion.SetCriterion; weight_dict says which losses make the total
     optimizer        AdamW; fused=True lets a non-finite step be skipped without a host sync
     clip_max_norm    total L2 norm of the gradients is clipped to this (0: measured, not clipped)
@@ -39,7 +42,8 @@ class TrainStep:
 
     def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  precision: Precision, clip_max_norm: float,
-                 average_num_boxes: Callable[[float], NumBoxes] | None = None):
+                 average_num_boxes: Callable[[float], NumBoxes] | None = None,
+                 sync_gradients: Callable[[], None] | None = None):
         if clip_max_norm < 0:
             raise ValueError(f"clip_max_norm must be >= 0 (0 disables clipping), got {clip_max_norm}")
         self.model = model
@@ -48,6 +52,7 @@ class TrainStep:
         self.precision = precision
         self.max_norm = clip_max_norm if clip_max_norm > 0 else float("inf")
         self.average_num_boxes = average_num_boxes or (lambda n: max(1.0, n))
+        self.sync_gradients = sync_gradients
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         # The fused AdamW honours a device-side found_inf flag; the others would need a host check.
         self.skips_on_device = bool(optimizer.defaults.get("fused"))
@@ -71,6 +76,8 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             scaler = self.precision.scaler
             scaler.scale(loss).backward()
+            if self.sync_gradients is not None:
+                self.sync_gradients()
         with record_function("step.update"):
             scaler.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).float()

@@ -1,4 +1,5 @@
-"""engine.distributed: a rank that never joins a collective makes the others' wait an error naming them.
+"""engine.distributed: a rank that never joins a collective makes the others' wait an error naming them;
+an unknown gradient sync is an error naming the setting.
 
 Two gloo processes with a 3-second timeout: rank 1 leaves without joining; rank 0's barrier must fail
 with CollectiveError ("rank 0 of 2: barrier ...") instead of hanging.
@@ -7,11 +8,12 @@ with CollectiveError ("rank 0 of 2: barrier ...") instead of hanging.
 import datetime
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed import CollectiveError, DistContext, barrier, broadcast_object
+from engine.distributed import CollectiveError, DistContext, barrier, broadcast_object, data_parallel
 
 TIMEOUT_S = 3.0
 
@@ -39,3 +41,9 @@ def test_a_missing_rank_is_an_error_naming_the_waiting_rank(tmp_path):
     waited, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert message.startswith("rank 0 of 2: barrier failed or timed out (dist_timeout_s=3)"), message
     assert float(waited) < 10 * TIMEOUT_S
+
+
+def test_an_unknown_gradient_sync_is_an_error_naming_it():
+    one = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="gradient_sync must be one of allreduce, ddp, got 'nccl'"):
+        data_parallel(torch.nn.Linear(2, 2), one, gradient_sync="nccl")

@@ -1,9 +1,11 @@
 """Rank parity: one global batch split over 2 gloo ranks gives the loss and gradients of 1 process.
 
 The loss is normalized by the number of boxes averaged over processes (engine.step.TrainStep with
-engine.distributed.average_over_processes), and DDP averages gradients over ranks, so the mean of the
-per-rank losses and the averaged gradients must equal what one process computes on the whole batch.
-Both sides run the trainer's own step. Images share one size so that padding is the same either way.
+engine.distributed.average_over_processes), and the gradients are averaged over ranks (by
+engine.distributed.GradientAllReduce after backward, or by DDP inside it), so the mean of the per-rank
+losses and the averaged gradients must equal what one process computes on the whole batch. Both sides
+run the trainer's own step. Images share one size so that padding is the same either way. Rank 1 starts
+from other weights: both ways of syncing must start every rank from rank 0's.
 """
 
 from pathlib import Path
@@ -45,19 +47,19 @@ def global_batch(counts: tuple[int, ...], device="cpu"):
     return images.to(device), masks.to(device), targets
 
 
-def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext):
+def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext, sync_gradients=None):
     """The trainer's step (no clipping, lr 0); returns its loss and the gradients it computed."""
     module = getattr(model, "module", model)  # the DDP-wrapped model's own parameters
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.0, fused=True)
     step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp="none", device=ctx.device), clip_max_norm=0.0,
-                     average_num_boxes=lambda n: average_over_processes(n, ctx))
+                     average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
     values = step(images, masks, targets)
     grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
     return values[0], grads
 
 
-def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], compiled: bool) -> None:
+def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], compiled: bool, sync: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{work}/store", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
@@ -67,13 +69,20 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], comp
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         torch.manual_seed(0)
         model, criterion, _ = build_model(tiny_model_config())
+        if rank == 1:  # other weights than rank 0's: the sync's start must replace them
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
         if compiled:  # as train.py compiles before wrapping; aot_eager traces as inductor does, without codegen
             compile_regions(model.to(device), criterion=criterion, backend="aot_eager")
         ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)
-        ddp = data_parallel(model.to(device), ctx)  # as train.py wraps it
-        assert not torch._dynamo.config.optimize_ddp, "data_parallel leaves compiled graphs uncut at DDP's buckets"
+        model.to(device)
+        trained, sync_gradients = data_parallel(model, ctx, gradient_sync=sync)  # as train.py does
+        if sync == "ddp":
+            assert not torch._dynamo.config.optimize_ddp, "data_parallel leaves compiled graphs uncut at DDP's buckets"
         images, masks, targets = global_batch(counts, device)
-        loss, grads = loss_and_grads(ddp, criterion, images[rank:rank + 1], masks[rank:rank + 1], [targets[rank]], ctx)
+        loss, grads = loss_and_grads(trained, criterion, images[rank:rank + 1], masks[rank:rank + 1],
+                                     [targets[rank]], ctx, sync_gradients)
         dist.all_reduce(loss)
         # A file, not a queue: tensors sent through a queue live in the sender's shared memory, gone at exit.
         torch.save({"loss": (loss / WORLD).item(), "grads": {k: v.cpu() for k, v in grads.items()}},
@@ -88,14 +97,15 @@ BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
 
 
 # (1, 4): the ranks' images hold different numbers of boxes; (0, 3): one rank's batch has none at all, which
-# must neither hang (every rank still joins the num_boxes average and DDP's gradient all-reduce) nor change
-# the result. Compiled: the ranks' layers compiled as compile=true compiles them, inside DDP; the one process
-# stays eager. (The tiny model's layers are below the 1 MiB that Dynamo's DDP cuts start at, so this checks
-# the gradients of compiled layers in DDP, not the cuts themselves; each rank checks that they are off.)
+# must neither hang (every rank still joins the num_boxes average and the gradient all-reduce) nor change
+# the result. Compiled: the ranks' layers compiled as compile=true compiles them; the one process stays eager.
+# (In DDP: the tiny model's layers are below the 1 MiB that Dynamo's DDP cuts start at, so this checks the
+# gradients of compiled layers in DDP, not the cuts themselves; each rank checks that they are off.)
 @pytest.mark.parametrize("counts,compiled", [((1, 4), False), ((0, 3), False), ((1, 4), True)],
                          ids=["1-and-4-boxes", "no-boxes-on-rank-0", "1-and-4-boxes-compiled"])
+@pytest.mark.parametrize("sync", ["allreduce", "ddp"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts, compiled):
+def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts, compiled, sync):
     torch.manual_seed(0)
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -105,7 +115,7 @@ def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts
     loss_single, grads_single = loss_and_grads(model.to(device), criterion, *global_batch(counts, device), single)
     grads_single = {k: v.cpu() for k, v in grads_single.items()}
 
-    mp.spawn(_rank_main, args=(str(tmp_path), backend, counts, compiled), nprocs=WORLD)
+    mp.spawn(_rank_main, args=(str(tmp_path), backend, counts, compiled, sync), nprocs=WORLD)
 
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt")

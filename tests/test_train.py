@@ -198,8 +198,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
     assert all(torch.isfinite(v).all() for v in kept["model"].values() if v.is_floating_point())
 
 
-def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path):
-    """torchrun, two CPU processes: one run directory, DDP steps, evaluation gathered from both ranks.
+@pytest.mark.parametrize("gradient_sync", ["ddp", "allreduce"])
+def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gradient_sync):
+    """torchrun, two CPU processes: one run directory, data-parallel steps, evaluation gathered from both ranks.
 
     Uneven on purpose: 18 training images (9 per rank, batch 2: the odd one is dropped on both ranks) and 7
     validation images (4 and 3, the sampler pads rank 1 with a repeat): nothing hangs, every image is scored.
@@ -208,7 +209,8 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path):
     uneven = ["dataset.num_train=18", "dataset.num_val=7"]
     env = child_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), *tiny_overrides(data_root), *uneven, "epochs=1", "batch_size=2", "dist_timeout_s=120"]
+           str(ROOT / "train.py"), *tiny_overrides(data_root), *uneven, "epochs=1", "batch_size=2", "dist_timeout_s=120",
+           f"gradient_sync={gradient_sync}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
