@@ -4,9 +4,10 @@
     python bench/ddp.py --parts scaling --gpus 1 2 --steps 30
 
 scaling  torchrun with 1 and N processes (one GPU each, the same batch per GPU), eager and compiled: the
-         trainer's TrainStep in DistributedDataParallel on random 800x1333 batches of the default model
-         (bf16, msda=triton). images/s = processes x batch / median step; efficiency = images/s over
-         N x the 1-GPU figure.
+         trainer's TrainStep on random 800x1333 batches of the default model (bf16, msda=triton), its
+         gradients averaged as train.py's gradient_sync setting does it (--gradient-sync): during backward
+         by DistributedDataParallel, or after it by engine.distributed.GradientAllReduce. images/s =
+         processes x batch / median step; efficiency = images/s over N x the 1-GPU figure.
 ap       The synthetic set's default schedule, shortened (--epochs), through `python train.py` on 1 GPU
          (seeds 0 and 1: the seed-to-seed spread) and `torchrun --nproc_per_node=N train.py` (seed 0).
 Rank parity on NCCL is a test: tests/test_rank_parity.py runs it when 2 GPUs are visible.
@@ -35,6 +36,7 @@ from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
 from engine.compile import BACKBONE_CHOICES  # noqa: E402
+from engine.distributed import GRADIENT_SYNCS  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -79,14 +81,15 @@ def scaling_worker(args) -> None:
         criterion.to(ctx.device)
         if args.compile_mode:
             compile_regions(model, criterion=criterion, mode=args.compile_mode, backbone=args.compile_backbone)
-        cuts = args.ddp_graph_cuts == ["dynamo"]  # the worker is given one
+        cuts = args.ddp_graph_cuts == ["dynamo"]  # the worker is given one of each
+        (gradient_sync,) = args.gradient_sync
         optimizer = build_optimizer(model, cfg.optim)
-        trained = data_parallel(model, ctx)
-        # data_parallel turns Dynamo's cuts of compiled graphs at DDP's buckets off; back on for comparison.
+        trained, sync_gradients = data_parallel(model, ctx, gradient_sync=gradient_sync)
+        # DDP: data_parallel turns Dynamo's cuts of compiled graphs at DDP's buckets off; back on for comparison.
         torch._dynamo.config.optimize_ddp = cuts
         step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                          precision=Precision(amp="bf16", device=ctx.device), clip_max_norm=cfg.optim.clip_max_norm,
-                         average_num_boxes=lambda n: average_over_processes(n, ctx))
+                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
         batch = random_batch([(800, 1333)] * args.batch, cfg.model.num_classes, ctx.device, gen)
         t0 = time.perf_counter()
@@ -107,8 +110,8 @@ def scaling_worker(args) -> None:
         # them (the gradient all-reduce, through the matching's host sync of the next step).
         back_to_back = back_to_back_keys(back_to_back_blocks_ms(lambda: step(*batch), sync, steps=args.steps))
         syncs = count_syncs(lambda: step(*batch))
-        trace = (Path(args.trace_dir) / f"trace_{ctx.world_size}gpu_{args.compile_mode or 'eager'}_rank{ctx.rank}"
-                 ".json.gz") if args.trace_dir and ctx.is_main else None
+        trace = (Path(args.trace_dir) / f"trace_{ctx.world_size}gpu_{args.compile_mode or 'eager'}_"
+                 f"{gradient_sync}_rank{ctx.rank}.json.gz") if args.trace_dir and ctx.is_main else None
         kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True, trace=trace)
         # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
         host_cprofile = (python_profile(lambda: step(*batch), sync, steps=args.profile_fixed)
@@ -124,6 +127,7 @@ def scaling_worker(args) -> None:
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
                 "inductor_counters": dict(dynamo_counters["inductor"]),
+                **({"gradient_sync": gradient_sync} if ctx.distributed else {}),
                 **({"ddp_graph_split": True} if args.compile_mode and cuts and ctx.distributed else {}),
                 **({"host_cprofile": host_cprofile} if host_cprofile else {}),
                 **({"backbone_compiled": args.compile_backbone}
@@ -132,28 +136,29 @@ def scaling_worker(args) -> None:
         shutdown_distributed(ctx)
 
 
-def scaling_runs(args) -> list[tuple[str, int, str]]:
-    """(mode, GPUs, DDP graph cuts) of each torchrun, in order: every variant of the cuts only where it exists,
-    in a compiled mode on several GPUs (with one GPU there is no DDP)."""
-    return [(mode, gpus, cuts) for mode in args.compile_modes for gpus in args.gpus
-            for cuts in (args.ddp_graph_cuts if mode != "eager" and gpus > 1 else ["off"])]
+def scaling_runs(args) -> list[tuple[str, int, str, str]]:
+    """(mode, GPUs, gradient sync, DDP graph cuts) of each torchrun, in order: each gradient sync only on several
+    GPUs, each variant of the cuts only where it exists (DDP in a compiled mode)."""
+    return [(mode, gpus, sync, cuts) for mode in args.compile_modes for gpus in args.gpus
+            for sync in (args.gradient_sync if gpus > 1 else args.gradient_sync[:1])  # 1 GPU syncs nothing
+            for cuts in (args.ddp_graph_cuts if mode != "eager" and gpus > 1 and sync == "ddp" else ["off"])]
 
 
 def run_scaling(args, work: Path, save) -> list[dict]:
     rows = []
-    for mode, gpus, cuts in scaling_runs(args):
+    for mode, gpus, sync, cuts in scaling_runs(args):
         compile_mode = COMPILE_MODES[mode]
-        name = f"scaling_{gpus}_{mode}_{args.compile_backbone}_{cuts}"
+        name = f"scaling_{gpus}_{mode}_{args.compile_backbone}_{sync}_{cuts}"
         result = work / f"{name}.json"
         cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        *(["--compile-mode", compile_mode] if compile_mode else []), "--ddp-graph-cuts", cuts,
+                       "--gradient-sync", sync,
                        "--compile-backbone", args.compile_backbone, "--profile-fixed", str(args.profile_fixed),
                        *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else []))
         run(cmd, work / f"{name}.log")
         row = json.loads(result.read_text())
-        # The 1-GPU run has no DDP, hence no cuts: it is the baseline of every N-GPU variant of its mode.
-        one = next((r for r in rows if r["gpus"] == 1 and mode_label(r) == mode_label(row, ddp_cuts=False)), None)
+        one = one_gpu_row(rows, row)
         row["efficiency"] = row["images_per_s"] / (gpus * one["images_per_s"]) if one else None
         row["back_to_back_efficiency"] = (row["back_to_back_images_per_s"] / (gpus * one["back_to_back_images_per_s"])
                                           if one else None)
@@ -171,6 +176,11 @@ def run_scaling(args, work: Path, save) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------
 # a short synthetic run, 1 GPU (two seeds) and N GPUs
 # ----------------------------------------------------------------------------------------------------
+def one_gpu_row(rows: list[dict], row: dict) -> dict | None:
+    """The 1-GPU row of ``row``'s mode: it syncs nothing, so it is the baseline of every N-GPU variant."""
+    return next((r for r in rows if r["gpus"] == 1 and mode_label(r) == mode_label(row, gradient_sync=False)), None)
+
+
 def run_ap(args, work: Path, save) -> list[dict]:
     runs = []
     for gpus, seed in [(g, s) for g in args.ap_gpus for s in (args.ap_seeds if g == 1 else args.ap_seeds[:1])]:
@@ -195,16 +205,16 @@ def coco_epoch_estimate(scaling: list[dict], gpus: int = 8) -> list[str]:
     """What a COCO epoch on ``gpus`` GPUs of one host should take, per mode, from its 1- and 2-GPU rows: their
     back-to-back figures where measured (the pace train.py runs at), else their synced steps."""
     lines = []
-    for mode in dict.fromkeys(mode_label(r) for r in scaling):
-        rows = {r["gpus"]: r for r in scaling if mode_label(r) == mode}
-        if 1 not in rows or 2 not in rows:
+    for two in (r for r in scaling if r["gpus"] == 2):
+        base = one_gpu_row(scaling, two)
+        if base is None:
             continue
-        back = rows[2].get("back_to_back_efficiency") is not None
-        one = rows[1]["back_to_back_images_per_s" if back else "images_per_s"]
+        back = two.get("back_to_back_efficiency") is not None
+        one = base["back_to_back_images_per_s" if back else "images_per_s"]
         # A 2-GPU run can beat twice the 1-GPU one only by noise; no more than linear scaling is assumed.
-        efficiency = min(1.0, rows[2]["back_to_back_efficiency" if back else "efficiency"])
+        efficiency = min(1.0, two["back_to_back_efficiency" if back else "efficiency"])
         images_per_s = gpus * one * efficiency
-        lines.append(f"- {mode}: {gpus} x {one:.1f} images/s x {100 * efficiency:.1f}% "
+        lines.append(f"- {mode_label(two)}: {gpus} x {one:.1f} images/s x {100 * efficiency:.1f}% "
                      f"({'back to back' if back else 'synced steps'}) = {images_per_s:.0f} images/s: about "
                      f"{COCO_TRAIN_IMAGES / images_per_s / 60:.0f} minutes per epoch, "
                      f"{50 * COCO_TRAIN_IMAGES / images_per_s / 3600:.1f} hours for the 50-epoch schedule.")
@@ -228,7 +238,7 @@ def write_report(results: dict, out: Path, name: str) -> None:
              "from these runs (each a fresh machine of this kind; the rows of one part come from one run unless "
              "said otherwise):", "", *[f"- {run}" for run in runs], ""]
     if results.get("scaling"):
-        lines += ["## Training step over NCCL (DistributedDataParallel)", "",
+        lines += ["## Training step over NCCL", "",
                   "Default model, random 800x1333 batches, bf16, msda=triton, the same batch per GPU; median step "
                   "after warm-up. Efficiency: images/s over the number of GPUs times the 1-GPU images/s.", "",
                   "| GPUs | mode | batch per GPU | step ms | host ms | GPU kernels ms | NCCL kernels ms | syncs "
@@ -293,10 +303,13 @@ def main():
     parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
     parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
                         help="scaling: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
-    parser.add_argument("--ddp-graph-cuts", nargs="+", default=["off"], choices=["off", "dynamo"],
-                        help="scaling, compiled modes on several GPUs: off (one graph per compiled layer, as the "
-                        "trainer runs) or dynamo (Dynamo's cuts at DDP's bucket boundaries, optimize_ddp=True); "
+    parser.add_argument("--gradient-sync", nargs="+", default=["allreduce"], choices=list(GRADIENT_SYNCS),
+                        help="scaling on several GPUs: allreduce (engine.distributed.GradientAllReduce after "
+                        "backward, train.py's default) or ddp (DistributedDataParallel's hooks during backward); "
                         "both: each is run")
+    parser.add_argument("--ddp-graph-cuts", nargs="+", default=["off"], choices=["off", "dynamo"],
+                        help="scaling, compiled modes with --gradient-sync ddp: off (one graph per compiled layer) "
+                        "or dynamo (Dynamo's cuts at DDP's bucket boundaries, optimize_ddp=True); both: each is run")
     parser.add_argument("--profile-fixed", type=int, default=0,
                         help="scaling: cProfile of rank 0's host over this many more steps, kept in the json")
     parser.add_argument("--trace-dir", type=Path, default=None,

@@ -15,17 +15,21 @@ def _gib(value) -> str:
     return "-" if value is None or value != value else f"{value:.2f}"  # None or NaN: not measured
 
 
-def mode_label(row: dict, *, ddp_cuts: bool = True) -> str:
-    """eager, compiled (compile=true) or compiled + CUDA graphs (compile_mode=reduce-overhead); ddp_cuts=False
-    leaves out whether Dynamo cut the graphs at DDP's buckets (bench/ddp.py's comparison)."""
-    if not row["compile"]:
-        return "eager"
-    label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
-    label += ", losses eager" if row.get("losses_compiled") is False else ""
-    label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
+def mode_label(row: dict, *, gradient_sync: bool = True) -> str:
+    """eager, compiled (compile=true) or compiled + CUDA graphs (compile_mode=reduce-overhead); gradient_sync=False
+    leaves out how several GPUs synced their gradients (bench/ddp.py's variants, which 1-GPU rows lack)."""
+    label = "eager"
+    if row["compile"]:
+        label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
+        label += ", losses eager" if row.get("losses_compiled") is False else ""
+        label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
+    if not gradient_sync:
+        return label
+    if row.get("gpus", 1) > 1:  # bench/ddp.py's rows; those without a gradient_sync ran DDP
+        label += ", all-reduce after backward" if row.get("gradient_sync") == "allreduce" else ", DDP"
     # bench/ddp.py marks the rows run with Dynamo's cuts on; rows written before the trainer turned them off
     # (2026-11-30) had them on without the mark (their run notes say so).
-    return label + (", Dynamo's DDP graph cuts" if ddp_cuts and row.get("ddp_graph_split") else "")
+    return label + (", Dynamo's DDP graph cuts" if row.get("ddp_graph_split") else "")
 
 
 def _step_cell(row: dict) -> str:
