@@ -106,7 +106,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     # Classes from the data when model.num_classes is null; category ids checked against them.
     cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
 
-    seed_all(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    seed_all(cfg.seed)  # same initial weights on every rank (data_parallel also broadcasts rank 0's)
     # model.init_from: a new run from another checkpoint's weights (reads it, puts its variant into cfg.model).
     # A resumed run has its own weights.
     init = prepare_init_from(cfg.model) if ckpt is None else InitFrom()

@@ -85,8 +85,8 @@ def scaling_worker(args) -> None:
         (gradient_sync,) = args.gradient_sync
         optimizer = build_optimizer(model, cfg.optim)
         trained, sync_gradients = data_parallel(model, ctx, gradient_sync=gradient_sync)
-        # DDP: data_parallel turns Dynamo's cuts of compiled graphs at DDP's buckets off; back on for comparison.
-        torch._dynamo.config.optimize_ddp = cuts
+        if gradient_sync == "ddp":  # data_parallel turns Dynamo's cuts at DDP's buckets off; back on to compare
+            torch._dynamo.config.optimize_ddp = cuts
         step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
                          precision=Precision(amp="bf16", device=ctx.device), clip_max_norm=cfg.optim.clip_max_norm,
                          average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
@@ -173,14 +173,14 @@ def run_scaling(args, work: Path, save) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------
-# a short synthetic run, 1 GPU (two seeds) and N GPUs
-# ----------------------------------------------------------------------------------------------------
 def one_gpu_row(rows: list[dict], row: dict) -> dict | None:
     """The 1-GPU row of ``row``'s mode: it syncs nothing, so it is the baseline of every N-GPU variant."""
     return next((r for r in rows if r["gpus"] == 1 and mode_label(r) == mode_label(row, gradient_sync=False)), None)
 
 
+# ----------------------------------------------------------------------------------------------------
+# a short synthetic run, 1 GPU (two seeds) and N GPUs
+# ----------------------------------------------------------------------------------------------------
 def run_ap(args, work: Path, save) -> list[dict]:
     runs = []
     for gpus, seed in [(g, s) for g in args.ap_gpus for s in (args.ap_seeds if g == 1 else args.ap_seeds[:1])]:

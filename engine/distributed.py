@@ -7,8 +7,9 @@ trainer has a single code path for one and many processes.
 
 Every collective has a timeout (``dist_timeout_s``, set when the group is made): a rank that stops or
 falls behind turns the others' wait into an error naming the rank that waited and the collective,
-instead of a hang. (With gradient_sync=ddp the gradient all-reduce runs inside backward; there the same
-timeout ends the run through torch's watchdog, whose message starts with the rank.)
+instead of a hang. (On NCCL the gradient all-reduce does not block the host, and with gradient_sync=ddp it
+runs inside backward: there the same timeout ends the run through torch's watchdog, whose message starts
+with the rank.)
 """
 
 from __future__ import annotations
@@ -222,18 +223,26 @@ class GradientAllReduce:
     into the bucket, launch the bucket's all-reduce when full). On a host-bound step that per-parameter host
     work lands on the critical path; a 2-GPU CUDA-graph step's trace showed 298 AccumulateGrad nodes at about
     37 us each under DDP. Here the gradients are gathered into one flat buffer (a few batched copy kernels),
-    summed by one collective on NCCL's stream (the host does not wait for it) and handed back as views of
+    averaged by one collective on NCCL's stream (the host does not wait for it) and handed back as views of
     that buffer. What is given up is overlapping the all-reduce with backward: about 160 MB over NVLink.
 
-    A parameter with no gradient on this rank (not used by its batch) counts as a zero gradient, so every
+    A parameter with no gradient on a rank (not used by its batch) counts as a zero gradient there, so every
     rank's buffer has the same layout and the same collective: after the sync it has the mean, as with DDP's
-    find_unused_parameters=True. A world of one: ``sync()`` does nothing.
+    find_unused_parameters=True. One unused on every rank ends with a zero gradient rather than none, so AdamW
+    still decays it; every variant of the model uses all of its parameters. A world of one: ``sync()`` does
+    nothing.
     """
 
     def __init__(self, model: torch.nn.Module, ctx: DistContext):
         self.ctx = ctx
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        for name, p in named:  # the gradients become views of one flat buffer, laid out as contiguous tensors
+            if not p.is_contiguous():
+                raise ValueError(f"gradient_sync=allreduce needs contiguous parameters; {name} is not "
+                                 "(use gradient_sync=ddp)")
+        self._groups = [(group, [p.numel() for p in group]) for group in _by_dtype(p for _, p in named).values()]
         if ctx.distributed:
+            _check_same_layout(model, ctx)
             with torch.no_grad():
                 for group in _by_dtype([*model.parameters(), *model.buffers()]).values():
                     flat = torch.cat([t.detach().reshape(-1) for t in group])
@@ -244,13 +253,26 @@ class GradientAllReduce:
     def sync(self) -> None:
         if not self.ctx.distributed:
             return
-        for group in _by_dtype(self.params).values():
+        for group, sizes in self._groups:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
-            # SUM then divide: gloo has no AVG. On NCCL the caller's stream waits for the sum; the host does not.
-            _collective("gradient all_reduce", self.ctx, dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+            # Divided before the sum, as DDP does (no overflow in a half-precision sum); gloo has no AVG. On NCCL
+            # the caller's stream waits for the sum; the host does not.
             flat.div_(self.ctx.world_size)
-            for p, grad in zip(group, _views(flat, group)):
-                p.grad = grad
+            _collective("gradient all_reduce", self.ctx, dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+            for p, grad in zip(group, flat.split(sizes)):
+                p.grad = grad.view_as(p)
+
+
+def _check_same_layout(model: torch.nn.Module, ctx: DistContext) -> None:
+    """Every rank must hold the same parameters and buffers, in the same order, shapes and dtypes: the flat
+    collectives would otherwise pair up unrelated values (or, on NCCL, wait forever for a longer buffer)."""
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    for rank, other in enumerate(all_gather_object(layout, ctx)):
+        if other != layout:
+            first = next((f"{mine} here, {theirs} on rank {rank}" for mine, theirs in zip(layout, other)
+                          if mine != theirs), f"{len(layout)} tensors here, {len(other)} on rank {rank}")
+            raise ValueError(f"rank {ctx.rank}: the model differs between ranks ({first}); every process must "
+                             "build the same model")
 
 
 def _by_dtype(tensors) -> dict[torch.dtype, list[torch.Tensor]]:

@@ -1,5 +1,5 @@
 """engine.distributed: a rank that never joins a collective makes the others' wait an error naming them;
-an unknown gradient sync is an error naming the setting.
+ranks whose models differ, or an unknown gradient sync, are errors that say so.
 
 Two gloo processes with a 3-second timeout: rank 1 leaves without joining; rank 0's barrier must fail
 with CollectiveError ("rank 0 of 2: barrier ...") instead of hanging.
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed import CollectiveError, DistContext, barrier, broadcast_object, data_parallel
+from engine.distributed import CollectiveError, DistContext, GradientAllReduce, barrier, broadcast_object, data_parallel
 
 TIMEOUT_S = 3.0
 
@@ -47,3 +47,28 @@ def test_an_unknown_gradient_sync_is_an_error_naming_it():
     one = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="gradient_sync must be one of allreduce, ddp, got 'nccl'"):
         data_parallel(torch.nn.Linear(2, 2), one, gradient_sync="nccl")
+
+
+def _mismatched_rank_main(rank: int, work: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    model = torch.nn.Linear(4, 3 if rank == 0 else 5)  # another model on rank 1
+    try:
+        GradientAllReduce(model, ctx)
+        outcome = "no error"
+    except ValueError as error:
+        outcome = str(error)
+    finally:
+        dist.destroy_process_group()
+    with open(f"{work}/rank{rank}.txt", "w") as f:
+        f.write(outcome)
+
+
+def test_ranks_with_different_models_are_an_error_on_every_rank(tmp_path):
+    mp.spawn(_mismatched_rank_main, args=(str(tmp_path),), nprocs=2)
+    own_weight = {0: "(3, 4)", 1: "(5, 4)"}
+    for rank in range(2):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        expected = f"rank {rank}: the model differs between ranks (('weight', {own_weight[rank]}"
+        assert message.startswith(expected), message

@@ -1,11 +1,12 @@
-"""Rank parity: one global batch split over 2 gloo ranks gives the loss and gradients of 1 process.
+"""Rank parity: one global batch split over 2 ranks (gloo; NCCL on 2 GPUs) gives the loss and gradients of 1 process.
 
 The loss is normalized by the number of boxes averaged over processes (engine.step.TrainStep with
 engine.distributed.average_over_processes), and the gradients are averaged over ranks (by
 engine.distributed.GradientAllReduce after backward, or by DDP inside it), so the mean of the per-rank
 losses and the averaged gradients must equal what one process computes on the whole batch. Both sides
 run the trainer's own step. Images share one size so that padding is the same either way. Rank 1 starts
-from other weights: both ways of syncing must start every rank from rank 0's.
+from other weights: both ways of syncing must start every rank from rank 0's (the all-reduce also from its
+batch-norm statistics).
 """
 
 from pathlib import Path
@@ -69,10 +70,12 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], comp
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         torch.manual_seed(0)
         model, criterion, _ = build_model(tiny_model_config())
-        if rank == 1:  # other weights than rank 0's: the sync's start must replace them
+        if rank == 1:  # other weights (and statistics) than rank 0's, small enough to keep the loss finite
+            # DDP of older torch syncs no buffers at all with forward buffer sync off: only the parameters then.
+            buffers = [b for b in model.buffers() if b.is_floating_point()] if sync == "allreduce" else []
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p))
+                for t in [*model.parameters(), *buffers]:
+                    t.add_(1e-2 * torch.rand_like(t))  # positive: running variances stay positive
         if compiled:  # as train.py compiles before wrapping; aot_eager traces as inductor does, without codegen
             compile_regions(model.to(device), criterion=criterion, backend="aot_eager")
         ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)

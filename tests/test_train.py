@@ -1,4 +1,4 @@
-"""The trainer end to end on a tiny synthetic run (CPU): outputs, eval_only, resume, DDP, failures.
+"""The trainer end to end on a tiny synthetic run (CPU): outputs, eval_only, resume, 2 processes, failures.
 
 One session-scoped run (2 epochs of 4 steps) is shared by most tests; the others start from its
 checkpoints so that each adds only a few steps.
