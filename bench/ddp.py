@@ -64,7 +64,7 @@ def scaling_worker(args) -> None:
 
     from bench.e2e import compose_config
     from bench.e2e_steptime import (ATTENTION_KERNELS, back_to_back_blocks_ms, back_to_back_keys, count_syncs,
-                                    profile_steps, python_profile, random_batch)
+                                    host_conditions, profile_steps, python_profile, random_batch)
     from engine.compile import compile_regions
     from engine.distributed import average_over_processes, data_parallel, init_distributed, shutdown_distributed
     from engine.optim import build_optimizer
@@ -92,6 +92,7 @@ def scaling_worker(args) -> None:
                          average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
         batch = random_batch([(800, 1333)] * args.batch, cfg.model.num_classes, ctx.device, gen)
+        host_before = host_conditions()
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             step(*batch)
@@ -125,6 +126,7 @@ def scaling_worker(args) -> None:
                 **back_to_back,
                 "back_to_back_images_per_s": ctx.world_size * args.batch / back_to_back["back_to_back_ms"] * 1e3,
                 "peak_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30, "syncs_per_step": syncs,
+                "host": {"before": host_before, "after": host_conditions()},
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
                 "inductor_counters": dict(dynamo_counters["inductor"]),
                 **({"gradient_sync": gradient_sync} if ctx.distributed else {}),

@@ -14,6 +14,7 @@ of 32, long side up to 1333, padded to the batch's largest image). Per row:
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -80,6 +81,14 @@ def _device_us(event) -> float:
 
 # The training step's phases as engine.step and models.criterion name them for the profiler.
 STEP_PHASES = "step."
+
+
+def host_conditions() -> dict:
+    """What the host offered the (host-bound) step when this was called: its usable cores, torch's CPU threads
+    (torchrun sets OMP_NUM_THREADS=1 when it starts several processes, not for one) and the 1-minute load
+    average (every process's demand on the cores), to tell a busy or smaller machine from a slower step."""
+    return {"cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "load_avg_1min": os.getloadavg()[0]}
 
 
 def back_to_back_blocks_ms(run_step, sync, *, steps: int, blocks: int = 3) -> list[float]:
@@ -255,6 +264,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
             "batch": batch, **({"losses_compiled": False} if compile_mode and not compile_losses else {}),
             **({"backbone_compiled": compile_backbone} if compile_mode and compile_backbone != "eager" else {})}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
+    host_before = host_conditions()
     graphs_before = _unique_graphs()
     first_ms = timed(fixed)
     for _ in range(warmup - 1):
@@ -264,7 +274,8 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
            **back_to_back_keys(back_to_back_blocks_ms(lambda: step(*fixed), sync, steps=steps)),
            "images_per_s": batch / statistics.median(times) * 1e3, "first_step_s": first_ms / 1e3,
            "peak_gib": peak_gib(), "syncs_per_step": count_syncs(lambda: step(*fixed)) if cuda else None,
-           **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda)}
+           **profile_steps(lambda: step(*fixed), sync, ATTENTION_KERNELS[impl], cuda=cuda),
+           "host": {"before": host_before, "after": host_conditions()}}
     row["kernel_share"] = row["gpu_kernel_ms"] / row["step_ms"]
     if profile_fixed:
         row["host_cprofile"] = python_profile(lambda: step(*fixed), sync, steps=profile_fixed)
