@@ -1,5 +1,6 @@
 """engine.distributed: a rank that never joins a collective makes the others' wait an error naming them;
-ranks whose models differ, or an unknown gradient sync, are errors that say so.
+GradientAllReduce averages gradients of several dtypes, a parameter unused on one rank included; ranks
+whose models differ, or an unknown gradient sync, are errors that say so.
 
 Two gloo processes with a 3-second timeout: rank 1 leaves without joining; rank 0's barrier must fail
 with CollectiveError ("rank 0 of 2: barrier ...") instead of hanging.
@@ -72,3 +73,47 @@ def test_ranks_with_different_models_are_an_error_on_every_rank(tmp_path):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         expected = f"rank {rank}: the model differs between ranks (('weight', {own_weight[rank]}"
         assert message.startswith(expected), message
+
+
+class _TwoDtypes(torch.nn.Module):
+    """A float32 and a float64 layer (two flat buffers), and a layer only rank 0's batch uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp32 = torch.nn.Linear(3, 2)
+        self.fp64 = torch.nn.Linear(3, 2).double()
+        self.rank0_only = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        out = self.fp32(x).sum() + self.fp64(x.double()).float().sum()
+        return out + self.rank0_only(x).pow(2).sum() if rank == 0 else out
+
+
+def _average_rank_main(rank: int, work: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    torch.manual_seed(rank)  # other weights on rank 1: the sync starts both from rank 0's
+    model = _TwoDtypes()
+    sync = GradientAllReduce(model, ctx).sync
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 + rank))  # each rank its own batch
+    model(x, rank).backward()
+    own = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
+    sync()
+    torch.save({"own": own, "synced": {name: p.grad for name, p in model.named_parameters()},
+                "weights": model.state_dict()}, f"{work}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_gradients_of_two_dtypes_are_averaged_and_an_unused_parameter_counts_as_zero(tmp_path):
+    mp.spawn(_average_rank_main, args=(str(tmp_path),), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, weight in ranks[0]["weights"].items():
+        assert torch.equal(weight, ranks[1]["weights"][name]), f"{name} differs between ranks"
+    assert ranks[1]["own"]["rank0_only.weight"] is None  # unused by rank 1's batch
+    for name, grad in ranks[0]["synced"].items():
+        owns = [r["own"][name] if r["own"][name] is not None else torch.zeros_like(grad) for r in ranks]
+        mean = (owns[0] + owns[1]) / 2
+        assert grad.dtype == ranks[0]["weights"][name].dtype, name
+        for r in ranks:
+            torch.testing.assert_close(r["synced"][name], mean, msg=f"{name}")
