@@ -240,7 +240,7 @@ class GradientAllReduce:
             if not p.is_contiguous():
                 raise ValueError(f"gradient_sync=allreduce needs contiguous parameters; {name} is not "
                                  "(use gradient_sync=ddp)")
-        self._groups = [(group, [p.numel() for p in group]) for group in _by_dtype(p for _, p in named).values()]
+        self._groups = list(_by_dtype(p for _, p in named).values())
         if ctx.distributed:
             _check_same_layout(model, ctx)
             with torch.no_grad():
@@ -253,14 +253,14 @@ class GradientAllReduce:
     def sync(self) -> None:
         if not self.ctx.distributed:
             return
-        for group, sizes in self._groups:
+        for group in self._groups:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
             # Divided before the sum, as DDP does (no overflow in a half-precision sum); gloo has no AVG. On NCCL
             # the caller's stream waits for the sum; the host does not.
             flat.div_(self.ctx.world_size)
             _collective("gradient all_reduce", self.ctx, dist.all_reduce, flat, op=dist.ReduceOp.SUM)
-            for p, grad in zip(group, flat.split(sizes)):
-                p.grad = grad.view_as(p)
+            for p, grad in zip(group, _views(flat, group)):
+                p.grad = grad
 
 
 def _check_same_layout(model: torch.nn.Module, ctx: DistContext) -> None:
