@@ -1,8 +1,10 @@
 """``compile=true``: the transformer's layers and the heads through torch.compile, for training and evaluation.
 
-Regional compilation: each encoder and decoder layer is compiled in place (``nn.Module.compile``), and
-layers of one kind share one graph, so the warm-up costs a few graphs rather than the whole network's;
-the heads of all decoder layers (``DeformableDETR.heads``) are one more.
+Regional compilation (``compile_regions=layers``, the default): each encoder and decoder layer is compiled in
+place (``nn.Module.compile``), and layers of one kind share one graph, so the warm-up costs a few graphs rather
+than the whole network's; the heads of all decoder layers (``DeformableDETR.heads``) are one more.
+``compile_regions=transformer`` compiles ``DeformableDETR.predict`` (the transformer and the heads) as one
+graph instead, and the position encoding: about three times the warm-up, less host time in every step.
 That is where the step's thousands of small launches are (attention projections, softmax, layer norms,
 feed-forward, the deformable attention op itself, which is a registered operator and traced with no
 break). The ResNet backbone stays eager: its kernels are few and large, and its stride-2 size arithmetic
@@ -29,6 +31,8 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch._inductor.config  # noqa: F401  (settings changed below)
+import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, set below)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +47,17 @@ COMPILE_MODES = ("default", "reduce-overhead")
 # both trials (a SIGSEGV in the first; no Python error in the second).
 BACKBONE_CHOICES = ("eager", "static")
 
+# What one compiled graph spans: "layers", each encoder and decoder layer (layers of one kind share a graph) and
+# the heads; or "transformer", the whole of ``DeformableDETR.predict`` (the encoder, the decoder, the glue
+# between their layers and the heads) and the position encoding. Fewer graphs mean fewer calls through
+# Dynamo's guards, AOTAutograd's wrappers and, with CUDA graphs, the graph trees' input copies: each costs the
+# host a few hundred microseconds per call, forward and backward, while the GPU waits.
+REGION_CHOICES = ("layers", "transformer")
+
 
 def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None = None, backend="inductor",
-                    mode: str = "default", backbone: str = "eager") -> torch.nn.Module:
-    """Compile ``model``'s (a DeformableDETR) encoder and decoder layers and heads in place; returns the model.
+                    mode: str = "default", backbone: str = "eager", regions: str = "layers") -> torch.nn.Module:
+    """Compile ``model``'s (a DeformableDETR) transformer and heads in place, as ``regions`` says; returns it.
 
     criterion  a SetCriterion whose losses after the matching are compiled too (training), in the default
                mode whatever ``mode`` says: their sizes follow the matched pairs, new in every batch, and
@@ -54,6 +65,7 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
     backend    "inductor", another torch.compile backend's name, or a backend callable (tests)
     mode       one of COMPILE_MODES; a mode other than "default" needs the inductor backend
     backbone   one of BACKBONE_CHOICES (see there)
+    regions    one of REGION_CHOICES (see there)
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
@@ -61,16 +73,30 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         raise ValueError(f"compile mode {mode!r} needs the inductor backend, got backend {backend!r}")
     if backbone not in BACKBONE_CHOICES:
         raise ValueError(f"backbone must be one of {BACKBONE_CHOICES}, got {backbone!r}")
+    if regions not in REGION_CHOICES:
+        raise ValueError(f"regions must be one of {REGION_CHOICES}, got {regions!r}")
     torch._logging.set_logs(recompiles=True)
-    regions = [*model.transformer.encoder.layers, *model.transformer.decoder.layers]
     if mode == "reduce-overhead":
         model.register_forward_pre_hook(_new_cuda_graph_step)
     options = dict(dynamic=True, backend=backend, **({"mode": str(mode)} if mode != "default" else {}))
-    for region in regions:
-        region.compile(**options)
-    # The prediction heads of all decoder layers: a few hundred small launches forward and backward, one
-    # graph. An instance attribute over the method, so parameters and state_dict keys stay where they are.
-    model.heads = torch.compile(model.heads, **options)
+    if regions == "layers":
+        for layer in (*model.transformer.encoder.layers, *model.transformer.decoder.layers):
+            layer.compile(**options)
+        # The prediction heads of all decoder layers: a few hundred small launches forward and backward, one
+        # graph. An instance attribute over the method, so parameters and state_dict keys stay where they are.
+        model.heads = torch.compile(model.heads, **options)
+    else:
+        # The graph's inputs are every level's maps: sizes of different levels that happen to be equal (a
+        # square level, the stride-8 height of one image size and the stride-16 width of another) must stay
+        # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer.
+        # Process-wide (the losses' graph merely gets no equalities it does not need).
+        torch.fx.experimental._config.use_duck_shape = False
+        # Inductor's coalescing analysis of tilings is meant for static shapes; on this graph (torch 2.11) it
+        # fails an assertion comparing two size hints of one fused node, and the compile dies.
+        if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+            torch._inductor.config.triton.coalesce_tiling_analysis = False
+        model.predict = torch.compile(model.predict, **options)
+        model.backbone[1].compile(**options)  # the position encoding, once per level
     if backbone == "static":
         for region in (model.backbone[0].body, *model.input_proj):
             region.compile(**{**options, "dynamic": False})
@@ -78,9 +104,11 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         # Five hundred small launches forward and backward, between the matching and the backward: with
         # the GPU waiting on the matching's host sync there, their host time is the step's.
         criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
-    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of the %d transformer layers, the "
-             "prediction heads%s%s; the first steps of training and of evaluation include the compilation",
-             backend, mode, len(regions), " and the losses" if criterion is not None else "",
+    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %s%s%s; the first steps of training "
+             "and of evaluation include the compilation", backend, mode,
+             "each transformer layer and the prediction heads" if regions == "layers"
+             else "the transformer with its prediction heads, and the position encoding",
+             " and the losses" if criterion is not None else "",
              ", the backbone (static shapes)" if backbone == "static" else "")
     return model
 

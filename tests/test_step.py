@@ -150,8 +150,16 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(seeded):
-    """compile=true (engine.compile.compile_regions): the layers' graphs serve every image size."""
+# Graphs with nodes, per choice of regions: the encoder layers, the decoder layers (the first decoder layer's
+# reference points need a gradient, the refined ones of later layers do not) and the heads; or the transformer
+# with its heads, and the position encoding.
+REGION_GRAPHS = {"layers": (3, 4), "transformer": (2, 2)}
+
+
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(seeded, regions):
+    """compile=true (engine.compile.compile_regions): the graphs serve every image size, square ones included,
+    whose levels' equal heights and widths must not become one symbol."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from engine.compile import compile_regions
@@ -160,18 +168,18 @@ def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(se
     eager, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
     compiled = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
-    compile_regions(compiled, backend=counter)
+    compile_regions(compiled, backend=counter, regions=regions)
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
-    frames = []
-    for H, W in ((128, 160), (160, 136)):  # no level of size 1, which torch.compile specializes
+    graphs = []
+    # No level of size 1, which torch.compile specializes.
+    for H, W in ((128, 160), (160, 136), (136, 136)):
         images, mask = _batch(H=H, W=W, pad_w=8)
         out_eager, out_compiled = eager(images, mask), compiled(images, mask)
         torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
         _loss(out_compiled).backward()
-        frames.append(counter.frame_count)
-    # Graphs for the encoder layers, the decoder layers (the first decoder layer's reference points need a
-    # gradient, the refined ones of later layers do not) and the heads; the second size compiles nothing new.
-    assert 3 <= frames[0] <= 6 and frames[1] == frames[0], frames
+        graphs.append(sum(1 for g in counter.graphs if len(g.graph.nodes)))
+    low, high = REGION_GRAPHS[regions]
+    assert low <= graphs[0] <= high and graphs[1:] == graphs[:1] * 2, graphs  # later sizes compile nothing new
 
 
 def test_compiled_regions_give_the_detections_of_eager_in_evaluation(seeded):
@@ -200,7 +208,8 @@ def test_compiled_regions_give_the_detections_of_eager_in_evaluation(seeded):
         torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-5, atol=1e-4)
 
 
-def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickles(seeded):
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickles(seeded, regions):
     """compile_regions shadows methods per instance (models.compiled_methods): copies drop them."""
     import io
 
@@ -208,7 +217,8 @@ def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickl
 
     torch._dynamo.reset()
     model, criterion, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
-    compile_regions(model, criterion=criterion, backend="aot_eager")
+    compile_regions(model, criterion=criterion, backend="aot_eager", regions=regions)
+    assert ("predict" in vars(model)) == (regions == "transformer")
     twin = copy.deepcopy(model)
     with torch.no_grad():
         twin.class_embed[-1].bias.add_(1.0)  # the copy's own weights, not the original's
@@ -235,6 +245,8 @@ def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
         compile_regions(model, backend="aot_eager", mode="reduce-overhead")
     with pytest.raises(ValueError, match=r"backbone must be one of \('eager', 'static'\), got 'dynamic'"):
         compile_regions(model, backbone="dynamic")
+    with pytest.raises(ValueError, match=r"regions must be one of \('layers', 'transformer'\), got 'model'"):
+        compile_regions(model, regions="model")
 
 
 def test_a_statically_compiled_backbone_gives_the_features_of_eager(seeded):
@@ -254,15 +266,16 @@ def test_a_statically_compiled_backbone_gives_the_features_of_eager(seeded):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
-def test_steps_with_cuda_graphs_give_the_losses_of_eager_steps(seeded):
-    """compile_mode=reduce-overhead: the layers replayed as CUDA graphs, several steps and two sizes."""
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_steps_with_cuda_graphs_give_the_losses_of_eager_steps(seeded, regions):
+    """compile_mode=reduce-overhead: the regions replayed as CUDA graphs, several steps and two sizes."""
     from engine.compile import compile_regions
 
     torch._dynamo.reset()
     eager = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)  # Inductor draws its own RNG
     graphed = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)
     graphed.model.load_state_dict(eager.model.state_dict())
-    compile_regions(graphed.model, mode="reduce-overhead")
+    compile_regions(graphed.model, mode="reduce-overhead", regions=regions)
     for H, W in ((128, 160), (128, 160), (160, 136), (128, 160)):
         batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
         targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
