@@ -116,7 +116,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     criterion.to(device)
     if cfg.compile:
         # In place: training and evaluation use it.
-        compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode)
+        compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode,
+                        regions=cfg.compile_regions)
         if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple):
             log.warning(warning)
     optimizer = build_optimizer(model, cfg.optim)
@@ -183,7 +184,7 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         if cfg.compile:
-            compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode)
+            compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode, regions=cfg.compile_regions)
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,

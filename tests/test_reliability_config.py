@@ -30,6 +30,8 @@ def compose_train(*overrides):
     (["optim.lr_drop=4.5"], r"could not be converted to Integer\s+full_key: optim\.lr_drop"),
     (["model.nheads=eight"], r"could not be converted to Integer\s+full_key: model\.nheads"),
     (["model.msda=cuda"], r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda"),
+    (["compile_regions=model"], r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
+                                r"compile_regions"),
     (["model.backbone=vgg16"], r"Invalid value 'vgg16', expected one of \[resnet18, .*\]\s+full_key: model\.backbone"),
     (["model.position_embedding=rope"], r"full_key: model\.position_embedding"),
     (["model.with_box_refine=sometimes"], r"'sometimes' is not a valid bool .*\s+full_key: model\.with_box_refine"),

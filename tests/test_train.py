@@ -129,13 +129,14 @@ def test_resume_mid_epoch_continues_identically(tiny_run, data_root, tmp_path):
     assert first["losses"] + second["losses"] == pytest.approx(tiny_run["losses"][STEPS_PER_EPOCH:], rel=1e-5)
 
 
-def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path):
-    """compile=true: layers, heads and losses compiled (aot_eager traces them and runs the same kernels)."""
+@pytest.mark.parametrize("regions", ["layers", "transformer"])
+def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path, regions):
+    """compile=true: the model's regions and the losses compiled (aot_eager traces them and runs the same kernels)."""
     torch._dynamo.reset()
     common = ("epochs=1", "model.dropout=0.0")  # dropout draws its mask in another order once traced
     eager = trainer.train(compose_run(data_root, tmp_path / "eager", *common))
     compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile=true",
-                                         "compile_backend=aot_eager"))
+                                         "compile_backend=aot_eager", f"compile_regions={regions}"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     # The tiny model scores AP 0 after one epoch either way: compare the trained weights instead (the
     # detections of compiled regions in evaluation are compared in tests/test_step.py).
