@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
-from engine.compile import BACKBONE_CHOICES  # noqa: E402
+from engine.compile import BACKBONE_CHOICES, REGION_CHOICES  # noqa: E402
 from engine.distributed import GRADIENT_SYNCS  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -80,7 +80,8 @@ def scaling_worker(args) -> None:
         model.to(ctx.device).train()
         criterion.to(ctx.device)
         if args.compile_mode:
-            compile_regions(model, criterion=criterion, mode=args.compile_mode, backbone=args.compile_backbone)
+            compile_regions(model, criterion=criterion, mode=args.compile_mode, backbone=args.compile_backbone,
+                            regions=args.compile_regions)
         cuts = args.ddp_graph_cuts == ["dynamo"]  # the worker is given one of each
         (gradient_sync,) = args.gradient_sync
         optimizer = build_optimizer(model, cfg.optim)
@@ -132,6 +133,7 @@ def scaling_worker(args) -> None:
                 **({"gradient_sync": gradient_sync} if ctx.distributed else {}),
                 **({"ddp_graph_split": True} if args.compile_mode and cuts and ctx.distributed else {}),
                 **({"host_cprofile": host_cprofile} if host_cprofile else {}),
+                **({"compile_regions": args.compile_regions} if args.compile_mode else {}),
                 **({"backbone_compiled": args.compile_backbone}
                    if args.compile_mode and args.compile_backbone != "eager" else {})}))
     finally:
@@ -150,13 +152,14 @@ def run_scaling(args, work: Path, save) -> list[dict]:
     rows = []
     for mode, gpus, sync, cuts in scaling_runs(args):
         compile_mode = COMPILE_MODES[mode]
-        name = f"scaling_{gpus}_{mode}_{args.compile_backbone}_{sync}_{cuts}"
+        name = f"scaling_{gpus}_{mode}_{args.compile_backbone}_{args.compile_regions}_{sync}_{cuts}"
         result = work / f"{name}.json"
         cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        *(["--compile-mode", compile_mode] if compile_mode else []), "--ddp-graph-cuts", cuts,
                        "--gradient-sync", sync,
-                       "--compile-backbone", args.compile_backbone, "--profile-fixed", str(args.profile_fixed),
+                       "--compile-backbone", args.compile_backbone, "--compile-regions", args.compile_regions,
+                       "--profile-fixed", str(args.profile_fixed),
                        *(["--trace-dir", str(args.trace_dir)] if args.trace_dir else []))
         run(cmd, work / f"{name}.log")
         row = json.loads(result.read_text())
@@ -305,6 +308,8 @@ def main():
     parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
     parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
                         help="scaling: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
+    parser.add_argument("--compile-regions", default="layers", choices=list(REGION_CHOICES),
+                        help="scaling: what one compiled graph spans (engine.compile.REGION_CHOICES)")
     parser.add_argument("--gradient-sync", nargs="+", default=["allreduce"], choices=list(GRADIENT_SYNCS),
                         help="scaling on several GPUs: allreduce (engine.distributed.GradientAllReduce after "
                         "backward, train.py's default) or ddp (DistributedDataParallel's hooks during backward); "

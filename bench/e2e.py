@@ -42,7 +42,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import (  # noqa: E402
     bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report)
-from engine.compile import BACKBONE_CHOICES  # noqa: E402
+from engine.compile import BACKBONE_CHOICES, REGION_CHOICES  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
@@ -69,10 +69,11 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     times, in alternating order, so that no configuration always comes first or last (the report shows the
     median and the range over the repeats).
     """
-    configs = [(batch, amp, mode, losses, impl) for batch in args.batches for amp in args.amps
+    configs = [(batch, amp, mode, losses, regions, impl) for batch in args.batches for amp in args.amps
                for mode in args.compile_modes
-               # The losses' setting only means something where the model is compiled.
+               # The losses' and regions' settings only mean something where the model is compiled.
                for losses in (args.losses if COMPILE_MODES[mode] else [None])
+               for regions in (args.compile_regions if COMPILE_MODES[mode] else [None])
                for impl in args.impls]
     rows = []
     for repeat in range(args.repeats):
@@ -94,7 +95,7 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     return rows
 
 
-def _measure_here(args, device, batch, amp, mode, losses, impl) -> list[dict]:
+def _measure_here(args, device, batch, amp, mode, losses, regions, impl) -> list[dict]:
     from bench.e2e_steptime import measure
 
     cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
@@ -103,7 +104,8 @@ def _measure_here(args, device, batch, amp, mode, losses, impl) -> list[dict]:
                        height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
                        multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
                        profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed,
-                       compile_losses=losses != "eager", compile_backbone=args.compile_backbone)
+                       compile_losses=losses != "eager", compile_backbone=args.compile_backbone,
+                       compile_regions=regions or "layers")
     except Exception:  # one configuration's failure is reported; the others are still measured
         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
         return []
@@ -115,7 +117,7 @@ def _measure_here(args, device, batch, amp, mode, losses, impl) -> list[dict]:
             torch.cuda.empty_cache()
 
 
-def _measure_in_child(args, device, batch, amp, mode, losses, impl) -> list[dict]:
+def _measure_in_child(args, device, batch, amp, mode, losses, regions, impl) -> list[dict]:
     """The same configuration measured by this script in a process of its own; its rows."""
     import subprocess
     import tempfile
@@ -123,7 +125,8 @@ def _measure_in_child(args, device, batch, amp, mode, losses, impl) -> list[dict
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", tmp, "--parts", "steptime",
                "--device", str(device), "--batches", str(batch), "--amps", amp, "--compile-modes", mode,
-               "--losses", losses or "compiled", "--impls", impl, "--height", str(args.height),
+               "--losses", losses or "compiled", "--compile-regions", regions or "layers", "--impls", impl,
+               "--height", str(args.height),
                "--width", str(args.width), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--multishape-steps", str(args.multishape_steps), "--pad-multiples", *map(str, args.pad_multiples),
                "--profile-shapes", str(args.profile_shapes), "--profile-fixed", str(args.profile_fixed),
@@ -298,6 +301,9 @@ def main():
                         help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
     parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
                         help="steptime: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
+    parser.add_argument("--compile-regions", nargs="+", default=["layers"], choices=list(REGION_CHOICES),
+                        help="steptime: what one compiled graph spans (engine.compile.REGION_CHOICES); several: "
+                             "each is measured")
     parser.add_argument("--profile-fixed", type=int, default=0, metavar="STEPS",
                         help="steptime: after the fixed-size steps, profile this many more with cProfile (Python)")
     parser.add_argument("--trainpy-steps", type=int, default=80)
