@@ -23,8 +23,8 @@ def mode_label(row: dict, *, gradient_sync: bool = True) -> str:
         label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
         label += ", losses eager" if row.get("losses_compiled") is False else ""
         label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
-        label += {"layers": ", a graph per layer", "transformer": ", the transformer as one graph"}.get(
-            row.get("compile_regions"), "")  # rows measured before the choice existed: a graph per layer
+        # compile_regions=layers, the default, is what rows measured before the choice existed ran
+        label += ", the transformer as one graph" if row.get("compile_regions") == "transformer" else ""
     if not gradient_sync:
         return label
     if row.get("gpus", 1) > 1:  # bench/ddp.py's rows; those without a gradient_sync ran DDP

@@ -1,4 +1,4 @@
-"""``compile=true``: the transformer's layers and the heads through torch.compile, for training and evaluation.
+"""``compile=true``: the transformer and the heads through torch.compile, for training and evaluation.
 
 Regional compilation (``compile_regions=layers``, the default): each encoder and decoder layer is compiled in
 place (``nn.Module.compile``), and layers of one kind share one graph, so the warm-up costs a few graphs rather
@@ -11,14 +11,16 @@ break). The ResNet backbone stays eager: its kernels are few and large, and its 
 would make a compiled graph specialize on the parity of the image size.
 
 Dynamic shapes from the first call: the COCO recipe feeds a different padded image size almost every
-batch (short side 480-800, long side up to 1333), and a layer's graph with symbolic sizes serves them all.
+batch (short side 480-800, long side up to 1333), and a graph with symbolic sizes serves them all (but for a
+guard Inductor may add on a size, for a fusion decision: one recompilation of the transformer's graph was
+seen on the COCO sizes).
 Recompilations are logged (torch's "recompiles" log), so a shape that does force one shows in train.log.
 Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere.
 
 In training the losses after the Hungarian matching are compiled too (``SetCriterion.stacked_losses``),
 always without CUDA graphs: the number of matched pairs changes with every batch.
 
-``compile_mode=reduce-overhead`` replays the layers' kernels as CUDA graphs (Inductor's CUDA-graph trees),
+``compile_mode=reduce-overhead`` replays the compiled regions' kernels as CUDA graphs (Inductor's CUDA-graph trees),
 which takes their launch cost off the host. A size is run once, recorded at its second step and replayed
 from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
 ``dataset.pad_to_multiple=128`` (24 sizes in an epoch). Each model call starts a new step of the graph
@@ -31,7 +33,7 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch._inductor.config  # noqa: F401  (settings changed below)
+import torch._inductor.config  # noqa: F401  (hasattr below)
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, set below)
 
 log = logging.getLogger(__name__)
@@ -86,17 +88,15 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         # graph. An instance attribute over the method, so parameters and state_dict keys stay where they are.
         model.heads = torch.compile(model.heads, **options)
     else:
-        # The graph's inputs are every level's maps: sizes of different levels that happen to be equal (a
-        # square level, the stride-8 height of one image size and the stride-16 width of another) must stay
-        # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer.
-        # Process-wide (the losses' graph merely gets no equalities it does not need).
-        torch.fx.experimental._config.use_duck_shape = False
-        # Inductor's coalescing analysis of tilings is meant for static shapes; on this graph (torch 2.11) it
-        # fails an assertion comparing two size hints of one fused node, and the compile dies.
-        if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
-            torch._inductor.config.triton.coalesce_tiling_analysis = False
-        model.predict = torch.compile(model.predict, **options)
+        # fullgraph: a break would bring back the per-call host cost this choice exists to remove.
+        model.predict = torch.compile(model.predict, fullgraph=True, **_transformer_options(options))
         model.backbone[1].compile(**options)  # the position encoding, once per level
+    # The graph of "transformer" takes every level's maps: sizes of different levels that happen to be equal
+    # when it is first compiled (a square image's levels, the batch size and a small level's height) must stay
+    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read
+    # when a graph is compiled, at its first call; process-wide, so set here for either choice ("layers" keeps
+    # torch's default).
+    torch.fx.experimental._config.use_duck_shape = regions == "layers"
     if backbone == "static":
         for region in (model.backbone[0].body, *model.input_proj):
             region.compile(**{**options, "dynamic": False})
@@ -106,9 +106,9 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
     log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %s%s%s; the first steps of training "
              "and of evaluation include the compilation", backend, mode,
-             "each transformer layer and the prediction heads" if regions == "layers"
-             else "the transformer with its prediction heads, and the position encoding",
-             " and the losses" if criterion is not None else "",
+             "the transformer's layers and the prediction heads" if regions == "layers"
+             else "the transformer with its prediction heads, the position encoding",
+             ", the losses" if criterion is not None else "",
              ", the backbone (static shapes)" if backbone == "static" else "")
     return model
 
@@ -122,7 +122,21 @@ def size_warning(mode: str, pad_to_multiple: int) -> str | None:
     return None
 
 
+def _transformer_options(options: dict) -> dict:
+    """torch.compile's arguments for the whole transformer: with Inductor, its tiling coalescing analysis off,
+    for this graph only. Meant for static shapes, it failed an assertion comparing two size hints of one fused
+    node on this graph (torch 2.11), and the compile died. Inductor takes a mode or options, not both:
+    reduce-overhead is its CUDA-graph option."""
+    if options["backend"] != "inductor" or not hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+        return options
+    inductor = {"triton.coalesce_tiling_analysis": False}
+    if options.get("mode") == "reduce-overhead":
+        inductor["triton.cudagraphs"] = True
+    return {**{k: v for k, v in options.items() if k != "mode"}, "options": inductor}
+
+
 def _new_cuda_graph_step(module, args) -> None:
     # The graph trees reuse a replay's output memory at the next step; telling them where a step starts
-    # lets each layer be replayed several times per model call without a live output being overwritten.
+    # lets each compiled region be replayed several times per model call (the layers, the position encoding
+    # once per level) without a live output being overwritten.
     torch.compiler.cudagraph_mark_step_begin()

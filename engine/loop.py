@@ -54,7 +54,7 @@ class Position:
 class Trainer:
     """Runs ``cfg``'s schedule from ``position``; ``fit()`` returns {"losses", "eval", "step"}.
 
-    model            the unwrapped module (checkpoints, evaluation; with compile=true its layers are compiled)
+    model            the unwrapped module (checkpoints, evaluation; with compile=true its compiled regions are in it)
     step             TrainStep over the module to train (DDP-wrapped under torchrun with gradient_sync=ddp)
     config_record    the composed config as a plain dict, stored in every checkpoint
     """

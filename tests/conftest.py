@@ -3,13 +3,16 @@
 Without a GPU the Triton kernels run under Triton's CPU interpreter, which must be switched on before
 triton decorates any kernel, so it is set here, ahead of every test module's imports. The typed config
 schemas are registered here too, so that every test that composes configs/ gets the typed config.
+engine.compile.compile_regions sets a process-wide shape setting; each test starts from torch's own.
 """
 
 import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import torch.fx.experimental._config as fx_config
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -20,3 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import register_configs  # noqa: E402  (after the path and the Triton switch above)
 
 register_configs()
+
+
+@pytest.fixture(autouse=True)
+def _torch_duck_shape_default():
+    """compile_regions(regions="transformer") turns duck sizing off for the process: not for the next test."""
+    default = fx_config.use_duck_shape
+    yield
+    fx_config.use_duck_shape = default
