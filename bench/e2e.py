@@ -105,7 +105,7 @@ def _measure_here(args, device, batch, amp, mode, losses, regions, impl) -> list
                        multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
                        profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed,
                        compile_losses=losses != "eager", compile_backbone=args.compile_backbone,
-                       compile_regions=regions or "layers")
+                       regions=regions or "layers")
     except Exception:  # one configuration's failure is reported; the others are still measured
         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
         return []

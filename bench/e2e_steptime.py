@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compile import compile_regions as compile_model
+from engine.compile import compile_regions
 from engine.optim import build_optimizer
 from engine.precision import Precision
 from datasets.coco import padded_size
@@ -225,10 +225,10 @@ def _unique_graphs() -> int:
 def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, height: int, width: int,
             warmup: int, steps: int, multishape_steps: int, device: torch.device, pad_multiples=(1,),
             seed: int = 0, profile_shapes: int = 0, profile_fixed: int = 0,
-            compile_losses: bool = True, compile_backbone: str = "eager", compile_regions: str = "layers"
-            ) -> list[dict]:
+            compile_losses: bool = True, compile_backbone: str = "eager", regions: str = "layers") -> list[dict]:
     """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for this
-    configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES."""
+    configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES; regions: one of
+    engine.compile.REGION_CHOICES."""
     torch._dynamo.reset()  # also frees the CUDA-graph trees of an earlier configuration
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -238,8 +238,8 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
     model.to(device).train()
     criterion.to(device)
     if compile_mode is not None:
-        compile_model(model, criterion=criterion if compile_losses else None, mode=compile_mode,
-                      backbone=compile_backbone, regions=compile_regions)
+        compile_regions(model, criterion=criterion if compile_losses else None, mode=compile_mode,
+                        backbone=compile_backbone, regions=regions)
     optimizer = build_optimizer(model, cfg.optim)
     step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
@@ -264,7 +264,7 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
     base = {"impl": impl, "amp": amp, "compile": compile_mode is not None, "compile_mode": compile_mode,
             "batch": batch, **({"losses_compiled": False} if compile_mode and not compile_losses else {}),
             **({"backbone_compiled": compile_backbone} if compile_mode and compile_backbone != "eager" else {}),
-            **({"compile_regions": compile_regions} if compile_mode else {})}
+            **({"compile_regions": regions} if compile_mode else {})}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
     host_before = host_conditions()
     graphs_before = _unique_graphs()
