@@ -69,11 +69,12 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     times, in alternating order, so that no configuration always comes first or last (the report shows the
     median and the range over the repeats).
     """
-    configs = [(batch, amp, mode, losses, regions, impl) for batch in args.batches for amp in args.amps
+    configs = [(batch, amp, mode, losses, regions, backbone, impl) for batch in args.batches for amp in args.amps
                for mode in args.compile_modes
-               # The losses' and regions' settings only mean something where the model is compiled.
+               # The losses', regions' and backbone's settings only mean something where the model is compiled.
                for losses in (args.losses if COMPILE_MODES[mode] else [None])
                for regions in (args.compile_regions if COMPILE_MODES[mode] else [None])
+               for backbone in (args.compile_backbone if COMPILE_MODES[mode] else ["eager"])
                for impl in args.impls]
     rows = []
     for repeat in range(args.repeats):
@@ -95,7 +96,7 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     return rows
 
 
-def _measure_here(args, device, batch, amp, mode, losses, regions, impl) -> list[dict]:
+def _measure_here(args, device, batch, amp, mode, losses, regions, backbone, impl) -> list[dict]:
     from bench.e2e_steptime import measure
 
     cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
@@ -104,7 +105,7 @@ def _measure_here(args, device, batch, amp, mode, losses, regions, impl) -> list
                        height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
                        multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
                        profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed,
-                       compile_losses=losses != "eager", compile_backbone=args.compile_backbone,
+                       compile_losses=losses != "eager", compile_backbone=backbone,
                        regions=regions or "layers")
     except Exception:  # one configuration's failure is reported; the others are still measured
         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
@@ -117,7 +118,7 @@ def _measure_here(args, device, batch, amp, mode, losses, regions, impl) -> list
             torch.cuda.empty_cache()
 
 
-def _measure_in_child(args, device, batch, amp, mode, losses, regions, impl) -> list[dict]:
+def _measure_in_child(args, device, batch, amp, mode, losses, regions, backbone, impl) -> list[dict]:
     """The same configuration measured by this script in a process of its own; its rows."""
     import subprocess
     import tempfile
@@ -130,7 +131,7 @@ def _measure_in_child(args, device, batch, amp, mode, losses, regions, impl) -> 
                "--width", str(args.width), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--multishape-steps", str(args.multishape_steps), "--pad-multiples", *map(str, args.pad_multiples),
                "--profile-shapes", str(args.profile_shapes), "--profile-fixed", str(args.profile_fixed),
-               "--compile-backbone", args.compile_backbone]
+               "--compile-backbone", backbone]
         if subprocess.run(cmd, cwd=ROOT).returncode != 0:
             print(f"steptime batch {batch} {amp} {impl} {mode} FAILED in its process: {' '.join(cmd)}", flush=True)
             return []
@@ -299,8 +300,9 @@ def main():
                         help="steptime: dataset.pad_to_multiple values of the COCO-sizes rows")
     parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",
                         help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
-    parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
-                        help="steptime: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
+    parser.add_argument("--compile-backbone", nargs="+", default=["eager"], choices=list(BACKBONE_CHOICES),
+                        help="steptime: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES); "
+                             "several: each is measured")
     parser.add_argument("--compile-regions", nargs="+", default=["layers"], choices=list(REGION_CHOICES),
                         help="steptime: what one compiled graph spans (engine.compile.REGION_CHOICES); several: "
                              "each is measured")

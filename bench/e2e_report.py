@@ -22,7 +22,8 @@ def mode_label(row: dict, *, gradient_sync: bool = True) -> str:
     if row["compile"]:
         label = "compiled + CUDA graphs" if row.get("compile_mode") == "reduce-overhead" else "compiled"
         label += ", losses eager" if row.get("losses_compiled") is False else ""
-        label += ", backbone compiled (static shapes)" if row.get("backbone_compiled") == "static" else ""
+        label += {"static": ", backbone compiled (static shapes)",
+                  "dynamic": ", backbone compiled (dynamic shapes)"}.get(row.get("backbone_compiled"), "")
         # compile_regions=layers, the default, is what rows measured before the choice existed ran
         label += ", the transformer as one graph" if row.get("compile_regions") == "transformer" else ""
     if not gradient_sync:

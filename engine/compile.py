@@ -43,11 +43,15 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "reduce-overhead")
 
 
-# The backbone's ResNet and input projections: eager, or (an experiment of the benches, --compile-backbone)
-# compiled by inductor with static shapes, one graph per image size, which suits fixed-size batches only. With
-# dynamic shapes and CUDA graphs the compiled backbone killed the process on the H200 in its first step, in
-# both trials (a SIGSEGV in the first; no Python error in the second).
-BACKBONE_CHOICES = ("eager", "static")
+# The backbone's ResNet and input projections (experiments of the benches, --compile-backbone): eager;
+# "static", compiled by inductor with static shapes, one graph per image size, which suits fixed-size batches
+# only; or "dynamic", ``DeformableDETR.features`` (the ResNet, the input projections, the masks and the position
+# encoding) as one graph with symbolic sizes, never replayed as CUDA graphs: with dynamic shapes and CUDA graphs
+# the compiled backbone killed the process on the H200 in its first step, in both trials (a SIGSEGV in the
+# first; no Python error in the second). "dynamic" left the GPU's kernel time as it was and the step within its
+# spread between runs (bench/results/e2e_h200.md), and torch 2.11's max-pool guards on the parity of its input
+# size (one more graph for the other parity): neither is a train.py setting.
+BACKBONE_CHOICES = ("eager", "static", "dynamic")
 
 # What one compiled graph spans: "layers", each encoder and decoder layer (layers of one kind share a graph) and
 # the heads; or "transformer", the whole of ``DeformableDETR.predict`` (the encoder, the decoder, the glue
@@ -96,10 +100,13 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
     # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read
     # when a graph is compiled, at its first call; process-wide, so set here for either choice ("layers" keeps
     # torch's default).
-    torch.fx.experimental._config.use_duck_shape = regions == "layers"
+    torch.fx.experimental._config.use_duck_shape = regions == "layers" and backbone != "dynamic"
     if backbone == "static":
         for region in (model.backbone[0].body, *model.input_proj):
             region.compile(**{**options, "dynamic": False})
+    elif backbone == "dynamic":
+        # Without the mode: its kernels launched by Inductor's wrapper, not recorded (see BACKBONE_CHOICES).
+        model.features = torch.compile(model.features, dynamic=True, backend=backend)
     if criterion is not None:
         # Five hundred small launches forward and backward, between the matching and the backward: with
         # the GPU waiting on the matching's host sync there, their host time is the step's.
@@ -109,7 +116,8 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
              "the transformer's layers and the prediction heads" if regions == "layers"
              else "the transformer with its prediction heads, the position encoding",
              ", the losses" if criterion is not None else "",
-             ", the backbone (static shapes)" if backbone == "static" else "")
+             {"eager": "", "static": ", the backbone (static shapes)",
+              "dynamic": ", the backbone with its projections (no CUDA graphs)"}[backbone])
     return model
 
 

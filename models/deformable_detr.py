@@ -44,7 +44,7 @@ class DeformableDETR(CompiledMethods, nn.Module):
     enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage).
     """
 
-    compiled_methods = ("heads", "predict")  # see models.compiled_methods
+    compiled_methods = ("heads", "predict", "features")  # see models.compiled_methods
 
     def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
                  num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,

@@ -244,8 +244,8 @@ def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
         compile_regions(model, mode="max-speed")
     with pytest.raises(ValueError, match="needs the inductor backend"):
         compile_regions(model, backend="aot_eager", mode="reduce-overhead")
-    with pytest.raises(ValueError, match=r"backbone must be one of \('eager', 'static'\), got 'dynamic'"):
-        compile_regions(model, backbone="dynamic")
+    with pytest.raises(ValueError, match=r"backbone must be one of \('eager', 'static', 'dynamic'\), got 'cuda'"):
+        compile_regions(model, backbone="cuda")
     with pytest.raises(ValueError, match=r"regions must be one of \('layers', 'transformer'\), got 'model'"):
         compile_regions(model, regions="model")
 
@@ -266,18 +266,58 @@ def test_a_statically_compiled_backbone_gives_the_features_of_eager(seeded):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_dynamically_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded):
+    """The benches' --compile-backbone dynamic: DeformableDETR.features as one graph with symbolic sizes. Sizes
+    whose halvings through the stem have the first size's parities share its graph; another parity may cost one
+    more (torch 2.11's max-pool guards on the parity of its input size; later versions do not)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from engine.compile import compile_regions
+
+    torch._dynamo.reset()
+    eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    twin = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_regions(twin, backend=counter, backbone="dynamic")  # only features() is called: nothing else traced
+    assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
+    for H, W, most_graphs in ((136, 136, 1), (128, 160, 1), (141, 163, 2)):
+        images, mask = _batch(H=H, W=W, pad_w=8)
+        expected, got = eager.features(images, mask), twin.features(images, mask)
+        for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
+            for level, (e, g) in enumerate(zip(e_maps, g_maps)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{H}x{W} {name}[{level}]: {m}")
+        sum(s.square().mean() for s in expected[0]).backward()
+        sum(s.square().mean() for s in got[0]).backward()
+        graphs = sum(1 for g in counter.graphs if len(g.graph.nodes))
+        assert graphs <= most_graphs, f"{H}x{W}: {graphs} graphs"
+    params = dict(twin.named_parameters())
+    checked = 0
+    for name, p in eager.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            checked += 1
+    assert checked > 20  # the trained ResNet stages and the input projections
+
+
+# Inductor on the GPU: CUDA graphs for each choice of regions and for the compiled backbone they leave out, and
+# train.py's default regions without them.
+GPU_COMPILE_CASES = [("reduce-overhead", "layers", "eager"), ("reduce-overhead", "transformer", "eager"),
+                     ("reduce-overhead", "transformer", "dynamic"), ("default", "transformer", "eager")]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
-@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
-def test_steps_with_cuda_graphs_give_the_losses_of_eager_steps(seeded, regions):
-    """compile_mode=reduce-overhead: the regions replayed as CUDA graphs, several steps and two sizes."""
+@pytest.mark.parametrize("mode,regions,backbone", GPU_COMPILE_CASES)
+def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone):
+    """compile=true on the GPU, several steps and three sizes; with compile_mode=reduce-overhead the regions are
+    replayed as CUDA graphs (a size is run, recorded, then replayed)."""
     from engine.compile import compile_regions
 
     torch._dynamo.reset()
     eager = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)  # Inductor draws its own RNG
     graphed = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)
     graphed.model.load_state_dict(eager.model.state_dict())
-    compile_regions(graphed.model, mode="reduce-overhead", regions=regions)
-    for H, W in ((128, 160), (128, 160), (160, 136), (128, 160)):
+    compile_regions(graphed.model, mode=mode, regions=regions, backbone=backbone)
+    for H, W in ((128, 160), (128, 160), (160, 136), (128, 160), (141, 163)):
         batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
         targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
         expected, got = eager(*batch, targets), graphed(*batch, targets)
