@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import COMPILE_MODES  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
-from engine.compile import BACKBONE_CHOICES, REGION_CHOICES  # noqa: E402
+from engine.compile import BACKBONE_CHOICES, DEFAULT_REGIONS, REGION_CHOICES  # noqa: E402
 from engine.distributed import GRADIENT_SYNCS  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -308,7 +308,7 @@ def main():
     parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
     parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
                         help="scaling: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
-    parser.add_argument("--compile-regions", default="layers", choices=list(REGION_CHOICES),
+    parser.add_argument("--compile-regions", default=DEFAULT_REGIONS, choices=list(REGION_CHOICES),
                         help="scaling: what one compiled graph spans (engine.compile.REGION_CHOICES)")
     parser.add_argument("--gradient-sync", nargs="+", default=["allreduce"], choices=list(GRADIENT_SYNCS),
                         help="scaling on several GPUs: allreduce (engine.distributed.GradientAllReduce after "

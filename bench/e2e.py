@@ -42,7 +42,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import (  # noqa: E402
     bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report)
-from engine.compile import BACKBONE_CHOICES, REGION_CHOICES  # noqa: E402
+from engine.compile import BACKBONE_CHOICES, DEFAULT_REGIONS, REGION_CHOICES  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
@@ -106,7 +106,7 @@ def _measure_here(args, device, batch, amp, mode, losses, regions, backbone, imp
                        multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
                        profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed,
                        compile_losses=losses != "eager", compile_backbone=backbone,
-                       regions=regions or "layers")
+                       regions=regions or DEFAULT_REGIONS)
     except Exception:  # one configuration's failure is reported; the others are still measured
         print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
         return []
@@ -126,7 +126,7 @@ def _measure_in_child(args, device, batch, amp, mode, losses, regions, backbone,
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", tmp, "--parts", "steptime",
                "--device", str(device), "--batches", str(batch), "--amps", amp, "--compile-modes", mode,
-               "--losses", losses or "compiled", "--compile-regions", regions or "layers", "--impls", impl,
+               "--losses", losses or "compiled", "--compile-regions", regions or DEFAULT_REGIONS, "--impls", impl,
                "--height", str(args.height),
                "--width", str(args.width), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--multishape-steps", str(args.multishape_steps), "--pad-multiples", *map(str, args.pad_multiples),
@@ -154,7 +154,8 @@ def run_trainpy(args, work: Path) -> dict:
     scales = "[" + ",".join(str(s) for s in range(480, 801, 32)) + "]"
     cmd = [sys.executable, str(ROOT / "train.py"), "model=deformable_detr", "model.pretrained=none",
            "model.msda=triton", f"compile={str(compile_mode is not None).lower()}",
-           *([f"compile_mode={compile_mode}"] if compile_mode else []), "amp=bf16", "batch_size=2",
+           *([f"compile_mode={compile_mode}", f"compile_regions={args.trainpy_regions}"] if compile_mode else []),
+           "amp=bf16", "batch_size=2",
            f"dataset.root={work / 'synthetic_coco_sizes'}", "dataset.image_size=1067", f"dataset.train_scales={scales}",
            "dataset.max_size=1333", "dataset.val_size=800", f"dataset.num_train={2 * args.trainpy_steps}",
            "dataset.num_val=8", f"dataset.pad_to_multiple={args.trainpy_pad}", "num_workers=4", "epochs=1",
@@ -170,7 +171,8 @@ def run_trainpy(args, work: Path) -> dict:
               "median_step_time_ms": statistics.median(settled) if settled else float("nan"),
               # Once most sizes have been met (with CUDA graphs: recorded), as a long run spends its time.
               "late_step_time_ms": statistics.median(values[-max(1, len(values) // 3):]) if values else float("nan"),
-              "compile": compile_mode is not None, "compile_mode": compile_mode, "pad_to_multiple": args.trainpy_pad}
+              "compile": compile_mode is not None, "compile_mode": compile_mode, "pad_to_multiple": args.trainpy_pad,
+              **({"compile_regions": args.trainpy_regions} if compile_mode else {})}
     print(f"trainpy: train/step_time_ms in TensorBoard {result['median_step_time_ms']:.1f} ms (median of "
           f"{len(settled)} intervals after the first)", flush=True)
     return result
@@ -303,7 +305,7 @@ def main():
     parser.add_argument("--compile-backbone", nargs="+", default=["eager"], choices=list(BACKBONE_CHOICES),
                         help="steptime: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES); "
                              "several: each is measured")
-    parser.add_argument("--compile-regions", nargs="+", default=["layers"], choices=list(REGION_CHOICES),
+    parser.add_argument("--compile-regions", nargs="+", default=[DEFAULT_REGIONS], choices=list(REGION_CHOICES),
                         help="steptime: what one compiled graph spans (engine.compile.REGION_CHOICES); several: "
                              "each is measured")
     parser.add_argument("--profile-fixed", type=int, default=0, metavar="STEPS",
@@ -312,6 +314,8 @@ def main():
     parser.add_argument("--trainpy-mode", default="eager", choices=list(COMPILE_MODES),
                         help="trainpy: eager, compiled (compile=true) or cudagraphs (compile_mode=reduce-overhead)")
     parser.add_argument("--trainpy-pad", type=int, default=1, help="trainpy: dataset.pad_to_multiple")
+    parser.add_argument("--trainpy-regions", default=DEFAULT_REGIONS, choices=list(REGION_CHOICES),
+                        help="trainpy, compiled modes: compile_regions")
     parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
                         help="steptime: implementations to time")
     parser.add_argument("--height", type=int, default=800)

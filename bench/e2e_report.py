@@ -24,7 +24,7 @@ def mode_label(row: dict, *, gradient_sync: bool = True) -> str:
         label += ", losses eager" if row.get("losses_compiled") is False else ""
         label += {"static": ", backbone compiled (static shapes)",
                   "dynamic": ", backbone compiled (dynamic shapes)"}.get(row.get("backbone_compiled"), "")
-        # compile_regions=layers, the default, is what rows measured before the choice existed ran
+        # Rows without the key ran compile_regions=layers: they were measured before the choice existed
         label += ", the transformer as one graph" if row.get("compile_regions") == "transformer" else ""
     if not gradient_sync:
         return label

@@ -1,10 +1,10 @@
 """``compile=true``: the transformer and the heads through torch.compile, for training and evaluation.
 
-Regional compilation (``compile_regions=layers``, the default): each encoder and decoder layer is compiled in
-place (``nn.Module.compile``), and layers of one kind share one graph, so the warm-up costs a few graphs rather
-than the whole network's; the heads of all decoder layers (``DeformableDETR.heads``) are one more.
-``compile_regions=transformer`` compiles ``DeformableDETR.predict`` (the transformer and the heads) as one
-graph instead, and the position encoding: about three times the warm-up, less host time in every step.
+``compile_regions=transformer`` (the default) compiles ``DeformableDETR.predict`` (the encoder, the decoder,
+the glue between their layers and the heads) as one graph, and the position encoding as a second: fewer
+compiled calls per step, so less host time in every step. Regional compilation (``compile_regions=layers``)
+compiles each encoder and decoder layer in place (``nn.Module.compile``), layers of one kind sharing one graph,
+and the heads of all decoder layers (``DeformableDETR.heads``) as one more: about a third of the warm-up.
 That is where the step's thousands of small launches are (attention projections, softmax, layer norms,
 feed-forward, the deformable attention op itself, which is a registered operator and traced with no
 break). The ResNet backbone stays eager: its kernels are few and large, and its stride-2 size arithmetic
@@ -59,10 +59,13 @@ BACKBONE_CHOICES = ("eager", "static", "dynamic")
 # Dynamo's guards, AOTAutograd's wrappers and, with CUDA graphs, the graph trees' input copies: each costs the
 # host a few hundred microseconds per call, forward and backward, while the GPU waits.
 REGION_CHOICES = ("layers", "transformer")
+# train.py's (compile_regions): the faster step. Its price is the first step's compilation, about three times
+# the per-layer graphs' (bench/results/e2e_h200.md).
+DEFAULT_REGIONS = "transformer"
 
 
 def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None = None, backend="inductor",
-                    mode: str = "default", backbone: str = "eager", regions: str = "layers") -> torch.nn.Module:
+                    mode: str = "default", backbone: str = "eager", regions: str = DEFAULT_REGIONS) -> torch.nn.Module:
     """Compile ``model``'s (a DeformableDETR) transformer and heads in place, as ``regions`` says; returns it.
 
     criterion  a SetCriterion whose losses after the matching are compiled too (training), in the default

@@ -26,7 +26,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from datasets import DATASET_SCHEMAS, DatasetConfig
 from models.model_config import ModelConfig
 
-from .compile import COMPILE_MODES, REGION_CHOICES
+from .compile import COMPILE_MODES, DEFAULT_REGIONS, REGION_CHOICES
 from .distributed import GRADIENT_SYNCS
 from .precision import AMP_DTYPES
 
@@ -93,7 +93,7 @@ class TrainConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     compile_mode: CompileMode = CompileMode.default
-    compile_regions: CompileRegions = CompileRegions.layers
+    compile_regions: CompileRegions = CompileRegions[DEFAULT_REGIONS]
     eval_every: int = MISSING
     checkpoint_every: int = MISSING
     log_every: int = MISSING
