@@ -108,7 +108,8 @@ def _measure_here(args, device, batch, amp, mode, losses, regions, backbone, imp
                        compile_losses=losses != "eager", compile_backbone=backbone,
                        regions=regions or DEFAULT_REGIONS)
     except Exception:  # one configuration's failure is reported; the others are still measured
-        print(f"steptime batch {batch} {amp} {impl} {mode} FAILED:\n{traceback.format_exc()}", flush=True)
+        print(f"steptime batch {batch} {amp} {impl} {mode} {regions} backbone {backbone} FAILED:\n"
+              f"{traceback.format_exc()}", flush=True)
         return []
     finally:
         # A compiled model is a reference cycle (its compiled heads hold its bound method): collect it before the
@@ -133,7 +134,8 @@ def _measure_in_child(args, device, batch, amp, mode, losses, regions, backbone,
                "--profile-shapes", str(args.profile_shapes), "--profile-fixed", str(args.profile_fixed),
                "--compile-backbone", backbone]
         if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-            print(f"steptime batch {batch} {amp} {impl} {mode} FAILED in its process: {' '.join(cmd)}", flush=True)
+            print(f"steptime batch {batch} {amp} {impl} {mode} {regions} backbone {backbone} FAILED in its process: "
+                  f"{' '.join(cmd)}", flush=True)
             return []
         rows = json.loads((Path(tmp) / "e2e_h200_steptime.json").read_text())
     # This run's header (date, GPU, command) replaces the child's.

@@ -311,7 +311,10 @@ def plot(out: Path) -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "e2e_tensorboard_step_time.png", dpi=110)
-    rows = (runs_of(parts.get("steptime", [])) or [None])[0]  # the file's first run
+    # The newest run that timed both implementations: the comparison this project exists for. Runs of one
+    # implementation compare settings of ours, which their tables show.
+    runs = runs_of(parts.get("steptime", []))
+    rows = next((run for run in runs if {r["impl"] for r in run} >= {"triton", "pytorch"}), runs[0] if runs else None)
     if rows:
         # One group of bars per (mode, sizes); the hatched inner bar is the GPU kernel time of the step.
         groups = list(dict.fromkeys((r["batch"], r["amp"], mode_label(r), r["shapes"]) for r in rows))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compile import compile_regions
+from engine.compile import DEFAULT_REGIONS, compile_regions
 from engine.optim import build_optimizer
 from engine.precision import Precision
 from datasets.coco import padded_size
@@ -225,7 +225,7 @@ def _unique_graphs() -> int:
 def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, height: int, width: int,
             warmup: int, steps: int, multishape_steps: int, device: torch.device, pad_multiples=(1,),
             seed: int = 0, profile_shapes: int = 0, profile_fixed: int = 0,
-            compile_losses: bool = True, compile_backbone: str = "eager", regions: str = "layers") -> list[dict]:
+            compile_losses: bool = True, compile_backbone: str = "eager", regions: str = DEFAULT_REGIONS) -> list[dict]:
     """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for this
     configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES; regions: one of
     engine.compile.REGION_CHOICES."""

@@ -100,9 +100,10 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         model.backbone[1].compile(**options)  # the position encoding, once per level
     # The graph of "transformer" takes every level's maps: sizes of different levels that happen to be equal
     # when it is first compiled (a square image's levels, the batch size and a small level's height) must stay
-    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read
-    # when a graph is compiled, at its first call; process-wide, so set here for either choice ("layers" keeps
-    # torch's default).
+    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer; so must a
+    # square image's height and width for the compiled backbone. Read when a graph is compiled, at its first
+    # call; process-wide, so set here for every choice (per-layer graphs with an eager backbone keep torch's
+    # default).
     torch.fx.experimental._config.use_duck_shape = regions == "layers" and backbone != "dynamic"
     if backbone == "static":
         for region in (model.backbone[0].body, *model.input_proj):

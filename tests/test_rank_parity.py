@@ -60,7 +60,7 @@ def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext, s
     return values[0], grads
 
 
-def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], compiled: bool, sync: str) -> None:
+def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], regions: str | None, sync: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{work}/store", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
@@ -76,8 +76,8 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], comp
             with torch.no_grad():
                 for t in [*model.parameters(), *buffers]:
                     t.add_(1e-2 * torch.rand_like(t))  # positive: running variances stay positive
-        if compiled:  # as train.py compiles before wrapping; aot_eager traces as inductor does, without codegen
-            compile_regions(model.to(device), criterion=criterion, backend="aot_eager")
+        if regions:  # as train.py compiles before wrapping; aot_eager traces as inductor does, without codegen
+            compile_regions(model.to(device), criterion=criterion, backend="aot_eager", regions=regions)
         ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)
         model.to(device)
         trained, sync_gradients = data_parallel(model, ctx, gradient_sync=sync)  # as train.py does
@@ -101,9 +101,11 @@ BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
 
 # (1, 4): the ranks' images hold different numbers of boxes; (0, 3): one rank's batch has none at all, which
 # must neither hang (every rank still joins the num_boxes average and the gradient all-reduce) nor change
-# the result. Compiled: the ranks' layers compiled as compile=true compiles them; the one process stays eager.
-# (In DDP: the tiny model's layers are below the 1 MiB that Dynamo's DDP cuts start at, so this checks the
-# gradients of compiled layers in DDP, not the cuts themselves; each rank checks that they are off.)
+# the result. Compiled: the ranks' models compiled as compile=true compiles them, the transformer as one graph
+# with the all-reduce after backward (train.py's defaults), a graph per layer in DDP (two cases, not four: each
+# costs a minute of CI); the one process stays eager. (In DDP: the tiny model's layers are below the 1 MiB that
+# Dynamo's DDP cuts start at, so this checks the gradients of compiled layers in DDP, not the cuts themselves;
+# each rank checks that they are off.)
 @pytest.mark.parametrize("counts,compiled", [((1, 4), False), ((0, 3), False), ((1, 4), True)],
                          ids=["1-and-4-boxes", "no-boxes-on-rank-0", "1-and-4-boxes-compiled"])
 @pytest.mark.parametrize("sync", ["allreduce", "ddp"])
@@ -118,7 +120,8 @@ def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts
     loss_single, grads_single = loss_and_grads(model.to(device), criterion, *global_batch(counts, device), single)
     grads_single = {k: v.cpu() for k, v in grads_single.items()}
 
-    mp.spawn(_rank_main, args=(str(tmp_path), backend, counts, compiled, sync), nprocs=WORLD)
+    regions = ("transformer" if sync == "allreduce" else "layers") if compiled else None
+    mp.spawn(_rank_main, args=(str(tmp_path), backend, counts, regions, sync), nprocs=WORLD)
 
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"rank{rank}.pt")
