@@ -1,14 +1,15 @@
 """``compile=true``: the transformer and the heads through torch.compile, for training and evaluation.
 
 ``compile_regions=transformer`` (the default) compiles ``DeformableDETR.predict`` (the encoder, the decoder,
-the glue between their layers and the heads) as one graph, and the position encoding as a second: fewer
-compiled calls per step, so less host time in every step. Regional compilation (``compile_regions=layers``)
-compiles each encoder and decoder layer in place (``nn.Module.compile``), layers of one kind sharing one graph,
-and the heads of all decoder layers (``DeformableDETR.heads``) as one more: about a third of the warm-up.
-That is where the step's thousands of small launches are (attention projections, softmax, layer norms,
-feed-forward, the deformable attention op itself, which is a registered operator and traced with no
-break). The ResNet backbone stays eager: its kernels are few and large, and its stride-2 size arithmetic
-would make a compiled graph specialize on the parity of the image size.
+the glue between their layers and the heads) as one graph, and the position encoding as a second. That is
+where the step's thousands of small launches are (attention projections, softmax, layer norms, feed-forward,
+the deformable attention op itself, which is a registered operator and traced with no break), and one graph
+means few compiled calls per step, each of which costs the host time. Regional compilation
+(``compile_regions=layers``) compiles each encoder and decoder layer in place (``nn.Module.compile``), layers
+of one kind sharing one graph, and the heads of all decoder layers (``DeformableDETR.heads``) as one more:
+about a third of the warm-up, more host time per step. The ResNet backbone stays eager: its kernels are few
+and large, and its stride-2 size arithmetic would make a compiled graph specialize on the parity of the image
+size.
 
 Dynamic shapes from the first call: the COCO recipe feeds a different padded image size almost every
 batch (short side 480-800, long side up to 1333), and a graph with symbolic sizes serves them all (but for a
