@@ -117,8 +117,8 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     if cfg.compile:
         # In place: training and evaluation use it.
         compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode,
-                        regions=cfg.compile_regions)
-        if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple):
+                        regions=cfg.compile_regions, backbone=cfg.compile_backbone)
+        if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple, cfg.compile_backbone):
             log.warning(warning)
     optimizer = build_optimizer(model, cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
@@ -184,7 +184,8 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         if cfg.compile:
-            compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode, regions=cfg.compile_regions)
+            compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode, regions=cfg.compile_regions,
+                            backbone=cfg.compile_backbone)
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,

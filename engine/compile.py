@@ -7,9 +7,9 @@ the deformable attention op itself, which is a registered operator and traced wi
 means few compiled calls per step, each of which costs the host time. Regional compilation
 (``compile_regions=layers``) compiles each encoder and decoder layer in place (``nn.Module.compile``), layers
 of one kind sharing one graph, and the heads of all decoder layers (``DeformableDETR.heads``) as one more:
-about a third of the warm-up, more host time per step. The ResNet backbone stays eager: its kernels are few
-and large, and its stride-2 size arithmetic would make a compiled graph specialize on the parity of the image
-size.
+about a third of the warm-up, more host time per step. The ResNet backbone stays eager unless
+``compile_backbone=static`` (BACKBONE_CHOICES below): compiled, it is one graph per image size, since its
+stride-2 size arithmetic would make a graph with symbolic sizes specialize on the parity of the image size.
 
 Dynamic shapes from the first call: the COCO recipe feeds a different padded image size almost every
 batch (short side 480-800, long side up to 1333), and a graph with symbolic sizes serves them all (but for a
@@ -25,8 +25,7 @@ always without CUDA graphs: the number of matched pairs changes with every batch
 which takes their launch cost off the host. A size is run once, recorded at its second step and replayed
 from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
 ``dataset.pad_to_multiple=128`` (24 sizes in an epoch). Each model call starts a new step of the graph
-trees (a forward pre-hook), so a step's outputs stay valid until the next call. (Compiling the backbone
-too, in this mode, killed the process on the H200 in both trials made: it stays eager here as well.)
+trees (a forward pre-hook), so a step's outputs stay valid until the next call.
 """
 
 from __future__ import annotations
@@ -44,15 +43,23 @@ log = logging.getLogger(__name__)
 COMPILE_MODES = ("default", "reduce-overhead")
 
 
-# The backbone's ResNet and input projections (experiments of the benches, --compile-backbone): eager;
-# "static", compiled by inductor with static shapes, one graph per image size, which suits fixed-size batches
-# only; or "dynamic", ``DeformableDETR.features`` (the ResNet, the input projections, the masks and the position
-# encoding) as one graph with symbolic sizes, never replayed as CUDA graphs: with dynamic shapes and CUDA graphs
-# the compiled backbone killed the process on the H200 in its first step, in both trials (a SIGSEGV in the
-# first; no Python error in the second). "dynamic" left the GPU's kernel time as it was and the step within its
-# spread between runs (bench/results/e2e_h200.md), and torch 2.11's max-pool guards on the parity of its input
-# size (one more graph for the other parity): neither is a train.py setting.
+# What compiled modes do with ``DeformableDETR.features`` (the ResNet, the input projections, the masks and the
+# position encoding): "eager", train.py's default; "static", one graph per image size (and batch size), in the run's
+# mode, so with compile_mode=reduce-overhead the backbone is replayed as CUDA graphs too: its few hundred launches
+# forward and backward were most of the host time the step still spent while the GPU waited. Each new size costs
+# a compilation of the backbone (tens of seconds on the H200) and, with CUDA graphs, a recording: it pays where
+# sizes repeat, fixed-size batches or dataset.pad_to_multiple=128 (24 sizes in a COCO epoch); or "dynamic", an
+# experiment of the benches: one graph with symbolic sizes, never replayed as CUDA graphs (with dynamic shapes
+# and CUDA graphs the compiled backbone killed the process on the H200 in its first step, in both trials made).
+# "dynamic" left the GPU's kernel time as it was and the step within its spread between runs
+# (bench/results/e2e_h200.md), and torch 2.11's max-pool guards on the parity of its input size.
 BACKBONE_CHOICES = ("eager", "static", "dynamic")
+# Those a run may choose (compile_backbone in configs/train.yaml).
+TRAIN_BACKBONE_CHOICES = ("eager", "static")
+# Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised for
+# "static", whose graphs are one per image size: the COCO recipe padded to 128 meets 24 sizes, and a few more
+# for evaluation and a smaller last batch.
+STATIC_BACKBONE_GRAPHS = 64
 
 # What one compiled graph spans: "layers", each encoder and decoder layer (layers of one kind share a graph) and
 # the heads; or "transformer", the whole of ``DeformableDETR.predict`` (the encoder, the decoder, the glue
@@ -107,8 +114,8 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
     # default).
     torch.fx.experimental._config.use_duck_shape = regions == "layers" and backbone != "dynamic"
     if backbone == "static":
-        for region in (model.backbone[0].body, *model.input_proj):
-            region.compile(**{**options, "dynamic": False})
+        model.features = torch.compile(model.features, **{**options, "dynamic": False})
+        _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
     elif backbone == "dynamic":
         # Without the mode: its kernels launched by Inductor's wrapper, not recorded (see BACKBONE_CHOICES).
         model.features = torch.compile(model.features, dynamic=True, backend=backend)
@@ -121,18 +128,34 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
              "the transformer's layers and the prediction heads" if regions == "layers"
              else "the transformer with its prediction heads, the position encoding",
              ", the losses" if criterion is not None else "",
-             {"eager": "", "static": ", the backbone (static shapes)",
+             {"eager": "", "static": ", the backbone with its projections (one graph per image size)",
               "dynamic": ", the backbone with its projections (no CUDA graphs)"}[backbone])
     return model
 
 
-def size_warning(mode: str, pad_to_multiple: int) -> str | None:
-    """Why a multi-scale recipe's image sizes would defeat ``mode``, or None."""
-    if mode == "reduce-overhead" and pad_to_multiple < 32:
+def size_warning(mode: str, pad_to_multiple: int, backbone: str = "eager") -> str | None:
+    """Why a multi-scale recipe's image sizes would defeat ``mode`` or ``backbone``, or None."""
+    if pad_to_multiple >= 32:
+        return None
+    if backbone == "static":
+        return (f"compile_backbone=static with dataset.pad_to_multiple={pad_to_multiple}: unless every image has the "
+                "same size, almost every batch has a new size, and each new size compiles the backbone again (tens of "
+                f"seconds; after {STATIC_BACKBONE_GRAPHS} sizes it runs eager). Set dataset.pad_to_multiple=128 (24 "
+                "sizes in a COCO epoch) or compile_backbone=eager")
+    if mode == "reduce-overhead":
         return (f"compile_mode=reduce-overhead with dataset.pad_to_multiple={pad_to_multiple}: almost every batch "
                 "of the multi-scale recipe has a new size, and each new size costs a warm-up step and a CUDA-graph "
                 "recording. Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_mode=default")
     return None
+
+
+def _allow_graphs_per_function(graphs: int) -> None:
+    """Dynamo's recompile limit (process-wide) raised to at least ``graphs``; its name changed across releases."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    if getattr(dynamo_config, name) < graphs:
+        setattr(dynamo_config, name, graphs)
 
 
 def _transformer_options(options: dict) -> dict:

@@ -26,13 +26,14 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from datasets import DATASET_SCHEMAS, DatasetConfig
 from models.model_config import ModelConfig
 
-from .compile import COMPILE_MODES, DEFAULT_REGIONS, REGION_CHOICES
+from .compile import COMPILE_MODES, DEFAULT_REGIONS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES
 from .distributed import GRADIENT_SYNCS
 from .precision import AMP_DTYPES
 
 Amp = StrEnum("Amp", {name: name for name in AMP_DTYPES})  # none | bf16 | fp16, as engine/precision.py knows
 CompileMode = StrEnum("CompileMode", {name: name for name in COMPILE_MODES})  # as engine/compile.py knows
 CompileRegions = StrEnum("CompileRegions", {name: name for name in REGION_CHOICES})  # as engine/compile.py knows
+CompileBackbone = StrEnum("CompileBackbone", {name: name for name in TRAIN_BACKBONE_CHOICES})  # as engine/compile.py
 GradientSync = StrEnum("GradientSync", {name: name for name in GRADIENT_SYNCS})  # as engine/distributed.py knows
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -94,6 +95,7 @@ class TrainConfig:
     compile_backend: str = "inductor"
     compile_mode: CompileMode = CompileMode.default
     compile_regions: CompileRegions = CompileRegions[DEFAULT_REGIONS]
+    compile_backbone: CompileBackbone = CompileBackbone.eager
     eval_every: int = MISSING
     checkpoint_every: int = MISSING
     log_every: int = MISSING

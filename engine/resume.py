@@ -46,7 +46,7 @@ INVOCATION_KEYS = frozenset({"resume", "output_dir", "checkpoint", "eval_only"})
 # Settings that may differ from a checkpoint's without making it another run's, for resume=auto: a longer
 # schedule, and how to run. Any other difference (model, data, batch, seed, lr ...) is another experiment.
 RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "device", "amp", "compile", "compile_backend", "compile_mode",
-                               "compile_regions",
+                               "compile_regions", "compile_backbone",
                                "num_workers", "log_every", "eval_every", "checkpoint_every", "eval_images", "eval_images_min_score", "dist_timeout_s",
                                "gradient_sync", "find_unused_parameters", "model.msda",
                                "model.pretrained", "dataset.verify"})

@@ -1,7 +1,8 @@
 """Methods that engine.compile may replace by compiled versions, per instance, and what copying does to them.
 
 ``compile=true`` puts ``torch.compile(model.predict)`` (or, with ``compile_regions=layers``,
-``torch.compile(model.heads)``; the benches' ``--compile-backbone dynamic`` adds ``torch.compile(model.features)``)
+``torch.compile(model.heads)``; ``compile_backbone=static`` and the benches' ``--compile-backbone dynamic`` add
+``torch.compile(model.features)``)
 into the instance's attributes (parameters and state_dict keys stay where they are). A copy must not inherit
 it: the compiled function holds the original's bound method, so a deep copy would run the original's weights,
 and a pickle would fail. Copies and pickles drop it and fall back to the plain method, as

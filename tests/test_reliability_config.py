@@ -32,6 +32,9 @@ def compose_train(*overrides):
     (["model.msda=cuda"], r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda"),
     (["compile_regions=model"], r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
                                 r"compile_regions"),
+    # The symbolic-size backbone is an experiment of the benches, not a run setting.
+    (["compile_backbone=dynamic"], r"Invalid value 'dynamic', expected one of \[eager, static\]\s+full_key: "
+                                   r"compile_backbone"),
     (["model.backbone=vgg16"], r"Invalid value 'vgg16', expected one of \[resnet18, .*\]\s+full_key: model\.backbone"),
     (["model.position_embedding=rope"], r"full_key: model\.position_embedding"),
     (["model.with_box_refine=sometimes"], r"'sometimes' is not a valid bool .*\s+full_key: model\.with_box_refine"),

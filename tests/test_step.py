@@ -250,26 +250,17 @@ def test_compile_regions_refuses_an_unknown_mode_and_a_mode_without_inductor():
         compile_regions(model, regions="model")
 
 
-def test_a_statically_compiled_backbone_gives_the_features_of_eager(seeded):
-    """The benches' --compile-backbone static: the ResNet and input projections as static-shape graphs."""
-    from engine.compile import compile_regions
-
-    torch._dynamo.reset()
-    eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
-    twin = copy.deepcopy(eager)
-    compile_regions(twin, backend="aot_eager", backbone="static")
-    for region in (twin.backbone[0].body, *twin.input_proj):  # compiled in place, as nn.Module.compile does
-        assert region._compiled_call_impl is not None
-    assert eager.backbone[0].body._compiled_call_impl is None
-    images, mask = _batch(pad_w=16)
-    for got, expected in zip(twin.features(images, mask)[0], eager.features(images, mask)[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+# Sizes fed to a compiled backbone in turn, and the most graphs compiled once each has been met, per choice:
+# "static" compiles one per size and none for a size met before; "dynamic" one for sizes whose halvings through
+# the stem have the first size's parities, and may compile one more for another parity (torch 2.11's max-pool
+# guards on the parity of its input size; torch 2.14's does not).
+BACKBONE_SIZES = ((136, 136), (128, 160), (141, 163), (128, 160))
+BACKBONE_GRAPHS = {"static": (1, 2, 3, 3), "dynamic": (1, 1, 2, 2)}
 
 
-def test_a_dynamically_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded):
-    """The benches' --compile-backbone dynamic: DeformableDETR.features as one graph with symbolic sizes. Sizes
-    whose halvings through the stem have the first size's parities share its graph; another parity may cost one
-    more (torch 2.11's max-pool guards on the parity of its input size; torch 2.14's does not)."""
+@pytest.mark.parametrize("backbone", sorted(BACKBONE_GRAPHS))
+def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded, backbone):
+    """compile_backbone (DeformableDETR.features as compiled graphs): the same maps and gradients as eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from engine.compile import compile_regions
@@ -278,9 +269,9 @@ def test_a_dynamically_compiled_backbone_gives_the_features_and_gradients_of_eag
     eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
     twin = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
-    compile_regions(twin, backend=counter, backbone="dynamic")  # only features() is called: nothing else traced
+    compile_regions(twin, backend=counter, backbone=backbone)  # only features() is called: nothing else traced
     assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
-    for H, W, most_graphs in ((136, 136, 1), (128, 160, 1), (141, 163, 2)):
+    for (H, W), most_graphs in zip(BACKBONE_SIZES, BACKBONE_GRAPHS[backbone]):
         images, mask = _batch(H=H, W=W, pad_w=8)
         expected, got = eager.features(images, mask), twin.features(images, mask)
         for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
@@ -289,7 +280,8 @@ def test_a_dynamically_compiled_backbone_gives_the_features_and_gradients_of_eag
         sum(s.square().mean() for s in expected[0]).backward()
         sum(s.square().mean() for s in got[0]).backward()
         graphs = sum(1 for g in counter.graphs if len(g.graph.nodes))
-        assert 1 <= graphs <= most_graphs, f"{H}x{W}: {graphs} graphs"  # compiled, and not again for this size
+        low = most_graphs if backbone == "static" else 1
+        assert low <= graphs <= most_graphs, f"{H}x{W}: {graphs} graphs"  # compiled, and not again for a known size
     params = dict(twin.named_parameters())
     checked = 0
     for name, p in eager.named_parameters():
@@ -299,10 +291,29 @@ def test_a_dynamically_compiled_backbone_gives_the_features_and_gradients_of_eag
     assert checked > 20  # the trained ResNet stages and the input projections
 
 
-# Inductor on the GPU: CUDA graphs for each choice of regions and for the compiled backbone they leave out, and
-# train.py's default regions without them.
+def test_a_static_backbone_keeps_a_graph_per_size_bucket_and_warns_of_unpadded_sizes(monkeypatch):
+    import torch._dynamo.config as dynamo_config
+
+    from engine.compile import STATIC_BACKBONE_GRAPHS, compile_regions, size_warning
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(dynamo_config, name, 8)  # torch's default; restored after the test
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    compile_regions(model, backend="aot_eager", backbone="static")
+    assert getattr(dynamo_config, name) == STATIC_BACKBONE_GRAPHS > 24  # the COCO recipe's sizes padded to 128
+    warning = size_warning("default", 1, "static")
+    assert "compile_backbone=static" in warning and "dataset.pad_to_multiple=128" in warning
+    assert "compile_mode=reduce-overhead" in size_warning("reduce-overhead", 16, "eager")
+    for mode, pad, backbone in (("default", 1, "eager"), ("reduce-overhead", 128, "static"), ("default", 32, "static")):
+        assert size_warning(mode, pad, backbone) is None, (mode, pad, backbone)
+
+
+# Inductor on the GPU: CUDA graphs for each choice of regions, with the backbone eager, and with it compiled for
+# each size (replayed as CUDA graphs too) or with symbolic sizes (not replayed); and train.py's default regions
+# without CUDA graphs.
 GPU_COMPILE_CASES = [("reduce-overhead", "layers", "eager"), ("reduce-overhead", "transformer", "eager"),
-                     ("reduce-overhead", "transformer", "dynamic"), ("default", "transformer", "eager")]
+                     ("reduce-overhead", "transformer", "static"), ("reduce-overhead", "transformer", "dynamic"),
+                     ("default", "transformer", "eager")]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
