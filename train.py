@@ -186,6 +186,8 @@ def evaluate(cfg: DictConfig) -> dict:
         if cfg.compile:
             compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode, regions=cfg.compile_regions,
                             backbone=cfg.compile_backbone)
+            if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple, cfg.compile_backbone):
+                log.warning(warning)
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,

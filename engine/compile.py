@@ -57,8 +57,9 @@ BACKBONE_CHOICES = ("eager", "static", "dynamic")
 # Those a run may choose (compile_backbone in configs/train.yaml).
 TRAIN_BACKBONE_CHOICES = ("eager", "static")
 # Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised for
-# "static", whose graphs are one per image size: the COCO recipe padded to 128 meets 24 sizes, and a few more
-# for evaluation and a smaller last batch.
+# "static", whose graphs are one per image size: the COCO recipe padded to 128 meets 24 sizes in training, and
+# evaluation (no gradients, so graphs of its own) and a smaller last batch add their own sizes. Process-wide: the
+# limit of the other compiled regions rises with it (they compile once or twice per run).
 STATIC_BACKBONE_GRAPHS = 64
 
 # What one compiled graph spans: "layers", each encoder and decoder layer (layers of one kind share a graph) and
@@ -123,7 +124,7 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         # Five hundred small launches forward and backward, between the matching and the backward: with
         # the GPU waiting on the matching's host sync there, their host time is the step's.
         criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
-    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %s%s%s; the first steps of training "
+    log.info("torch.compile (backend %s, mode %s, dynamic shapes but for a static backbone) of %s%s%s; the first steps of training "
              "and of evaluation include the compilation", backend, mode,
              "the transformer's layers and the prediction heads" if regions == "layers"
              else "the transformer with its prediction heads, the position encoding",
@@ -135,18 +136,20 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
 
 def size_warning(mode: str, pad_to_multiple: int, backbone: str = "eager") -> str | None:
     """Why a multi-scale recipe's image sizes would defeat ``mode`` or ``backbone``, or None."""
-    if pad_to_multiple >= 32:
-        return None
-    if backbone == "static":
-        return (f"compile_backbone=static with dataset.pad_to_multiple={pad_to_multiple}: unless every image has the "
-                "same size, almost every batch has a new size, and each new size compiles the backbone again (tens of "
-                f"seconds; after {STATIC_BACKBONE_GRAPHS} sizes it runs eager). Set dataset.pad_to_multiple=128 (24 "
-                "sizes in a COCO epoch) or compile_backbone=eager")
-    if mode == "reduce-overhead":
-        return (f"compile_mode=reduce-overhead with dataset.pad_to_multiple={pad_to_multiple}: almost every batch "
-                "of the multi-scale recipe has a new size, and each new size costs a warm-up step and a CUDA-graph "
-                "recording. Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_mode=default")
-    return None
+    problems = []
+    if backbone == "static" and pad_to_multiple < 128:
+        # COCO, batch 2: 242 padded sizes per epoch at 32, 66 at 64, 24 at 128 (bench/e2e_steptime.shapes_per_epoch).
+        problems.append(
+            f"compile_backbone=static with dataset.pad_to_multiple={pad_to_multiple}: unless every image has the same "
+            "size, the multi-scale recipe meets many sizes (a COCO epoch: 66 at 64, 242 at 32), and each new size "
+            f"compiles the backbone again (about 20 s on an H200; after {STATIC_BACKBONE_GRAPHS} sizes it runs eager). "
+            "Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_backbone=eager")
+    if mode == "reduce-overhead" and pad_to_multiple < 32:
+        problems.append(
+            f"compile_mode=reduce-overhead with dataset.pad_to_multiple={pad_to_multiple}: almost every batch of the "
+            "multi-scale recipe has a new size, and each new size costs a warm-up step and a CUDA-graph recording. "
+            "Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_mode=default")
+    return "; ".join(problems) or None
 
 
 def _allow_graphs_per_function(graphs: int) -> None:

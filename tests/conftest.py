@@ -3,7 +3,8 @@
 Without a GPU the Triton kernels run under Triton's CPU interpreter, which must be switched on before
 triton decorates any kernel, so it is set here, ahead of every test module's imports. The typed config
 schemas are registered here too, so that every test that composes configs/ gets the typed config.
-engine.compile.compile_regions sets a process-wide shape setting; each test starts from torch's own.
+engine.compile.compile_regions sets process-wide settings (duck sizing, Dynamo's recompile limit); each test
+starts from torch's own.
 """
 
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 
 if not torch.cuda.is_available():
@@ -25,9 +27,15 @@ from engine.config import register_configs  # noqa: E402  (after the path and th
 register_configs()
 
 
+# Dynamo's recompile limit under the name this torch gives it.
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+
 @pytest.fixture(autouse=True)
-def _torch_duck_shape_default():
-    """compile_regions(regions="transformer") turns duck sizing off for the process: not for the next test."""
-    default = fx_config.use_duck_shape
+def _torch_compile_defaults():
+    """compile_regions turns duck sizing off (regions="transformer") and raises Dynamo's recompile limit
+    (backbone="static") for the process: not for the next test."""
+    duck_shape, recompile_limit = fx_config.use_duck_shape, getattr(dynamo_config, RECOMPILE_LIMIT)
     yield
-    fx_config.use_duck_shape = default
+    fx_config.use_duck_shape = duck_shape
+    setattr(dynamo_config, RECOMPILE_LIMIT, recompile_limit)

@@ -16,6 +16,7 @@ from engine.precision import Precision
 from engine.step import TrainStep
 from models import build_model
 from models.deformable_attention import MSDeformAttn
+from conftest import RECOMPILE_LIMIT
 from test_models import _batch, _targets, tiny_cfg
 
 SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)  # compile traces every layer: keep it short
@@ -291,20 +292,28 @@ def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_
     assert checked > 20  # the trained ResNet stages and the input projections
 
 
-def test_a_static_backbone_keeps_a_graph_per_size_bucket_and_warns_of_unpadded_sizes(monkeypatch):
-    import torch._dynamo.config as dynamo_config
+def test_a_static_backbone_compiles_past_torchs_default_limit_and_warns_of_unpadded_sizes(monkeypatch):
+    """Nine image sizes, one more than Dynamo's default recompile limit, each get a graph of their own."""
+    from torch._dynamo.testing import CompileCounter
 
     from engine.compile import STATIC_BACKBONE_GRAPHS, compile_regions, size_warning
 
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(dynamo_config, name, 8)  # torch's default; restored after the test
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, RECOMPILE_LIMIT, 8)  # torch's default
     model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
-    compile_regions(model, backend="aot_eager", backbone="static")
-    assert getattr(dynamo_config, name) == STATIC_BACKBONE_GRAPHS > 24  # the COCO recipe's sizes padded to 128
-    warning = size_warning("default", 1, "static")
+    counter = CompileCounter()  # traces only, runs the traced graph as it is
+    compile_regions(model, backend=counter, backbone="static")
+    assert STATIC_BACKBONE_GRAPHS > 24  # the COCO recipe's training sizes padded to 128, and evaluation's
+    with torch.no_grad():
+        for H in range(128, 128 + 9 * 8, 8):
+            model.features(*_batch(H=H, W=160, pad_w=8))
+    assert counter.frame_count == 9
+    warning = size_warning("default", 64, "static")
     assert "compile_backbone=static" in warning and "dataset.pad_to_multiple=128" in warning
+    both = size_warning("reduce-overhead", 16, "static")
+    assert "compile_backbone=static" in both and "compile_mode=reduce-overhead" in both
     assert "compile_mode=reduce-overhead" in size_warning("reduce-overhead", 16, "eager")
-    for mode, pad, backbone in (("default", 1, "eager"), ("reduce-overhead", 128, "static"), ("default", 32, "static")):
+    for mode, pad, backbone in (("default", 1, "eager"), ("reduce-overhead", 128, "static"), ("reduce-overhead", 32, "eager")):
         assert size_warning(mode, pad, backbone) is None, (mode, pad, backbone)
 
 

@@ -129,14 +129,15 @@ def test_resume_mid_epoch_continues_identically(tiny_run, data_root, tmp_path):
     assert first["losses"] + second["losses"] == pytest.approx(tiny_run["losses"][STEPS_PER_EPOCH:], rel=1e-5)
 
 
-@pytest.mark.parametrize("regions", ["layers", "transformer"])
-def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path, regions):
+@pytest.mark.parametrize("regions,backbone", [("layers", "eager"), ("transformer", "eager"), ("transformer", "static")])
+def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path, regions, backbone):
     """compile=true: the model's regions and the losses compiled (aot_eager traces them and runs the same kernels)."""
     torch._dynamo.reset()
     common = ("epochs=1", "model.dropout=0.0")  # dropout draws its mask in another order once traced
     eager = trainer.train(compose_run(data_root, tmp_path / "eager", *common))
     compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile=true",
-                                         "compile_backend=aot_eager", f"compile_regions={regions}"))
+                                         "compile_backend=aot_eager", f"compile_regions={regions}",
+                                         f"compile_backbone={backbone}"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     # The tiny model scores AP 0 after one epoch either way: compare the trained weights instead (the
     # detections of compiled regions in evaluation are compared in tests/test_step.py).
