@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 
 if not torch.cuda.is_available():
@@ -21,6 +20,8 @@ if not torch.cuda.is_available():
 
 # Tests import the project's top-level packages (msda, models, datasets, ...) from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch._dynamo.config as dynamo_config  # noqa: E402  (imports triton: after the Triton switch above)
 
 from engine.config import register_configs  # noqa: E402  (after the path and the Triton switch above)
 
