@@ -77,6 +77,15 @@ def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
                              pad_to_multiple=cfg.dataset.pad_to_multiple)
 
 
+def _compile(model, cfg: DictConfig, criterion=None) -> None:
+    """compile=true: the model's regions (and the criterion's losses, in training) compiled in place as the run
+    settings say, with a warning when the image sizes would defeat the chosen mode or backbone."""
+    compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode,
+                    regions=cfg.compile_regions, backbone=cfg.compile_backbone)
+    if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple, cfg.compile_backbone):
+        log.warning(warning)
+
+
 def train(cfg: DictConfig) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step"}."""
     cfg = check_config(cfg)
@@ -116,10 +125,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     criterion.to(device)
     if cfg.compile:
         # In place: training and evaluation use it.
-        compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode,
-                        regions=cfg.compile_regions, backbone=cfg.compile_backbone)
-        if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple, cfg.compile_backbone):
-            log.warning(warning)
+        _compile(model, cfg, criterion=criterion)
     optimizer = build_optimizer(model, cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
     precision = Precision(amp=cfg.amp, device=device)
@@ -184,10 +190,7 @@ def evaluate(cfg: DictConfig) -> dict:
         load_model_weights(model, ckpt, path=cfg.checkpoint)
         model.to(ctx.device)
         if cfg.compile:
-            compile_regions(model, backend=cfg.compile_backend, mode=cfg.compile_mode, regions=cfg.compile_regions,
-                            backbone=cfg.compile_backbone)
-            if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple, cfg.compile_backbone):
-                log.warning(warning)
+            _compile(model, cfg)
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
         evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
                                    coco_gt=val_set.coco, device=ctx.device,

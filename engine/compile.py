@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch._dynamo.config
 import torch._inductor.config  # noqa: F401  (hasattr below)
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, set below)
 
@@ -61,6 +62,8 @@ TRAIN_BACKBONE_CHOICES = ("eager", "static")
 # evaluation (no gradients, so graphs of its own) and a smaller last batch add their own sizes. Process-wide: the
 # limit of the other compiled regions rises with it (they compile once or twice per run).
 STATIC_BACKBONE_GRAPHS = 64
+# The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 # What one compiled graph spans: "layers", each encoder and decoder layer (layers of one kind share a graph) and
 # the heads; or "transformer", the whole of ``DeformableDETR.predict`` (the encoder, the decoder, the glue
@@ -124,7 +127,7 @@ def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None
         # Five hundred small launches forward and backward, between the matching and the backward: with
         # the GPU waiting on the matching's host sync there, their host time is the step's.
         criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
-    log.info("torch.compile (backend %s, mode %s, dynamic shapes but for a static backbone) of %s%s%s; the first steps of training "
+    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %s%s%s; the first steps of training "
              "and of evaluation include the compilation", backend, mode,
              "the transformer's layers and the prediction heads" if regions == "layers"
              else "the transformer with its prediction heads, the position encoding",
@@ -153,12 +156,9 @@ def size_warning(mode: str, pad_to_multiple: int, backbone: str = "eager") -> st
 
 
 def _allow_graphs_per_function(graphs: int) -> None:
-    """Dynamo's recompile limit (process-wide) raised to at least ``graphs``; its name changed across releases."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    if getattr(dynamo_config, name) < graphs:
-        setattr(dynamo_config, name, graphs)
+    """Dynamo's recompile limit (process-wide) raised to at least ``graphs``."""
+    if getattr(torch._dynamo.config, RECOMPILE_LIMIT) < graphs:
+        setattr(torch._dynamo.config, RECOMPILE_LIMIT, graphs)
 
 
 def _transformer_options(options: dict) -> dict:

@@ -23,13 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo.config as dynamo_config  # noqa: E402  (imports triton: after the Triton switch above)
 
+from engine.compile import RECOMPILE_LIMIT  # noqa: E402  (after the path and the Triton switch above)
 from engine.config import register_configs  # noqa: E402  (after the path and the Triton switch above)
 
 register_configs()
-
-
-# Dynamo's recompile limit under the name this torch gives it.
-RECOMPILE_LIMIT = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
 
 
 @pytest.fixture(autouse=True)

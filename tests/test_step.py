@@ -11,12 +11,12 @@ import copy
 import pytest
 import torch
 
+from engine.compile import RECOMPILE_LIMIT
 from engine.optim import build_optimizer
 from engine.precision import Precision
 from engine.step import TrainStep
 from models import build_model
 from models.deformable_attention import MSDeformAttn
-from conftest import RECOMPILE_LIMIT
 from test_models import _batch, _targets, tiny_cfg
 
 SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)  # compile traces every layer: keep it short
