@@ -11,33 +11,38 @@
 
 from __future__ import annotations
 
-import logging
-import sys
-from pathlib import Path
+import time
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+STARTED = time.perf_counter()  # before the imports below: the run's wall time counts them too
 
-from datasets import build_data_loader, build_dataset
-from engine.checkpoint import check_training_state, load_checkpoint, load_model_weights, model_config_for_checkpoint
-from engine.compile import compile_regions, size_warning
-from engine.config import check_config, plain_config, register_configs
-from engine.distributed import (DistContext, Ranks, argv_for_rank, average_over_processes, barrier,
-                                broadcast_object, data_parallel, env_rank, init_distributed,
-                                shutdown_distributed)
-from engine.detection_images import build_detection_images
-from engine.evaluation import evaluate_coco, record_evaluation
-from engine.init_from import InitFrom, prepare_init_from
-from engine.loop import NonFiniteLossError, Position, Trainer
-from engine.num_classes import resolve_num_classes
-from engine.optim import build_lr_scheduler, build_optimizer
-from engine.precision import Precision
-from engine.resume import config_for_resume, find_resume_checkpoint, restore_training_state
-from engine.rng import seed_all
-from engine.step import TrainStep
-from engine.tensorboard import ScalarWriter
-from models import build_model
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from datasets import build_data_loader, build_dataset, build_size_buckets  # noqa: E402
+from engine.build import build_evaluation, build_training  # noqa: E402
+from engine.checkpoint import (check_training_state, load_checkpoint, load_model_weights,  # noqa: E402
+                               model_config_for_checkpoint)
+from engine.compile import use_compile_cache  # noqa: E402
+from engine.compile_log import CompileClock, log_recompiles_to_file  # noqa: E402
+from engine.config import check_config, plain_config, register_configs  # noqa: E402
+from engine.console import keep_file_only_off_console  # noqa: E402
+from engine.detection_images import build_detection_images  # noqa: E402
+from engine.distributed import (DistContext, Ranks, argv_for_rank, barrier, broadcast_object, env_rank,  # noqa: E402
+                                init_distributed, shutdown_distributed)
+from engine.evaluation import evaluate_coco, record_evaluation  # noqa: E402
+from engine.init_from import InitFrom, prepare_init_from  # noqa: E402
+from engine.loop import NonFiniteLossError, Position, Trainer  # noqa: E402
+from engine.num_classes import resolve_num_classes  # noqa: E402
+from engine.precision import Precision  # noqa: E402
+from engine.resume import config_for_resume, find_resume_checkpoint  # noqa: E402
+from engine.run_timing import RunTiming  # noqa: E402
+from engine.tensorboard import ScalarWriter  # noqa: E402
 
 log = logging.getLogger("train")
 register_configs()  # the typed schemas configs/*.yaml name (engine/config.py), before Hydra composes
@@ -71,23 +76,39 @@ def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -
     return datasets
 
 
-def build_val_loader(dataset, cfg: DictConfig, ctx: DistContext):
-    return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=False,
-                             seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
+def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buckets):
+    return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=train,
+                             buckets=buckets, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
                              pad_to_multiple=cfg.dataset.pad_to_multiple)
 
 
-def _compile(model, cfg: DictConfig, criterion=None) -> None:
-    """compile=true: the model's regions (and the criterion's losses, in training) compiled in place as the run
-    settings say, with a warning when the image sizes would defeat the chosen mode or backbone."""
-    compile_regions(model, criterion=criterion, backend=cfg.compile_backend, mode=cfg.compile_mode,
-                    regions=cfg.compile_regions, backbone=cfg.compile_backbone)
-    if warning := size_warning(cfg.compile_mode, cfg.dataset.pad_to_multiple, cfg.compile_backbone):
-        log.warning(warning)
+def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set):
+    """The run's size buckets (datasets/size_buckets.py; train_set None: evaluation's only), the same on every
+    rank; rank 0 logs them."""
+    buckets = build_size_buckets(train_set, val_set, cfg.dataset, batch_size=cfg.batch_size, seed=cfg.seed)
+    if ctx.is_main:
+        log.info("size buckets: %s", buckets.describe() if buckets is not None else
+                 f"off (dataset.size_buckets=0): each batch is padded to its largest image, rounded up to a multiple "
+                 f"of {cfg.dataset.pad_to_multiple}")
+    return buckets
+
+
+def prepare_compilation(cfg: DictConfig) -> None:
+    """Compiled graphs and kernels kept in compile.cache_dir; recompilations logged to train.log."""
+    use_compile_cache(cfg.compile.cache_dir)
+    CompileClock.get()
+    log_recompiles_to_file()
+
+
+def planned_evaluations(cfg: DictConfig, *, total_steps: int, steps_per_epoch: int, start_epoch: int = 0) -> int:
+    """How many evaluations this run will make (every eval_every epochs, and after the last step)."""
+    last_epoch = min(cfg.epochs, math.ceil(total_steps / max(1, steps_per_epoch)))
+    return len(range(start_epoch + cfg.eval_every, last_epoch + 1, cfg.eval_every)) + 1
 
 
 def train(cfg: DictConfig) -> dict:
-    """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step"}."""
+    """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step",
+    "timing"}."""
     cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
@@ -97,8 +118,9 @@ def train(cfg: DictConfig) -> dict:
 
 
 def _train(cfg: DictConfig, ctx: DistContext) -> dict:
+    timing = RunTiming(started=STARTED if _started_by_main else time.perf_counter())
     output_dir = resolve_output_dir(cfg, ctx)
-    device = ctx.device
+    prepare_compilation(cfg)
     # The data first: it is checked before anything is trained, and may decide model.num_classes.
     data = build_datasets(cfg, ctx, ("train", "val"))
 
@@ -115,54 +137,41 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     # Classes from the data when model.num_classes is null; category ids checked against them.
     cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
 
-    seed_all(cfg.seed)  # same initial weights on every rank (data_parallel also broadcasts rank 0's)
+    buckets = size_buckets(cfg, ctx, data["train"], data["val"])
+    train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets)
+    val_loader = build_loader(data["val"], cfg, ctx, train=False, buckets=buckets)
+    steps_per_epoch = train_loader.batch_sampler.steps_per_epoch
+    if steps_per_epoch == 0:
+        raise ValueError(f"the training set has {len(data['train'])} images, too few for one batch of "
+                         f"{cfg.batch_size} per process on {ctx.world_size} processes"
+                         + (" once batched by size (dataset.size_buckets=0 batches any images together)"
+                            if buckets is not None else ""))
+    total_steps = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(steps_per_epoch * cfg.epochs,
+                                                                                 cfg.max_steps)
+    start_epoch = ckpt["epoch"] if ckpt is not None else 0
+    evaluations = planned_evaluations(cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+                                      start_epoch=start_epoch)
+
     # model.init_from: a new run from another checkpoint's weights (reads it, puts its variant into cfg.model).
     # A resumed run has its own weights.
     init = prepare_init_from(cfg.model) if ckpt is None else InitFrom()
-    model, criterion, postprocess = build_model(cfg.model)
-    init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
-    model.to(device)
-    criterion.to(device)
-    if cfg.compile:
-        # In place: training and evaluation use it.
-        _compile(model, cfg, criterion=criterion)
-    optimizer = build_optimizer(model, cfg.optim)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
-    precision = Precision(amp=cfg.amp, device=device)
-
-    train_loader = build_data_loader(data["train"], batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                                     train=True, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
-                                     pad_to_multiple=cfg.dataset.pad_to_multiple)
-    if len(train_loader) == 0:
-        raise ValueError(f"the training set has {len(data['train'])} images, fewer than one batch of "
-                         f"{cfg.batch_size} x {ctx.world_size} processes")
-
+    training = build_training(cfg, ctx=ctx, init=init, ckpt=ckpt, ckpt_path=resume_path,
+                              evaluation_batches=len(val_loader.batch_sampler) * evaluations)
     position = Position()
-    if ckpt is not None:  # restore, then apply a changed lr schedule (engine.resume)
-        epoch, step, steps_in_epoch, rng = restore_training_state(
-            ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=precision.scaler,
-            cfg_optim=cfg.optim, path=resume_path)
+    if training.resumed is not None:
+        epoch, step, steps_in_epoch, rng = training.resumed
         position = Position(epoch=epoch, step=step, steps_in_epoch=steps_in_epoch,
                             rng=rng if ctx.world_size == 1 else None)
         log.info("resumed from %s at epoch %d, step %d", resume_path, epoch, step)
-
-    trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
-                                            find_unused_parameters=cfg.find_unused_parameters)
-    step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
-                     precision=precision, clip_max_norm=cfg.optim.clip_max_norm,
-                     average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
     if ctx.is_main:
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n_params = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
         log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %d steps per "
-                 "epoch, %d epochs", output_dir, ctx.world_size, device, precision.name,
-                 ", compiled" if cfg.compile else "", n_params / 1e6, len(train_loader), cfg.epochs)
-    trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, model=model, step=step,
-                      postprocess=postprocess, lr_scheduler=lr_scheduler,
-                      train_loader=train_loader, val_loader=build_val_loader(data["val"], cfg, ctx),
-                      coco_gt=data["val"].coco, detection_images=build_detection_images(cfg, data["val"],
-                                                                                        enabled=ctx.is_main),
-                      position=position,
-                      config_record=plain_config(cfg))
+                 "epoch, %d epochs", output_dir, ctx.world_size, ctx.device, training.precision.name,
+                 ", compiled" if training.compile_plan else ", eager", n_params / 1e6, steps_per_epoch, cfg.epochs)
+    trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, training=training, train_loader=train_loader,
+                      val_loader=val_loader, coco_gt=data["val"].coco,
+                      detection_images=build_detection_images(cfg, data["val"], enabled=ctx.is_main),
+                      position=position, config_record=plain_config(cfg), timing=timing)
     return {"output_dir": output_dir, **trainer.fit()}
 
 
@@ -179,6 +188,7 @@ def evaluate(cfg: DictConfig) -> dict:
     ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
         output_dir = resolve_output_dir(cfg, ctx)
+        prepare_compilation(cfg)
         ckpt = load_checkpoint(cfg.checkpoint)
         model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
                                                 path=cfg.checkpoint)
@@ -186,16 +196,17 @@ def evaluate(cfg: DictConfig) -> dict:
         # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
         model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
                                                        checkpoint_state=ckpt["model"])
-        model, _, postprocess = build_model(OmegaConf.create(model_cfg))
+        buckets = size_buckets(cfg, ctx, None, val_set)
+        loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets)
+        model, postprocess, plan = build_evaluation(OmegaConf.create(model_cfg), cfg, ctx=ctx,
+                                                    evaluation_batches=len(loader.batch_sampler))
         load_model_weights(model, ckpt, path=cfg.checkpoint)
-        model.to(ctx.device)
-        if cfg.compile:
-            _compile(model, cfg)
         detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
-        evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=build_val_loader(val_set, cfg, ctx),
+        evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=loader,
                                    coco_gt=val_set.coco, device=ctx.device,
                                    precision=Precision(amp=cfg.amp, device=ctx.device),
-                                   keep_detections=detection_images.image_ids, ranks=Ranks(ctx))
+                                   keep_detections=detection_images.image_ids, ranks=Ranks(ctx),
+                                   compiled=plan is not None and plan.evaluation)
         if ctx.is_main:
             writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
             record_evaluation(evaluation, writer=writer, json_path=output_dir / "eval.json",
@@ -208,10 +219,16 @@ def evaluate(cfg: DictConfig) -> dict:
         shutdown_distributed(ctx)
 
 
+_started_by_main = False  # STARTED is this process's start only when main() runs the job
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    global _started_by_main
+    _started_by_main = True
     if env_rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
+    keep_file_only_off_console()
     try:
         if cfg.eval_only:
             evaluate(cfg)

@@ -32,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import COMPILE_MODES  # noqa: E402
+from bench.e2e import BENCH_MODES, compile_overrides  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
-from engine.compile import BACKBONE_CHOICES, DEFAULT_REGIONS, REGION_CHOICES  # noqa: E402
+from engine.compile import DEFAULT_REGIONS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
 from engine.distributed import GRADIENT_SYNCS  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -65,32 +65,22 @@ def scaling_worker(args) -> None:
     from bench.e2e import compose_config
     from bench.e2e_steptime import (ATTENTION_KERNELS, back_to_back_blocks_ms, back_to_back_keys, count_syncs,
                                     host_conditions, profile_steps, python_profile, random_batch)
-    from engine.compile import compile_regions
-    from engine.distributed import average_over_processes, data_parallel, init_distributed, shutdown_distributed
-    from engine.optim import build_optimizer
-    from engine.precision import Precision
-    from engine.step import TrainStep
-    from models import build_model
+    from engine.build import build_training
+    from engine.distributed import init_distributed, shutdown_distributed
 
     ctx = init_distributed(device="cuda", timeout_s=600)
     try:
-        cfg = compose_config(["dataset=coco", "model.msda=triton", "model.pretrained=none"])
-        torch.manual_seed(0)
-        model, criterion, _ = build_model(cfg.model)
-        model.to(ctx.device).train()
-        criterion.to(ctx.device)
-        if args.compile_mode:
-            compile_regions(model, criterion=criterion, mode=args.compile_mode, backbone=args.compile_backbone,
-                            regions=args.compile_regions)
         cuts = args.ddp_graph_cuts == ["dynamo"]  # the worker is given one of each
         (gradient_sync,) = args.gradient_sync
-        optimizer = build_optimizer(model, cfg.optim)
-        trained, sync_gradients = data_parallel(model, ctx, gradient_sync=gradient_sync)
+        cfg = compose_config(["dataset=coco", "model.msda=triton", "model.pretrained=none", "amp=bf16", "seed=0",
+                              f"batch_size={args.batch}", f"gradient_sync={gradient_sync}",
+                              *compile_overrides(args.compile_mode, args.compile_regions, args.compile_backbone)])
+        training = build_training(cfg, ctx=ctx)
+        training.model.train()
         if gradient_sync == "ddp":  # data_parallel turns Dynamo's cuts at DDP's buckets off; back on to compare
             torch._dynamo.config.optimize_ddp = cuts
-        step = TrainStep(model=trained, criterion=criterion, optimizer=optimizer,
-                         precision=Precision(amp="bf16", device=ctx.device), clip_max_norm=cfg.optim.clip_max_norm,
-                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
+        step = training.step
+        compiled = args.compile_mode != "eager"
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
         batch = random_batch([(800, 1333)] * args.batch, cfg.model.num_classes, ctx.device, gen)
         host_before = host_conditions()
@@ -112,7 +102,7 @@ def scaling_worker(args) -> None:
         # them (the gradient all-reduce, through the matching's host sync of the next step).
         back_to_back = back_to_back_keys(back_to_back_blocks_ms(lambda: step(*batch), sync, steps=args.steps))
         syncs = count_syncs(lambda: step(*batch))
-        trace = (Path(args.trace_dir) / f"trace_{ctx.world_size}gpu_{args.compile_mode or 'eager'}_"
+        trace = (Path(args.trace_dir) / f"trace_{ctx.world_size}gpu_{args.compile_mode}_"
                  f"{gradient_sync}_rank{ctx.rank}.json.gz") if args.trace_dir and ctx.is_main else None
         kernels = profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS["triton"], cuda=True, trace=trace)
         # Every rank profiles its host (the steps' collectives need them all); rank 0's profile is kept.
@@ -121,7 +111,7 @@ def scaling_worker(args) -> None:
         if ctx.is_main:
             median = statistics.median(times)
             Path(args.result).write_text(json.dumps({
-                "gpus": ctx.world_size, "compile": args.compile_mode is not None, "compile_mode": args.compile_mode,
+                "gpus": ctx.world_size, "compile": compiled, "compile_mode": args.compile_mode if compiled else None,
                 "batch_per_gpu": args.batch, "step_ms": median, "host_ms": statistics.median(host_times),
                 "images_per_s": ctx.world_size * args.batch / median * 1e3, "warmup_s": warmup_s, "all_ms": times,
                 **back_to_back,
@@ -131,11 +121,11 @@ def scaling_worker(args) -> None:
                 **kernels, "kernel_share": kernels["gpu_kernel_ms"] / median,
                 "inductor_counters": dict(dynamo_counters["inductor"]),
                 **({"gradient_sync": gradient_sync} if ctx.distributed else {}),
-                **({"ddp_graph_split": True} if args.compile_mode and cuts and ctx.distributed else {}),
+                **({"ddp_graph_split": True} if compiled and cuts and ctx.distributed else {}),
                 **({"host_cprofile": host_cprofile} if host_cprofile else {}),
-                **({"compile_regions": args.compile_regions} if args.compile_mode else {}),
-                **({"backbone_compiled": args.compile_backbone}
-                   if args.compile_mode and args.compile_backbone != "eager" else {})}))
+                **({"compile_regions": args.compile_regions} if compiled else {}),
+                **({"backbone_compiled": args.compile_backbone} if compiled and args.compile_backbone != "eager"
+                   else {})}))
     finally:
         shutdown_distributed(ctx)
 
@@ -151,12 +141,11 @@ def scaling_runs(args) -> list[tuple[str, int, str, str]]:
 def run_scaling(args, work: Path, save) -> list[dict]:
     rows = []
     for mode, gpus, sync, cuts in scaling_runs(args):
-        compile_mode = COMPILE_MODES[mode]
         name = f"scaling_{gpus}_{mode}_{args.compile_backbone}_{args.compile_regions}_{sync}_{cuts}"
         result = work / f"{name}.json"
         cmd = torchrun(gpus, str(Path(__file__)), "--worker", "scaling", "--result", str(result),
                        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                       *(["--compile-mode", compile_mode] if compile_mode else []), "--ddp-graph-cuts", cuts,
+                       "--compile-mode", mode, "--ddp-graph-cuts", cuts,
                        "--gradient-sync", sync,
                        "--compile-backbone", args.compile_backbone, "--compile-regions", args.compile_regions,
                        "--profile-fixed", str(args.profile_fixed),
@@ -295,8 +284,8 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--parts", nargs="+", default=["scaling", "ap"], choices=["scaling", "ap"])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=list(COMPILE_MODES),
-                        help="scaling: eager, compiled (compile=true), cudagraphs (compile_mode=reduce-overhead)")
+    parser.add_argument("--compile-modes", nargs="+", default=["eager", "reduce-overhead"], choices=list(BENCH_MODES),
+                        help="scaling: compile.mode values (eager; default: compiled; reduce-overhead: CUDA graphs)")
     parser.add_argument("--batch", type=int, default=2, help="images per GPU")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -309,11 +298,11 @@ def main():
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_ddp"))
     parser.add_argument("--worker", choices=["scaling"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--compile-mode", help=argparse.SUPPRESS)
-    parser.add_argument("--compile-backbone", default="eager", choices=list(BACKBONE_CHOICES),
-                        help="scaling: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES)")
+    parser.add_argument("--compile-mode", default="eager", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-backbone", default="static", choices=list(TRAIN_BACKBONE_CHOICES),
+                        help="scaling: compile.backbone of the compiled modes")
     parser.add_argument("--compile-regions", default=DEFAULT_REGIONS, choices=list(REGION_CHOICES),
-                        help="scaling: what one compiled graph spans (engine.compile.REGION_CHOICES)")
+                        help="scaling: compile.regions of the compiled modes")
     parser.add_argument("--gradient-sync", nargs="+", default=["allreduce"], choices=list(GRADIENT_SYNCS),
                         help="scaling on several GPUs: allreduce (engine.distributed.GradientAllReduce after "
                         "backward, train.py's default) or ddp (DistributedDataParallel's hooks during backward); "

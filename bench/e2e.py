@@ -1,10 +1,11 @@
 """End-to-end benchmark: whole training steps and detector parity, model.msda=triton against pytorch.
 
     python bench/e2e.py --out bench/results                           # on a GPU: everything below
-    python bench/e2e.py --parts steptime --compile-modes eager compiled   # only the step-time table
+    python bench/e2e.py --parts steptime --compile-modes eager reduce-overhead   # only the step-time table
 
 steptime  The trainer's own step (engine.step.TrainStep: forward, matching + losses, backward, clipping,
-          fused AdamW) of the default Deformable DETR, eager and torch.compile'd, triton and pytorch, in the
+          fused AdamW) of the default Deformable DETR, built as train.py builds it (engine.build), for each
+          compile.mode given (eager, default, reduce-overhead), triton and pytorch, in the
           same process (--isolate: one process each; --repeats N: N times, in alternating order): on random
           800x1333 batches (median step, GPU kernel time, launches and host syncs per
           step, peak memory, attention share) and on batches of the COCO recipe's sizes (median, distinct
@@ -42,14 +43,22 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import (  # noqa: E402
     bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report)
-from engine.compile import BACKBONE_CHOICES, DEFAULT_REGIONS, REGION_CHOICES  # noqa: E402
+from engine.compile import COMPILE_MODES, DEFAULT_REGIONS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
 
-# --compile-modes -> engine.compile mode (None: eager).
-COMPILE_MODES = {"eager": None, "compiled": "default", "cudagraphs": "reduce-overhead"}
+# compile.mode values a bench measures: eager, or a compiled mode of engine.compile.
+BENCH_MODES = ("eager", *COMPILE_MODES)
 RUN_KEYS = ("gpu", "date", "torch", "triton", "command")  # what a step-time row takes from its run's header
+
+
+def compile_overrides(mode: str, regions: str | None = None, backbone: str | None = None) -> list[str]:
+    """The config overrides of a compile.mode (and, compiled, compile.regions and compile.backbone)."""
+    if mode == "eager":
+        return ["compile.mode=eager"]
+    return [f"compile.mode={mode}", f"compile.regions={regions or DEFAULT_REGIONS}",
+            f"compile.backbone={backbone or 'static'}"]
 
 
 def compose_config(overrides: list[str]):
@@ -69,12 +78,11 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     times, in alternating order, so that no configuration always comes first or last (the report shows the
     median and the range over the repeats).
     """
-    configs = [(batch, amp, mode, losses, regions, backbone, impl) for batch in args.batches for amp in args.amps
+    configs = [(batch, amp, mode, regions, backbone, impl) for batch in args.batches for amp in args.amps
                for mode in args.compile_modes
-               # The losses', regions' and backbone's settings only mean something where the model is compiled.
-               for losses in (args.losses if COMPILE_MODES[mode] else [None])
-               for regions in (args.compile_regions if COMPILE_MODES[mode] else [None])
-               for backbone in (args.compile_backbone if COMPILE_MODES[mode] else ["eager"])
+               # The regions' and backbone's settings only mean something where the model is compiled.
+               for regions in (args.compile_regions if mode != "eager" else [None])
+               for backbone in (args.compile_backbone if mode != "eager" else ["eager"])
                for impl in args.impls]
     rows = []
     for repeat in range(args.repeats):
@@ -96,17 +104,15 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     return rows
 
 
-def _measure_here(args, device, batch, amp, mode, losses, regions, backbone, impl) -> list[dict]:
+def _measure_here(args, device, batch, amp, mode, regions, backbone, impl) -> list[dict]:
     from bench.e2e_steptime import measure
 
-    cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none"])
+    cfg = compose_config(["dataset=coco", f"model.msda={impl}", "model.pretrained=none", f"amp={amp}",
+                          f"batch_size={batch}", f"device={device}", *compile_overrides(mode, regions, backbone)])
     try:
-        return measure(cfg=cfg, impl=impl, amp=amp, compile_mode=COMPILE_MODES[mode], batch=batch,
-                       height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
-                       multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples, device=device,
-                       profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed,
-                       compile_losses=losses != "eager", compile_backbone=backbone,
-                       regions=regions or DEFAULT_REGIONS)
+        return measure(cfg=cfg, height=args.height, width=args.width, warmup=args.warmup, steps=args.steps,
+                       multishape_steps=args.multishape_steps, pad_multiples=args.pad_multiples,
+                       profile_shapes=args.profile_shapes, profile_fixed=args.profile_fixed)
     except Exception:  # one configuration's failure is reported; the others are still measured
         print(f"steptime batch {batch} {amp} {impl} {mode} {regions} backbone {backbone} FAILED:\n"
               f"{traceback.format_exc()}", flush=True)
@@ -119,7 +125,7 @@ def _measure_here(args, device, batch, amp, mode, losses, regions, backbone, imp
             torch.cuda.empty_cache()
 
 
-def _measure_in_child(args, device, batch, amp, mode, losses, regions, backbone, impl) -> list[dict]:
+def _measure_in_child(args, device, batch, amp, mode, regions, backbone, impl) -> list[dict]:
     """The same configuration measured by this script in a process of its own; its rows."""
     import subprocess
     import tempfile
@@ -127,7 +133,7 @@ def _measure_in_child(args, device, batch, amp, mode, losses, regions, backbone,
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--out", tmp, "--parts", "steptime",
                "--device", str(device), "--batches", str(batch), "--amps", amp, "--compile-modes", mode,
-               "--losses", losses or "compiled", "--compile-regions", regions or DEFAULT_REGIONS, "--impls", impl,
+               "--compile-regions", regions or DEFAULT_REGIONS, "--impls", impl,
                "--height", str(args.height),
                "--width", str(args.width), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--multishape-steps", str(args.multishape_steps), "--pad-multiples", *map(str, args.pad_multiples),
@@ -149,18 +155,17 @@ def run_trainpy(args, work: Path) -> dict:
     """`python train.py` on synthetic 1067-pixel images with the COCO recipe's resizing; its step times."""
     import subprocess
 
-    compile_mode = COMPILE_MODES[args.trainpy_mode]
-    run_dir = work / f"trainpy_{args.trainpy_mode}"
+    mode = args.trainpy_mode
+    run_dir = work / f"trainpy_{mode}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     scales = "[" + ",".join(str(s) for s in range(480, 801, 32)) + "]"
     cmd = [sys.executable, str(ROOT / "train.py"), "model=deformable_detr", "model.pretrained=none",
-           "model.msda=triton", f"compile={str(compile_mode is not None).lower()}",
-           *([f"compile_mode={compile_mode}", f"compile_regions={args.trainpy_regions}"] if compile_mode else []),
-           "amp=bf16", "batch_size=2",
+           "model.msda=triton", *compile_overrides(mode, args.trainpy_regions), "amp=bf16", "batch_size=2",
            f"dataset.root={work / 'synthetic_coco_sizes'}", "dataset.image_size=1067", f"dataset.train_scales={scales}",
            "dataset.max_size=1333", "dataset.val_size=800", f"dataset.num_train={2 * args.trainpy_steps}",
-           "dataset.num_val=8", f"dataset.pad_to_multiple={args.trainpy_pad}", "num_workers=4", "epochs=1",
+           "dataset.num_val=8", f"dataset.pad_to_multiple={args.trainpy_pad}", "dataset.size_buckets=0",
+           "num_workers=4", "epochs=1",
            f"max_steps={args.trainpy_steps}", "log_every=10",
            f"output_dir={run_dir}"]
     t0 = time.perf_counter()
@@ -173,8 +178,8 @@ def run_trainpy(args, work: Path) -> dict:
               "median_step_time_ms": statistics.median(settled) if settled else float("nan"),
               # Once most sizes have been met (with CUDA graphs: recorded), as a long run spends its time.
               "late_step_time_ms": statistics.median(values[-max(1, len(values) // 3):]) if values else float("nan"),
-              "compile": compile_mode is not None, "compile_mode": compile_mode, "pad_to_multiple": args.trainpy_pad,
-              **({"compile_regions": args.trainpy_regions} if compile_mode else {})}
+              "compile": mode != "eager", "compile_mode": None if mode == "eager" else mode,
+              "pad_to_multiple": args.trainpy_pad, **({"compile_regions": args.trainpy_regions} if mode != "eager" else {})}
     print(f"trainpy: train/step_time_ms in TensorBoard {result['median_step_time_ms']:.1f} ms (median of "
           f"{len(settled)} intervals after the first)", flush=True)
     return result
@@ -288,11 +293,9 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batches", type=int, nargs="+", default=[2])
     parser.add_argument("--amps", nargs="+", default=["bf16"], choices=["bf16", "fp16", "none"])
-    parser.add_argument("--compile-modes", nargs="+", default=["eager", "compiled"], choices=list(COMPILE_MODES),
-                        help="steptime: eager, compiled (compile=true), cudagraphs (compile_mode=reduce-overhead)")
-    parser.add_argument("--losses", nargs="+", default=["compiled"], choices=["compiled", "eager"],
-                        help="compiled modes: the losses after the matching compiled too (as train.py does), or eager "
-                             "(both: the difference it makes, in one run)")
+    parser.add_argument("--compile-modes", nargs="+", default=["eager", "reduce-overhead"], choices=list(BENCH_MODES),
+                        help="steptime: compile.mode values (eager; default: compiled; reduce-overhead: CUDA graphs, "
+                             "the GPU's default)")
     parser.add_argument("--isolate", action="store_true",
                         help="steptime: each configuration in a process of its own")
     parser.add_argument("--repeats", type=int, default=1,
@@ -304,8 +307,8 @@ def main():
                         help="steptime: dataset.pad_to_multiple values of the COCO-sizes rows")
     parser.add_argument("--profile-shapes", type=int, default=0, metavar="STEPS",
                         help="steptime: after the COCO-sizes steps, profile this many more on the host (top ops)")
-    parser.add_argument("--compile-backbone", nargs="+", default=["eager"], choices=list(BACKBONE_CHOICES),
-                        help="steptime: what compiled modes do with the ResNet (engine.compile.BACKBONE_CHOICES); "
+    parser.add_argument("--compile-backbone", nargs="+", default=["static"], choices=list(TRAIN_BACKBONE_CHOICES),
+                        help="steptime: compile.backbone of the compiled modes; "
                              "several: each is measured")
     parser.add_argument("--compile-regions", nargs="+", default=[DEFAULT_REGIONS], choices=list(REGION_CHOICES),
                         help="steptime: what one compiled graph spans (engine.compile.REGION_CHOICES); several: "
@@ -313,11 +316,10 @@ def main():
     parser.add_argument("--profile-fixed", type=int, default=0, metavar="STEPS",
                         help="steptime: after the fixed-size steps, profile this many more with cProfile (Python)")
     parser.add_argument("--trainpy-steps", type=int, default=80)
-    parser.add_argument("--trainpy-mode", default="eager", choices=list(COMPILE_MODES),
-                        help="trainpy: eager, compiled (compile=true) or cudagraphs (compile_mode=reduce-overhead)")
+    parser.add_argument("--trainpy-mode", default="eager", choices=list(BENCH_MODES), help="trainpy: compile.mode")
     parser.add_argument("--trainpy-pad", type=int, default=1, help="trainpy: dataset.pad_to_multiple")
     parser.add_argument("--trainpy-regions", default=DEFAULT_REGIONS, choices=list(REGION_CHOICES),
-                        help="trainpy, compiled modes: compile_regions")
+                        help="trainpy, compiled modes: compile.regions")
     parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
                         help="steptime: implementations to time")
     parser.add_argument("--height", type=int, default=800)

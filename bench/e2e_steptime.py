@@ -1,8 +1,9 @@
 """Training-step timing for bench/e2e.py: engine.step.TrainStep on the default model, eager or compiled.
 
-For each (msda, amp, compile, batch) the same TrainStep that train.py runs is timed on random batches of
-a fixed size (800x1333), then on batches drawn from the COCO recipe's sizes (short side 480-800 in steps
-of 32, long side up to 1333, padded to the batch's largest image). Per row:
+For each configuration (a composed config: model.msda, amp, compile.*, batch_size) the step train.py runs,
+built by the same engine.build.build_training, is timed on random batches of a fixed size (800x1333), then on
+batches drawn from the COCO recipe's sizes (short side 480-800 in steps of 32, long side up to 1333, padded to
+the batch's largest image). Per row:
     step_ms         median wall time of a step (synchronized after each)
     gpu_kernel_ms   device time of the CUDA kernels of one step (torch.profiler), and its share of step_ms
     launches        kernel launches per step (profiler)
@@ -23,12 +24,9 @@ from pathlib import Path
 
 import torch
 
-from engine.compile import DEFAULT_REGIONS, compile_regions
-from engine.optim import build_optimizer
-from engine.precision import Precision
-from datasets.coco import padded_size
-from engine.step import TrainStep
-from models import build_model
+from datasets import padded_size
+from engine.build import build_training
+from engine.distributed import init_distributed
 
 ATTENTION_KERNELS = {"triton": ("msda_",), "pytorch": ("grid_sampler",)}
 COCO_SHORT_SIDES = tuple(range(480, 801, 32))
@@ -222,27 +220,21 @@ def _unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, height: int, width: int,
-            warmup: int, steps: int, multishape_steps: int, device: torch.device, pad_multiples=(1,),
-            seed: int = 0, profile_shapes: int = 0, profile_fixed: int = 0,
-            compile_losses: bool = True, compile_backbone: str = "eager", regions: str = DEFAULT_REGIONS) -> list[dict]:
-    """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for this
-    configuration. compile_mode: None (eager) or one of engine.compile.COMPILE_MODES; regions: one of
-    engine.compile.REGION_CHOICES."""
+def measure(*, cfg, height: int, width: int, warmup: int, steps: int, multishape_steps: int,
+            pad_multiples=(1,), seed: int = 0, profile_shapes: int = 0, profile_fixed: int = 0) -> list[dict]:
+    """One fixed-size row and, if multishape_steps, one COCO-recipe-sizes row per padding multiple for the
+    configuration ``cfg`` (a composed config; its compile.* settings choose eager or compiled)."""
     torch._dynamo.reset()  # also frees the CUDA-graph trees of an earlier configuration
+    ctx = init_distributed(device=cfg.device)
+    device = ctx.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # peaks include warm-up: CUDA graphs take their memory there
-    torch.manual_seed(seed)
-    model, criterion, _ = build_model(cfg.model)
-    model.to(device).train()
-    criterion.to(device)
-    if compile_mode is not None:
-        compile_regions(model, criterion=criterion if compile_losses else None, mode=compile_mode,
-                        backbone=compile_backbone, regions=regions)
-    optimizer = build_optimizer(model, cfg.optim)
-    step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
-                     precision=Precision(amp=amp, device=device), clip_max_norm=cfg.optim.clip_max_norm)
+    training = build_training(cfg, ctx=ctx)
+    training.model.train()
+    step, plan = training.step, training.compile_plan
+    impl, amp, batch = str(cfg.model.msda), str(cfg.amp), cfg.batch_size
+    compile_mode = plan.mode if plan is not None else None
     gen = torch.Generator(device=device).manual_seed(seed)
     num_classes = cfg.model.num_classes
 
@@ -261,10 +253,9 @@ def measure(*, cfg, impl: str, amp: str, compile_mode: str | None, batch: int, h
         sync()
         return (time.perf_counter() - t0) * 1e3
 
-    base = {"impl": impl, "amp": amp, "compile": compile_mode is not None, "compile_mode": compile_mode,
-            "batch": batch, **({"losses_compiled": False} if compile_mode and not compile_losses else {}),
-            **({"backbone_compiled": compile_backbone} if compile_mode and compile_backbone != "eager" else {}),
-            **({"compile_regions": regions} if compile_mode else {})}
+    base = {"impl": impl, "amp": amp, "compile": plan is not None, "compile_mode": compile_mode, "batch": batch,
+            **({"backbone_compiled": plan.backbone} if plan is not None and plan.backbone != "eager" else {}),
+            **({"compile_regions": plan.regions} if plan is not None else {})}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
     host_before = host_conditions()
     graphs_before = _unique_graphs()

@@ -6,10 +6,10 @@
 # Steps: tests (the whole pytest suite on that GPU), msda (bench/msda.py, then its launch table into this copy's
 # msda/launch.py), msda-targets (bench/msda.py with the committed table), msda-host (bench/msda_host.py),
 # msda-bounds (bench/msda_bounds.py), e2e (bench/e2e.py step times and the
-# train.py run), e2e-steptime (step times only), ddp (bench/ddp.py on every GPU), ddp-ap1 (its 1-GPU synthetic
-# runs), nccl-tests (rank parity on 2 GPUs).
+# train.py run), e2e-steptime (step times only), ttr (bench/ttr.py, time to result), ddp (bench/ddp.py on every
+# GPU), ddp-ap1 (its 1-GPU synthetic runs), nccl-tests (rank parity on 2 GPUs).
 # ddp and nccl-tests use every GPU: give them a call, or a place in the queue, of their own. Extra arguments for a step come
-# from the environment: MSDA_ARGS, E2E_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
+# from the environment: MSDA_ARGS, E2E_ARGS, TTR_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
 # antlr4, pycocotools) are installed from .whl/ when that folder holds their wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,7 @@ run_step() {  # name gpu
     msda-bounds) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_bounds.py --out "$OUT" ;;
     e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
     e2e-steptime) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime ${E2E_ARGS:-} ;;
+    ttr) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ttr.py --out "$OUT" --work /tmp/bench_ttr ${TTR_ARGS:-} ;;
     ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
     ddp-ap1) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ddp.py --out "$OUT" --parts ap --ap-gpus 1 ${DDP_ARGS:-} ;;
     nccl-tests) python3 -m pytest -q -p no:cacheprovider tests/test_rank_parity.py tests/test_distributed.py ;;

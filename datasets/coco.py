@@ -1,4 +1,4 @@
-"""COCO-format detection data: the dataset, its config adapter, batch collation and the loader.
+"""COCO-format detection data: the dataset and its config adapter (batching: datasets/loader.py).
 
 One loader for every COCO-format set: COCO 2017 and the synthetic set (which is written to disk in the
 same layout) both go through :class:`CocoDetection`.
@@ -14,20 +14,21 @@ Layout (COCO 2017)::
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from PIL import Image
 from pycocotools.coco import COCO
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.ops import box_area, box_convert, clip_boxes_to_image
 from torchvision.transforms.v2 import functional as F
 
 from .annotations import clean_annotations, load_annotation_file
+from .batch_plan import PlannedSample
 from .dataset_config import DatasetConfig, DatasetName, read_dataset_config
 from .image_files import check_files_exist, check_images_open, read_image
 from .synthetic import ensure_synthetic_dataset
@@ -60,6 +61,9 @@ class CocoDetection(Dataset):
     """Images and box targets of a COCO-format set, through pycocotools.
 
     ``dataset[i]`` -> (image, target) after ``transforms``; with :func:`make_coco_transforms`:
+
+    ``dataset[PlannedSample]`` (datasets/batch_plan.py, what the loaders ask for) -> (image, target, canvas):
+    the sample's planned augmentation applied, and the (H, W) its batch is padded to.
 
     - image: (3, H, W) float32, normalized with the ImageNet mean/std.
     - target: ``labels`` (n,) int64 COCO category ids (used directly, num_classes=91 as in the
@@ -106,6 +110,17 @@ class CocoDetection(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
+    def image_size(self, index: int) -> tuple[int, int]:
+        """(h, w) of image ``index`` as the annotation file records it (read from the file's header where it
+        records none): what the loaders plan augmentation and padding with."""
+        info = self.coco.imgs[self.ids[index]]
+        if info.get("height") and info.get("width"):
+            return int(info["height"]), int(info["width"])
+        with Image.open(self.image_dir / info["file_name"]) as pil:  # the header only
+            width, height = pil.size
+        info["height"], info["width"] = height, width  # read_image checks the decoded size against these
+        return height, width
+
     def load_image(self, image_id: int) -> tv_tensors.Image:
         """(3, H, W) uint8 RGB; ImageReadError (an OSError) naming the file when it cannot be used."""
         info = self.coco.imgs[image_id]
@@ -132,11 +147,15 @@ class CocoDetection(Dataset):
         }
         return drop_degenerate_boxes(target)
 
-    def __getitem__(self, index: int):
-        image_id = self.ids[index]
+    def __getitem__(self, item: int | PlannedSample):
+        planned = isinstance(item, PlannedSample)
+        image_id = self.ids[item.index if planned else item]
         image = self.load_image(image_id)
         height, width = image.shape[-2:]
         target = self.load_target(image_id, height=height, width=width)
+        if planned:
+            image, target = self.transforms.apply(image, target, item.plan)
+            return image, target, item.canvas
         if self.transforms is not None:
             image, target = self.transforms(image, target)
         return image, target
@@ -194,88 +213,3 @@ def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
     if not annotation_file.is_file():
         raise FileNotFoundError(f"dataset.{keys[1]}: annotation file not found: {annotation_file}")
     return image_dir, annotation_file
-
-
-def padded_size(sizes, pad_to_multiple: int = 1) -> tuple[int, int]:
-    """The (H, W) a batch of images of ``sizes`` [(h, w), ...] is padded to: the largest h and w, each
-    rounded up to a multiple of ``pad_to_multiple``."""
-    return tuple(-(-max(size[d] for size in sizes) // pad_to_multiple) * pad_to_multiple for d in (0, 1))
-
-
-def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
-    """[(image (3, h_i, w_i), target)] -> images (B, 3, H, W), masks (B, H, W), targets.
-
-    H, W are the largest image's, rounded up to a multiple of ``pad_to_multiple``. Images are zero padded at
-    the bottom and right (boxes stay relative to the unpadded image, as the model's mask tells it where the
-    image ends); masks are True on padding.
-    """
-    images, targets = zip(*batch)
-    height, width = padded_size([image.shape[-2:] for image in images], pad_to_multiple)
-    padded = images[0].new_zeros((len(images), images[0].shape[0], height, width))  # (B, 3, Hmax, Wmax)
-    masks = torch.ones((len(images), height, width), dtype=torch.bool)  # (B, Hmax, Wmax)
-    for i, image in enumerate(images):
-        h, w = image.shape[-2:]
-        padded[i, :, :h, :w] = image
-        masks[i, :h, :w] = False
-    return padded, masks, list(targets)
-
-
-class EpochSampler(Sampler[int]):
-    """Single-process sampler with ``set_epoch``: order depends only on (seed, epoch).
-
-    The same interface as DistributedSampler, so the training loop calls ``set_epoch`` either way,
-    and a run resumed at epoch e sees the same order as one that never stopped.
-    """
-
-    def __init__(self, *, size: int, shuffle: bool, seed: int = 0) -> None:
-        self.size, self.shuffle, self.seed, self.epoch = size, shuffle, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.size))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
-
-
-def build_data_loader(
-    dataset: Dataset,
-    *,
-    batch_size: int,
-    num_workers: int,
-    train: bool,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    drop_last: bool | None = None,
-    pad_to_multiple: int = 1,
-) -> DataLoader:
-    """DataLoader yielding ``collate_fn`` batches: (images, masks, targets).
-
-    With ``world_size`` > 1 a DistributedSampler gives this ``rank`` its share of the set, which it splits
-    over ranks (and pads with repeats so every rank gets the same count; the
-    evaluator de-duplicates). Otherwise :class:`EpochSampler`. Either way ``loader.sampler.set_epoch``
-    exists. ``drop_last`` defaults to ``train``. The generator (seed + rank) fixes the worker seeds,
-    from which each worker seeds torch and ``random``, so augmentations are reproducible.
-    """
-    if world_size > 1:
-        sampler: Sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed,
-                                              drop_last=False)
-    else:
-        sampler = EpochSampler(size=len(dataset), shuffle=train, seed=seed)
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        drop_last=train if drop_last is None else drop_last,
-        collate_fn=functools.partial(collate_fn, pad_to_multiple=pad_to_multiple),
-        num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed + rank),
-    )

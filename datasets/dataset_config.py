@@ -46,7 +46,7 @@ class DatasetConfig:
     name: DatasetName = MISSING
     # Validation images are always opened once before training; verify=true opens every training image too
     # (worth it for a new set; minutes for all of COCO, hence off there).
-    verify: bool = False
+    verify: bool = field(default=False, metadata={"role": "how_to_run"})  # engine/config.py: roles
     train_scales: list[int] = field(default_factory=lambda: list(COCO_TRAIN_SCALES))
     max_size: int = COCO_MAX_SIZE
     val_size: int = COCO_VAL_SIZE
@@ -54,12 +54,18 @@ class DatasetConfig:
     crop_scales: list[int] = field(default_factory=lambda: list(COCO_CROP_SCALES))
     crop_min_size: int = COCO_CROP_MIN_SIZE
     crop_max_size: int = COCO_CROP_MAX_SIZE
-    # Batches are padded to a multiple of this (1: to the largest image, as the original). Fewer distinct
-    # batch sizes mean fewer one-off costs per new size on the GPU (cuDNN plans for the backbone).
+    # Canonical batch sizes, training and evaluation together (datasets/size_buckets.py): images of similar
+    # size after augmentation are batched together and padded to one of these. Each new size costs a compiled
+    # model a compilation and an eager one a cuDNN plan. 0: batches of any images, padded to the largest.
+    size_buckets: int = 8
+    # Batch sides are multiples of this (the buckets' sides; without buckets, each batch's).
     pad_to_multiple: int = 1
 
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_size", "val_size", "crop_min_size", "crop_max_size", "pad_to_multiple"))
+        if self.size_buckets != 0 and self.size_buckets < 2:
+            problems.append(f"dataset.size_buckets must be 0 (no buckets) or at least 2 (one size per orientation "
+                            f"for training and one for evaluation), got {self.size_buckets!r}")
         kind = next(f.default for f in fields(self) if f.name == "name")  # the set this schema is for
         if kind is not MISSING and self.name != kind:
             problems.append(f"dataset.name is {self.name} in the {kind} dataset config: choose the set with "

@@ -10,19 +10,23 @@ Every transform is a callable ``(image, target) -> (image, target)``:
   :class:`NormalizeAndFinalize`, ``boxes`` is a plain (n, 4) float32 tensor in normalized cxcywh and
   ``size`` (2,) int64 is the (h, w) of the transformed image.
 
-torchvision's v2 kernels move and clamp the boxes together with the pixels (flip, resize, crop); the
-random choices are drawn from torch's global RNG so that DataLoader worker seeding makes them
-reproducible. :func:`make_coco_transforms` composes the recipe of the original repository.
+torchvision's v2 kernels move and clamp the boxes together with the pixels (flip, resize, crop).
+:func:`make_coco_transforms` composes the recipe of the original repository.
+
+Each random transform draws its choices in ``plan(size, rng)`` and applies them in ``apply(image, target,
+params)``, so the choices for an image, and the size it comes out at, can be drawn before the image is read:
+the training loader does that (datasets/batch_plan.py) to group images of similar output size into a
+batch. ``rng`` is anything with ``randint(low, high)`` (inclusive) and ``random()``: a ``random.Random``
+there. Calling a transform draws from torch's global RNG instead and applies at once.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torchvision import tv_tensors
 from torchvision.ops import box_area
-from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -37,11 +41,40 @@ COCO_CROP_MIN_SIZE = 384
 COCO_CROP_MAX_SIZE = 600
 
 Transform = Callable[[torch.Tensor, dict], tuple]
+Size = tuple[int, int]  # (height, width)
 
 
-def _randint(low: int, high: int) -> int:
-    """Uniform integer in [low, high] (inclusive) from torch's global RNG."""
-    return int(torch.randint(low, high + 1, ()).item())
+class Rng(Protocol):
+    def randint(self, low: int, high: int) -> int: ...  # uniform in [low, high], inclusive
+
+    def random(self) -> float: ...  # uniform in [0, 1)
+
+
+class TorchGlobalRng:
+    """The Rng protocol on torch's global generator (what calling a transform draws from)."""
+
+    @staticmethod
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, ()).item())
+
+    @staticmethod
+    def random() -> float:
+        return float(torch.rand(()))
+
+
+class Planned:
+    """A transform whose random choices are drawn apart from applying them (see the module docstring)."""
+
+    def plan(self, size: Size, rng: Rng) -> tuple[Any, Size]:
+        """(params for ``apply``, the (h, w) an image of ``size`` has after it)."""
+        raise NotImplementedError
+
+    def apply(self, image, target: dict, params):
+        raise NotImplementedError
+
+    def __call__(self, image, target):
+        params, _ = self.plan(tuple(image.shape[-2:]), TorchGlobalRng())
+        return self.apply(image, target, params)
 
 
 def size_with_aspect_ratio(*, height: int, width: int, size: int, max_size: int | None) -> tuple[int, int]:
@@ -85,17 +118,24 @@ def drop_degenerate_boxes(target: dict) -> dict:
     return target
 
 
-class RandomHorizontalFlip:
+class RandomHorizontalFlip(Planned):
     """Mirror image and boxes with probability ``p`` (v2 kernel: x -> W - x on both box edges)."""
 
     def __init__(self, *, p: float = 0.5) -> None:
-        self.flip = v2.RandomHorizontalFlip(p=p)
+        self.p = p
 
-    def __call__(self, image, target):
-        return self.flip(image, target)
+    def plan(self, size: Size, rng: Rng) -> tuple[bool, Size]:
+        return rng.random() < self.p, size
+
+    def apply(self, image, target, flip: bool):
+        if not flip:
+            return image, target
+        target = dict(target)
+        target["boxes"] = F.horizontal_flip(target["boxes"])
+        return F.horizontal_flip(image), target
 
 
-class RandomResize:
+class RandomResize(Planned):
     """Resize so the short side is a size drawn from ``sizes``, long side capped at ``max_size``.
 
     Boxes are scaled by (new_w / w, new_h / h) through the v2 kernel; ``area`` by their product.
@@ -107,10 +147,14 @@ class RandomResize:
         self.sizes = [int(s) for s in sizes]
         self.max_size = max_size
 
-    def __call__(self, image, target):
-        size = self.sizes[_randint(0, len(self.sizes) - 1)]
+    def plan(self, size: Size, rng: Rng) -> tuple[Size, Size]:
+        short = self.sizes[rng.randint(0, len(self.sizes) - 1)]
+        new = size_with_aspect_ratio(height=size[0], width=size[1], size=short, max_size=self.max_size)
+        return new, new
+
+    def apply(self, image, target, new_size: Size):
         height, width = image.shape[-2:]
-        new_h, new_w = size_with_aspect_ratio(height=height, width=width, size=size, max_size=self.max_size)
+        new_h, new_w = new_size
         image = F.resize(image, size=[new_h, new_w], antialias=True)
         target = dict(target)
         target["boxes"] = F.resize(target["boxes"], size=[new_h, new_w])
@@ -132,7 +176,7 @@ def crop(image, target: dict, *, top: int, left: int, height: int, width: int):
     return image, drop_degenerate_boxes(target)
 
 
-class RandomSizeCrop:
+class RandomSizeCrop(Planned):
     """Crop a random window of h, w in [min_size, min(side, max_size)] at a random place (see :func:`crop`).
 
     When the image is smaller than ``min_size`` the window spans that whole side (the original
@@ -145,40 +189,55 @@ class RandomSizeCrop:
         self.min_size = int(min_size)
         self.max_size = int(max_size)
 
-    def __call__(self, image, target):
-        height, width = image.shape[-2:]
-        crop_w = _randint(min(self.min_size, width), min(width, self.max_size))
-        crop_h = _randint(min(self.min_size, height), min(height, self.max_size))
-        top = _randint(0, height - crop_h)
-        left = _randint(0, width - crop_w)
-        return crop(image, target, top=top, left=left, height=crop_h, width=crop_w)
+    def plan(self, size: Size, rng: Rng) -> tuple[tuple[int, int, int, int], Size]:
+        height, width = size
+        crop_w = rng.randint(min(self.min_size, width), min(width, self.max_size))
+        crop_h = rng.randint(min(self.min_size, height), min(height, self.max_size))
+        top = rng.randint(0, height - crop_h)
+        left = rng.randint(0, width - crop_w)
+        return (top, left, crop_h, crop_w), (crop_h, crop_w)
+
+    def apply(self, image, target, window: tuple[int, int, int, int]):
+        top, left, height, width = window
+        return crop(image, target, top=top, left=left, height=height, width=width)
 
 
-class RandomSelect:
-    """Apply ``first`` with probability ``p``, otherwise ``second``."""
+class RandomSelect(Planned):
+    """Apply ``first`` with probability ``p``, otherwise ``second`` (both Planned)."""
 
-    def __init__(self, *, first: Transform, second: Transform, p: float = 0.5) -> None:
+    def __init__(self, *, first: Planned, second: Planned, p: float = 0.5) -> None:
         self.first, self.second, self.p = first, second, p
 
-    def __call__(self, image, target):
-        if float(torch.rand(())) < self.p:
-            return self.first(image, target)
-        return self.second(image, target)
+    def plan(self, size: Size, rng: Rng):
+        chosen = 0 if rng.random() < self.p else 1
+        params, size = (self.first, self.second)[chosen].plan(size, rng)
+        return (chosen, params), size
+
+    def apply(self, image, target, params):
+        chosen, inner = params
+        return (self.first, self.second)[chosen].apply(image, target, inner)
 
 
-class Compose:
-    """Apply transforms in order."""
+class Compose(Planned):
+    """Apply transforms (Planned) in order."""
 
-    def __init__(self, transforms: Sequence[Transform]) -> None:
+    def __init__(self, transforms: Sequence[Planned]) -> None:
         self.transforms = list(transforms)
 
-    def __call__(self, image, target):
+    def plan(self, size: Size, rng: Rng) -> tuple[list, Size]:
+        params = []
         for transform in self.transforms:
-            image, target = transform(image, target)
+            p, size = transform.plan(size, rng)
+            params.append(p)
+        return params, size
+
+    def apply(self, image, target, params: list):
+        for transform, p in zip(self.transforms, params):
+            image, target = transform.apply(image, target, p)
         return image, target
 
 
-class NormalizeAndFinalize:
+class NormalizeAndFinalize(Planned):
     """Image to float32 normalized (ImageNet mean/std); boxes to normalized cxcywh plain tensors.
 
     Output: image (3, H, W) float32; target ``boxes`` (n, 4) float32 cxcywh in [0, 1] relative to
@@ -186,7 +245,10 @@ class NormalizeAndFinalize:
     model and criterion see ordinary tensors.
     """
 
-    def __call__(self, image, target):
+    def plan(self, size: Size, rng: Rng) -> tuple[None, Size]:
+        return None, size
+
+    def apply(self, image, target, params=None):
         height, width = image.shape[-2:]
         image = F.to_dtype(image, torch.float32, scale=True)
         image = F.normalize(image, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))

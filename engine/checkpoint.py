@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .config import HOW_TO_RUN, role_of
+
 log = logging.getLogger(__name__)
 
 LATEST = "checkpoint.pth"
@@ -180,10 +182,6 @@ def recorded_model_config(ckpt: dict) -> dict:
     return {}
 
 
-# Model keys that say how to run, not what was trained: never taken from a checkpoint.
-RUNTIME_MODEL_KEYS = frozenset({"msda", "pretrained", "train_backbone", "init_from"})
-
-
 def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
                                 keys: Iterable[str] | None = None) -> dict:
     """``cfg_model`` with the architecture the checkpoint records (variant, sizes, classes) put in.
@@ -200,7 +198,7 @@ def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.P
         recorded = {k: v for k, v in recorded.items() if k in wanted}
     merged = dict(cfg_model)
     for key, value in recorded.items():
-        if key in merged and key not in RUNTIME_MODEL_KEYS and merged[key] != value:
+        if key in merged and role_of(f"model.{key}") != HOW_TO_RUN and merged[key] != value:
             log.info("model.%s=%r as recorded in %s (config said %r)", key, value, path, merged[key])
             merged[key] = value
     if "pretrained" in merged:

@@ -1,158 +1,193 @@
-"""``compile=true``: the transformer and the heads through torch.compile, for training and evaluation.
+"""The ``compile`` settings as a plan for this device, applied to the regions a model declares.
 
-``compile_regions=transformer`` (the default) compiles ``DeformableDETR.predict`` (the encoder, the decoder,
-the glue between their layers and the heads) as one graph, and the position encoding as a second. That is
-where the step's thousands of small launches are (attention projections, softmax, layer norms, feed-forward,
-the deformable attention op itself, which is a registered operator and traced with no break), and one graph
-means few compiled calls per step, each of which costs the host time. Regional compilation
-(``compile_regions=layers``) compiles each encoder and decoder layer in place (``nn.Module.compile``), layers
-of one kind sharing one graph, and the heads of all decoder layers (``DeformableDETR.heads``) as one more:
-about a third of the warm-up, more host time per step. The ResNet backbone stays eager unless
-``compile_backbone=static`` (BACKBONE_CHOICES below): compiled, it is one graph per image size, since its
-stride-2 size arithmetic would make a graph with symbolic sizes specialize on the parity of the image size.
+``compile.mode=auto`` (the default) compiles on a GPU, with CUDA graphs: the transformer with its heads as
+one graph (``DeformableDETR.predict``: the encoder, the decoder, the glue between their layers, the heads,
+the deformable attention op itself, which is a registered operator traced with no break), the position
+encoding, the backbone (``DeformableDETR.features``, one graph per size bucket) and, in training, the losses
+after the Hungarian matching. On the CPU it runs eagerly. ``compile.mode=eager`` turns compilation off;
+``default`` compiles without CUDA graphs (also on the CPU); ``reduce-overhead`` is auto's GPU choice.
 
-Dynamic shapes from the first call: the COCO recipe feeds a different padded image size almost every
-batch (short side 480-800, long side up to 1333), and a graph with symbolic sizes serves them all (but for a
-guard Inductor may add on a size, for a fusion decision: one recompilation of the transformer's graph was
-seen on the COCO sizes).
-Recompilations are logged (torch's "recompiles" log), so a shape that does force one shows in train.log.
-Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere.
+Why these choices (bench/results/e2e_h200.md): the step's thousands of small launches are in the
+transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
+AOTAutograd's wrappers, the CUDA-graph trees' input copies) while the GPU waits, so fewer, larger graphs
+make the faster step. CUDA graphs take the launches off the host. The backbone compiled per size takes the
+rest; the size buckets (datasets/size_buckets.py) bound how many sizes a run meets, training and evaluation
+together, so that it compiles few graphs. ``compile.regions=layers`` compiles each encoder and decoder layer
+(layers of one kind share a graph) and the heads apart: about a third of the first compilation, more host
+time per step.
 
-In training the losses after the Hungarian matching are compiled too (``SetCriterion.stacked_losses``),
-always without CUDA graphs: the number of matched pairs changes with every batch.
+The transformer's graph has symbolic sizes: one graph serves every bucket (but for a guard Inductor may
+add on a size for a fusion decision; one recompilation was seen on the COCO sizes). The losses have symbolic
+sizes too and no CUDA graphs: the number of matched pairs changes with every batch. Evaluation runs
+``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per
+evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later ones none,
+instead of every training region again without gradients. Module names and state_dict keys are unchanged:
+checkpoints of a compiled run load anywhere.
 
-``compile_mode=reduce-overhead`` replays the compiled regions' kernels as CUDA graphs (Inductor's CUDA-graph trees),
-which takes their launch cost off the host. A size is run once, recorded at its second step and replayed
-from its third, so this mode pays with few sizes: fixed-size batches, or the COCO recipe padded to
-``dataset.pad_to_multiple=128`` (24 sizes in an epoch). Each model call starts a new step of the graph
-trees (a forward pre-hook), so a step's outputs stay valid until the next call.
+Compiled graphs, kernels and autotuning results are kept in ``compile.cache_dir`` (``use_compile_cache``),
+so that a second run or a resume on the same machine skips most of the compilation.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch._dynamo.config
 import torch._inductor.config  # noqa: F401  (hasattr below)
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, set below)
 
+from models.compiled_regions import Region
+
 log = logging.getLogger(__name__)
 
-
-# Inductor's modes that this setting offers: plain kernels, or the same kernels replayed as CUDA graphs.
+# Inductor's modes that a compiled run may use: plain kernels, or the same kernels replayed as CUDA graphs.
 COMPILE_MODES = ("default", "reduce-overhead")
-
-
-# What compiled modes do with ``DeformableDETR.features`` (the ResNet, the input projections, the masks and the
-# position encoding): "eager", train.py's default; "static", one graph per image size (and batch size), in the run's
-# mode, so with compile_mode=reduce-overhead the backbone is replayed as CUDA graphs too: its few hundred launches
-# forward and backward were most of the host time the step still spent while the GPU waited. Each new size costs
-# a compilation of the backbone (tens of seconds on the H200) and, with CUDA graphs, a recording: it pays where
-# sizes repeat, fixed-size batches or dataset.pad_to_multiple=128 (24 sizes in a COCO epoch); or "dynamic", an
-# experiment of the benches: one graph with symbolic sizes, never replayed as CUDA graphs (with dynamic shapes
-# and CUDA graphs the compiled backbone killed the process on the H200 in its first step, in both trials made).
-# "dynamic" left the GPU's kernel time as it was and the step within its spread between runs
-# (bench/results/e2e_h200.md), and torch 2.11's max-pool guards on the parity of its input size.
-BACKBONE_CHOICES = ("eager", "static", "dynamic")
-# Those a run may choose (compile_backbone in configs/train.yaml).
+# What one compiled graph spans (DeformableDETR.compile_regions).
+REGION_CHOICES = ("layers", "transformer")
+DEFAULT_REGIONS = "transformer"
+# The backbone compiled per size ("static", one graph per bucket) or left eager.
 TRAIN_BACKBONE_CHOICES = ("eager", "static")
-# Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised for
-# "static", whose graphs are one per image size: the COCO recipe padded to 128 meets 24 sizes in training, and
-# evaluation (no gradients, so graphs of its own) and a smaller last batch add their own sizes. Process-wide: the
-# limit of the other compiled regions rises with it (they compile once or twice per run).
+# Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised
+# for the per-size graphs of the backbone and of evaluation: a run meets its buckets, a user with buckets off
+# (dataset.size_buckets=0) many more. Process-wide: the limit of the other regions rises with it.
 STATIC_BACKBONE_GRAPHS = 64
 # The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-# What one compiled graph spans: "layers", each encoder and decoder layer (layers of one kind share a graph) and
-# the heads; or "transformer", the whole of ``DeformableDETR.predict`` (the encoder, the decoder, the glue
-# between their layers and the heads) and the position encoding. Fewer graphs mean fewer calls through
-# Dynamo's guards, AOTAutograd's wrappers and, with CUDA graphs, the graph trees' input copies: each costs the
-# host a few hundred microseconds per call, forward and backward, while the GPU waits.
-REGION_CHOICES = ("layers", "transformer")
-# train.py's (compile_regions): the faster step. Its price is the first step's compilation, about three times
-# the per-layer graphs' (bench/results/e2e_h200.md).
-DEFAULT_REGIONS = "transformer"
+# compile.evaluation=null compiles evaluation when the run evaluates at least this many batches per process in
+# all: a compiled evaluation graph costs tens of seconds per evaluation size to compile (cold cache) and saves
+# milliseconds per batch.
+EVALUATION_BATCHES_TO_COMPILE = 1000
 
 
-def compile_regions(model: torch.nn.Module, *, criterion: torch.nn.Module | None = None, backend="inductor",
-                    mode: str = "default", backbone: str = "eager", regions: str = DEFAULT_REGIONS) -> torch.nn.Module:
-    """Compile ``model``'s (a DeformableDETR) transformer and heads in place, as ``regions`` says; returns it.
+@dataclass(frozen=True)
+class CompilePlan:
+    """What this run compiles, the ``compile`` settings resolved for its device (``resolve_compile``)."""
 
-    criterion  a SetCriterion whose losses after the matching are compiled too (training), in the default
-               mode whatever ``mode`` says: their sizes follow the matched pairs, new in every batch, and
-               a CUDA graph would be recorded for each
-    backend    "inductor", another torch.compile backend's name, or a backend callable (tests)
-    mode       one of COMPILE_MODES; a mode other than "default" needs the inductor backend
-    backbone   one of BACKBONE_CHOICES (see there)
-    regions    one of REGION_CHOICES (see there)
+    mode: str = "reduce-overhead"   # one of COMPILE_MODES
+    regions: str = DEFAULT_REGIONS  # one of REGION_CHOICES
+    backbone: str = "static"        # one of TRAIN_BACKBONE_CHOICES
+    backend: str = "inductor"       # torch.compile's backend, or a backend callable (tests)
+    evaluation: bool = False        # DeformableDETR.detect compiled, one graph per evaluation size
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.mode == "reduce-overhead"
+
+    def describe(self) -> str:
+        parts = ["the transformer's layers and the heads" if self.regions == "layers"
+                 else "the transformer with its heads", "the position encoding"]
+        if self.backbone == "static":
+            parts.append("the backbone (a graph per size)")
+        parts.append("the losses")
+        if self.evaluation:
+            parts.append("evaluation (a graph per size)")
+        graphs = ", replayed as CUDA graphs" if self.cuda_graphs else ""
+        return f"torch.compile ({self.backend}{graphs}) of {', '.join(parts)}"
+
+
+def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0) -> CompilePlan | None:
+    """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager.
+
+    ``evaluation_batches``: the evaluation batches this process will run in all, which decides
+    ``compile.evaluation=null``. Settings that cannot work on this device are refused, naming the keys.
     """
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
-    if mode != "default" and backend != "inductor":
-        raise ValueError(f"compile mode {mode!r} needs the inductor backend, got backend {backend!r}")
-    if backbone not in BACKBONE_CHOICES:
-        raise ValueError(f"backbone must be one of {BACKBONE_CHOICES}, got {backbone!r}")
-    if regions not in REGION_CHOICES:
-        raise ValueError(f"regions must be one of {REGION_CHOICES}, got {regions!r}")
-    torch._logging.set_logs(recompiles=True)
-    if mode == "reduce-overhead":
+    mode = str(cfg_compile.mode)
+    if mode == "eager":
+        return None
+    if mode == "auto":
+        if device.type != "cuda":
+            chosen = [f"compile.{key}={getattr(cfg_compile, key)}" for key in ("regions", "backbone", "backend",
+                                                                               "evaluation")
+                      if getattr(cfg_compile, key) is not None]
+            if chosen:
+                raise ValueError(f"{', '.join(chosen)} does nothing here: compile.mode=auto compiles on a GPU only "
+                                 f"and this run is on {device}; set compile.mode=default to compile on the CPU")
+            return None
+        mode = "reduce-overhead"
+    if mode == "reduce-overhead" and device.type != "cuda":
+        raise ValueError(f"compile.mode=reduce-overhead replays CUDA graphs and needs a GPU, but this run is on "
+                         f"{device}; set compile.mode=default (or device=cuda)")
+    evaluation = cfg_compile.evaluation
+    if evaluation is None:
+        evaluation = evaluation_batches >= EVALUATION_BATCHES_TO_COMPILE
+    return CompilePlan(mode=mode, regions=str(cfg_compile.regions or DEFAULT_REGIONS),
+                       backbone=str(cfg_compile.backbone or "static"), backend=cfg_compile.backend or "inductor",
+                       evaluation=bool(evaluation))
+
+
+def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None):
+    """Compile, in place, the regions ``model`` (a DeformableDETR) declares for ``plan``, and the criterion's
+    (training); returns the model."""
+    if plan.mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {plan.mode!r}")
+    if plan.cuda_graphs and plan.backend != "inductor":
+        raise ValueError(f"compile mode {plan.mode!r} needs the inductor backend, got backend {plan.backend!r}")
+    if plan.backbone not in TRAIN_BACKBONE_CHOICES:
+        raise ValueError(f"backbone must be one of {TRAIN_BACKBONE_CHOICES}, got {plan.backbone!r}")
+    if plan.regions not in REGION_CHOICES:
+        raise ValueError(f"regions must be one of {REGION_CHOICES}, got {plan.regions!r}")
+    if plan.cuda_graphs:
         model.register_forward_pre_hook(_new_cuda_graph_step)
-    options = dict(dynamic=True, backend=backend, **({"mode": str(mode)} if mode != "default" else {}))
-    if regions == "layers":
-        for layer in (*model.transformer.encoder.layers, *model.transformer.decoder.layers):
-            layer.compile(**options)
-        # The prediction heads of all decoder layers: a few hundred small launches forward and backward, one
-        # graph. An instance attribute over the method, so parameters and state_dict keys stay where they are.
-        model.heads = torch.compile(model.heads, **options)
-    else:
-        # fullgraph: a break would bring back the per-call host cost this choice exists to remove.
-        model.predict = torch.compile(model.predict, fullgraph=True, **_transformer_options(options))
-        model.backbone[1].compile(**options)  # the position encoding, once per level
     # The graph of "transformer" takes every level's maps: sizes of different levels that happen to be equal
     # when it is first compiled (a square image's levels, the batch size and a small level's height) must stay
-    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer; so must a
-    # square image's height and width for the compiled backbone. Read when a graph is compiled, at its first
-    # call; process-wide, so set here for every choice (per-layer graphs with an eager backbone keep torch's
-    # default).
-    torch.fx.experimental._config.use_duck_shape = regions == "layers" and backbone != "dynamic"
-    if backbone == "static":
-        model.features = torch.compile(model.features, **{**options, "dynamic": False})
+    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read when
+    # a graph is compiled, at its first call; process-wide (per-layer graphs keep torch's default).
+    torch.fx.experimental._config.use_duck_shape = plan.regions == "layers"
+    if plan.backbone == "static" or plan.evaluation:
         _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
-    elif backbone == "dynamic":
-        # Without the mode: its kernels launched by Inductor's wrapper, not recorded (see BACKBONE_CHOICES).
-        model.features = torch.compile(model.features, dynamic=True, backend=backend)
+    regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone == "static",
+                                    evaluation=plan.evaluation)
+    for region in regions:
+        _compile_region(model, region, plan)
     if criterion is not None:
-        # Five hundred small launches forward and backward, between the matching and the backward: with
-        # the GPU waiting on the matching's host sync there, their host time is the step's.
-        criterion.stacked_losses = torch.compile(criterion.stacked_losses, dynamic=True, backend=backend)
-    log.info("torch.compile (backend %s, mode %s, dynamic shapes) of %s%s%s; the first steps of training "
-             "and of evaluation include the compilation", backend, mode,
-             "the transformer's layers and the prediction heads" if regions == "layers"
-             else "the transformer with its prediction heads, the position encoding",
-             ", the losses" if criterion is not None else "",
-             {"eager": "", "static": ", the backbone with its projections (one graph per image size)",
-              "dynamic": ", the backbone with its projections (no CUDA graphs)"}[backbone])
+        for region in criterion.compile_regions():
+            _compile_region(criterion, region, plan)
+    log.info("%s%s; the first steps of each new size include its compilation", plan.describe(),
+             "" if criterion is not None else " (no losses: evaluation only)")
     return model
 
 
-def size_warning(mode: str, pad_to_multiple: int, backbone: str = "eager") -> str | None:
-    """Why a multi-scale recipe's image sizes would defeat ``mode`` or ``backbone``, or None."""
-    problems = []
-    if backbone == "static" and pad_to_multiple < 128:
-        # COCO, batch 2: 242 padded sizes per epoch at 32, 66 at 64, 24 at 128 (bench/e2e_steptime.shapes_per_epoch).
-        problems.append(
-            f"compile_backbone=static with dataset.pad_to_multiple={pad_to_multiple}: unless every image has the same "
-            "size, the multi-scale recipe meets many sizes (a COCO epoch: 66 at 64, 242 at 32), and each new size "
-            f"compiles the backbone again (about 20 s on an H200; after {STATIC_BACKBONE_GRAPHS} sizes it runs eager). "
-            "Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_backbone=eager")
-    if mode == "reduce-overhead" and pad_to_multiple < 32:
-        problems.append(
-            f"compile_mode=reduce-overhead with dataset.pad_to_multiple={pad_to_multiple}: almost every batch of the "
-            "multi-scale recipe has a new size, and each new size costs a warm-up step and a CUDA-graph recording. "
-            "Set dataset.pad_to_multiple=128 (24 sizes in a COCO epoch) or compile_mode=default")
-    return "; ".join(problems) or None
+def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -> None:
+    options = _options(region, plan)
+    if not region.method:
+        owner.get_submodule(region.name).compile(**options)
+        return
+    compiled = torch.compile(getattr(owner, region.name), **options)
+    if region.starts_step and plan.cuda_graphs and region.cuda_graphs:
+        compiled = _starting_a_step(compiled)
+    owner.use_compiled(region.name, compiled)
+
+
+def _options(region: Region, plan: CompilePlan) -> dict:
+    """torch.compile's arguments for one region. Inductor takes a mode or options, not both: reduce-overhead
+    is its CUDA-graph option. For a whole graph with symbolic sizes, Inductor's tiling coalescing analysis
+    is off: meant for static shapes, it failed an assertion comparing two size hints of one fused node of the
+    transformer's graph (torch 2.11), and the compile died."""
+    options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
+    cuda_graphs = plan.cuda_graphs and region.cuda_graphs
+    inductor = {}
+    if (plan.backend == "inductor" and region.whole and not region.static_sizes
+            and hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis")):
+        inductor["triton.coalesce_tiling_analysis"] = False
+        if cuda_graphs:
+            inductor["triton.cudagraphs"] = True
+    if inductor:
+        options["options"] = inductor
+    elif cuda_graphs:
+        options["mode"] = "reduce-overhead"
+    return options
+
+
+def _starting_a_step(compiled):
+    def call(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def _allow_graphs_per_function(graphs: int) -> None:
@@ -161,21 +196,37 @@ def _allow_graphs_per_function(graphs: int) -> None:
         setattr(torch._dynamo.config, RECOMPILE_LIMIT, graphs)
 
 
-def _transformer_options(options: dict) -> dict:
-    """torch.compile's arguments for the whole transformer: with Inductor, its tiling coalescing analysis off,
-    for this graph only. Meant for static shapes, it failed an assertion comparing two size hints of one fused
-    node on this graph (torch 2.11), and the compile died. Inductor takes a mode or options, not both:
-    reduce-overhead is its CUDA-graph option."""
-    if options["backend"] != "inductor" or not hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
-        return options
-    inductor = {"triton.coalesce_tiling_analysis": False}
-    if options.get("mode") == "reduce-overhead":
-        inductor["triton.cudagraphs"] = True
-    return {**{k: v for k, v in options.items() if k != "mode"}, "options": inductor}
-
-
 def _new_cuda_graph_step(module, args) -> None:
     # The graph trees reuse a replay's output memory at the next step; telling them where a step starts
     # lets each compiled region be replayed several times per model call (the layers, the position encoding
     # once per level) without a live output being overwritten.
     torch.compiler.cudagraph_mark_step_begin()
+
+
+# Environment variables of the caches and the folder of compile.cache_dir each one takes; a variable the user
+# set before the run wins.
+CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_set_here: dict[str, str] = {}
+
+
+def use_compile_cache(cache_dir: str) -> Path:
+    """Keep Inductor's (with AOTAutograd's) and Triton's caches under ``cache_dir``; returns it resolved.
+
+    Call before anything compiles: both read their variables when they first need them.
+    """
+    root = Path(os.path.expanduser(cache_dir)).resolve()
+    for variable, folder in CACHE_VARIABLES.items():
+        if variable in os.environ and os.environ[variable] != _set_here.get(variable):
+            continue  # the user's own choice
+        _set_here[variable] = os.environ[variable] = str(root / folder)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"compile.cache_dir={cache_dir}: cannot create {root} ({error.strerror}); point it at a "
+                         "writable directory") from error
+    torch._inductor.config.fx_graph_cache = True
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = True
+    return root

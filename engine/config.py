@@ -9,16 +9,24 @@ on import, tests/conftest.py for the tests, bench/ before its compose).
 What OmegaConf cannot check (ranges, rules between keys) is in the schemas' ``__post_init__`` methods,
 beside each schema: models/model_config.py, datasets/dataset_config.py and here. ``check_config`` runs
 all of them at once; train(cfg) and evaluate(cfg) call it before doing anything else.
+
+Each setting has a role for a resumed run, in its field's metadata (``{"role": ...}``, here and in the
+model and dataset schemas; a group's role covers its keys): ``how_to_run`` (device, precision, compilation,
+loading, intervals, model.msda: a resume may change them and a checkpoint never imposes them), ``length``
+(epochs, max_steps: a resume may extend them), ``invocation`` (resume, output_dir ...: about this command,
+never compared), and, by default, what was trained (another value is another experiment).
+``keys_with_role`` reads them: engine/resume.py and engine/checkpoint.py derive their lists from it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Optional
+from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -26,16 +34,24 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from datasets import DATASET_SCHEMAS, DatasetConfig
 from models.model_config import ModelConfig
 
-from .compile import COMPILE_MODES, DEFAULT_REGIONS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES
+from .compile import COMPILE_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES
 from .distributed import GRADIENT_SYNCS
 from .precision import AMP_DTYPES
 
 Amp = StrEnum("Amp", {name: name for name in AMP_DTYPES})  # none | bf16 | fp16, as engine/precision.py knows
-CompileMode = StrEnum("CompileMode", {name: name for name in COMPILE_MODES})  # as engine/compile.py knows
+# auto | eager, then the modes engine/compile.py knows
+CompileMode = StrEnum("CompileMode", {name: name for name in ("auto", "eager", *COMPILE_MODES)})
 CompileRegions = StrEnum("CompileRegions", {name: name for name in REGION_CHOICES})  # as engine/compile.py knows
 CompileBackbone = StrEnum("CompileBackbone", {name: name for name in TRAIN_BACKBONE_CHOICES})  # as engine/compile.py
 GradientSync = StrEnum("GradientSync", {name: name for name in GRADIENT_SYNCS})  # as engine/distributed.py knows
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+# Roles of settings (the module docstring); the default role is what was trained.
+HOW_TO_RUN, LENGTH, INVOCATION, IDENTITY = "how_to_run", "length", "invocation", "identity"
+
+
+def _role(role: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
+    return field(default=default, metadata={"role": role}, **kwargs)
 
 
 @dataclass
@@ -69,6 +85,46 @@ class OptimConfig:
             raise ValueError("; ".join(problems))
 
 
+@dataclass
+class CompileConfig:
+    """configs/train.yaml's ``compile`` group: torch.compile of the model (engine/compile.py).
+
+    mode        auto: compiled with CUDA graphs on a GPU, eager on the CPU | eager | default (compiled, no CUDA
+                graphs) | reduce-overhead (compiled, replayed as CUDA graphs)
+    regions     what one graph spans: transformer (the whole transformer with its heads) | layers
+    backbone    static (the backbone compiled too, a graph per size bucket) | eager
+    backend     torch.compile's backend (aot_eager: trace only, for debugging)
+    evaluation  whether evaluation runs a compiled graph (one per evaluation size); null: when the run evaluates
+                enough batches to repay the compilation (engine.compile.EVALUATION_BATCHES_TO_COMPILE)
+    cache_dir   where compiled kernels and graphs are kept between runs (Inductor's, AOTAutograd's and Triton's
+                caches), so that a second run or a resume skips most of the compilation
+    regions, backbone and backend are null for "the mode's default" (transformer, static, inductor), and
+    must stay null with mode=eager.
+    """
+
+    mode: CompileMode = CompileMode.auto
+    regions: Optional[CompileRegions] = None
+    backbone: Optional[CompileBackbone] = None
+    backend: Optional[str] = None
+    evaluation: Optional[bool] = None
+    cache_dir: str = "~/.cache/deformable_detr/compile"
+
+    def __post_init__(self) -> None:
+        problems = []
+        chosen = {key: getattr(self, key) for key in ("regions", "backbone", "backend", "evaluation")
+                  if getattr(self, key) is not None}
+        if self.mode == CompileMode.eager and chosen:
+            problems += [f"compile.{key}={value} does nothing with compile.mode=eager (drop it, or choose a compiled "
+                         f"mode: compile.mode=auto|default|reduce-overhead)" for key, value in chosen.items()]
+        if self.mode in (CompileMode.auto, CompileMode["reduce-overhead"]) and self.backend not in (None, "inductor"):
+            problems.append(f"compile.mode={self.mode} replays CUDA graphs, which need compile.backend=inductor; got "
+                            f"compile.backend={self.backend} (set compile.mode=default to use another backend)")
+        if not self.cache_dir:
+            problems.append("compile.cache_dir must be a directory path")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
 # Run setting -> smallest allowed value, for the integer ones.
 _INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "eval_every": 1,
                     "checkpoint_every": 1, "log_every": 1, "eval_images": 0}
@@ -85,29 +141,25 @@ class TrainConfig:
     optim: OptimConfig = MISSING
     dataset: DatasetConfig = MISSING
     seed: int = MISSING
-    device: str = MISSING
-    epochs: int = MISSING
-    max_steps: Optional[int] = None
+    device: str = _role(HOW_TO_RUN, MISSING)
+    epochs: int = _role(LENGTH, MISSING)
+    max_steps: Optional[int] = _role(LENGTH, None)
     batch_size: int = MISSING
-    num_workers: int = MISSING
-    amp: Amp = MISSING
-    compile: bool = False
-    compile_backend: str = "inductor"
-    compile_mode: CompileMode = CompileMode.default
-    compile_regions: CompileRegions = CompileRegions[DEFAULT_REGIONS]
-    compile_backbone: CompileBackbone = CompileBackbone.eager
-    eval_every: int = MISSING
-    checkpoint_every: int = MISSING
-    log_every: int = MISSING
-    eval_images: int = 4
-    eval_images_min_score: float = 0.3
-    gradient_sync: GradientSync = GradientSync.allreduce
-    find_unused_parameters: bool = False
-    dist_timeout_s: float = 1800.0
-    output_dir: Optional[str] = None
-    resume: Optional[str] = None
-    eval_only: bool = False
-    checkpoint: Optional[str] = None
+    num_workers: int = _role(HOW_TO_RUN, MISSING)
+    amp: Amp = _role(HOW_TO_RUN, MISSING)
+    compile: CompileConfig = _role(HOW_TO_RUN, default_factory=CompileConfig)
+    eval_every: int = _role(HOW_TO_RUN, MISSING)
+    checkpoint_every: int = _role(HOW_TO_RUN, MISSING)
+    log_every: int = _role(HOW_TO_RUN, MISSING)
+    eval_images: int = _role(HOW_TO_RUN, 4)
+    eval_images_min_score: float = _role(HOW_TO_RUN, 0.3)
+    gradient_sync: GradientSync = _role(HOW_TO_RUN, GradientSync.allreduce)
+    find_unused_parameters: bool = _role(HOW_TO_RUN, False)
+    dist_timeout_s: float = _role(HOW_TO_RUN, 1800.0)
+    output_dir: Optional[str] = _role(INVOCATION, None)
+    resume: Optional[str] = _role(INVOCATION, None)
+    eval_only: bool = _role(INVOCATION, False)
+    checkpoint: Optional[str] = _role(INVOCATION, None)
 
     def __post_init__(self) -> None:
         problems = [f"{key} must be an integer >= {low}, got {getattr(self, key)!r}"
@@ -119,9 +171,6 @@ class TrainConfig:
                             f"drawn), got {self.eval_images_min_score!r}")
         if not self.dist_timeout_s > 0:
             problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
-        if self.compile_mode != CompileMode.default and self.compile_backend != "inductor":
-            problems.append(f"compile_mode={self.compile_mode} needs compile_backend=inductor, got "
-                            f"{self.compile_backend!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:
@@ -156,3 +205,38 @@ def plain_config(cfg: DictConfig) -> dict:
     A checkpoint is read back with torch.load(weights_only=True), which refuses our Enum classes.
     """
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def role_of(key: str, schema: type = None) -> str:
+    """The role (module docstring) of the dotted setting ``key``, e.g. "compile.mode" or "model.msda": that of
+    its nearest field with one, walking down from TrainConfig; IDENTITY where none has one, or the key is
+    unknown (a checkpoint's key this version does not have)."""
+    schema = TrainConfig if schema is None else schema
+    head, _, rest = key.partition(".")
+    spec = {f.name: f for f in dataclasses.fields(schema)}.get(head)
+    if spec is None:
+        return IDENTITY
+    if "role" in spec.metadata:
+        return spec.metadata["role"]
+    inner = get_type_hints(schema).get(head)
+    return role_of(rest, inner) if rest and dataclasses.is_dataclass(inner) else IDENTITY
+
+
+# Top-level keys of the compile settings before they became the ``compile`` group, as checkpoints recorded them.
+LEGACY_COMPILE_KEYS = {"compile_mode": "mode", "compile_regions": "regions", "compile_backbone": "backbone",
+                       "compile_backend": "backend"}
+
+
+def upgrade_recorded_config(recorded: dict) -> dict:
+    """A checkpoint's recorded config in this version's layout: the compile settings of older versions
+    (``compile: bool`` and compile_mode, compile_regions, compile_backbone, compile_backend) become the
+    ``compile`` group, so that a resume compares like with like."""
+    if not isinstance(recorded, dict) or isinstance(recorded.get("compile"), dict):
+        return recorded
+    upgraded = {k: v for k, v in recorded.items() if k != "compile" and k not in LEGACY_COMPILE_KEYS}
+    group = {"mode": "eager"}
+    if recorded.get("compile"):
+        group = {new: recorded[old] for old, new in LEGACY_COMPILE_KEYS.items() if old in recorded}
+        group.setdefault("mode", "default")
+    upgraded["compile"] = group
+    return upgraded

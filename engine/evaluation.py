@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 from datasets import CocoEvaluator
 
@@ -40,14 +41,17 @@ class Evaluation:
 @torch.no_grad()
 @rng_preserved()
 def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
-                  precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None) -> Evaluation:
+                  precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None,
+                  compiled: bool = False) -> Evaluation:
     """COCO bbox AP of ``model`` on ``loader``: summary, per class, and the detections (see Evaluation).
 
     The figures are the same on every rank; ``keep_detections`` (image ids, e.g. those drawn in TensorBoard)
     picks the detections returned.
-    ``model`` is the unwrapped module (not DDP: inference needs no gradient sync). Each rank runs its
-    share of the images; the evaluator gathers detections from all ranks (``ranks``) before scoring. The random
-    generators are left as they were (engine.rng.rng_preserved).
+    ``model`` is the unwrapped DeformableDETR (not DDP: inference needs no gradient sync), run through its
+    ``detect``: its compiled evaluation graph with ``compiled``, else eagerly, with Dynamo off so that no
+    compiled training region compiles again without gradients. Each rank runs its share of the images; the
+    evaluator gathers detections from all ranks (``ranks``) before scoring. The random generators are left as
+    they were (engine.rng.rng_preserved).
     """
     was_training = model.training
     model.eval()
@@ -55,8 +59,8 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     for images, masks, targets in loader:
         images = images.to(device, non_blocking=True)
         masks = masks.to(device, non_blocking=True)
-        with precision.autocast():
-            outputs = model(images, masks)
+        with precision.autocast(), torch._dynamo.config.patch(disable=not compiled):
+            outputs = model.detect(images, masks)
         orig_sizes = torch.stack([t["orig_size"] for t in targets]).to(device)  # (B, 2) (h, w)
         # Boxes and scores in fp32 whatever autocast produced: COCO matching compares IoUs to 0.05 steps.
         outputs = {k: v.float() for k, v in outputs.items() if k in ("pred_logits", "pred_boxes")}

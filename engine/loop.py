@@ -4,6 +4,11 @@ Order at the end of an epoch: the lr schedule steps, the checkpoint is written, 
 evaluation run, so that a failure in evaluation (a bad validation image, say) loses no training. Losses
 and timings are read from the GPU once per log interval (engine.step_log); a non-finite loss found
 there stops the run before the next checkpoint, so checkpoint.pth stays the last good state.
+
+The training batches are one stream over all epochs (datasets/batch_plan.py), so the loader's workers
+prefetch across an epoch's end; a resumed run starts the stream at its step. A step that compiled (a new
+size's graph, a CUDA-graph recording) is logged with what it compiled and how long that took, and its
+compilation is left out of the ETA and of the training time (engine/run_timing.py).
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ import torch
 
 from datasets import ImageReadError
 
+from .build import Training
 from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
+from .compile_log import CompileTotals, describe_graphs
 from .detection_images import DetectionImages
 from .distributed import DistContext, Ranks, all_reduce_mean, barrier
 from .evaluation import evaluate_coco, record_evaluation
 from .optim import group_lrs
-from .progress import Progress, format_duration
+from .progress import Progress
 from .resume import last_checkpoint_hint
 from .rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
-from .step import TrainStep
+from .run_timing import RunTiming
 from .step_log import Interval, StepLog
 from .tensorboard import ScalarWriter
 
@@ -52,24 +59,29 @@ class Position:
 
 
 class Trainer:
-    """Runs ``cfg``'s schedule from ``position``; ``fit()`` returns {"losses", "eval", "step"}.
+    """Runs ``cfg``'s schedule from ``position``; ``fit()`` returns {"losses", "eval", "step", "timing"}.
 
-    model            the unwrapped module (checkpoints, evaluation; with compile=true its compiled regions are in it)
-    step             TrainStep over the module to train (DDP-wrapped under torchrun with gradient_sync=ddp)
+    training         engine.build.Training: the unwrapped model (checkpoints, evaluation; its compiled regions are
+                     in it), the step, the schedule, the compile plan
+    train_loader     datasets.build_data_loader(train=True): its batch_sampler is the stream of all epochs
     config_record    the composed config as a plain dict, stored in every checkpoint
+    timing           engine.run_timing.RunTiming of this process
     """
 
-    def __init__(self, *, cfg, ctx: DistContext, output_dir: Path, model: torch.nn.Module, step: TrainStep,
-                 postprocess, lr_scheduler, train_loader, val_loader, coco_gt,
-                 detection_images: DetectionImages, position: Position, config_record: dict):
+    def __init__(self, *, cfg, ctx: DistContext, output_dir: Path, training: Training, train_loader, val_loader,
+                 coco_gt, detection_images: DetectionImages, position: Position, config_record: dict,
+                 timing: RunTiming):
         self.cfg, self.ctx, self.output_dir = cfg, ctx, Path(output_dir)
-        self.model, self.step, self.postprocess = model, step, postprocess
-        self.optimizer, self.precision = step.optimizer, step.precision
+        self.model, self.step, self.postprocess = training.model, training.step, training.postprocess
+        self.optimizer, self.precision = training.optimizer, training.precision
         self.lr_scheduler, self.train_loader, self.val_loader, self.coco_gt = (
-            lr_scheduler, train_loader, val_loader, coco_gt)
+            training.lr_scheduler, train_loader, val_loader, coco_gt)
+        plan = training.compile_plan
+        self.compiled_evaluation = plan is not None and plan.evaluation
         self.detection_images = detection_images
-        self.position, self.config_record = position, config_record
-        self.steps_per_epoch = len(train_loader)
+        self.position, self.config_record, self.timing = position, config_record, timing
+        self.batches = train_loader.batch_sampler
+        self.steps_per_epoch = self.batches.steps_per_epoch
         self.total_steps = self.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -78,11 +90,13 @@ class Trainer:
         self.step_log = StepLog(device=ctx.device)
         self.losses: list[float] = []
         self.eval_stats: dict | None = None
+        self._stream = None
 
     # -- the schedule -----------------------------------------------------------------------------------
     def fit(self) -> dict:
-        t_start = time.perf_counter()
         pos = self.position
+        self.batches.start_at(pos.epoch, pos.steps_in_epoch)
+        self._stream = iter(self.train_loader)
         try:
             for epoch in range(pos.epoch, self.cfg.epochs):
                 if pos.step >= self.total_steps:
@@ -92,29 +106,29 @@ class Trainer:
         except ImageReadError as error:  # a damaged image met while training: say where to resume from
             raise ImageReadError(f"{error}\n{last_checkpoint_hint(self.output_dir)}") from error
         finally:
+            self._stream = None  # the endless stream's iterator; its workers end with the loader
             self.writer.close()
+        record = self.timing.record(padding_waste=self.batches.padding_waste)
         if self.ctx.is_main:
-            log.info("done: %d steps in %s; outputs in %s", pos.step,
-                     format_duration(time.perf_counter() - t_start), self.output_dir)
-        return {"losses": self.losses, "eval": self.eval_stats, "step": pos.step}
+            self.timing.write(self.output_dir, record)
+            log.info("done: %s; outputs in %s", self.timing.summary(record), self.output_dir)
+        return {"losses": self.losses, "eval": self.eval_stats, "step": pos.step, "timing": record}
 
     def _train_epoch(self, epoch: int) -> None:
         pos, device = self.position, self.ctx.device
-        self.train_loader.sampler.set_epoch(epoch)
         seed_all(epoch_seed(self.cfg.seed, epoch=epoch, rank=self.ctx.rank))
-        batches = iter(self.train_loader)
-        if pos.steps_in_epoch:
-            # Mid-epoch resume: the sampler gives this epoch's order again; draw past the batches already
-            # trained on, then put back the generators as they were at the checkpoint.
-            for _ in range(pos.steps_in_epoch):
-                next(batches)
-            if pos.rng is not None:
-                restore_rng_state(pos.rng)
+        if pos.steps_in_epoch and pos.rng is not None:
+            # Mid-epoch resume: the stream starts at the step (its batches depend on the seed and epoch only);
+            # the generators (dropout) are put back as they were at the checkpoint.
+            restore_rng_state(pos.rng)
         self.step.model.train()
         self.step.criterion.train()
         self.step_log.restart_clock()
-        t_data = time.perf_counter()
-        for images, masks, targets in batches:
+        self.timing.pause()
+        while pos.steps_in_epoch < self.steps_per_epoch and pos.step < self.total_steps:
+            before = self.timing.step_started()
+            t_data = time.perf_counter()
+            images, masks, targets = next(self._stream)
             images = images.to(device, non_blocking=True)
             masks = masks.to(device, non_blocking=True)
             targets = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
@@ -122,13 +136,13 @@ class Trainer:
             self.step_log.begin(step=pos.step, data_ms=(time.perf_counter() - t_data) * 1e3)
             values = self.step(images, masks, targets)
             self.step_log.end(values, images=len(targets) * self.ctx.world_size)
+            compiled = self.timing.step_ended(before, size=tuple(images.shape))
             pos.step += 1
             pos.steps_in_epoch += 1
+            if compiled.graphs or compiled.seconds >= 1.0:
+                self._report_compilation(compiled, what=f"step {pos.step} ({images.shape[-2]}x{images.shape[-1]})")
             if pos.step % self.cfg.log_every == 0 or pos.step == self.total_steps:
                 self._report(epoch)
-            t_data = time.perf_counter()
-            if pos.step >= self.total_steps:
-                break
 
     def _close_epoch(self, epoch: int) -> None:
         """Checkpoint first, then evaluate: nothing trained is lost to a failure in evaluation."""
@@ -184,7 +198,17 @@ class Trainer:
         self.writer.add("train", scalars, step)
         self.progress.report(step=step, epoch=epoch, epochs=self.cfg.epochs, loss=last["loss"], parts=weighted,
                              lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
-                             images_per_s=interval.images_per_s)
+                             images_per_s=interval.images_per_s, compile_s=self.timing.not_training_s)
+
+    def _report_compilation(self, compiled: CompileTotals, *, what: str) -> None:
+        """One line per step (or evaluation) that compiled, and the run's compile totals in TensorBoard."""
+        if not self.ctx.is_main:
+            return
+        total = self.timing.compile
+        graphs = f"compiled {compiled.graphs} graphs" if compiled.graphs else "recorded CUDA graphs"
+        log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, graphs, compiled.seconds,
+                 f" ({describe_graphs(compiled.by_function)})" if compiled.by_function else "", total.seconds)
+        self.writer.add("compile", {"seconds": total.seconds, "graphs": total.graphs}, self.position.step)
 
     def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:
         latest = self.output_dir / LATEST
@@ -204,17 +228,25 @@ class Trainer:
                      "grad_scaler": self.precision.scaler.state_dict(), "epoch": pos.epoch,
                      "steps_in_epoch": pos.steps_in_epoch, "step": pos.step, "config": self.config_record,
                      "rng": capture_rng_state()}
+            t0 = time.perf_counter()
             if epoch_done and pos.epoch % self.cfg.checkpoint_every == 0:
                 saved = save_checkpoint(state, self.output_dir / epoch_checkpoint_name(pos.epoch))
                 publish_as(saved, self.output_dir / LATEST)
             else:
                 save_checkpoint(state, self.output_dir / LATEST)
+            self.timing.add_checkpoint(time.perf_counter() - t0)
         self.step_log.restart_clock()
 
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
+        before, t0 = self.timing.clock.totals(), time.perf_counter()
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,
-                                   keep_detections=self.detection_images.image_ids, ranks=Ranks(self.ctx))
+                                   keep_detections=self.detection_images.image_ids, ranks=Ranks(self.ctx),
+                                   compiled=self.compiled_evaluation)
+        compiled = self.timing.clock.totals().since(before)
+        self.timing.add_evaluation(time.perf_counter() - t0, compiled)
+        if compiled.graphs or compiled.seconds >= 1.0:
+            self._report_compilation(compiled, what=f"evaluation after epoch {epoch}")
         self.eval_stats = evaluation.stats
         step = self.position.step
         if self.ctx.is_main:

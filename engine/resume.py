@@ -8,14 +8,15 @@ The rule (README, "Outputs"), applied by ``config_for_resume`` and ``restore_tra
 - Everything else comes from the command line and is applied: the schedule (``epochs``, ``max_steps``,
   ``optim.*``: a new lr, lr_drop, lr_gamma or weight_decay replaces the checkpoint's from the next step
   on), the data and its loading (``dataset.*``, ``batch_size``, ``num_workers``, ``seed``) and how to run
-  (``device``, ``amp``, ``compile``, the log/eval/checkpoint intervals).
+  (``device``, ``amp``, ``compile.*``, the log/eval/checkpoint intervals).
 - Every setting that differs between the checkpoint and the command line is listed in one warning that
   says which value is used.
 
 ``resume=auto`` takes only what belongs to this run: the run directory's own checkpoint.pth (a fixed
 ``hydra.run.dir`` or ``output_dir``), else the newest ``outputs/*/*/checkpoint.pth`` of a run with this
-run's settings (all but the schedule's length and how to run: RESUMABLE_CHANGES), and it says which one
-it took.
+run's settings (all but the schedule's length and how to run, the roles of engine/config.py), and it says
+which one it took. A checkpoint of an older version is read in this version's layout
+(engine.config.upgrade_recorded_config).
 """
 
 from __future__ import annotations
@@ -34,22 +35,10 @@ from omegaconf.errors import OmegaConfBaseException
 from models.model_config import MODEL_KEYS
 
 from .checkpoint import LATEST, CheckpointError, load_model_weights, read_recorded_config
-from .config import plain_config
+from .config import HOW_TO_RUN, INVOCATION, LENGTH, plain_config, role_of, upgrade_recorded_config
 from .optim import group_base_lrs
 
 log = logging.getLogger(__name__)
-
-# Model keys that say how to run, not what was trained: the command line's are used on resume.
-COMMAND_LINE_MODEL_KEYS = frozenset({"msda", "pretrained"})
-# Keys about this command rather than the run: never compared.
-INVOCATION_KEYS = frozenset({"resume", "output_dir", "checkpoint", "eval_only"})
-# Settings that may differ from a checkpoint's without making it another run's, for resume=auto: a longer
-# schedule, and how to run. Any other difference (model, data, batch, seed, lr ...) is another experiment.
-RESUMABLE_CHANGES = frozenset({"epochs", "max_steps", "device", "amp", "compile", "compile_backend", "compile_mode",
-                               "compile_regions", "compile_backbone",
-                               "num_workers", "log_every", "eval_every", "checkpoint_every", "eval_images", "eval_images_min_score", "dist_timeout_s",
-                               "gradient_sync", "find_unused_parameters", "model.msda",
-                               "model.pretrained", "dataset.verify"})
 # The lr schedule as the optimizer and the scheduler hold it; a change to any of these is applied on resume.
 SCHEDULE_KEYS = ("lr", "lr_backbone", "lr_linear_proj_mult", "weight_decay", "lr_drop", "lr_gamma")
 
@@ -67,7 +56,13 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def _kept_from_checkpoint(key: str) -> bool:
     group, _, name = key.partition(".")
-    return group == "model" and name in MODEL_KEYS and name not in COMMAND_LINE_MODEL_KEYS
+    return group == "model" and name in MODEL_KEYS and role_of(key) != HOW_TO_RUN
+
+
+def resumable_change(key: str) -> bool:
+    """Whether a setting may differ from a checkpoint's without making it another run's (resume=auto): a longer
+    schedule, and how to run. Any other difference (model, data, batch, seed, lr ...) is another experiment."""
+    return role_of(key) in (HOW_TO_RUN, LENGTH)
 
 
 def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, Any]]:
@@ -76,15 +71,15 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
     ``model.num_classes: null`` on the command line means "from the data", which the checkpoint answers:
     not a difference.
     """
-    old, new = flatten(recorded), flatten(current)
+    old, new = flatten(upgrade_recorded_config(recorded)), flatten(current)
     return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys())
-            if key not in INVOCATION_KEYS and old[key] != new[key]
+            if role_of(key) != INVOCATION and old[key] != new[key]
             and not (key == "model.num_classes" and new[key] is None)]
 
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
-    """Keys that make the checkpoint's run another run than this one (all but RESUMABLE_CHANGES)."""
-    return [key for key, _, _ in setting_differences(recorded, current) if key not in RESUMABLE_CHANGES]
+    """Keys that make the checkpoint's run another run than this one (all but the resumable changes)."""
+    return [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
 
 
 def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path, config: dict) -> Path | None:
@@ -135,10 +130,10 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
     ``report`` (rank 0) logs the settings that differ, each with the value used. Raises ValueError when
     the checkpoint has already done what the schedule asks, so a resumed run never starts only to stop.
     """
-    recorded = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
     effective = copy.deepcopy(cfg)
     for key, value in (recorded.get("model") or {}).items():
-        if key in MODEL_KEYS and key not in COMMAND_LINE_MODEL_KEYS:
+        if key in MODEL_KEYS and role_of(f"model.{key}") != HOW_TO_RUN:
             try:
                 effective.model[key] = value  # typed node: the recorded value is checked like an override
             except OmegaConfBaseException as error:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import box_convert, generalized_box_iou, sigmoid_focal_loss
 
-from models.compiled_methods import CompiledMethods
+from models.compiled_regions import CompiledRegions, Region
 from models.host_copy import to_device_async
 from models.matcher import HungarianMatcher
 from models.model_config import read_criterion_config, resolved_num_classes
@@ -29,7 +29,7 @@ _PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
 NumBoxes = float | torch.Tensor | Callable[[], float | torch.Tensor]
 
 
-class SetCriterion(CompiledMethods, nn.Module):
+class SetCriterion(CompiledRegions, nn.Module):
     """Hungarian-matched detection losses.
 
     forward(outputs, targets) -> dict of UNWEIGHTED scalar losses; multiply by weight_dict[k] and sum
@@ -41,8 +41,6 @@ class SetCriterion(CompiledMethods, nn.Module):
     Keys: loss_ce, class_error (logged only), loss_bbox, loss_giou, cardinality_error (logged only);
     loss_ce_i, loss_bbox_i, loss_giou_i, cardinality_error_i per aux output; the same with _enc.
     """
-
-    compiled_methods = ("stacked_losses",)  # see models.compiled_methods
 
     def __init__(
         self,
@@ -110,6 +108,12 @@ class SetCriterion(CompiledMethods, nn.Module):
             losses["class_error"] = 100 - _top1_accuracy(logits[g, m.batch[rows], m.query[rows]],
                                                          labels[m.target[rows]])
         return losses
+
+    def compile_regions(self) -> list[Region]:
+        """``stacked_losses`` (models/compiled_regions.py): five hundred small launches forward and backward,
+        between the matching and the backward. Symbolic sizes and no CUDA graphs: the number of matched pairs
+        changes with every batch, and a graph would be recorded for each."""
+        return [Region("stacked_losses", cuda_graphs=False)]
 
     def stacked_losses(self, logits, boxes, labels, tgt_boxes, layer, batch, query, target, tgt_lengths) -> dict:
         """{name: (G,)} of G stacked layers, before the division by num_boxes (for the names in _PER_BOX).

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.backbone import Joiner, build_backbone, downsample_mask
-from models.compiled_methods import CompiledMethods
+from models.compiled_regions import CompiledRegions, Region
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
 from models.model_config import ModelConfig, read_model_config, resolved_num_classes
 from models.position_encoding import build_position_encoding
@@ -35,16 +35,17 @@ class MLP(nn.Module):
         return x
 
 
-class DeformableDETR(CompiledMethods, nn.Module):
+class DeformableDETR(CompiledRegions, nn.Module):
     """forward(images (B, 3, H, W) float, mask (B, H, W) bool True on padding) -> dict:
 
     pred_logits (B, Q, num_classes) logits of the last decoder layer (sigmoid per class, no background),
     pred_boxes  (B, Q, 4) normalized cxcywh (sigmoid),
     aux_outputs [{pred_logits, pred_boxes}] for decoder layers 0..K-2 (when aux_loss),
     enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage).
-    """
 
-    compiled_methods = ("heads", "predict", "features")  # see models.compiled_methods
+    ``detect`` is the same computation for inference (evaluation calls it); ``compile_regions`` says which
+    parts engine/compile.py may compile.
+    """
 
     def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
                  num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,
@@ -112,6 +113,37 @@ class DeformableDETR(CompiledMethods, nn.Module):
     def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
         """images (B, 3, H, W), mask (B, H, W) bool True on padding (None: no padding) -> output dict."""
         return self.predict(*self.features(images, mask))
+
+    def detect(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+        """forward for inference, through the plain methods: a compiled evaluation graph of its own (one per
+        image size, all the model in one graph) rather than the training regions under no_grad, which would
+        each compile again."""
+        return DeformableDETR.predict(self, *DeformableDETR.features(self, images, mask))
+
+    def compile_regions(self, *, regions: str = "transformer", backbone: bool = True,
+                        evaluation: bool = False) -> list[Region]:
+        """What engine/compile.py compiles (models/compiled_regions.py).
+
+        regions "transformer": ``predict`` (the encoder, the decoder, the glue between their layers and the
+        heads) as one graph, and the position encoding; "layers": each encoder and decoder layer (layers of
+        one kind share a graph) and ``heads``. ``backbone``: ``features`` (the ResNet, the input projections,
+        the masks and the position encoding), one graph per image size: its stride-2 size arithmetic would
+        make a graph with symbolic sizes guard on each size's parity. ``evaluation``: ``detect``, one graph
+        per image size.
+        """
+        if regions == "layers":
+            layers = [*self.transformer.encoder.layers, *self.transformer.decoder.layers]
+            names = {id(m): n for n, m in self.named_modules()}
+            found = [Region(names[id(layer)], method=False) for layer in layers] + [Region("heads")]
+        elif regions == "transformer":
+            found = [Region("predict", whole=True), Region("backbone.1", method=False)]
+        else:
+            raise ValueError(f"regions must be 'transformer' or 'layers', got {regions!r}")
+        if backbone:
+            found.append(Region("features", static_sizes=True))
+        if evaluation:
+            found.append(Region("detect", static_sizes=True, whole=True, starts_step=True))
+        return found
 
     def features(self, images: torch.Tensor, mask: torch.Tensor | None = None):
         """Projected feature levels: (srcs [(B, C, H_l, W_l)], masks [(B, H_l, W_l)], pos [(B, C, H_l, W_l)])."""

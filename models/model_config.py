@@ -12,7 +12,7 @@ Key names are the original's hyperparameter names and are the same in every laye
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Optional
 
@@ -78,9 +78,12 @@ class ModelConfig(CriterionConfig):
     backbone: BackboneName = MISSING
     dilation: bool = MISSING
     position_embedding: PositionEmbeddingName = MISSING
-    pretrained: Optional[str] = "none"  # none | imagenet | path to a ResNet state_dict
+    # How to run, not what is trained (metadata read by engine/config.py: a resumed run or an evaluated
+    # checkpoint takes these from the command line).
+    pretrained: Optional[str] = field(default="none", metadata={"role": "how_to_run"})  # none | imagenet | path
     train_backbone: bool = True
-    init_from: Optional[str] = None  # a checkpoint whose weights start a new run (engine/init_from.py)
+    # A checkpoint whose weights start a new run (engine/init_from.py); a resumed run has its own.
+    init_from: Optional[str] = field(default=None, metadata={"role": "how_to_run"})
     # transformer
     hidden_dim: int = MISSING
     nheads: int = MISSING
@@ -92,7 +95,7 @@ class ModelConfig(CriterionConfig):
     dec_n_points: int = MISSING
     num_queries: int = MISSING
     with_box_refine: bool = MISSING
-    msda: Msda = Msda.auto
+    msda: Msda = field(default=Msda.auto, metadata={"role": "how_to_run"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

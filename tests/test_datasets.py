@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +16,6 @@ from torchvision import tv_tensors
 
 from datasets import (
     CocoDetection,
-    EpochSampler,
     build_data_loader,
     build_dataset,
     collate_fn,
@@ -401,25 +401,12 @@ def test_collate_pads_to_a_multiple_when_asked():
     assert same.shape == (2, 3, 33, 65)  # the default pads to the largest image only, as the original
 
 
-def test_epoch_sampler_order_depends_only_on_seed_and_epoch():
-    sampler = EpochSampler(size=20, shuffle=True, seed=3)
-    first = list(sampler)
-    sampler.set_epoch(1)
-    second = list(sampler)
-    assert sorted(first) == list(range(20)) and first != second
-    other = EpochSampler(size=20, shuffle=True, seed=3)
-    other.set_epoch(1)
-    assert list(other) == second
-    assert list(EpochSampler(size=5, shuffle=False)) == [0, 1, 2, 3, 4]
-
-
 @pytest.mark.parametrize("train,batch_size,expected_batches", [(True, 4, 2), (False, 4, 2), (False, 6, 1)])
 def test_data_loader_yields_padded_batches(synthetic_root, train, batch_size, expected_batches):
     split = "train" if train else "val"
     dataset = build_dataset(split, {"name": "coco", "root": str(synthetic_root), **SMALL_TRANSFORMS})
     loader = build_data_loader(dataset, batch_size=batch_size, num_workers=0, train=train, seed=0)
-    loader.sampler.set_epoch(0)
-    batches = list(loader)
+    batches = list(itertools.islice(loader, len(loader.batch_sampler)))  # training: the first epoch of the stream
     assert len(batches) == expected_batches  # train drops the last partial batch of 10 images
     seen = []
     for images, masks, targets in batches:
@@ -437,7 +424,8 @@ def test_worker_loading_is_reproducible_from_the_seed(synthetic_root):
 
     def first_epoch(seed: int) -> list:
         loader = build_data_loader(dataset, batch_size=2, num_workers=1, train=True, seed=seed)
-        return [(images, [t["boxes"] for t in targets]) for images, _, targets in loader]
+        return [(images, [t["boxes"] for t in targets])
+                for images, _, targets in itertools.islice(loader, loader.batch_sampler.steps_per_epoch)]
 
     a, b, c = first_epoch(0), first_epoch(0), first_epoch(1)
     assert len(a) == len(b) == SMALL["num_train"] // 2

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
 from engine.config import register_configs
-from engine.compile import compile_regions
+from engine.compile import CompilePlan, compile_model
 from engine.distributed import DistContext, average_over_processes, data_parallel
 from engine.precision import Precision
 from engine.step import TrainStep
@@ -77,7 +77,8 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], regi
                 for t in [*model.parameters(), *buffers]:
                     t.add_(1e-2 * torch.rand_like(t))  # positive: running variances stay positive
         if regions:  # as train.py compiles before wrapping; aot_eager traces as inductor does, without codegen
-            compile_regions(model.to(device), criterion=criterion, backend="aot_eager", regions=regions)
+            compile_model(model.to(device), CompilePlan(mode="default", regions=regions, backbone="eager",
+                                                        backend="aot_eager"), criterion=criterion)
         ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)
         model.to(device)
         trained, sync_gradients = data_parallel(model, ctx, gradient_sync=sync)  # as train.py does
@@ -101,7 +102,7 @@ BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
 
 # (1, 4): the ranks' images hold different numbers of boxes; (0, 3): one rank's batch has none at all, which
 # must neither hang (every rank still joins the num_boxes average and the gradient all-reduce) nor change
-# the result. Compiled: the ranks' models compiled as compile=true compiles them, the transformer as one graph
+# the result. Compiled: the ranks' models compiled as train.py compiles them, the transformer as one graph
 # with the all-reduce after backward (train.py's defaults), a graph per layer in DDP (two cases, not four: each
 # costs a minute of CI); the one process stays eager. (In DDP: the tiny model's layers are below the 1 MiB that
 # Dynamo's DDP cuts start at, so this checks the gradients of compiled layers in DDP, not the cuts themselves;

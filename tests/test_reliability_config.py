@@ -30,11 +30,15 @@ def compose_train(*overrides):
     (["optim.lr_drop=4.5"], r"could not be converted to Integer\s+full_key: optim\.lr_drop"),
     (["model.nheads=eight"], r"could not be converted to Integer\s+full_key: model\.nheads"),
     (["model.msda=cuda"], r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda"),
-    (["compile_regions=model"], r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
-                                r"compile_regions"),
-    # The symbolic-size backbone is an experiment of the benches, not a run setting.
-    (["compile_backbone=dynamic"], r"Invalid value 'dynamic', expected one of \[eager, static\]\s+full_key: "
-                                   r"compile_backbone"),
+    (["compile.regions=model"], r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
+                                r"compile\.regions"),
+    (["compile.backbone=dynamic"], r"Invalid value 'dynamic', expected one of \[eager, static\]\s+full_key: "
+                                   r"compile\.backbone"),
+    (["compile.mode=fast"], r"Invalid value 'fast', expected one of \[auto, eager, default, reduce-overhead\]\s+"
+                            r"full_key: compile\.mode"),
+    # The settings of older versions are gone: each names its key.
+    (["compile=true"], r"full_key: compile"),
+    (["compile_mode=reduce-overhead"], r"Key 'compile_mode' not in 'TrainConfig'"),
     (["model.backbone=vgg16"], r"Invalid value 'vgg16', expected one of \[resnet18, .*\]\s+full_key: model\.backbone"),
     (["model.position_embedding=rope"], r"full_key: model\.position_embedding"),
     (["model.with_box_refine=sometimes"], r"'sometimes' is not a valid bool .*\s+full_key: model\.with_box_refine"),
@@ -66,10 +70,14 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     (["dataset.crop_min_size=700"], r"dataset\.crop_min_size \(700\) must not exceed dataset\.crop_max_size"),
     (["dataset.name=coco"], r"dataset\.name is coco in the synthetic dataset config: choose the set with dataset=coco"),
     (["dataset.pad_to_multiple=0"], r"dataset\.pad_to_multiple must be"),
-    (["compile_backend=123", "dist_timeout_s=0"], r"dist_timeout_s must be > 0 seconds, got 0\.0"),
+    (["compile.mode=default", "compile.backend=123", "dist_timeout_s=0"], r"dist_timeout_s must be > 0 seconds, got 0\.0"),
     (["eval_images=-1"], r"eval_images must be an integer >= 0, got -1"),
-    (["compile_mode=reduce-overhead", "compile_backend=aot_eager"],
-     r"compile_mode=reduce-overhead needs compile_backend=inductor, got 'aot_eager'"),
+    (["compile.mode=reduce-overhead", "compile.backend=aot_eager"],
+     r"compile\.mode=reduce-overhead replays CUDA graphs, which need compile\.backend=inductor; got "
+     r"compile\.backend=aot_eager"),
+    (["compile.mode=eager", "compile.backbone=static"],
+     r"compile\.backbone=static does nothing with compile\.mode=eager"),
+    (["dataset.size_buckets=1"], r"dataset\.size_buckets must be 0 \(no buckets\) or at least 2"),
 ])
 def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -223,3 +223,51 @@ def test_a_recorded_model_setting_this_version_refuses_names_the_checkpoint(base
     with pytest.raises(CheckpointError, match=r"checkpoint old\.pth records model\.backbone='resnet152', which this "
                                               r"version does not accept \(Invalid value 'resnet152'"):
         config_for_resume(compose_train(), checkpoint_of(recorded), path="old.pth")
+
+
+# ----------------------------------------------------------------------------------- roles and old checkpoints
+
+
+def test_what_a_resume_may_change_comes_from_the_schemas_roles():
+    from engine.checkpoint import model_config_for_checkpoint
+    from engine.config import HOW_TO_RUN, role_of
+    from engine.resume import flatten, resumable_change
+
+    keys = flatten(plain_config(compose_train()))
+    may_change = {key for key in keys if resumable_change(key)}
+    assert {"epochs", "max_steps", "device", "amp", "num_workers", "log_every", "compile.mode", "compile.regions",
+            "compile.backbone", "compile.cache_dir", "model.msda", "model.pretrained", "dataset.verify"} <= may_change
+    assert not may_change & {"seed", "batch_size", "optim.lr", "model.hidden_dim", "model.num_classes",
+                             "dataset.root", "dataset.train_scales", "dataset.size_buckets", "resume"}
+    # An evaluated checkpoint imposes its model but never how to run it: the same keys, from the same roles.
+    how_to_run_model = {key.partition(".")[2] for key in keys if key.startswith("model.") and role_of(key) == HOW_TO_RUN}
+    recorded = {k: "from the checkpoint" for k in ("msda", "pretrained", "init_from", "hidden_dim")}
+    merged = model_config_for_checkpoint({k: "from the config" for k in recorded}, {"model": {}, "config": {
+        "model": recorded}}, path="x")
+    assert {k for k, v in merged.items() if v != "from the checkpoint"} == how_to_run_model
+
+
+def legacy(config: dict, **old) -> dict:
+    """A config as versions before the compile group recorded it."""
+    config = {k: v for k, v in copy.deepcopy(config).items() if k != "compile"}
+    return {**config, **old}
+
+
+def test_a_checkpoint_with_the_old_compile_keys_resumes_and_reports_them_in_the_new_layout(base_config, caplog):
+    recorded = legacy(base_config, compile=True, compile_mode="reduce-overhead", compile_regions="layers",
+                      compile_backbone="eager", compile_backend="inductor")
+    cfg = compose_train("epochs=30")
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        effective = config_for_resume(cfg, checkpoint_of(recorded), path="old/checkpoint.pth")
+    assert effective.compile.mode == "eager"  # how to run: the command line's (the synthetic set's eager)
+    message = caplog.records[0].getMessage()
+    assert "compile.mode: 'eager' from the command line, applied (the checkpoint had 'reduce-overhead')" in message
+    assert "compile_mode" not in message
+
+
+def test_resume_auto_takes_a_checkpoint_with_the_old_compile_keys(tmp_path, base_config):
+    outputs = tmp_path / "outputs"
+    old = write_run(outputs, "10-00-00", legacy(base_config, compile=False, compile_mode="default",
+                                                compile_backend="inductor", compile_regions="transformer",
+                                                compile_backbone="eager"))
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config) == old

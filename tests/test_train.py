@@ -20,7 +20,9 @@ from child_process import child_env
 from engine.checkpoint import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS_PER_EPOCH = 4  # 16 training images, batch 4
+# 16 training images, batch 4, wide and tall: an epoch's images left over in the two orientations' size buckets
+# wait for no one (datasets/batch_plan.py), so one batch fewer than 16 // 4.
+STEPS_PER_EPOCH = 3
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +74,11 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
 
     for name in ("checkpoint.pth", "checkpoint_epoch0001.pth", "checkpoint_epoch0002.pth"):
         assert (run_dir / name).is_file(), name
+    timing = json.loads((run_dir / "timing.json").read_text())  # where the run's time went (engine/run_timing.py)
+    assert timing == tiny_run["timing"] and timing["steps"] == 2 * STEPS_PER_EPOCH
+    assert timing["compile_s"] == 0 and timing["graphs_compiled"] == 0  # the CPU runs eagerly
+    assert 0 < timing["train_s"] < timing["total_s"] and 0 < timing["eval_s"] < timing["total_s"]
+    assert timing["steady_step_ms"] > 0 and 0 <= timing["padding_waste"] < 0.5
     ckpt = load_checkpoint(run_dir / "checkpoint.pth")
     assert {"model", "optimizer", "lr_scheduler", "grad_scaler", "epoch", "step", "config", "rng"} <= set(ckpt)
     assert (ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"]) == (2, 2 * STEPS_PER_EPOCH, 0)
@@ -81,7 +88,7 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     evaluation = json.loads((run_dir / "eval_epoch0002.json").read_text())
     assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step", "per_class"}
     assert list(evaluation.pop("per_class")) == ["person", "bicycle", "car", "motorcycle", "airplane", "bus"]
-    assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 8, "epoch_complete": True,
+    assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 2 * STEPS_PER_EPOCH, "epoch_complete": True,
                                         "num_images": 8})
     assert all(-1.0 <= evaluation[k] <= 1.0 for k in ("AP", "AP50", "AP75"))
 
@@ -131,16 +138,17 @@ def test_resume_mid_epoch_continues_identically(tiny_run, data_root, tmp_path):
 
 @pytest.mark.parametrize("regions,backbone", [("layers", "eager"), ("transformer", "eager"), ("transformer", "static")])
 def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path, regions, backbone):
-    """compile=true: the model's regions and the losses compiled (aot_eager traces them and runs the same kernels)."""
+    """compile.mode=default: the model's regions, the losses and evaluation compiled (aot_eager traces them and
+    runs the same kernels)."""
     torch._dynamo.reset()
     common = ("epochs=1", "model.dropout=0.0")  # dropout draws its mask in another order once traced
     eager = trainer.train(compose_run(data_root, tmp_path / "eager", *common))
-    compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile=true",
-                                         "compile_backend=aot_eager", f"compile_regions={regions}",
-                                         f"compile_backbone={backbone}"))
+    compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile.mode=default",
+                                         "compile.backend=aot_eager", f"compile.regions={regions}",
+                                         f"compile.backbone={backbone}", "compile.evaluation=true"))
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     # The tiny model scores AP 0 after one epoch either way: compare the trained weights instead (the
-    # detections of compiled regions in evaluation are compared in tests/test_step.py).
+    # detections of compiled evaluation are compared in tests/test_compile.py).
     weights = load_checkpoint(tmp_path / "eager" / "checkpoint.pth")["model"]
     compiled_weights = load_checkpoint(tmp_path / "compiled" / "checkpoint.pth")["model"]
     assert set(compiled_weights) == set(weights)
@@ -150,6 +158,11 @@ def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path,
     for name, value in weights.items():
         torch.testing.assert_close(compiled_weights[name], value, rtol=1e-4, atol=1e-4, msg=name)
     assert set(compiled["eval"]) == set(eager["eval"])  # the evaluation ran through the compiled regions
+    timing, tags = compiled["timing"], set(scalars(tmp_path / "compiled").Tags()["scalars"])
+    assert timing["compile_s"] > 0 and {"compile/seconds", "compile/graphs"} <= tags
+    # Evaluation: one graph per evaluation size (at most two: wide and tall), no training region again.
+    assert 1 <= timing["graphs_by_function"]["detect"] <= 2
+    assert timing["graphs_by_function"].get("stacked_losses") == 1
 
 
 def test_unreadable_checkpoint_is_a_clear_error(data_root, tmp_path):
@@ -172,10 +185,12 @@ def test_checkpoint_of_another_variant_is_a_clear_error(tiny_run, data_root, tmp
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data_root, tmp_path, monkeypatch):
-    calls = {"n": 0}
-    build_model = trainer.build_model
+    import engine.build
 
-    def build_model_with_nan_on_step_6(cfg_model):
+    calls = {"n": 0}
+    build_model = engine.build.build_model
+
+    def build_model_with_nan_in_epoch_2(cfg_model):
         model, criterion, postprocess = build_model(cfg_model)
         forward = criterion.forward
 
@@ -189,8 +204,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
         criterion.forward = nan_loss
         return model, criterion, postprocess
 
-    monkeypatch.setattr(trainer, "build_model", build_model_with_nan_on_step_6)
-    with pytest.raises(trainer.NonFiniteLossError, match=r"non-finite loss .* epoch 2, step 6 .*loss_bbox=nan"
+    monkeypatch.setattr(engine.build, "build_model", build_model_with_nan_in_epoch_2)
+    with pytest.raises(trainer.NonFiniteLossError, match=rf"non-finite loss .* epoch 2, step {STEPS_PER_EPOCH + 2} "
+                                                         r".*loss_bbox=nan"
                                                          r".*checkpoint\.pth, is kept"):
         trainer.train(compose_run(data_root, tmp_path))
     kept = load_checkpoint(tmp_path / "checkpoint.pth")
@@ -204,8 +220,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
 def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gradient_sync):
     """torchrun, two CPU processes: one run directory, data-parallel steps, evaluation gathered from both ranks.
 
-    Uneven on purpose: 18 training images (9 per rank, batch 2: the odd one is dropped on both ranks) and 7
-    validation images (4 and 3, the sampler pads rank 1 with a repeat): nothing hangs, every image is scored.
+    Uneven on purpose: 18 training images (9 per rank, batch 2: 3 batches, as left-overs in the size buckets wait
+    for no one) and 7 validation images (4 and 3, rank 1's share padded with a repeat): nothing hangs, every image
+    is scored.
     """
     data_root = tmp_path / "data"
     uneven = ["dataset.num_train=18", "dataset.num_val=7"]
@@ -223,7 +240,7 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gr
     assert "2 processes on cpu" in log_text
     ddp_eval = json.loads((run_dir / "eval_epoch0001.json").read_text())
     ckpt = load_checkpoint(run_dir / "checkpoint.pth")
-    assert ckpt["step"] == STEPS_PER_EPOCH  # 9 images per process // batch 2
+    assert ckpt["step"] == 9 // 2 - 1  # 9 images per process, batch 2, one batch's worth left over
 
     # Scored on every validation image (each rank ran 4 of the 7), with the same figures as one process
     # evaluating the same weights.

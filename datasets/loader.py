@@ -1,0 +1,95 @@
+"""Batches for training and evaluation: size buckets, the batch plan, collation and the DataLoader."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from torch.utils.data import DataLoader
+
+from .batch_plan import BatchPlan
+from .coco import CocoDetection
+from .dataset_config import read_dataset_config
+from .size_buckets import SizeBuckets, plan_size_buckets, round_up, val_families
+
+def padded_size(sizes, pad_to_multiple: int = 1) -> tuple[int, int]:
+    """The (H, W) a batch of images of ``sizes`` [(h, w), ...] is padded to without buckets: the largest h and
+    w, each rounded up to a multiple of ``pad_to_multiple``."""
+    return tuple(round_up(max(size[d] for size in sizes), pad_to_multiple) for d in (0, 1))
+
+
+def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """[(image (3, h_i, w_i), target[, canvas])] -> images (B, 3, H, W), masks (B, H, W), targets.
+
+    (H, W) is the items' canvas (all the same: the batch plan's bucket), or without one the largest image's
+    sides rounded up to a multiple of ``pad_to_multiple``. Images are zero padded at the bottom and right
+    (boxes stay relative to the unpadded image, as the model's mask tells it where the image ends); masks
+    are True on padding.
+    """
+    images, targets = [item[0] for item in batch], [item[1] for item in batch]
+    canvases = {tuple(item[2]) for item in batch if len(item) > 2}
+    if len(canvases) > 1:
+        raise ValueError(f"a batch's images were planned for different sizes {sorted(canvases)}")
+    height, width = canvases.pop() if canvases else padded_size([image.shape[-2:] for image in images],
+                                                                 pad_to_multiple)
+    padded = images[0].new_zeros((len(images), images[0].shape[0], height, width))  # (B, 3, H, W)
+    masks = torch.ones((len(images), height, width), dtype=torch.bool)  # (B, H, W)
+    for i, image in enumerate(images):
+        h, w = image.shape[-2:]
+        if h > height or w > width:
+            raise ValueError(f"image {tuple(image.shape[-2:])} is larger than its batch's size {(height, width)}")
+        padded[i, :, :h, :w] = image
+        masks[i, :h, :w] = False
+    return padded, masks, targets
+
+
+def image_sizes(dataset: CocoDetection) -> list[tuple[int, int]]:
+    return [dataset.image_size(i) for i in range(len(dataset))]
+
+
+def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, cfg_dataset, *, batch_size: int,
+                       seed: int = 0) -> SizeBuckets | None:
+    """The run's size buckets from its data and recipe (``dataset.size_buckets`` sizes in all, 0: none);
+    ``train_set`` None: evaluation's only (eval_only)."""
+    c = read_dataset_config(cfg_dataset)
+    if c.size_buckets == 0:
+        return None
+    val_outputs = [val_set.transforms.plan(size, random.Random(0))[1] for size in image_sizes(val_set)]  # no draw
+    if train_set is None:
+        return SizeBuckets(train=(), val=val_families(val_outputs, c.pad_to_multiple), families=(),
+                           multiple=c.pad_to_multiple)
+    train_sizes = image_sizes(train_set)
+    # A capped long side can come out longer than max_size by up to half the image's aspect ratio (the
+    # original's rounding of the short side): the families leave that much room.
+    aspects = [max(h, w) / min(h, w) for h, w in train_sizes]
+    if c.crop:
+        aspects.append(max(c.crop_max_size, c.crop_min_size) / max(1, min(c.crop_min_size, c.crop_max_size)))
+    longest_long = c.max_size + math.ceil(max(aspects) / 2) + 1
+    return plan_size_buckets(
+        train_sizes=train_sizes, plan_train=lambda size, rng: train_set.transforms.plan(size, rng)[1],
+        train_limits=(max(c.train_scales), longest_long), train_can_turn=c.crop, val_outputs=val_outputs,
+        batch_size=batch_size, max_buckets=c.size_buckets, multiple=c.pad_to_multiple, seed=seed)
+
+
+def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: int, train: bool,
+                      buckets: SizeBuckets | None = None, seed: int = 0, rank: int = 0, world_size: int = 1,
+                      pad_to_multiple: int = 1) -> DataLoader:
+    """DataLoader of (images, masks, targets) batches, as ``loader.batch_sampler`` (a BatchPlan) plans them.
+
+    train: an endless stream of epochs (``loader.batch_sampler.steps_per_epoch`` batches each; resume with
+    ``loader.batch_sampler.start_at``); else one pass over this rank's share of the images. Workers stay alive
+    between passes and prefetch across an epoch's end.
+    """
+    plan = BatchPlan(sizes=image_sizes(dataset), transform=dataset.transforms, batch_size=batch_size,
+                     buckets=buckets, train=train, seed=seed, rank=rank, world_size=world_size,
+                     multiple=pad_to_multiple)
+    return DataLoader(
+        dataset,
+        batch_sampler=plan,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed + rank),
+    )

@@ -1,0 +1,130 @@
+"""What torch.compile costs a run, as the run reports it: time, graphs, and recompilations in train.log.
+
+``CompileClock`` adds up the wall time of everything Dynamo's compile callbacks bracket in this process:
+tracing and compiling a new graph (Inductor and AOTAutograd included), a backward compiled at its first
+call, and a CUDA graph being recorded. The loop charges that time to "compile" rather than to training or
+evaluation, keeps it out of the ETA, and logs "compiled N graphs in X s". Graphs are counted per compiled
+function (``co_name``: features, detect, predict, stacked_losses ...).
+
+``log_recompiles_to_file`` sends each recompilation's reason to train.log as one line and keeps torch's
+multi-line account of it off the console.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch._dynamo
+
+from .console import FILE_ONLY
+
+log = logging.getLogger("train")
+
+
+@dataclass(frozen=True)
+class CompileTotals:
+    seconds: float = 0.0
+    graphs: int = 0
+    by_function: dict = field(default_factory=dict)  # co_name -> graphs
+
+    def since(self, earlier: "CompileTotals") -> "CompileTotals":
+        by = {k: v - earlier.by_function.get(k, 0) for k, v in self.by_function.items()}
+        return CompileTotals(seconds=self.seconds - earlier.seconds, graphs=self.graphs - earlier.graphs,
+                             by_function={k: v for k, v in by.items() if v})
+
+
+class CompileClock:
+    """Process-wide totals of compilation (one clock per process; ``CompileClock.get()``)."""
+
+    _instance: "CompileClock | None" = None
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+        self._started: float | None = None
+        self._graphs: Counter = Counter()
+        self._seen: set[tuple] = set()
+
+    @classmethod
+    def get(cls) -> "CompileClock":
+        """The process's clock, its callbacks (re)registered: torch._dynamo.reset() clears them."""
+        if cls._instance is None:
+            cls._instance = cls()
+        cls._instance._register()
+        return cls._instance
+
+    def _register(self) -> None:
+        callbacks = getattr(torch._dynamo, "callback", None)
+        handler = getattr(callbacks, "callback_handler", None)
+        if handler is None:
+            return
+        if self._start not in handler.start_callbacks:
+            handler.register_start_callback(self._start)
+        if self._end not in handler.end_callbacks:
+            handler.register_end_callback(self._end)
+
+    def _start(self, *args) -> None:
+        with self._lock:
+            self._started = time.perf_counter()
+
+    def _end(self, *args) -> None:
+        with self._lock:
+            if self._started is not None:
+                self._seconds += time.perf_counter() - self._started
+                self._started = None
+
+    def totals(self) -> CompileTotals:
+        """Seconds and graphs so far (a compile in progress counts up to now)."""
+        from torch._dynamo.utils import get_compilation_metrics
+
+        with self._lock:
+            for metrics in get_compilation_metrics():
+                # Frame ids start again after torch._dynamo.reset(): the start time tells two "0/0"s apart.
+                key = (str(getattr(metrics, "compile_id", None)), getattr(metrics, "start_time_us", None)
+                       or getattr(metrics, "start_time", None))
+                if key not in self._seen and getattr(metrics, "co_name", None):
+                    self._seen.add(key)
+                    self._graphs[metrics.co_name] += 1
+            seconds = self._seconds + (time.perf_counter() - self._started if self._started is not None else 0.0)
+            return CompileTotals(seconds=seconds, graphs=sum(self._graphs.values()), by_function=dict(self._graphs))
+
+
+def describe_graphs(by_function: dict) -> str:
+    return ", ".join(f"{n} {name}" for name, n in sorted(by_function.items()))
+
+
+class _OneLine(logging.Handler):
+    """Re-logs a record of torch's recompile log as one line of ours, to train.log only."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = " ".join(line.strip() for line in record.getMessage().splitlines() if line.strip())
+            log.info("recompile: %s", text, extra=FILE_ONLY)
+        except Exception:  # a logging handler must never raise into the compile
+            self.handleError(record)
+
+
+_recompile_handler = _OneLine()
+
+
+def log_recompiles_to_file() -> bool:
+    """Turn on torch's recompile log and route it through ``_OneLine``; False where this torch lacks the
+    artifact loggers it needs (recompilations then go unlogged rather than to the console)."""
+    from torch._logging import _internal
+
+    registry = getattr(_internal, "log_registry", None)
+    if registry is None or not hasattr(registry, "get_artifact_log_qnames"):
+        return False
+    torch._logging.set_logs(recompiles=True)
+    names = [name for name in registry.get_artifact_log_qnames() if name.endswith("__recompiles")]
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.propagate = False  # not through torch's console handler
+        if _recompile_handler not in logger.handlers:
+            logger.addHandler(_recompile_handler)
+    return bool(names)

@@ -1,0 +1,272 @@
+"""engine/compile.py: the compile settings resolved per device, the regions the model declares, compiled as
+train.py compiles them (aot_eager on the CPU traces as Inductor does, without codegen; Inductor on the GPU)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from engine.compile import (EVALUATION_BATCHES_TO_COMPILE, RECOMPILE_LIMIT, STATIC_BACKBONE_GRAPHS, CompilePlan,
+                            compile_model, resolve_compile)
+from engine.config import CompileConfig
+from models import build_model
+from models.deformable_attention import MSDeformAttn
+from test_models import _batch, _targets, tiny_cfg
+from test_step import SMALL, _loss, make_step
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+
+
+def settings(**keys):
+    return OmegaConf.structured(CompileConfig(**keys))
+
+
+def plan(backend, **keys) -> CompilePlan:
+    return CompilePlan(**{"mode": "default", "backbone": "eager", "backend": backend, **keys})
+
+
+# ------------------------------------------------------------------------------------------- the settings
+def test_auto_compiles_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu():
+    assert resolve_compile(settings(), device=CPU) is None
+    on_gpu = resolve_compile(settings(), device=GPU)
+    assert on_gpu == CompilePlan(mode="reduce-overhead", regions="transformer", backbone="static",
+                                 backend="inductor", evaluation=False)
+    assert resolve_compile(settings(mode="eager"), device=GPU) is None
+    compiled_cpu = resolve_compile(settings(mode="default", backbone="eager"), device=CPU)
+    assert compiled_cpu.mode == "default" and compiled_cpu.backbone == "eager" and not compiled_cpu.cuda_graphs
+
+
+def test_evaluation_is_compiled_when_the_run_evaluates_enough_batches():
+    assert not resolve_compile(settings(), device=GPU, evaluation_batches=EVALUATION_BATCHES_TO_COMPILE - 1).evaluation
+    assert resolve_compile(settings(), device=GPU, evaluation_batches=EVALUATION_BATCHES_TO_COMPILE).evaluation
+    assert resolve_compile(settings(evaluation=True), device=GPU).evaluation
+    assert not resolve_compile(settings(evaluation=False), device=GPU, evaluation_batches=10**6).evaluation
+
+
+@pytest.mark.parametrize("keys,device,message", [
+    (dict(mode="eager", regions="layers"), CPU, r"compile\.regions=layers does nothing with compile\.mode=eager"),
+    (dict(mode="eager", evaluation=True), GPU, r"compile\.evaluation=True does nothing with compile\.mode=eager"),
+    (dict(backend="aot_eager"), GPU, r"compile\.mode=auto replays CUDA graphs, which need compile\.backend=inductor"),
+    (dict(mode="reduce-overhead", backend="aot_eager"), GPU, r"need compile\.backend=inductor"),
+    (dict(mode="reduce-overhead"), CPU, r"compile\.mode=reduce-overhead replays CUDA graphs and needs a GPU"),
+    (dict(backbone="eager"), CPU, r"compile\.backbone=eager does nothing here: compile\.mode=auto compiles on a GPU"),
+])
+def test_settings_that_cannot_work_are_refused_naming_the_keys(keys, device, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_compile(settings(**keys), device=device)
+
+
+def test_compile_model_refuses_an_unknown_mode_and_a_mode_without_inductor():
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    with pytest.raises(ValueError, match="compile mode must be one of"):
+        compile_model(model, plan("aot_eager", mode="max-speed"))
+    with pytest.raises(ValueError, match="needs the inductor backend"):
+        compile_model(model, plan("aot_eager", mode="reduce-overhead"))
+    with pytest.raises(ValueError, match=r"backbone must be one of \('eager', 'static'\), got 'dynamic'"):
+        compile_model(model, plan("aot_eager", backbone="dynamic"))
+    with pytest.raises(ValueError, match=r"regions must be one of \('layers', 'transformer'\), got 'model'"):
+        compile_model(model, plan("aot_eager", regions="model"))
+
+
+# ------------------------------------------------------------------------------------------- the regions
+# Graphs with nodes, per choice of regions: the encoder layers, the decoder layers (the first decoder layer's
+# reference points need a gradient, the refined ones of later layers do not) and the heads; or the transformer
+# with its heads, and the position encoding.
+REGION_GRAPHS = {"layers": (3, 4), "transformer": (2, 2)}
+
+
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(seeded, regions):
+    """The graphs serve every image size. The first is square: its levels' equal heights and widths must not
+    become one symbol, or the next size recompiles."""
+    eager, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    compiled = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_model(compiled, plan(counter, regions=regions))
+    assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
+    graphs = []
+    for H, W in ((136, 136), (128, 160), (160, 136)):  # no level of size 1, which torch.compile specializes
+        images, mask = _batch(H=H, W=W, pad_w=8)
+        out_eager, out_compiled = eager(images, mask), compiled(images, mask)
+        torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
+        _loss(out_compiled).backward()
+        graphs.append(sum(1 for g in counter.graphs if len(g.graph.nodes)))
+    low, high = REGION_GRAPHS[regions]
+    assert low <= graphs[0] <= high and graphs[1:] == graphs[:1] * 2, graphs  # later sizes compile nothing new
+
+
+def _trained_looking(model):
+    with torch.no_grad():  # non-trivial offsets and weights, as a trained model has
+        for m in model.modules():
+            if isinstance(m, MSDeformAttn):
+                m.sampling_offsets.weight.normal_(0, 0.05)
+                m.attention_weights.weight.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_evaluation_compiles_one_graph_per_size_once_and_gives_the_detections_of_eager(seeded, regions):
+    """compile.evaluation: ``detect`` as one graph per evaluation size, none for a size met before, and no
+    training region compiled again; its detections are eager's."""
+    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    _trained_looking(eager)
+    compiled = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_model(compiled, plan(counter, regions=regions, backbone="static", evaluation=True))
+    eager.eval()
+    compiled.eval()
+    frames = []
+    for H, W in ((136, 160), (160, 136), (136, 160), (160, 136)):
+        images, mask = _batch(H=H, W=W, pad_w=8)
+        sizes = torch.tensor([[H, W - 8]] * images.shape[0])
+        with torch.no_grad():
+            expected = postprocess(eager(images, mask), sizes)
+            got = postprocess(compiled.detect(images, mask), sizes)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g["labels"], e["labels"])
+            torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-5, atol=1e-4)
+        frames.append(counter.frame_count)
+    assert frames == [1, 2, 2, 2], frames  # one graph per size, each the whole model (fullgraph)
+
+
+def test_evaluation_without_its_graph_runs_eagerly_and_compiles_nothing(seeded):
+    """engine.evaluation runs an uncompiled ``detect`` with Dynamo off: the compiled training regions inside it
+    (the position encoding, the layers) are not compiled again without gradients."""
+    from engine.evaluation import evaluate_coco  # noqa: F401  (what runs it so; the switch is checked here)
+
+    model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_model(model, plan(counter, regions="layers"))
+    model.eval()
+    images, mask = _batch(H=136, W=160, pad_w=8)
+    with torch.no_grad(), torch._dynamo.config.patch(disable=True):
+        model.detect(images, mask)
+    assert counter.frame_count == 0
+
+
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickles(seeded, regions):
+    """compile_model shadows methods per instance (models/compiled_regions.py): copies drop them."""
+    model, criterion, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    compile_model(model, plan("aot_eager", regions=regions, evaluation=True), criterion=criterion)
+    assert ("predict" in vars(model)) == (regions == "transformer") and "detect" in vars(model)
+    twin = copy.deepcopy(model)
+    assert "detect" not in vars(twin)
+    with torch.no_grad():
+        twin.class_embed[-1].bias.add_(1.0)  # the copy's own weights, not the original's
+    images, mask = _batch(pad_w=8)
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        expected = model(images, mask)["pred_logits"] + 1.0
+        got = twin(images, mask)["pred_logits"]
+    torch.testing.assert_close(got, expected)
+    assert "stacked_losses" in criterion.__dict__ and "stacked_losses" not in copy.deepcopy(criterion).__dict__
+    buffer = io.BytesIO()
+    torch.save({"model": model, "criterion": criterion}, buffer)  # a compiled function would not pickle
+    assert buffer.tell() > 0
+
+
+def test_only_declared_methods_can_be_replaced():
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    with pytest.raises(ValueError, match="is not a method that can be compiled"):
+        model.use_compiled("class_embed", lambda *a: None)
+
+
+# Sizes fed to a compiled backbone in turn, and the graphs compiled once each has been met: one per size and
+# none for a size met before.
+BACKBONE_SIZES = ((136, 136), (128, 160), (141, 163), (128, 160))
+BACKBONE_GRAPHS = (1, 2, 3, 3)
+
+
+def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded):
+    """compile.backbone=static (DeformableDETR.features, a graph per size): the maps and gradients of eager."""
+    eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    twin = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_model(twin, plan(counter, backbone="static"))  # only features() is called: nothing else traced
+    assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
+    for (H, W), most_graphs in zip(BACKBONE_SIZES, BACKBONE_GRAPHS):
+        images, mask = _batch(H=H, W=W, pad_w=8)
+        expected, got = eager.features(images, mask), twin.features(images, mask)
+        for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
+            for level, (e, g) in enumerate(zip(e_maps, g_maps)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{H}x{W} {name}[{level}]: {m}")
+        sum(s.square().mean() for s in expected[0]).backward()
+        sum(s.square().mean() for s in got[0]).backward()
+        graphs = sum(1 for g in counter.graphs if len(g.graph.nodes))
+        assert graphs == most_graphs, f"{H}x{W}: {graphs} graphs"  # compiled, and not again for a known size
+    params = dict(twin.named_parameters())
+    checked = 0
+    for name, p in eager.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            checked += 1
+    assert checked > 20  # the trained ResNet stages and the input projections
+
+
+def test_a_static_backbone_compiles_past_torchs_default_limit(monkeypatch):
+    """Nine image sizes, one more than Dynamo's default recompile limit, each get a graph of their own."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, RECOMPILE_LIMIT, 8)  # torch's default
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    counter = CompileCounter()  # traces only, runs the traced graph as it is
+    compile_model(model, plan(counter, backbone="static"))
+    assert STATIC_BACKBONE_GRAPHS > 8
+    with torch.no_grad():
+        for H in range(128, 128 + 9 * 8, 8):
+            model.features(*_batch(H=H, W=160, pad_w=8))
+    assert counter.frame_count == 9
+
+
+# Inductor on the GPU: CUDA graphs for each choice of regions, with the backbone eager and compiled per size
+# (replayed as CUDA graphs too); and the default regions without CUDA graphs.
+GPU_COMPILE_CASES = [("reduce-overhead", "layers", "eager"), ("reduce-overhead", "transformer", "eager"),
+                     ("reduce-overhead", "transformer", "static"), ("default", "transformer", "static")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("mode,regions,backbone", GPU_COMPILE_CASES)
+def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone):
+    """Several steps and three sizes; with reduce-overhead the regions are replayed as CUDA graphs (a size is
+    run, recorded, then replayed)."""
+    eager = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)  # Inductor draws its own RNG
+    graphed = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)
+    graphed.model.load_state_dict(eager.model.state_dict())
+    compile_model(graphed.model, CompilePlan(mode=mode, regions=regions, backbone=backbone))
+    for H, W in ((128, 160), (128, 160), (160, 136), (128, 160), (141, 163)):
+        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        expected, got = eager(*batch, targets), graphed(*batch, targets)
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager(seeded):
+    """compile.mode=auto's evaluation on the GPU: ``detect`` per size, recorded, then replayed; each call's
+    outputs read before the next."""
+    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="triton", **SMALL))
+    _trained_looking(eager).cuda().eval()
+    compiled = copy.deepcopy(eager)
+    compile_model(compiled, CompilePlan(mode="reduce-overhead", evaluation=True))
+    for H, W in ((128, 160), (160, 136)) * 3:
+        images, mask = (t.cuda() for t in _batch(H=H, W=W, pad_w=8))
+        sizes = torch.tensor([[H, W - 8]] * images.shape[0], device="cuda")
+        with torch.no_grad():
+            expected = postprocess(eager(images, mask), sizes)
+            got = postprocess(compiled.detect(images, mask), sizes)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-3, atol=1e-2)

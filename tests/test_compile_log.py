@@ -1,0 +1,79 @@
+"""What compilation costs a run, as it reports it: the compile clock, recompilations in train.log only, an ETA
+that leaves compilation out (engine/compile_log.py, engine/console.py, engine/progress.py)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+import pytest
+import torch
+
+from engine.compile_log import CompileClock, log_recompiles_to_file
+from engine.console import FILE_ONLY, keep_file_only_off_console
+from engine.progress import Progress
+
+
+def test_the_clock_counts_the_graphs_and_the_seconds_of_compilation():
+    torch._dynamo.reset()
+    clock = CompileClock.get()
+    before = clock.totals()
+
+    def twice(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(twice, backend="aot_eager", dynamic=False)
+    compiled(torch.ones(3))
+    compiled(torch.ones(4))  # a new static size: a second graph
+    compiled(torch.ones(4))  # known: nothing
+    spent = clock.totals().since(before)
+    assert spent.graphs == 2 and spent.by_function == {"twice": 2}
+    assert spent.seconds > 0
+
+
+@pytest.fixture
+def console_and_file(tmp_path):
+    """The root logger as Hydra sets it up: a console handler and a train.log file handler."""
+    root = logging.getLogger()
+    console_text = io.StringIO()
+    console, file = logging.StreamHandler(console_text), logging.FileHandler(tmp_path / "train.log")
+    saved = root.handlers[:], root.level
+    root.handlers[:] = [console, file]
+    root.setLevel(logging.INFO)
+    keep_file_only_off_console()
+    yield console_text, tmp_path / "train.log"
+    file.close()
+    root.handlers[:], level = saved
+    root.setLevel(level)
+    torch._logging.set_logs()  # torch's own logging back to its defaults
+
+
+def test_a_recompilation_is_one_line_in_train_log_and_nothing_on_the_console(console_and_file):
+    console_text, train_log = console_and_file
+    assert log_recompiles_to_file()
+    torch._dynamo.reset()
+
+    def scaled(x, factor: int):
+        return x * factor
+
+    compiled = torch.compile(scaled, backend="eager", dynamic=False)
+    compiled(torch.ones(2), 2)
+    compiled(torch.ones(2), 3)  # a guard on the int fails: a recompilation
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    lines = [line for line in train_log.read_text().splitlines() if "recompile:" in line]
+    assert len(lines) == 1 and "Recompiling function scaled" in lines[0] and "factor" in lines[0]
+    assert "Recompiling" not in console_text.getvalue()
+    logging.getLogger("train").info("a line for both", extra=None)
+    logging.getLogger("train").info("a line for the file", extra=FILE_ONLY)
+    assert "a line for both" in console_text.getvalue() and "a line for the file" not in console_text.getvalue()
+
+
+def test_the_eta_leaves_compilation_out(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    progress = Progress(total_steps=100, start_step=0, enabled=True)
+    now[0] += 90.0 + 10 * 0.5  # 10 steps of 0.5 s, 90 s of it compilation
+    assert progress.eta_seconds(10, compile_s=90.0) == pytest.approx(90 * 0.5)
+    assert progress.eta_seconds(10) == pytest.approx(90 * 9.5)  # what counting the compilation would promise
