@@ -15,6 +15,7 @@ import time
 
 STARTED = time.perf_counter()  # before the imports below: the run's wall time counts them too
 
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -31,7 +32,7 @@ from engine.checkpoint import (check_training_state, load_checkpoint, load_model
 from engine.compile import use_compile_cache  # noqa: E402
 from engine.compile_log import CompileClock, log_recompiles_to_file  # noqa: E402
 from engine.config import check_config, plain_config, register_configs  # noqa: E402
-from engine.console import keep_file_only_off_console  # noqa: E402
+from engine.console import keep_file_only_off_console, run_reporting_faults  # noqa: E402
 from engine.detection_images import build_detection_images  # noqa: E402
 from engine.distributed import (DistContext, Ranks, argv_for_rank, barrier, broadcast_object, env_rank,  # noqa: E402
                                 init_distributed, shutdown_distributed)
@@ -41,13 +42,15 @@ from engine.loop import NonFiniteLossError, Position, Trainer  # noqa: E402
 from engine.num_classes import resolve_num_classes  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from engine.resume import config_for_resume, find_resume_checkpoint  # noqa: E402
+from engine.run_lock import RunLock  # noqa: E402
 from engine.run_timing import RunTiming  # noqa: E402
+from engine.stop_request import StopRequest, TrainingStopped, ignore_stop_signals  # noqa: E402
 from engine.tensorboard import ScalarWriter  # noqa: E402
 
 log = logging.getLogger("train")
 register_configs()  # the typed schemas configs/*.yaml name (engine/config.py), before Hydra composes
 
-__all__ = ["NonFiniteLossError", "evaluate", "train"]
+__all__ = ["NonFiniteLossError", "TrainingStopped", "evaluate", "train"]
 
 
 def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
@@ -79,7 +82,12 @@ def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -
 def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buckets):
     return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=train,
                              buckets=buckets, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
-                             pad_to_multiple=cfg.dataset.pad_to_multiple)
+                             pad_to_multiple=cfg.dataset.pad_to_multiple, worker_init_fn=ignore_stop_signals)
+
+
+def holding_the_run_directory(output_dir: Path, ctx: DistContext):
+    """Rank 0 holds the run directory's lock for the job (engine/run_lock.py)."""
+    return RunLock(output_dir) if ctx.is_main else contextlib.nullcontext()
 
 
 def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set):
@@ -112,14 +120,15 @@ def train(cfg: DictConfig) -> dict:
     cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
-        return _train(cfg, ctx)
+        output_dir = resolve_output_dir(cfg, ctx)
+        with holding_the_run_directory(output_dir, ctx), StopRequest() as stop:
+            return _train(cfg, ctx, output_dir, stop)
     finally:
         shutdown_distributed(ctx)
 
 
-def _train(cfg: DictConfig, ctx: DistContext) -> dict:
+def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest) -> dict:
     timing = RunTiming(started=STARTED if _started_by_main else time.perf_counter())
-    output_dir = resolve_output_dir(cfg, ctx)
     prepare_compilation(cfg)
     # The data first: it is checked before anything is trained, and may decide model.num_classes.
     data = build_datasets(cfg, ctx, ("train", "val"))
@@ -171,7 +180,7 @@ def _train(cfg: DictConfig, ctx: DistContext) -> dict:
     trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, training=training, train_loader=train_loader,
                       val_loader=val_loader, coco_gt=data["val"].coco,
                       detection_images=build_detection_images(cfg, data["val"], enabled=ctx.is_main),
-                      position=position, config_record=plain_config(cfg), timing=timing)
+                      position=position, config_record=plain_config(cfg), timing=timing, stop=stop)
     return {"output_dir": output_dir, **trainer.fit()}
 
 
@@ -188,35 +197,40 @@ def evaluate(cfg: DictConfig) -> dict:
     ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
         output_dir = resolve_output_dir(cfg, ctx)
-        prepare_compilation(cfg)
-        ckpt = load_checkpoint(cfg.checkpoint)
-        model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
-                                                path=cfg.checkpoint)
-        val_set = build_datasets(cfg, ctx, ("val",))["val"]
-        # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
-        model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
-                                                       checkpoint_state=ckpt["model"])
-        buckets = size_buckets(cfg, ctx, None, val_set)
-        loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets)
-        model, postprocess, plan = build_evaluation(OmegaConf.create(model_cfg), cfg, ctx=ctx,
-                                                    evaluation_batches=len(loader.batch_sampler))
-        load_model_weights(model, ckpt, path=cfg.checkpoint)
-        detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
-        evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=loader,
-                                   coco_gt=val_set.coco, device=ctx.device,
-                                   precision=Precision(amp=cfg.amp, device=ctx.device),
-                                   keep_detections=detection_images.image_ids, ranks=Ranks(ctx),
-                                   compiled=plan is not None and plan.evaluation)
-        if ctx.is_main:
-            writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
-            record_evaluation(evaluation, writer=writer, json_path=output_dir / "eval.json",
-                              step=int(ckpt.get("step", 0) or 0), what=f"of {cfg.checkpoint}",
-                              detection_images=detection_images, log=log,
-                              checkpoint=str(Path(cfg.checkpoint).resolve()))
-            writer.close()
-        return {"output_dir": output_dir, "eval": evaluation.stats}
+        with holding_the_run_directory(output_dir, ctx):
+            return _evaluate(cfg, ctx, output_dir)
     finally:
         shutdown_distributed(ctx)
+
+
+def _evaluate(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
+    prepare_compilation(cfg)
+    ckpt = load_checkpoint(cfg.checkpoint)
+    model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
+                                            path=cfg.checkpoint)
+    val_set = build_datasets(cfg, ctx, ("val",))["val"]
+    # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
+    model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
+                                                   checkpoint_state=ckpt["model"])
+    buckets = size_buckets(cfg, ctx, None, val_set)
+    loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets)
+    model, postprocess, plan = build_evaluation(OmegaConf.create(model_cfg), cfg, ctx=ctx,
+                                                evaluation_batches=len(loader.batch_sampler))
+    load_model_weights(model, ckpt, path=cfg.checkpoint)
+    detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
+    evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=loader,
+                               coco_gt=val_set.coco, device=ctx.device,
+                               precision=Precision(amp=cfg.amp, device=ctx.device),
+                               keep_detections=detection_images.image_ids, ranks=Ranks(ctx),
+                               compiled=plan is not None and plan.evaluation)
+    if ctx.is_main:
+        writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
+        record_evaluation(evaluation, writer=writer, json_path=output_dir / "eval.json",
+                          step=int(ckpt.get("step", 0) or 0), what=f"of {cfg.checkpoint}",
+                          detection_images=detection_images, log=log,
+                          checkpoint=str(Path(cfg.checkpoint).resolve()))
+        writer.close()
+    return {"output_dir": output_dir, "eval": evaluation.stats}
 
 
 _started_by_main = False  # STARTED is this process's start only when main() runs the job
@@ -229,15 +243,9 @@ def main(cfg: DictConfig) -> None:
     if env_rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
     keep_file_only_off_console()
-    try:
-        if cfg.eval_only:
-            evaluate(cfg)
-        else:
-            train(cfg)
-    except Exception:
-        # Hydra prints the error to the console only; train.log would otherwise just stop.
-        log.exception("the run failed")
-        raise
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if env_rank() == 0 else None
+    run_reporting_faults(lambda: evaluate(cfg) if cfg.eval_only else train(cfg), run_dir=run_dir, log=log,
+                         dated=not cfg.output_dir)
 
 
 if __name__ == "__main__":

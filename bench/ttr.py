@@ -69,7 +69,7 @@ def run_row(args, work: Path, data: Path, mode: str, cache: str) -> dict:
         shutil.rmtree(run_dir)
     overrides = [*data_overrides(data), "model=deformable_detr", "model.pretrained=none", f"max_steps={args.steps}",
                  "batch_size=2", f"num_workers={args.num_workers}", "eval_every=1000", "log_every=50",
-                 f"compile.cache_dir={cache_dir}", f"output_dir={run_dir}", f"hydra.run.dir={run_dir}", *MODES[mode]]
+                 f"compile.cache_dir={cache_dir}", f"output_dir={run_dir}", *MODES[mode]]
     cmd = [sys.executable, str(ROOT / "train.py"), *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     started = time.time()

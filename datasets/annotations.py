@@ -1,9 +1,11 @@
 """Reading a COCO-format annotation file, and checking it once before any training starts.
 
-``load_annotation_file`` names the file in every error (bad JSON, a missing list, a malformed image
-entry). ``clean_annotations`` drops the annotations that cannot be trained or scored on (bad boxes,
-unknown images or categories), counting each reason with an example annotation id so that the dataset
-can report them in one warning instead of dropping them without a word.
+``load_annotation_file`` names the file in every error (bad JSON, a missing list, a malformed image entry,
+an annotation without one of the fields every annotation needs, two annotations with one id: pycocotools
+would index the second over the first and hand its box to the other's image). ``clean_annotations`` drops the
+annotations whose values cannot be trained or scored on (bad boxes, unknown images or categories), counting
+each reason with an example annotation id so that the dataset can report them in one warning instead of
+dropping them without a word.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def load_annotation_file(path: str | Path) -> dict:
     """The parsed file, with ``images``, ``annotations`` and ``categories`` lists (the last may be empty).
 
     Image entries must be objects with an integer ``id`` (unique) and a string ``file_name``; ``width``
-    and ``height``, when given, positive integers. Annotation entries are checked by clean_annotations.
+    and ``height``, when given, positive integers. Annotation entries must be objects with an integer ``id``
+    (unique) and the fields of ANNOTATION_FIELDS; their values are checked by clean_annotations.
     """
     path = Path(path)
     try:
@@ -51,7 +54,32 @@ def load_annotation_file(path: str | Path) -> dict:
         if problem:
             raise AnnotationFileError(f"annotation file {path}: images[{index}] {problem} ({str(image)[:200]})")
         seen.add(image["id"])
+    first_index: dict[int, int] = {}
+    for index, ann in enumerate(data["annotations"]):
+        problem = _annotation_entry_problem(ann)
+        if problem is None and ann["id"] in first_index:
+            problem = (f"has id {ann['id']}, which annotations[{first_index[ann['id']]}] has too (annotation ids must "
+                       "be unique: give every annotation its own)")
+        if problem:
+            raise AnnotationFileError(f"annotation file {path}: annotations[{index}] {problem} ({str(ann)[:200]})")
+        first_index[ann["id"]] = index
     return data
+
+
+# What every annotation must have (COCO's format; README, "Your own data"). Their values are checked apart.
+ANNOTATION_FIELDS = ("id", "image_id", "category_id", "bbox")
+
+
+def _annotation_entry_problem(ann) -> str | None:
+    if not isinstance(ann, dict):
+        return "is not an object"
+    missing = [key for key in ANNOTATION_FIELDS if key not in ann]
+    if missing:
+        name = f" (id {ann['id']})" if "id" in ann else ""
+        return f"{name} has no {', '.join(repr(k) for k in missing)}".lstrip()
+    if not _is_int(ann["id"]):
+        return f"has id {ann['id']!r}, not an integer"
+    return None
 
 
 def _is_int(value) -> bool:
@@ -96,7 +124,7 @@ class AnnotationReport:
 def clean_annotations(data: dict) -> tuple[dict, AnnotationReport]:
     """``data`` without the annotations that cannot be used, and what was dropped and why.
 
-    Dropped: entries that are not objects, whose image_id is not among the images, whose category_id is
+    Dropped: entries whose image_id is not among the images, whose category_id is
     not an integer >= 0 or (when the file lists categories) not among them, whose bbox is not 4 finite
     numbers, has a zero or negative width or height, or lies wholly outside its image, and whose area is
     not a finite number. A box partly outside is kept (the loader clamps it). The test on the box is the
@@ -110,10 +138,10 @@ def clean_annotations(data: dict) -> tuple[dict, AnnotationReport]:
     for index, ann in enumerate(data["annotations"]):
         reason = _entry_problem(ann, images, category_ids)
         if reason:
-            report.add(reason, ann.get("id", f"#{index}") if isinstance(ann, dict) else f"#{index}")
+            report.add(reason, ann["id"])
         else:
             candidates.append(ann)
-            candidate_ids.append(ann.get("id", f"#{index}"))
+            candidate_ids.append(ann["id"])
     kept = []
     for ann, ann_id, reason in zip(candidates, candidate_ids, _box_problems(candidates, images)):
         if reason:
@@ -127,9 +155,7 @@ _NUMBER = (int, float)  # exact types, as json gives them: bool is no number her
 
 
 def _entry_problem(ann, images: dict, category_ids: set) -> str | None:
-    """Why an entry's structure makes it unusable (the box's values are _box_problems' part), or None."""
-    if type(ann) is not dict:
-        return "entries that are not objects"
+    """Why an entry's values make it unusable (the box's are _box_problems' part), or None."""
     if type(ann.get("image_id")) is not int or ann["image_id"] not in images:
         return "with an image_id that is not among the file's images"
     category_id = ann.get("category_id")

@@ -74,12 +74,12 @@ def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, 
 
 def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: int, train: bool,
                       buckets: SizeBuckets | None = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                      pad_to_multiple: int = 1) -> DataLoader:
+                      pad_to_multiple: int = 1, worker_init_fn=None) -> DataLoader:
     """DataLoader of (images, masks, targets) batches, as ``loader.batch_sampler`` (a BatchPlan) plans them.
 
     train: an endless stream of epochs (``loader.batch_sampler.steps_per_epoch`` batches each; resume with
     ``loader.batch_sampler.start_at``); else one pass over this rank's share of the images. Workers stay alive
-    between passes and prefetch across an epoch's end.
+    between passes and prefetch across an epoch's end; ``worker_init_fn`` runs in each as it starts.
     """
     plan = BatchPlan(sizes=image_sizes(dataset), transform=dataset.transforms, batch_size=batch_size,
                      buckets=buckets, train=train, seed=seed, rank=rank, world_size=world_size,
@@ -92,4 +92,5 @@ def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: i
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed + rank),
+        worker_init_fn=worker_init_fn,
     )

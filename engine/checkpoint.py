@@ -34,6 +34,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not fit the model; the message names the file."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, say); the message names the file and what is kept."""
+
+
 def epoch_checkpoint_name(epoch: int) -> str:
     return f"checkpoint_epoch{epoch:04d}.pth"
 
@@ -55,10 +59,50 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError of its writer
+        kept = (f"{path} still holds the previous checkpoint" if path.exists()
+                else "no checkpoint had been written there yet")
+        raise CheckpointWriteError(
+            f"could not write checkpoint {path} ({_write_failure(error)}; {_free_mb(path.parent):.0f} MB free on its "
+            f"disk); {kept}. Free disk space or set output_dir to another disk, then resume") from None
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _free_mb(directory: Path) -> float:
+    try:
+        return shutil.disk_usage(directory).free / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _write_failure(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error)
+    if "unexpected pos" in text or "failed writing" in text:
+        return "the write stopped short: the disk is probably full"
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """About what a checkpoint of ``model`` takes on disk: the weights and buffers, and AdamW's two moments of
+    every trained parameter (fp32)."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    moments = sum(2 * 4 * p.numel() for p in model.parameters() if p.requires_grad)
+    return weights + moments + 2**20
+
+
+def check_free_space(directory: str | os.PathLike, needed: int) -> None:
+    """Refuse to start a run whose checkpoints would not fit: found now, not after an epoch of training. A save
+    writes the new file beside the old one before replacing it, so ``needed`` must be free on top of it."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CheckpointWriteError(
+            f"{directory} has {free / 2**20:.0f} MB free, and a checkpoint of this run takes about "
+            f"{needed / 2**20:.0f} MB: free disk space or set output_dir to a disk with room")
 
 
 def _temporary_name(path: Path) -> Path:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional, get_type_hints
@@ -150,6 +152,7 @@ class TrainConfig:
     compile: CompileConfig = _role(HOW_TO_RUN, default_factory=CompileConfig)
     eval_every: int = _role(HOW_TO_RUN, MISSING)
     checkpoint_every: int = _role(HOW_TO_RUN, MISSING)
+    checkpoint_minutes: Optional[float] = _role(HOW_TO_RUN, 30.0)
     log_every: int = _role(HOW_TO_RUN, MISSING)
     eval_images: int = _role(HOW_TO_RUN, 4)
     eval_images_min_score: float = _role(HOW_TO_RUN, 0.3)
@@ -169,6 +172,8 @@ class TrainConfig:
         if not 0 <= self.eval_images_min_score <= 1:
             problems.append(f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
                             f"drawn), got {self.eval_images_min_score!r}")
+        if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
+            problems.append(f"checkpoint_minutes must be > 0 or null (only at epoch ends), got {self.checkpoint_minutes!r}")
         if not self.dist_timeout_s > 0:
             problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
         if not DEVICE.fullmatch(self.device):
@@ -177,8 +182,17 @@ class TrainConfig:
             raise ValueError("bad run settings (configs/train.yaml; fix the override): " + "; ".join(problems))
 
 
+def run_directory(output_dir: str | None) -> str:
+    """Hydra's run directory (configs/train.yaml, hydra.run.dir): ``output_dir`` when set, so that it holds the
+    run's train.log and .hydra/ too, else outputs/<date>/<time>."""
+    return output_dir or time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
+
+
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore under the names the yaml files use (idempotent)."""
+    """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and the run directory's
+    resolver (idempotent)."""
+    if not OmegaConf.has_resolver("run_dir"):
+        OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for name, schema in DATASET_SCHEMAS.items():
@@ -195,8 +209,31 @@ def check_config(cfg: DictConfig) -> DictConfig:
     if OmegaConf.get_type(cfg) is not TrainConfig:
         raise TypeError("the config was composed without its schemas: call engine.config.register_configs() "
                         "before hydra.compose / @hydra.main (train.py does this on import)")
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))
     OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules
     return copy.deepcopy(cfg)
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """The keys of ``node`` and its groups that their schema does not have, each with the closest known name.
+
+    Hydra refuses a misspelt key, but ``+key=value`` adds one to a typed group, where nothing would read it.
+    """
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []
+    known = [f.name for f in dataclasses.fields(schema)]
+    problems = []
+    for key in node.keys():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            problems.append(f"{prefix}{key} is not a setting{hint}")
+        elif isinstance(node._get_node(key), DictConfig):
+            problems += unknown_keys(node[key], f"{prefix}{key}.")
+    return problems
 
 
 def plain_config(cfg: DictConfig) -> dict:

@@ -9,6 +9,11 @@ The training batches are one stream over all epochs (datasets/batch_plan.py), so
 prefetch across an epoch's end; a resumed run starts the stream at its step. A step that compiled (a new
 size's graph, a CUDA-graph recording) is logged with what it compiled and how long that took, and its
 compilation is left out of the ETA and of the training time (engine/run_timing.py).
+
+Nothing is lost beyond the last checkpoint: checkpoint.pth is also rewritten mid-epoch every
+``checkpoint_minutes``, and a stop signal (engine/stop_request.py) lets the step finish, writes it at that
+exact step and stops the run (TrainingStopped). On several processes the request travels in the log
+interval's all-reduce, so every rank stops at the same step without a sync of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +31,7 @@ import torch
 from datasets import ImageReadError
 
 from .build import Training
-from .checkpoint import LATEST, epoch_checkpoint_name, publish_as, save_checkpoint
+from .checkpoint import LATEST, check_free_space, checkpoint_bytes, epoch_checkpoint_name, publish_as, save_checkpoint
 from .compile_log import CompileTotals, describe_graphs
 from .detection_images import DetectionImages
 from .distributed import DistContext, Ranks, all_reduce_mean, barrier
@@ -36,6 +42,7 @@ from .resume import last_checkpoint_hint
 from .rng import capture_rng_state, epoch_seed, restore_rng_state, seed_all
 from .run_timing import RunTiming
 from .step_log import Interval, StepLog
+from .stop_request import StopRequest, TrainingStopped
 from .tensorboard import ScalarWriter
 
 log = logging.getLogger("train")
@@ -70,7 +77,7 @@ class Trainer:
 
     def __init__(self, *, cfg, ctx: DistContext, output_dir: Path, training: Training, train_loader, val_loader,
                  coco_gt, detection_images: DetectionImages, position: Position, config_record: dict,
-                 timing: RunTiming):
+                 timing: RunTiming, stop: StopRequest | None = None):
         self.cfg, self.ctx, self.output_dir = cfg, ctx, Path(output_dir)
         self.model, self.step, self.postprocess = training.model, training.step, training.postprocess
         self.optimizer, self.precision = training.optimizer, training.precision
@@ -85,12 +92,17 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
+        if ctx.is_main:  # a full disk is found now, not at the end of an epoch of training
+            check_free_space(self.output_dir, checkpoint_bytes(self.model))
         self.writer = ScalarWriter(log_dir=self.output_dir / "tensorboard", enabled=ctx.is_main)
         self.progress = Progress(total_steps=self.total_steps, start_step=position.step, enabled=ctx.is_main)
         self.step_log = StepLog(device=ctx.device)
         self.losses: list[float] = []
         self.eval_stats: dict | None = None
         self._stream = None
+        self.stop = stop or StopRequest()
+        self._stop_agreed = False  # every process has learnt of a stop request (at a log interval)
+        self._last_save = time.monotonic()
 
     # -- the schedule -----------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -143,6 +155,30 @@ class Trainer:
                 self._report_compilation(compiled, what=f"step {pos.step} ({images.shape[-2]}x{images.shape[-1]})")
             if pos.step % self.cfg.log_every == 0 or pos.step == self.total_steps:
                 self._report(epoch)
+                self._save_if_due()
+            if self._stop_agreed or (self.stop.requested and not self.ctx.distributed):
+                self._stop_here(epoch)
+
+    def _save_if_due(self) -> None:
+        """checkpoint.pth mid-epoch once checkpoint_minutes have passed since the last save (rank 0 alone: it
+        writes, no collective), right after a log interval's losses were checked."""
+        minutes = self.cfg.checkpoint_minutes
+        if (self.ctx.is_main and minutes is not None and time.monotonic() - self._last_save >= 60 * minutes
+                and self.position.steps_in_epoch < self.steps_per_epoch):
+            self._save(epoch_done=False)
+
+    def _stop_here(self, epoch: int) -> None:
+        """Write the exact position and stop: the step that was running when the signal came has finished."""
+        self._report(epoch)  # this interval's losses are checked before they are saved
+        self._save(epoch_done=False)
+        pos, latest = self.position, self.output_dir / LATEST
+        signum = self.stop.signum if self.stop.signum is not None else int(signal.SIGTERM)
+        message = (f"stopped by {signal.Signals(signum).name if self.stop.requested else 'another process'} at epoch "
+                   f"{epoch + 1}, step {pos.step} of {self.total_steps}: {latest} holds that step; continue with "
+                   f"resume=auto (in this run directory) or resume={latest}")
+        if self.ctx.is_main:
+            log.warning(message)
+        raise TrainingStopped(signum, message)
 
     def _close_epoch(self, epoch: int) -> None:
         """Checkpoint first, then evaluate: nothing trained is lost to a failure in evaluation."""
@@ -170,7 +206,8 @@ class Trainer:
         if not len(self.step_log):
             return
         average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
-        interval = self.step_log.flush(step.value_names, average)
+        interval = self.step_log.flush(step.value_names, average, stop=self.stop.requested)
+        self._stop_agreed = self._stop_agreed or interval.stop_requested
         checked = ("loss",) if self.precision.scaler.is_enabled() else ("loss", "grad_norm")  # fp16 skips overflows
         bad = interval.first_non_finite(checked)
         if bad is not None:
@@ -235,6 +272,7 @@ class Trainer:
             else:
                 save_checkpoint(state, self.output_dir / LATEST)
             self.timing.add_checkpoint(time.perf_counter() - t0)
+        self._last_save = time.monotonic()
         self.step_log.restart_clock()
 
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:

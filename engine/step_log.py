@@ -26,6 +26,7 @@ class Interval:
     data_ms: float                  # mean host time waiting for a batch
     images_per_s: float             # all processes' images over the interval's wall time
     wall_s: float
+    stop_requested: bool = False    # some process was asked to stop (engine/stop_request.py)
 
     @property
     def last(self) -> dict[str, float]:
@@ -79,18 +80,21 @@ class StepLog:
         self._values.append(values)
         self._images += images
 
-    def flush(self, names: tuple[str, ...], average=None) -> Interval | None:
+    def flush(self, names: tuple[str, ...], average=None, *, stop: bool = False) -> Interval | None:
         """Read the interval's results (one device->host transfer); None when no step was run.
 
         ``average`` maps a device tensor to its mean over processes (engine.distributed), so that every
-        rank sees the same values and takes the same decisions.
+        rank sees the same values and takes the same decisions. ``stop`` (this process was asked to stop)
+        travels in the same tensor, as one more row: every process learns at the same step whether any was.
         """
         if not self._values:
             return None
         stacked = torch.stack(self._values)  # (steps, len(names))
+        flag = torch.full_like(stacked[:1], float(stop))  # (1, len(names))
+        stacked = torch.cat([stacked, flag])  # (steps + 1, len(names))
         if average is not None:
             stacked = average(stacked)
-        values = stacked.tolist()  # the interval's one sync
+        *values, flag_row = stacked.tolist()  # the interval's one sync
         if self.cuda:
             step_ms = [start.elapsed_time(end) for start, end in self._events]
         else:
@@ -99,7 +103,8 @@ class StepLog:
         wall_s = now - self._t_flush
         interval = Interval(first_step=self._first_step, rows=[dict(zip(names, row)) for row in values],
                             step_ms=sum(step_ms) / len(step_ms), data_ms=sum(self._data_ms) / len(self._data_ms),
-                            images_per_s=self._images / max(wall_s, 1e-9), wall_s=wall_s)
+                            images_per_s=self._images / max(wall_s, 1e-9), wall_s=wall_s,
+                            stop_requested=flag_row[0] > 0)
         self._values, self._events, self._host_ms, self._data_ms, self._images = [], [], [], [], 0
         self._t_flush = now
         return interval

@@ -78,6 +78,11 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     (["compile.mode=eager", "compile.backbone=static"],
      r"compile\.backbone=static does nothing with compile\.mode=eager"),
     (["dataset.size_buckets=1"], r"dataset\.size_buckets must be 0 \(no buckets\) or at least 2"),
+    # Hydra's own hint after a typo is '+key=value', which adds a key that nothing reads.
+    (["+optim.lrr=1e-4"], r"unknown settings .*: optim\.lrr is not a setting \(did you mean optim\.lr\?\)"),
+    (["+epoch=3", "+dataset.size_bucket=2"], r"dataset\.size_bucket is not a setting \(did you mean "
+                                             r"dataset\.size_buckets\?\); epoch is not a setting \(did you mean epochs\?\)"),
+    (["+compile.modes=eager"], r"compile\.modes is not a setting \(did you mean compile\.mode\?\)"),
 ])
 def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -157,6 +157,18 @@ def test_a_training_set_without_annotations_is_an_error(tmp_path):
     ('{"images": [{"id": 1, "file_name": "a.jpg"}, {"id": 1, "file_name": "b.jpg"}], "annotations": []}',
      r"images\[1\] image id 1 appears twice"),
     (b'{"images": "\xc3\x28"}', r"val\.json is not UTF-8 JSON text \(invalid continuation byte at byte 12\)"),
+    # Two annotations with one id: pycocotools would give the second's box to the first's image.
+    ('{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": ['
+     '{"id": 7, "image_id": 1, "category_id": 1, "bbox": [1, 1, 5, 5]},'
+     '{"id": 7, "image_id": 1, "category_id": 2, "bbox": [2, 2, 5, 5]}]}',
+     r"val\.json: annotations\[1\] has id 7, which annotations\[0\] has too \(annotation ids must be unique"),
+    ('{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": [{"image_id": 1, "category_id": 1, '
+     '"bbox": [1, 1, 5, 5]}]}', r"val\.json: annotations\[0\] has no 'id'"),
+    ('{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": [{"id": 3, "image_id": 1, "category_id": 1}]}',
+     r"val\.json: annotations\[0\] \(id 3\) has no 'bbox'"),
+    ('{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": [{"id": "a3", "image_id": 1, "category_id": 1, '
+     '"bbox": [1, 1, 5, 5]}]}', r"annotations\[0\] has id 'a3', not an integer"),
+    ('{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": [[1, 2]]}', r"annotations\[0\] is not an object"),
 ])
 def test_a_malformed_annotation_file_is_named(tmp_path, content, message):
     write_set(tmp_path, "val")

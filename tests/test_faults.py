@@ -1,0 +1,235 @@
+"""A run under faults, as a user meets them (CPU): preemption signals, one message per fault with the traceback
+in train.log, a full disk found up front and a failed write named, one run per run directory, exit codes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train as trainer
+from child_process import child_env
+from engine.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
+from engine.run_lock import LOCK_FILE, RunDirectoryInUse
+from engine.step_log import StepLog
+from engine.stop_request import TrainingStopped
+from test_reliability_checkpoint import dead_pid
+from test_train import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
+
+pytestmark = pytest.mark.slow
+
+
+def compose_run(data_root: Path, output_dir: Path, *extra: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="train", overrides=[*tiny_overrides(data_root), f"output_dir={output_dir}",
+                                                        "eval_images=0", *extra])
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_root):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    return {**trainer.train(compose_run(data_root, run_dir)), "weights": load_checkpoint(run_dir / "checkpoint.pth")}
+
+
+def signal_at_call(monkeypatch, signum: int, call: int) -> None:
+    """Send this process ``signum`` from inside the ``call``-th training step, as a scheduler would."""
+    from engine.step import TrainStep
+
+    step_call, calls = TrainStep.__call__, {"n": 0}
+
+    def stepping(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.kill(os.getpid(), signum)
+        return step_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "__call__", stepping)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_stopped(
+        uninterrupted, data_root, tmp_path, monkeypatch, signum):
+    stop_at = STEPS_PER_EPOCH + 2  # inside the second epoch
+    signal_at_call(monkeypatch, signum, stop_at)
+    with pytest.raises(TrainingStopped, match=rf"stopped by {signal.Signals(signum).name} at epoch 2, step {stop_at}"
+                                              r" of 6: .*checkpoint\.pth holds that step; continue with resume=auto") as stopped:
+        trainer.train(compose_run(data_root, tmp_path))
+    assert stopped.value.exit_code == 128 + signum
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
+    assert (ckpt["epoch"], ckpt["steps_in_epoch"], ckpt["step"]) == (1, 2, stop_at)
+    monkeypatch.undo()
+    resumed = trainer.train(compose_run(data_root, tmp_path, "resume=auto"))
+    assert resumed["step"] == 2 * STEPS_PER_EPOCH
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][stop_at:], rel=1e-5)
+    final = load_checkpoint(tmp_path / "checkpoint.pth")["model"]
+    for name, value in uninterrupted["weights"]["model"].items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert resumed["eval"] == pytest.approx(uninterrupted["eval"], abs=1e-4)
+
+
+def test_checkpoints_are_written_mid_epoch_every_checkpoint_minutes(data_root, tmp_path, monkeypatch):
+    import engine.loop
+
+    saved = []
+    save = engine.loop.save_checkpoint
+    monkeypatch.setattr(engine.loop, "save_checkpoint",
+                        lambda state, path: saved.append((state["epoch"], state["steps_in_epoch"])) or save(state, path))
+    trainer.train(compose_run(data_root, tmp_path, "epochs=1", "checkpoint_minutes=1e-6"))  # due at every log line
+    assert saved == [(0, 1), (0, 2), (1, 0)]  # after steps 1 and 2, then the epoch's end
+
+
+def test_every_rank_learns_of_a_stop_at_the_same_interval():
+    """The request travels in the log interval's all-reduce: a rank that got no signal learns of the other's."""
+    log_a, log_b = StepLog(device=torch.device("cpu")), StepLog(device=torch.device("cpu"))
+    for log in (log_a, log_b):
+        log.begin(step=0, data_ms=0.0)
+        log.end(torch.tensor([1.0, 2.0]), images=2)
+    flags = []
+
+    def mean_with_the_other_rank(t):  # the other rank asked to stop: its flag row is 1
+        other = t.clone()
+        other[-1] = 1.0
+        flags.append(t[-1].tolist())
+        return (t + other) / 2
+
+    interval = log_a.flush(("loss", "grad_norm"), mean_with_the_other_rank, stop=False)
+    assert interval.stop_requested and flags == [[0.0, 0.0]] and interval.rows == [{"loss": 1.0, "grad_norm": 2.0}]
+    assert not log_b.flush(("loss", "grad_norm"), lambda t: t, stop=False).stop_requested
+
+
+# ------------------------------------------------------------------------------------------------- disks
+def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root, tmp_path, monkeypatch):
+    import shutil
+
+    import engine.checkpoint
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(engine.checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
+    with pytest.raises(CheckpointWriteError, match=r"has 1 MB free, and a checkpoint of this run takes about \d+ MB: "
+                                                   r"free disk space or set output_dir to a disk with room"):
+        trainer.train(compose_run(data_root, tmp_path))
+    assert not (tmp_path / "checkpoint.pth").exists() and not list((tmp_path / "tensorboard").glob("*"))
+
+
+def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import engine.checkpoint
+
+    path = save_checkpoint({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "checkpoint.pth")
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 24")
+
+    monkeypatch.setattr(engine.checkpoint.torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint\.pth \(the write stopped "
+                                                   r"short: the disk is probably full; \d+ MB free on its disk\); .*"
+                                                   r"checkpoint\.pth still holds the previous checkpoint"):
+        save_checkpoint({"model": {"w": torch.zeros(2)}, "step": 2}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
+
+
+# ------------------------------------------------------------------------------------------ run directories
+def test_a_second_run_in_a_directory_in_use_is_refused_naming_the_other(data_root, tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_FILE).write_text(
+            f'{{"pid": {sleeper.pid}, "host": "{os.uname().nodename}", "started": "2026-12-01 10:00:00", '
+            f'"command": "train.py output_dir={tmp_path}"}}')
+        with pytest.raises(RunDirectoryInUse, match=rf"run directory .* is in use by process {sleeper.pid}, started "
+                                                    r"2026-12-01 10:00:00 \(train\.py output_dir=.*\)\. Wait for it"):
+            trainer.train(compose_run(data_root, tmp_path))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert (tmp_path / LOCK_FILE).exists()  # the other run's lock is left alone
+
+
+def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_warning(data_root, tmp_path, caplog):
+    pid = dead_pid()
+    (tmp_path / LOCK_FILE).write_text(f'{{"pid": {pid}, "host": "{os.uname().nodename}", "started": "x", "command": ""}}')
+    with caplog.at_level(logging.WARNING, logger="train"):
+        result = trainer.train(compose_run(data_root, tmp_path, "epochs=1"))
+    assert result["step"] == STEPS_PER_EPOCH
+    assert f"taking over the lock of process {pid}, which no longer runs" in caplog.text
+    assert not (tmp_path / LOCK_FILE).exists()  # released at the end
+
+
+# ------------------------------------------------------------------------------------- as a user runs it
+def start_train(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path,
+                            env=env or child_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_after_the_step_with_its_exit_code_and_no_traceback(data_root, tmp_path, signum):
+    run_dir = tmp_path / "run"
+    child = start_train(tmp_path, *tiny_overrides(data_root), "epochs=100", f"output_dir={run_dir}")
+    lines = []
+    for line in child.stdout:  # wait until it trains
+        lines.append(line)
+        if "epoch 2/100" in line:
+            child.send_signal(signum)
+            break
+    out = "".join(lines) + child.stdout.read()
+    assert child.wait(timeout=120) == 128 + signum, out
+    name = signal.Signals(signum).name
+    assert f"{name} received: finishing this step" in out and f"stopped by {name} at epoch" in out
+    assert "Traceback" not in out
+    ckpt = load_checkpoint(run_dir / "checkpoint.pth")
+    assert ckpt["step"] > STEPS_PER_EPOCH
+    # Everything of the run is in output_dir: its log and Hydra's record too, and nothing under ./outputs.
+    assert (run_dir / "train.log").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    assert not (tmp_path / "outputs").exists() and not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_fault_is_one_message_on_the_console_and_its_traceback_in_train_log(data_root, tmp_path):
+    # A bad setting: the message once, no traceback, and no run directory left behind.
+    child = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=-1"], cwd=tmp_path,
+                           env=child_env(), capture_output=True, text=True, timeout=120)
+    out = child.stdout + child.stderr
+    assert child.returncode == 1 and out.count("optim.lr must be a finite number > 0") == 1, out
+    assert "Traceback" not in out and not (tmp_path / "outputs").exists()
+    # A text file given as a checkpoint: the clear error only, not the unpickler's KeyError behind it.
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "eval_only=true",
+                            "checkpoint=notes.txt"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                           timeout=120)
+    out = child.stdout + child.stderr
+    assert child.returncode == 1 and out.count("could not read checkpoint notes.txt") == 1, out
+    assert "KeyError" not in out and "Traceback" not in out
+    # A fault during training (damaged images, found as they are read): the console says which and where to go
+    # on from, train.log also has the traceback.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(data_root, damaged)
+    for image in sorted((damaged / "train2017").glob("*.jpg"))[:6]:
+        image.write_bytes(image.read_bytes()[:100])
+    run_dir = tmp_path / "run"
+    overrides = [*tiny_overrides(damaged), "dataset.verify=false", f"output_dir={run_dir}"]
+    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path, env=child_env(),
+                           capture_output=True, text=True, timeout=300)
+    out = child.stdout + child.stderr
+    assert child.returncode == 1 and "Traceback" not in out and out.count("cannot read image ") == 1, out
+    log_text = (run_dir / "train.log").read_text()
+    assert "Traceback" in log_text and "cannot read image " in log_text
+    # HYDRA_FULL_ERROR=1 puts the traceback on the console too.
+    child = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=-1"], cwd=tmp_path,
+                           env=child_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=120)
+    assert child.returncode == 1 and "Traceback" in child.stdout + child.stderr
