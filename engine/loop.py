@@ -156,6 +156,7 @@ class Trainer:
             if pos.step % self.cfg.log_every == 0 or pos.step == self.total_steps:
                 self._report(epoch)
                 self._save_if_due()
+            self.stop.announce()
             if self._stop_agreed or (self.stop.requested and not self.ctx.distributed):
                 self._stop_here(epoch)
 

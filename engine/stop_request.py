@@ -36,6 +36,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._announced = False
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -57,13 +58,19 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def _handle(self, signum, frame) -> None:
+        # Only a flag: the handler may run in the middle of a write to the console, which logging from here
+        # would re-enter (the loop announces the request, ``announce``).
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now
         if self.signum is None:
             self.signum = signum
-            log.warning("%s received: finishing this step, then writing checkpoint.pth and stopping%s",
-                        signal.Signals(signum).name, " (Ctrl-C again to stop at once)" if signum == signal.SIGINT
-                        else "")
+
+    def announce(self) -> None:
+        """Log the request, once (the loop calls this when it sees it, between steps)."""
+        if self.signum is not None and not self._announced:
+            self._announced = True
+            log.warning("%s received: finishing this step, then writing checkpoint.pth and stopping%s", self.name,
+                        " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else "")
 
 
 def ignore_stop_signals(worker_id: int | None = None) -> None:
