@@ -38,7 +38,7 @@ from engine.distributed import (DistContext, Ranks, argv_for_rank, barrier, broa
                                 init_distributed, shutdown_distributed)
 from engine.evaluation import evaluate_coco, record_evaluation  # noqa: E402
 from engine.init_from import InitFrom, prepare_init_from  # noqa: E402
-from engine.loop import NonFiniteLossError, Position, Trainer  # noqa: E402
+from engine.loop import NonFiniteLossError, Position, Trainer, planned_steps  # noqa: E402
 from engine.num_classes import resolve_num_classes  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from engine.resume import config_for_resume, find_resume_checkpoint  # noqa: E402
@@ -114,21 +114,21 @@ def planned_evaluations(cfg: DictConfig, *, total_steps: int, steps_per_epoch: i
     return len(range(start_epoch + cfg.eval_every, last_epoch + 1, cfg.eval_every)) + 1
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, *, started: float | None = None) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step",
-    "timing"}."""
+    "timing"}. ``started``: the process's start (time.perf_counter), from which timing.json counts; default now."""
     cfg = check_config(cfg)
     ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
         output_dir = resolve_output_dir(cfg, ctx)
         with holding_the_run_directory(output_dir, ctx), StopRequest() as stop:
-            return _train(cfg, ctx, output_dir, stop)
+            return _train(cfg, ctx, output_dir, stop, started=time.perf_counter() if started is None else started)
     finally:
         shutdown_distributed(ctx)
 
 
-def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest) -> dict:
-    timing = RunTiming(started=STARTED if _started_by_main else time.perf_counter())
+def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest, *, started: float) -> dict:
+    timing = RunTiming(started=started)
     prepare_compilation(cfg)
     # The data first: it is checked before anything is trained, and may decide model.num_classes.
     data = build_datasets(cfg, ctx, ("train", "val"))
@@ -155,8 +155,7 @@ def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopReques
                          f"{cfg.batch_size} per process on {ctx.world_size} processes"
                          + (" once batched by size (dataset.size_buckets=0 batches any images together)"
                             if buckets is not None else ""))
-    total_steps = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(steps_per_epoch * cfg.epochs,
-                                                                                 cfg.max_steps)
+    total_steps = planned_steps(cfg, steps_per_epoch)
     start_epoch = ckpt["epoch"] if ckpt is not None else 0
     evaluations = planned_evaluations(cfg, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
                                       start_epoch=start_epoch)
@@ -233,19 +232,14 @@ def _evaluate(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     return {"output_dir": output_dir, "eval": evaluation.stats}
 
 
-_started_by_main = False  # STARTED is this process's start only when main() runs the job
-
-
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    global _started_by_main
-    _started_by_main = True
     if env_rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
     keep_file_only_off_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir) if env_rank() == 0 else None
-    run_reporting_faults(lambda: evaluate(cfg) if cfg.eval_only else train(cfg), run_dir=run_dir, log=log,
-                         dated=not cfg.output_dir)
+    run_reporting_faults(lambda: evaluate(cfg) if cfg.eval_only else train(cfg, started=STARTED), run_dir=run_dir,
+                         log=log, dated=not cfg.output_dir)
 
 
 if __name__ == "__main__":

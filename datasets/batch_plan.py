@@ -30,6 +30,7 @@ from torch.utils.data import Sampler
 
 from .size_buckets import Size, SizeBuckets, round_up, smallest_holding
 
+
 @dataclass(frozen=True)
 class PlannedSample:
     """What a worker needs to produce one image of a batch: its index, augmentation choices, the batch's size."""

@@ -13,6 +13,7 @@ from .coco import CocoDetection
 from .dataset_config import read_dataset_config
 from .size_buckets import SizeBuckets, plan_size_buckets, round_up, val_families
 
+
 def padded_size(sizes, pad_to_multiple: int = 1) -> tuple[int, int]:
     """The (H, W) a batch of images of ``sizes`` [(h, w), ...] is padded to without buckets: the largest h and
     w, each rounded up to a multiple of ``pad_to_multiple``."""
@@ -64,7 +65,7 @@ def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, 
     # original's rounding of the short side): the families leave that much room.
     aspects = [max(h, w) / min(h, w) for h, w in train_sizes]
     if c.crop:
-        aspects.append(max(c.crop_max_size, c.crop_min_size) / max(1, min(c.crop_min_size, c.crop_max_size)))
+        aspects.append(c.crop_max_size / c.crop_min_size)  # the most elongated crop window
     longest_long = c.max_size + math.ceil(max(aspects) / 2) + 1
     return plan_size_buckets(
         train_sizes=train_sizes, plan_train=lambda size, rng: train_set.transforms.plan(size, rng)[1],

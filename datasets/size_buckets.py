@@ -62,12 +62,6 @@ class SizeBuckets:
     expected_waste: float = 0.0   # padded pixels / all pixels of training batches, estimated from drawn sizes
     unbucketed_waste: float = 0.0  # the same for batches of random images padded to their largest (size_buckets=0)
 
-    def for_train(self, size: Size) -> Size | None:
-        return smallest_holding(size, self.train)
-
-    def for_val(self, size: Size) -> Size | None:
-        return smallest_holding(size, self.val)
-
     def describe(self) -> str:
         def sizes(buckets):
             return ", ".join(f"{h}x{w}" for h, w in buckets)

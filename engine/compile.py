@@ -77,12 +77,13 @@ class CompilePlan:
     def cuda_graphs(self) -> bool:
         return self.mode == "reduce-overhead"
 
-    def describe(self) -> str:
+    def describe(self, *, losses: bool = True) -> str:
         parts = ["the transformer's layers and the heads" if self.regions == "layers"
                  else "the transformer with its heads", "the position encoding"]
         if self.backbone == "static":
             parts.append("the backbone (a graph per size)")
-        parts.append("the losses")
+        if losses:
+            parts.append("the losses")
         if self.evaluation:
             parts.append("evaluation (a graph per size)")
         graphs = ", replayed as CUDA graphs" if self.cuda_graphs else ""
@@ -146,8 +147,8 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     if criterion is not None:
         for region in criterion.compile_regions():
             _compile_region(criterion, region, plan)
-    log.info("%s%s; the first steps of each new size include its compilation", plan.describe(),
-             "" if criterion is not None else " (no losses: evaluation only)")
+    log.info("%s; the first steps of each new size include its compilation",
+             plan.describe(losses=criterion is not None))
     return model
 
 

@@ -173,7 +173,8 @@ class TrainConfig:
             problems.append(f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
                             f"drawn), got {self.eval_images_min_score!r}")
         if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
-            problems.append(f"checkpoint_minutes must be > 0 or null (only at epoch ends), got {self.checkpoint_minutes!r}")
+            problems.append(f"checkpoint_minutes must be > 0 or null (only at epoch ends), got "
+                            f"{self.checkpoint_minutes!r}")
         if not self.dist_timeout_s > 0:
             problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
         if not DEVICE.fullmatch(self.device):

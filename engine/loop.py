@@ -65,6 +65,12 @@ class Position:
     rng: dict | None = None  # generator states to restore after skipping a resumed epoch's done batches
 
 
+def planned_steps(cfg, steps_per_epoch: int) -> int:
+    """The optimizer steps a run of ``cfg`` makes in all: its epochs, capped by max_steps."""
+    total = steps_per_epoch * cfg.epochs
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
 class Trainer:
     """Runs ``cfg``'s schedule from ``position``; ``fit()`` returns {"losses", "eval", "step", "timing"}.
 
@@ -89,9 +95,7 @@ class Trainer:
         self.position, self.config_record, self.timing = position, config_record, timing
         self.batches = train_loader.batch_sampler
         self.steps_per_epoch = self.batches.steps_per_epoch
-        self.total_steps = self.steps_per_epoch * cfg.epochs
-        if cfg.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.total_steps = planned_steps(cfg, self.steps_per_epoch)
         if ctx.is_main:  # a full disk is found now, not at the end of an epoch of training
             check_free_space(self.output_dir, checkpoint_bytes(self.model))
         self.writer = ScalarWriter(log_dir=self.output_dir / "tensorboard", enabled=ctx.is_main)
@@ -236,7 +240,7 @@ class Trainer:
         self.writer.add("train", scalars, step)
         self.progress.report(step=step, epoch=epoch, epochs=self.cfg.epochs, loss=last["loss"], parts=weighted,
                              lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
-                             images_per_s=interval.images_per_s, compile_s=self.timing.not_training_s)
+                             images_per_s=interval.images_per_s, excluded_s=self.timing.not_training_s)
 
     def _report_compilation(self, compiled: CompileTotals, *, what: str) -> None:
         """One line per step (or evaluation) that compiled, and the run's compile totals in TensorBoard."""

@@ -31,21 +31,21 @@ class Progress:
         self.enabled = enabled
         self._t0 = time.perf_counter()
 
-    def eta_seconds(self, step: int, compile_s: float = 0.0) -> float:
-        """Seconds left after ``step``, at the rate so far less ``compile_s`` (compilation and warm-up since the
+    def eta_seconds(self, step: int, excluded_s: float = 0.0) -> float:
+        """Seconds left after ``step``, at the rate so far less ``excluded_s`` (compilation and warm-up since the
         start)."""
         done = step - self.start_step
         if done <= 0:
             return float("nan")
-        per_step = max(0.0, time.perf_counter() - self._t0 - compile_s) / done
+        per_step = max(0.0, time.perf_counter() - self._t0 - excluded_s) / done
         return per_step * (self.total_steps - step)
 
     def report(self, *, step: int, epoch: int, epochs: int, loss: float, parts: dict[str, float],
-               lr: float, step_ms: float, data_ms: float, images_per_s: float, compile_s: float = 0.0) -> None:
+               lr: float, step_ms: float, data_ms: float, images_per_s: float, excluded_s: float = 0.0) -> None:
         if not self.enabled:
             return
         pct = 100.0 * step / max(1, self.total_steps)
-        eta = self.eta_seconds(step, compile_s)
+        eta = self.eta_seconds(step, excluded_s)
         parts_txt = " ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in parts.items())
         log.info("epoch %d/%d step %d/%d [%3.0f%%] loss %.4f (%s) lr %.2e | step %.0f ms data %.0f ms "
                  "%.1f img/s | ETA %s", epoch + 1, epochs, step, self.total_steps, pct, loss, parts_txt, lr,

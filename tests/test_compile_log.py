@@ -75,5 +75,5 @@ def test_the_eta_leaves_compilation_out(monkeypatch):
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     progress = Progress(total_steps=100, start_step=0, enabled=True)
     now[0] += 90.0 + 10 * 0.5  # 10 steps of 0.5 s, 90 s of it compilation
-    assert progress.eta_seconds(10, compile_s=90.0) == pytest.approx(90 * 0.5)
+    assert progress.eta_seconds(10, excluded_s=90.0) == pytest.approx(90 * 0.5)
     assert progress.eta_seconds(10) == pytest.approx(90 * 9.5)  # what counting the compilation would promise
