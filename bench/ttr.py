@@ -11,14 +11,16 @@ in a process of its own, with compile.mode and model.msda as named:
 
     auto           the default: compiled, CUDA graphs, size buckets
     auto-layers    the same with compile.regions=layers (a graph per layer kind: less to compile, more host time)
+    layers-eager-backbone  auto-layers with compile.backbone=eager (no graph per size)
     eager          compile.mode=eager (model.msda=triton)
     pytorch-eager  compile.mode=eager model.msda=pytorch
 
 ``cold`` starts from an empty compile.cache_dir (Inductor's, AOTAutograd's and Triton's caches), ``warm`` from
 the one the row's cold run filled. total_s is the wall time from the process's start until its evaluation
 json is written; compile_s, train_s and eval_s, the first step, the steady step and the graphs compiled come
-from the run's own timing.json (engine/run_timing.py). Rows go into ttr_h200.json as each ends (a row of the
-same name and cache from an earlier run is replaced), and ttr_h200.md with the targets.
+from the run's own timing.json (engine/run_timing.py). Rows go into ttr_h200.json as each ends, with the
+number of this run (one call of the script; earlier runs' rows are kept), and ttr_h200.md with the targets,
+each from one run's rows where a run measured all it needs.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {"auto": [], "auto-layers": ["compile.regions=layers"], "eager": ["compile.mode=eager", "model.msda=triton"],
+MODES = {"auto": [], "auto-layers": ["compile.regions=layers"],
+         "layers-eager-backbone": ["compile.regions=layers", "compile.backbone=eager"],
+         "eager": ["compile.mode=eager", "model.msda=triton"],
          "pytorch-eager": ["compile.mode=eager", "model.msda=pytorch"]}
-ROWS = ("auto:cold", "auto:warm", "auto-layers:cold", "auto-layers:warm", "eager:cold", "eager:warm",
+ROWS = ("auto:cold", "auto:warm", "auto-layers:cold", "auto-layers:warm", "layers-eager-backbone:cold",
+        "layers-eager-backbone:warm", "eager:cold", "eager:warm",
         "pytorch-eager:cold", "pytorch-eager:warm")
 DEFAULT_ROWS = ("auto:cold", "auto:warm", "eager:cold", "eager:warm", "pytorch-eager:cold", "pytorch-eager:warm")
 # Seconds a row is expected to take when no measurement of it exists yet (for --deadline-s).
-GUESS_S = {"auto": 480, "auto-layers": 300, "eager": 110, "pytorch-eager": 150}
+GUESS_S = {"auto": 480, "auto-layers": 300, "layers-eager-backbone": 150, "eager": 110, "pytorch-eager": 150}
 
 
 def write_data(work: Path, args) -> Path:
@@ -77,7 +82,8 @@ def run_row(args, work: Path, data: Path, mode: str, cache: str) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     ended = time.time()
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {cache}: train.py failed (exit {proc.returncode}); see {work / f'{mode}_{cache}.log'}")
+        raise RuntimeError(f"{mode} {cache}: train.py failed (exit {proc.returncode}); "
+                           f"see {work / f'{mode}_{cache}.log'}")
     (eval_json,) = run_dir.glob("eval_epoch*.json")
     timing = json.loads((run_dir / "timing.json").read_text())
     evaluation = json.loads(eval_json.read_text())
@@ -111,60 +117,80 @@ def pad128_waste(data: Path, args) -> float:
     return plan.padding_waste
 
 
-def targets(rows: dict) -> list[tuple[str, bool | None, str]]:
-    """(target, met or None where a row is missing, the figures)."""
-    def get(mode, cache):
-        return rows.get(f"{mode}:{cache}")
+def latest(record: dict, mode: str, cache: str, run: int | None = None) -> dict | None:
+    """The row of ``mode``:``cache`` from ``run``, or from the latest run that measured it."""
+    found = [r for r in record["rows"] if r["mode"] == mode and r["cache"] == cache
+             and (run is None or r["run"] == run)]
+    return max(found, key=lambda r: r["run"]) if found else None
+
+
+def paired(record: dict, cache: str) -> tuple[dict | None, dict | None]:
+    """The default's and triton eager's rows of ``cache``: from one run where a run measured both (a ratio of
+    one machine), else the latest of each."""
+    both = [r["run"] for r in record["rows"] if r["mode"] == "auto" and r["cache"] == cache
+            and latest(record, "eager", cache, r["run"])]
+    if both:
+        return latest(record, "auto", cache, max(both)), latest(record, "eager", cache, max(both))
+    return latest(record, "auto", cache), latest(record, "eager", cache)
+
+
+def targets(record: dict) -> list[tuple[str, bool, str]]:
+    """(target, met, the figures) for each target whose rows were measured."""
+    def runs(*rows):
+        numbers = sorted({r["run"] for r in rows})
+        return f" (run {numbers[0]})" if len(numbers) == 1 else f" (runs {', '.join(map(str, numbers))}: two machines)"
 
     checks = []
-    auto_cold, auto_warm, eager_cold, eager_warm = get("auto", "cold"), get("auto", "warm"), get("eager", "cold"), \
-        get("eager", "warm")
+    auto_cold, eager_cold = paired(record, "cold")
+    auto_warm, eager_warm = paired(record, "warm")
     if auto_cold and eager_cold:
         ratio = auto_cold["total_s"] / eager_cold["total_s"]
-        checks.append(("cold total of the default <= 0.6x triton eager's", ratio <= 0.6, f"{ratio:.2f}x"))
+        checks.append(("cold total of the default <= 0.6x triton eager's", ratio <= 0.6,
+                       f"{ratio:.2f}x{runs(auto_cold, eager_cold)}"))
     if auto_cold:
-        checks.append(("cold first step <= 90 s", auto_cold["first_step_s"] <= 90, f"{auto_cold['first_step_s']:.0f} s"))
+        checks.append(("cold first step <= 90 s", auto_cold["first_step_s"] <= 90,
+                       f"{auto_cold['first_step_s']:.0f} s{runs(auto_cold)}"))
     if auto_warm:
-        checks.append(("warm first step <= 20 s", auto_warm["first_step_s"] <= 20, f"{auto_warm['first_step_s']:.0f} s"))
+        checks.append(("warm first step <= 20 s", auto_warm["first_step_s"] <= 20,
+                       f"{auto_warm['first_step_s']:.0f} s{runs(auto_warm)}"))
     for row in (auto_cold, auto_warm):
         if row:
             checks.append((f"backbone graphs compiled <= 8 ({row['cache']})", row["backbone_graphs"] <= 8,
-                           str(row["backbone_graphs"])))
+                           f"{row['backbone_graphs']}{runs(row)}"))
             checks.append((f"steady step <= 40 ms ({row['cache']})", row["steady_step_ms"] <= 40,
-                           f"{row['steady_step_ms']:.1f} ms"))
+                           f"{row['steady_step_ms']:.1f} ms{runs(row)}"))
     for cache, auto, eager in (("cold", auto_cold, eager_cold), ("warm", auto_warm, eager_warm)):
         if auto and eager:
             checks.append((f"default eval_s <= triton eager's ({cache})", auto["eval_s"] <= eager["eval_s"],
-                           f"{auto['eval_s']:.1f} s vs {eager['eval_s']:.1f} s"))
+                           f"{auto['eval_s']:.1f} s vs {eager['eval_s']:.1f} s{runs(auto, eager)}"))
     return checks
 
 
 def write_report(out: Path, record: dict) -> None:
-    rows = {f"{r['mode']}:{r['cache']}": r for r in record["rows"]}
-    h = record["header"]
-    lines = [f"# Time to result on {h['gpu']} ({h['date']})", "",
-             f"`{h['command']}` (torch {h['torch']}, triton {h['triton']}, {h['cpus']} CPU cores). The job: "
-             f"{h['job']}. Each row is one `python train.py` in its own process; cold: an empty compile.cache_dir, "
-             "warm: the one its cold run filled. total = process start to the evaluation json; compile, train and "
-             "eval are the run's own split (timing.json), compilation charged to compile wherever it happened.", "",
-             "| mode | cache | total s | first step s | compile s | warm-up s | train s | eval s | steady step ms | "
-             "graphs (backbone) | padding | AP | run |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ROWS:
-        r = rows.get(name)
-        if r is None:
-            continue
+    first = record["runs"][min(record["runs"], key=int)]
+    lines = [f"# Time to result on {first['gpu']}", "",
+             f"The job: {first['job']}. Each row is one `python train.py` in its own process; cold: an empty "
+             "compile.cache_dir, warm: the one its cold run filled. total = process start to the evaluation json; "
+             "compile, train and eval are the run's own split (timing.json), compilation charged to compile "
+             "wherever it happened. Each run is one call of this script on one machine; ratios between rows of "
+             "different runs compare two machines.", ""]
+    lines += [f"- run {n}, {h['date']}, {h['gpu']}, torch {h['torch']}, triton {h['triton']}, {h['cpus']} CPU cores"
+              f"{', ' + h['version'] if h.get('version') else ''}: `{h['command']}`" for n, h in record["runs"].items()]
+    lines += ["", "| mode | cache | total s | first step s | compile s | warm-up s | train s | eval s | "
+              "steady step ms | graphs (backbone) | padding | AP | run |", "|---" * 13 + "|"]
+    for r in sorted(record["rows"], key=lambda r: (ROWS.index(f"{r['mode']}:{r['cache']}"), r["run"])):
         warmup = f"{r['warmup_s']:.1f}" if "warmup_s" in r else "-"  # rows measured before it was split off
         lines.append(f"| {r['mode']} | {r['cache']} | {r['total_s']:.1f} | {r['first_step_s']:.1f} | "
                      f"{r['compile_s']:.1f} | {warmup} | "
                      f"{r['train_s']:.1f} | {r['eval_s']:.1f} | {r['steady_step_ms']:.1f} | "
                      f"{r['graphs_compiled']} ({r['backbone_graphs']}) | {100 * r['padding_waste']:.0f}% | "
-                     f"{r['ap']:.4f} | {r.get('run', 1)} |")
+                     f"{r['ap']:.4f} | {r['run']} |")
     if record.get("pad128_waste") is not None:
         lines += ["", f"Padding of the same job's batches before size buckets (random batches padded to multiples "
                       f"of 128): {100 * record['pad128_waste']:.0f}%."]
     lines += ["", *(f"- {note}" for note in record.get("notes", []))]
     lines += ["", "| target | met | figure |", "|---|---|---|"]
-    lines += [f"| {t} | {'yes' if met else 'no'} | {fig} |" for t, met, fig in targets(rows)]
+    lines += [f"| {t} | {'yes' if met else 'no'} | {fig} |" for t, met, fig in targets(record)]
     (out / "ttr_h200.md").write_text("\n".join(lines) + "\n")
 
 
@@ -178,6 +204,7 @@ def main() -> None:
     parser.add_argument("--num-val", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=640, help="the synthetic images' long side")
     parser.add_argument("--num-workers", type=int, default=4, help="data loader workers (experiment=coco_gpu's)")
+    parser.add_argument("--version", default="", help="what this run measures, for the report (a commit, a change)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="skip a row that would not end within this many seconds of the start")
     args = parser.parse_args()
@@ -187,13 +214,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     saved = args.out / "ttr_h200.json"
-    record = json.loads(saved.read_text()) if saved.exists() else {"rows": []}
-    record["header"] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-                        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                        "triton": __import__("triton").__version__, "python": platform.python_version(),
-                        "cpus": len(os.sched_getaffinity(0)), "command": "python " + " ".join(sys.argv),
-                        "job": f"{args.steps} steps of batch 2 on {args.num_train} images, evaluation of "
-                               f"{args.num_val} at 800"}
+    record = json.loads(saved.read_text()) if saved.exists() else {"rows": [], "runs": {}}
+    run = str(max(map(int, record["runs"]), default=0) + 1)
+    record["runs"][run] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+                           "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                           "triton": __import__("triton").__version__, "python": platform.python_version(),
+                           "cpus": len(os.sched_getaffinity(0)), "command": "python " + " ".join(sys.argv),
+                           "version": args.version,
+                           "job": f"{args.steps} steps of batch 2 on {args.num_train} images, evaluation of "
+                                  f"{args.num_val} at 800"}
     data = write_data(args.work, args)
     record["pad128_waste"] = pad128_waste(data, args)
     done = {}
@@ -201,7 +230,8 @@ def main() -> None:
         mode, cache = name.split(":")
         cold = done.get(f"{mode}:cold")
         # A warm compiled run skips most of its cold run's compilation.
-        expected = GUESS_S[mode] if cold is None else cold["process_s"] - (0.7 * cold["compile_s"] if cache == "warm" else 0)
+        expected = GUESS_S[mode] if cold is None else \
+            cold["process_s"] - (0.7 * cold["compile_s"] if cache == "warm" else 0)
         if args.deadline_s is not None and time.perf_counter() - t0 + expected > args.deadline_s:
             print(f"ttr {name}: skipped, about {expected:.0f} s would pass the deadline", flush=True)
             continue
@@ -212,8 +242,7 @@ def main() -> None:
             print(f"ttr {name}: FAILED: {error}\n" + "\n".join(log.read_text().splitlines()[-40:]), flush=True)
             continue
         done[name] = row
-        record["rows"] = [r for r in record["rows"] if f"{r['mode']}:{r['cache']}" != name] + [row]
-        record["rows"].sort(key=lambda r: ROWS.index(f"{r['mode']}:{r['cache']}"))
+        record["rows"].append({**row, "run": int(run)})
         saved.write_text(json.dumps(record, indent=1))
         write_report(args.out, record)
         print(f"ttr {name}: total {row['total_s']:.1f} s (first step {row['first_step_s']:.1f}, compile "

@@ -16,8 +16,8 @@ together, so that it compiles few graphs. ``compile.regions=layers`` compiles ea
 (layers of one kind share a graph) and the heads apart: about a third of the first compilation, more host
 time per step.
 
-The transformer's graph has symbolic sizes: one graph serves every bucket (but for a guard Inductor may
-add on a size for a fusion decision; one recompilation was seen on the COCO sizes). The losses have symbolic
+The transformer's graph has symbolic sizes: one graph serves every bucket (``_options`` turns off the size
+thresholds of a fusion that made the second size compile it again). The losses have symbolic
 sizes too and no CUDA graphs: the number of matched pairs changes with every batch. Evaluation runs
 ``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per
 evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later ones none,
@@ -167,14 +167,21 @@ def _options(region: Region, plan: CompilePlan) -> dict:
     """torch.compile's arguments for one region. Inductor takes a mode or options, not both: reduce-overhead
     is its CUDA-graph option. For a whole graph with symbolic sizes, Inductor's tiling coalescing analysis
     is off: meant for static shapes, it failed an assertion comparing two size hints of one fused node of the
-    transformer's graph (torch 2.11), and the compile died."""
+    transformer's graph (torch 2.11), and the compile died. For any graph with symbolic sizes, the fusion of
+    two reductions along different axes of one tensor (a layer norm's backward) skips its size thresholds:
+    they guard on the flattened token count (2 x 256 x S >= 5 x 2^20), so the first size on the other side of
+    it compiled the transformer again. The fused kernel now runs at every size, as it ran above the threshold
+    (most of the COCO recipe's batches of 2)."""
     options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
     cuda_graphs = plan.cuda_graphs and region.cuda_graphs
     inductor = {}
-    if (plan.backend == "inductor" and region.whole and not region.static_sizes
-            and hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis")):
-        inductor["triton.coalesce_tiling_analysis"] = False
-        if cuda_graphs:
+    triton_options = torch._inductor.config.triton
+    if plan.backend == "inductor" and not region.static_sizes:
+        if region.whole and hasattr(triton_options, "coalesce_tiling_analysis"):
+            inductor["triton.coalesce_tiling_analysis"] = False
+        if hasattr(triton_options, "mix_order_reduction_non_strict_mode"):
+            inductor["triton.mix_order_reduction_non_strict_mode"] = True
+        if inductor and cuda_graphs:
             inductor["triton.cudagraphs"] = True
     if inductor:
         options["options"] = inductor

@@ -270,3 +270,35 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager(seeded
         for e, g in zip(expected, got):
             torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-3, atol=1e-4)
             torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_a_graph_with_symbolic_sizes_serves_token_counts_on_both_sides_of_inductors_fusion_threshold(seeded):
+    """Inductor fuses the two reductions of a layer norm's backward only above 5 x 2^20 elements, and guards on
+    that: with torch's options, the first token count on the other side of it compiles the graph again (the
+    control, which shows this torch has the threshold); with the regions' options it does not."""
+    from torch._dynamo.utils import counters
+
+    from engine.compile import _options
+    from models.compiled_regions import Region
+
+    def graphs_for_token_counts(options):
+        torch._dynamo.reset()
+        counters.clear()
+        norm = torch.nn.LayerNorm(256, device="cuda")
+        compiled = torch.compile(lambda x: norm(x), **options)
+        for tokens in (8000, 12000):  # 2 x 256 x tokens: 4.1M, then 6.1M
+            x = torch.randn(2, tokens, 256, device="cuda", requires_grad=True)
+            compiled(x).square().sum().backward()
+            torch.testing.assert_close(x.grad, _layer_norm_grad(norm, x.detach()), rtol=1e-4, atol=1e-4)
+        return counters["stats"]["unique_graphs"]
+
+    region_options = _options(Region("predict", whole=True), CompilePlan(mode="default"))
+    assert graphs_for_token_counts({"backend": "inductor", "dynamic": True, "fullgraph": True}) == 2
+    assert graphs_for_token_counts(region_options) == 1
+
+
+def _layer_norm_grad(norm, x):
+    x = x.clone().requires_grad_(True)
+    norm(x).square().sum().backward()
+    return x.grad
