@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from datasets import ImageReadError
+from datasets.per_class_ap import category_names
 
 from .build import Training
 from .checkpoint import LATEST, check_free_space, checkpoint_bytes, epoch_checkpoint_name, publish_as, save_checkpoint
@@ -93,6 +94,8 @@ class Trainer:
         self.compiled_evaluation = plan is not None and plan.evaluation
         self.detection_images = detection_images
         self.position, self.config_record, self.timing = position, config_record, timing
+        # Recorded in checkpoints, so that predict.py and export.py name the classes without the annotations.
+        self.categories = category_names(coco_gt, coco_gt.getCatIds())
         self.batches = train_loader.batch_sampler
         self.steps_per_epoch = self.batches.steps_per_epoch
         self.total_steps = planned_steps(cfg, self.steps_per_epoch)
@@ -269,7 +272,7 @@ class Trainer:
                      "lr_scheduler": self.lr_scheduler.state_dict(),
                      "grad_scaler": self.precision.scaler.state_dict(), "epoch": pos.epoch,
                      "steps_in_epoch": pos.steps_in_epoch, "step": pos.step, "config": self.config_record,
-                     "rng": capture_rng_state()}
+                     "categories": self.categories, "rng": capture_rng_state()}
             t0 = time.perf_counter()
             if epoch_done and pos.epoch % self.cfg.checkpoint_every == 0:
                 saved = save_checkpoint(state, self.output_dir / epoch_checkpoint_name(pos.epoch))
