@@ -196,20 +196,24 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
+    from .predict_config import PredictConfig  # it builds on this module's types
+
+    store.store(name="predict_schema", node=PredictConfig)
     for name, schema in DATASET_SCHEMAS.items():
         store.store(group="schema/dataset", name=str(name), node=schema)
 
 
-def check_config(cfg: DictConfig) -> DictConfig:
+def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
     """Apply every rule OmegaConf could not (ranges, rules between keys), raising ValueError naming the key;
     return the run's own copy of ``cfg`` (the trainer fills in what the data decides, e.g. num_classes).
+    ``schema``: the schema ``cfg`` was composed with (default TrainConfig; PredictConfig for predict.py).
 
     Types and allowed values were checked when the config was composed; a config composed without the
     schemas would have skipped that, so it is refused here rather than half-checked.
     """
-    if OmegaConf.get_type(cfg) is not TrainConfig:
+    if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
         raise TypeError("the config was composed without its schemas: call engine.config.register_configs() "
-                        "before hydra.compose / @hydra.main (train.py does this on import)")
+                        "before hydra.compose / @hydra.main (train.py and predict.py do this on import)")
     unknown = unknown_keys(cfg)
     if unknown:
         raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))

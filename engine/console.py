@@ -42,8 +42,8 @@ def keep_file_only_off_console(logger: logging.Logger | None = None) -> None:
 
 FAULT_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
-# What Hydra leaves in a run directory before the job writes anything.
-HYDRA_FILES = {".hydra", "train.log"}
+# What Hydra leaves in a run directory before the job writes anything (the log is named after the script).
+HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log"}
 
 
 def user_faults() -> tuple[type[BaseException], ...]:
