@@ -31,6 +31,7 @@ from datasets.evaluation import CocoEvaluator
 from datasets.image_folder import ImageFolder, find_images, raise_unreadable
 from datasets.loader import collate_fn
 from datasets.per_class_ap import category_names
+from engine.cocoeval_log import log_cocoeval_output
 from engine.config import check_config, register_configs
 from engine.console import keep_file_only_off_console, run_reporting_faults
 from engine.distributed import resolve_device
@@ -140,9 +141,10 @@ def evaluate(predictions: Predictions, gt: COCO, *, output_dir: Path, cfg: DictC
     if not scored:
         raise ValueError(f"annotations={cfg.annotations}: none of the images is in it (images are matched by "
                          "file_name, as a path under the images folder or as the file's name)")
-    evaluator = CocoEvaluator(gt)
+    evaluator = CocoEvaluator(gt, backend=cfg.eval_backend)
     evaluator.update(scored)
     stats = evaluator.summarize()
+    log_cocoeval_output(evaluator.cocoeval_output, log)
     write_eval_json(output_dir / "eval.json", stats=stats, per_class=evaluator.per_class,
                     num_images=len(scored), checkpoint=str(Path(cfg.checkpoint).resolve()),
                     annotations=str(Path(cfg.annotations).resolve()))

@@ -221,7 +221,7 @@ def _evaluate(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
                                coco_gt=val_set.coco, device=ctx.device,
                                precision=Precision(amp=cfg.amp, device=ctx.device),
                                keep_detections=detection_images.image_ids, ranks=Ranks(ctx),
-                               compiled=plan is not None and plan.evaluation)
+                               compiled=plan is not None and plan.evaluation, backend=cfg.eval_backend)
     if ctx.is_main:
         writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=True)
         record_evaluation(evaluation, writer=writer, json_path=output_dir / "eval.json",

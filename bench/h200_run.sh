@@ -6,11 +6,12 @@
 # Steps: tests (the whole pytest suite on that GPU), msda (bench/msda.py, then its launch table into this copy's
 # msda/launch.py), msda-targets (bench/msda.py with the committed table), msda-host (bench/msda_host.py),
 # msda-bounds (bench/msda_bounds.py), e2e (bench/e2e.py step times and the
-# train.py run), e2e-steptime (step times only), ttr (bench/ttr.py, time to result), ddp (bench/ddp.py on every
+# train.py run), e2e-steptime (step times only), ttr (bench/ttr.py, time to result), parity (bench/parity.py, converged
+# mAP parity), eval-time (bench/eval_time.py), export-latency (bench/export_latency.py), ddp (bench/ddp.py on every
 # GPU), ddp-ap1 (its 1-GPU synthetic runs), nccl-tests (rank parity on 2 GPUs).
 # ddp and nccl-tests use every GPU: give them a call, or a place in the queue, of their own. Extra arguments for a step come
-# from the environment: MSDA_ARGS, E2E_ARGS, TTR_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
-# antlr4, pycocotools) are installed from .whl/ when that folder holds their wheels.
+# from the environment: MSDA_ARGS, E2E_ARGS, TTR_ARGS, PARITY_ARGS, EVAL_TIME_ARGS, EXPORT_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
+# antlr4, pycocotools, faster-coco-eval) are installed from .whl/ when that folder holds their wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for results}
@@ -38,6 +39,10 @@ run_step() {  # name gpu
     e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
     e2e-steptime) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime ${E2E_ARGS:-} ;;
     ttr) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ttr.py --out "$OUT" --work /tmp/bench_ttr ${TTR_ARGS:-} ;;
+    parity) CUDA_VISIBLE_DEVICES=$gpu python3 bench/parity.py --out "$OUT" --work /tmp/bench_parity ${PARITY_ARGS:-} ;;
+    eval-time) CUDA_VISIBLE_DEVICES=$gpu python3 bench/eval_time.py --out "$OUT" --work /tmp/bench_eval_time \
+                 ${EVAL_TIME_ARGS:-} ;;
+    export-latency) CUDA_VISIBLE_DEVICES=$gpu python3 bench/export_latency.py --out "$OUT" ${EXPORT_ARGS:-} ;;
     ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
     ddp-ap1) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ddp.py --out "$OUT" --parts ap --ap-gpus 1 ${DDP_ARGS:-} ;;
     nccl-tests) python3 -m pytest -q -p no:cacheprovider tests/test_rank_parity.py tests/test_distributed.py ;;

@@ -1,7 +1,10 @@
-"""COCO box AP with pycocotools' COCOeval, gathered over distributed ranks."""
+"""COCO box AP with COCOeval (faster-coco-eval's or pycocotools', datasets/cocoeval_backend.py), gathered over
+distributed ranks."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -9,9 +12,9 @@ from typing import Protocol
 
 import torch
 from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 from torchvision.ops import box_convert
 
+from .cocoeval_backend import evaluated_cocoeval, resolve_backend
 from .per_class_ap import per_class_ap, per_class_without_detections
 
 # Names of COCOeval.stats[0..5] (bbox): AP at IoU .50:.95, .50, .75, then by object area.
@@ -37,15 +40,24 @@ class CocoEvaluator:
         evaluator.update({image_id: {"scores": (k,), "labels": (k,), "boxes": (k, 4)}})  # per batch
         stats = evaluator.summarize()   # gathers, evaluates on rank 0, broadcasts; same dict everywhere
         evaluator.per_class             # {category name: AP or None}, from the same COCOeval run
+        evaluator.cocoeval_output       # what COCOeval printed (rank 0), for the caller to log
 
     ``boxes`` are xyxy in absolute pixels of the original image (PostProcess with target_sizes =
     orig_size); ``labels`` are COCO category ids. Every updated image id counts in the evaluation,
     also with no detections (its ground truth then counts as missed).
+
+    ``backend``: "auto" (faster-coco-eval when installed, else pycocotools), "faster" or "pycocotools"
+    (datasets.cocoeval_backend.resolve_backend); ``self.backend`` is the one that runs. An unknown name, or
+    "faster" without the package, is a ValueError here rather than after a whole pass of inference.
     """
 
-    def __init__(self, coco_gt: COCO, *, ranks: "RankExchange | None" = None) -> None:
+    def __init__(self, coco_gt: COCO, *, ranks: "RankExchange | None" = None, backend: str = "auto") -> None:
         self.coco_gt = coco_gt
         self.ranks = ranks
+        self.backend = resolve_backend(backend)
+        # COCOeval's printing (progress lines and the summary table) of the last summarize(), captured so that
+        # the caller decides where it goes (train.py: the table to the console, the rest to train.log only).
+        self.cocoeval_output = ""
         # image id -> COCO result dicts; keyed by image so that repeats (DistributedSampler pads the
         # last batch with images other ranks also see) are counted once: a repeat replaces.
         self.results: dict[int, list[dict]] = {}
@@ -82,6 +94,10 @@ class CocoEvaluator:
         self._gathered = True
 
     @property
+    def num_detections(self) -> int:
+        return sum(len(detections) for detections in self.results.values())
+
+    @property
     def detections(self) -> list[dict]:
         """All detections in COCO results format (bbox xywh), ordered by image id."""
         return [d for image_id in sorted(self.results) for d in self.results[image_id]]
@@ -89,10 +105,10 @@ class CocoEvaluator:
     def summarize(self) -> dict[str, float]:
         """{"AP", "AP50", "AP75", "APs", "APm", "APl"}: COCOeval stats[0..5], the same on every rank.
 
-        Prints pycocotools' summary table on rank 0. With no detections at all every figure is 0.0
-        (pycocotools' loadRes cannot take an empty list). Figures are -1.0 where COCO defines none
-        (e.g. APs when no ground-truth box is small). Also sets ``self.per_class`` (see
-        :func:`datasets.per_class_ap.per_class_ap`), computed from the same COCOeval run.
+        Prints nothing: what COCOeval prints on rank 0 is kept in ``self.cocoeval_output``. With no detections
+        at all every figure is 0.0 and COCOeval does not run (pycocotools' loadRes cannot take an empty list).
+        Figures are -1.0 where COCO defines none (e.g. APs when no ground-truth box is small). Also sets
+        ``self.per_class`` (see :func:`datasets.per_class_ap.per_class_ap`), computed from the same COCOeval run.
         """
         self.gather()
         stats = per_class = None
@@ -105,18 +121,19 @@ class CocoEvaluator:
 
     def _evaluate(self) -> tuple[dict[str, float], dict[str, float | None]]:
         detections = self.detections
+        self.cocoeval_output = ""
         if not detections:
-            print(f"COCO bbox evaluation: no detections on {len(self.results)} images; AP = 0")
             return ({name: 0.0 for name in STAT_NAMES},
                     per_class_without_detections(self.coco_gt, sorted(self.results)))
-        coco_dt = self.coco_gt.loadRes(detections)
-        coco_eval = COCOeval(self.coco_gt, coco_dt, iouType="bbox")
-        # Only the images that were evaluated: a partial pass (max_steps, a subset) is not scored
-        # against ground truth it never saw.
-        coco_eval.params.imgIds = sorted(self.results)
-        coco_eval.evaluate()
-        coco_eval.accumulate()
-        coco_eval.summarize()
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                # Only the images that were evaluated: a partial pass (max_steps, a subset) is not scored
+                # against ground truth it never saw.
+                coco_eval = evaluated_cocoeval(self.coco_gt, detections, image_ids=self.results,
+                                               backend=self.backend)
+        finally:  # kept on failure too: the lines before it say how far COCOeval got
+            self.cocoeval_output = printed.getvalue()
         stats = {name: float(coco_eval.stats[i]) for i, name in enumerate(STAT_NAMES)}
         return stats, per_class_ap(coco_eval)
 

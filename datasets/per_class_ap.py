@@ -5,6 +5,9 @@ R recall thresholds (101 points), K categories in ``params.catIds`` order, A are
 medium, large), M detection limits (1, 10, 100); -1 where a category has no ground truth. COCO's summary AP
 (stats[0]) is the mean over T, R and K of the entries > -1 at area "all" and 100 detections, so the AP of one
 category is the same mean with K fixed: the per-class figures average to the summary AP.
+
+faster-coco-eval's COCOeval (datasets/cocoeval_backend.py) leaves the same array, shape and order (its C++
+accumulate follows pycocotools'), and the same ``params``; its ``catIds`` are numpy integers, read as ints here.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from collections import Counter
 
 import numpy as np
 from pycocotools.coco import COCO
-from pycocotools.cocoeval import COCOeval
 
 
 def category_names(coco_gt: COCO, category_ids) -> dict[int, str]:
@@ -23,8 +25,10 @@ def category_names(coco_gt: COCO, category_ids) -> dict[int, str]:
     return {i: f"{name} (id {i})" if name in repeated else name for i, name in names.items()}
 
 
-def per_class_ap(coco_eval: COCOeval) -> dict[str, float | None]:
+def per_class_ap(coco_eval) -> dict[str, float | None]:
     """{category name: AP at IoU .50:.95, all areas, 100 detections}, in category id order.
+
+    ``coco_eval``: pycocotools' COCOeval or faster-coco-eval's (the module docstring).
 
     None for a category without ground truth in the evaluated images (COCO defines no AP there, and its
     summary leaves it out). Call after ``evaluate()`` and ``accumulate()``.

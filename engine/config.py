@@ -34,6 +34,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from datasets import DATASET_SCHEMAS, DatasetConfig
+from datasets.cocoeval_backend import BACKENDS as COCOEVAL_BACKENDS
 from models.model_config import ModelConfig
 
 from .compile import COMPILE_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES
@@ -45,6 +46,7 @@ Amp = StrEnum("Amp", {name: name for name in AMP_DTYPES})  # none | bf16 | fp16,
 CompileMode = StrEnum("CompileMode", {name: name for name in ("auto", "eager", *COMPILE_MODES)})
 CompileRegions = StrEnum("CompileRegions", {name: name for name in REGION_CHOICES})  # as engine/compile.py knows
 CompileBackbone = StrEnum("CompileBackbone", {name: name for name in TRAIN_BACKBONE_CHOICES})  # as engine/compile.py
+EvalBackend = StrEnum("EvalBackend", {name: name for name in COCOEVAL_BACKENDS})  # as datasets/cocoeval_backend.py
 GradientSync = StrEnum("GradientSync", {name: name for name in GRADIENT_SYNCS})  # as engine/distributed.py knows
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -156,6 +158,7 @@ class TrainConfig:
     log_every: int = _role(HOW_TO_RUN, MISSING)
     eval_images: int = _role(HOW_TO_RUN, 4)
     eval_images_min_score: float = _role(HOW_TO_RUN, 0.3)
+    eval_backend: EvalBackend = _role(HOW_TO_RUN, EvalBackend.auto)
     gradient_sync: GradientSync = _role(HOW_TO_RUN, GradientSync.allreduce)
     find_unused_parameters: bool = _role(HOW_TO_RUN, False)
     dist_timeout_s: float = _role(HOW_TO_RUN, 1800.0)

@@ -288,7 +288,7 @@ class Trainer:
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=Ranks(self.ctx),
-                                   compiled=self.compiled_evaluation)
+                                   compiled=self.compiled_evaluation, backend=self.cfg.eval_backend)
         compiled = self.timing.clock.totals().since(before)
         self.timing.add_evaluation(time.perf_counter() - t0, compiled)
         if compiled.graphs or compiled.seconds >= 1.0:

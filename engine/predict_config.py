@@ -9,7 +9,7 @@ from omegaconf import MISSING
 
 from models.model_config import ModelConfig
 
-from .config import DEVICE, Amp
+from .config import DEVICE, Amp, EvalBackend
 
 
 @dataclass
@@ -30,6 +30,7 @@ class PredictConfig:
     num_workers: int = 2
     device: str = "auto"
     amp: Amp = Amp.bf16
+    eval_backend: EvalBackend = EvalBackend.auto
 
     def __post_init__(self) -> None:
         problems = []
