@@ -125,8 +125,9 @@ def run(args) -> dict:
     print(f"eval_time: inference of {evaluation.num_images} images {evaluation.inference_s:.1f} s (compile "
           f"{compile_s:.1f} s), COCOeval in evaluate_coco {evaluation.cocoeval_s:.1f} s "
           f"({PACKAGES[evaluation.cocoeval_backend]})", flush=True)
-    sets = {"model": [d for i in image_ids for d in evaluation.detections.get(i, [])],
-            "noisy ground truth": noisy_ground_truth(val_set.coco, per_image=100, seed=0)}
+    sets = {"model": lambda: [d for i in image_ids for d in evaluation.detections.get(i, [])],
+            "noisy ground truth": lambda: noisy_ground_truth(val_set.coco, per_image=100, seed=0)}
+    sets = {name: make() for name, make in sets.items() if SET_CHOICES[name] in args.sets}
     rows = []
     for name, detections in sets.items():
         for backend in BACKENDS:
@@ -140,6 +141,10 @@ def run(args) -> dict:
             "evaluate_coco_backend": evaluation.cocoeval_backend, "model_ap": evaluation.stats["AP"],
             "batches": len(loader.batch_sampler), "compiled": plan is not None and plan.evaluation,
             "overrides": overrides, "rows": rows, "agreement": agreement(rows)}
+
+
+# --sets names of the detection sets.
+SET_CHOICES = {"model": "model", "noisy ground truth": "noisy"}
 
 
 def agreement(rows: list[dict]) -> dict[str, float]:
@@ -190,6 +195,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--num-workers", type=int, default=None, help="data loader workers (8; quick: 2)")
     parser.add_argument("--compile-mode", default="eager", help="compile.mode of the inference (eager, auto, ...)")
+    parser.add_argument("--sets", nargs="+", choices=list(SET_CHOICES.values()), default=list(SET_CHOICES.values()),
+                        help="detection sets timed with each backend: the model's (a random detector's boxes over "
+                             "91 classes: pycocotools is slowest there) and/or the noisy ground truth")
     parser.add_argument("--quick", action="store_true",
                         help="a CPU-sized smoke run: 32 images read at 256, model=tiny, 2 workers unless given")
     args = parser.parse_args()
