@@ -199,9 +199,11 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    from .predict_config import PredictConfig  # it builds on this module's types
+    from .export_config import ExportConfig  # these build on this module's types
+    from .predict_config import PredictConfig
 
     store.store(name="predict_schema", node=PredictConfig)
+    store.store(name="export_schema", node=ExportConfig)
     for name, schema in DATASET_SCHEMAS.items():
         store.store(group="schema/dataset", name=str(name), node=schema)
 

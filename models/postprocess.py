@@ -24,6 +24,12 @@ class PostProcess(nn.Module):
 
     @torch.no_grad()
     def forward(self, outputs: dict, target_sizes: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        scores, labels, boxes = self.batched(outputs, target_sizes)
+        return [{"scores": s, "labels": l, "boxes": b} for s, l, b in zip(scores, labels, boxes)]
+
+    def batched(self, outputs: dict, target_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same detections as (scores (B, k), labels (B, k) int64, boxes (B, k, 4)): no loop over the
+        images, so that an exported graph (export.py, postprocess=true) keeps a symbolic batch size."""
         out_logits, out_bbox = outputs["pred_logits"], outputs["pred_boxes"]
         B, Q, K = out_logits.shape
         if target_sizes.shape != (B, 2):
@@ -45,4 +51,4 @@ class PostProcess(nn.Module):
         img_h, img_w = target_sizes.unbind(1)
         scale = torch.stack([img_w, img_h, img_w, img_h], dim=1).to(boxes)  # (B, 4)
         boxes = boxes * scale[:, None, :]
-        return [{"scores": s, "labels": l, "boxes": b} for s, l, b in zip(scores, labels, boxes)]
+        return scores, labels, boxes

@@ -118,7 +118,10 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         return "triton" if device.type == "cuda" else "pytorch"
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    # torch.export traces msda::attention through its fake implementation: no kernel runs on ``device`` then,
+    # so a CPU-only machine can export the op for a runtime that has it (export.py msda_node=tensorrt).
+    if (impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and not torch.compiler.is_exporting()):
         raise ValueError(
             f"impl='triton' needs CUDA tensors, got tensors on {device}; move them to a GPU, use impl='pytorch' "
             f"(or 'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")

@@ -16,6 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import train as trainer
+from datasets import build_dataset
 from child_process import child_env
 from engine.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from engine.run_lock import LOCK_FILE, RunDirectoryInUse
@@ -218,6 +219,7 @@ def test_a_fault_is_one_message_on_the_console_and_its_traceback_in_train_log(da
     # A fault during training (damaged images, found as they are read): the console says which and where to go
     # on from, train.log also has the traceback.
     damaged = tmp_path / "damaged"
+    build_dataset("train", compose_run(data_root, tmp_path).dataset, check=False)  # written, whatever ran before
     shutil.copytree(data_root, damaged)
     for image in sorted((damaged / "train2017").glob("*.jpg"))[:6]:
         image.write_bytes(image.read_bytes()[:100])

@@ -1,0 +1,229 @@
+"""Latency of an exported detector: the AOTInductor package against the compiled and the eager PyTorch model.
+
+    python bench/export_latency.py --out bench/results                  # on a GPU: batch 1 and 8 at 800 x 1333
+    python bench/export_latency.py --out /tmp/bench --quick             # CPU, tiny model, 96 x 128: a check of the script
+    python bench/export_latency.py --out DIR --checkpoint PATH --dtype bf16
+
+Three ways to run the same model on the same batches, in one process, one after the other:
+  eager     ``DeformableDETR.detect`` as predict.py and evaluation run it (model.msda=triton on CUDA)
+  compiled  ``detect`` compiled as engine/compile.py compiles it for evaluation (compile.evaluation=true: one
+            static graph per batch shape, CUDA graphs on a GPU: compile.mode=auto's choice); its first call at
+            each shape compiles, and is reported apart
+  aoti      the package that ``python export.py format=aoti`` writes (dynamic batch and sides, the attention as
+            msda::attention on CUDA: this process has imported msda), traced and compiled once, reported apart
+Images are 800 x 1333 (the COCO recipe's evaluation size; padded to 800 x 1344 as every batch is, to
+multiples of 32), random, with a padding mask; the model is the default Deformable DETR (ResNet-50) with
+random weights unless --checkpoint names one: latency does not depend on the weights. Each figure is the
+median of --repeats timed calls after --warmup untimed ones, the GPU synchronized around each call. The
+outputs of the compiled model and of the package are compared with eager's (largest absolute differences).
+Writes export_latency_h200.json and .md (export_latency_quick.* with --quick) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from engine.compile import CompilePlan, compile_model  # noqa: E402
+from engine.config import register_configs  # noqa: E402
+from engine.export_aoti import QUICK_COMPILE, AotiRunner, write_aoti  # noqa: E402
+from engine.export_samples import random_batch  # noqa: E402
+from engine.exportable import ExportableDetector, SampleShape, trace  # noqa: E402
+from engine.trained_model import load_trained_model  # noqa: E402
+from models import build_model  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The quick check's model: the tests' tiny one (tests/trained_checkpoint.py), which the CPU runs in a second.
+QUICK_MODEL = ["model=tiny", "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=1",
+               "model.dim_feedforward=64", "model.num_queries=12", "model.num_feature_levels=3", "model.num_classes=4"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the .json and .md")
+    parser.add_argument("--quick", action="store_true", help="CPU, tiny model, 96 x 128, batches 1 and 2")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint to time (default: random weights)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and images (default fp32)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8; quick 1 2)")
+    parser.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"),
+                        help="image size before padding to 32 (default 800 1333; quick 96 128)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration (default 5; quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per configuration (default 20; quick 3)")
+    args = parser.parse_args(argv)
+    args.batches = args.batches or ([1, 2] if args.quick else [1, 8])
+    args.size = args.size or ([96, 128] if args.quick else [800, 1333])
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 20)
+    if min(args.batches) < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--batches must be >= 1, --warmup >= 0 and --repeats >= 1")
+    return args
+
+
+def build_detector_model(args, device: torch.device) -> torch.nn.Module:
+    """The model to time, in eval mode on ``device``, in --dtype, with the Triton attention on CUDA."""
+    msda = "triton" if device.type == "cuda" else "pytorch"
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*(QUICK_MODEL if args.quick else []), "model.pretrained=none",
+                                                      f"model.msda={msda}"])
+    if args.checkpoint is not None:
+        model = load_trained_model(args.checkpoint, cfg.model, device=device, msda=msda).model
+    else:
+        torch.manual_seed(0)
+        model = build_model(cfg.model)[0].to(device).eval()
+    return model.to(DTYPES[args.dtype])
+
+
+def padded(side: int) -> int:
+    return -(-side // 32) * 32
+
+
+def batch_inputs(batch: int, args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images, mask) of ``batch`` random images of --size, padded to multiples of 32 (the padding masked)."""
+    height, width = args.size
+    shape = SampleShape(batch=batch, height=padded(height), width=padded(width))
+    sample = random_batch(shape, seed=batch)
+    sample.mask[:, height:, :] = True
+    sample.mask[:, :, width:] = True
+    return sample.inputs(postprocess=False, dtype=DTYPES[args.dtype], device=device)
+
+
+def timed_ms(call, inputs, *, warmup: int, repeats: int, device: torch.device) -> float:
+    """Median wall time of ``call(*inputs)`` in ms, the device synchronized before and after each call."""
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with torch.no_grad():
+        for _ in range(warmup):
+            call(*inputs)
+        times = []
+        for _ in range(repeats):
+            synchronize()
+            started = time.perf_counter()
+            call(*inputs)
+            synchronize()
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def largest_differences(outputs, expected) -> dict[str, float]:
+    return {name: float((a.float() - b.float()).abs().max()) for name, a, b in zip(("logits", "boxes"), outputs, expected)}
+
+
+def measure(args, device: torch.device, workdir: str) -> dict:
+    """Every row (module docstring); the package is written into ``workdir`` (it is as large as the weights)."""
+    model = build_detector_model(args, device)
+    eager = ExportableDetector(model).eval()
+
+    started = time.perf_counter()
+    sample = batch_inputs(max(2, min(args.batches)), args, device)  # a dynamic batch is traced at 2 or more
+    program = trace(eager, sample, dynamic=True)
+    traced = time.perf_counter() - started
+    package = write_aoti(program, Path(workdir) / "detector.pt2", quick=args.quick)
+    aoti = AotiRunner(package)
+    aoti_seconds = {"trace": traced, "compile": time.perf_counter() - started - traced}
+
+    # After the export: compile_model sets process-wide options (duck sizing) that the trace should not see.
+    compiled_model = copy.deepcopy(model)
+    mode = "reduce-overhead" if device.type == "cuda" else "default"  # compile.mode=auto on a GPU; default on a CPU
+    compile_model(compiled_model, CompilePlan(mode=mode, evaluation=True, backbone="static"))
+    compiled = ExportableDetector(compiled_model).eval()
+    inductor_options = QUICK_COMPILE if args.quick else {}  # the package's quick_compile, for a like comparison
+
+    rows = []
+    for batch in args.batches:
+        inputs = batch_inputs(batch, args, device)
+        with torch.no_grad():
+            expected = tuple(t.clone() for t in eager(*inputs))
+            started = time.perf_counter()
+            with torch._inductor.config.patch(inductor_options):
+                first = tuple(t.clone() for t in compiled(*inputs))  # compiles this shape's graph
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            compile_s = time.perf_counter() - started
+            from_package = aoti(*inputs)
+        row = {"batch": batch, "compiled_first_call_s": compile_s,
+               "compiled_vs_eager": largest_differences(first, expected),
+               "aoti_vs_eager": largest_differences(from_package, expected)}
+        for name, call in (("eager", eager), ("compiled", compiled), ("aoti", aoti)):
+            row[f"{name}_ms"] = timed_ms(call, inputs, warmup=args.warmup, repeats=args.repeats, device=device)
+        print(f"batch {batch}: eager {row['eager_ms']:.1f} ms, compiled {row['compiled_ms']:.1f} ms, "
+              f"AOTInductor {row['aoti_ms']:.1f} ms", flush=True)
+        rows.append(row)
+    return {"rows": rows, "aoti_export_s": aoti_seconds, "package_mb": package.stat().st_size / 2**20,
+            "compile_mode": mode}
+
+
+def header(args, device: torch.device) -> dict:
+    import triton
+
+    return {"date": datetime.date.today().isoformat(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            "torch": torch.__version__, "triton": triton.__version__, "command": "python " + " ".join(sys.argv),
+            "model": "the tests' tiny model (ResNet-18, --quick)" if args.quick else "Deformable DETR, ResNet-50",
+            "weights": str(args.checkpoint) if args.checkpoint else "random", "dtype": args.dtype,
+            "image_size": list(args.size), "padded_size": [padded(s) for s in args.size],
+            "warmup": args.warmup, "repeats": args.repeats, "quick": args.quick}
+
+
+def write_report(record: dict, out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    h, w = record["image_size"]
+    lines = [f"# Exported detector latency on {record['gpu']}", "",
+             f"{record['date']}, torch {record['torch']}, triton {record['triton']}: `{record['command']}`", "",
+             f"{record['model']} ({record['weights']} weights), {record['dtype']}, {h} x {w} images padded to "
+             f"{' x '.join(map(str, record['padded_size']))}; median of {record['repeats']} calls after "
+             f"{record['warmup']} warm-up calls.", "",
+             "| batch | eager ms | torch.compile ms | AOTInductor ms | compiled / eager | AOTInductor / eager | "
+             "AOTInductor / compiled |",
+             "|---|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['batch']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} | {row['aoti_ms']:.1f} | "
+                     f"{row['compiled_ms'] / row['eager_ms']:.2f} | {row['aoti_ms'] / row['eager_ms']:.2f} | "
+                     f"{row['aoti_ms'] / row['compiled_ms']:.2f} |")
+    seconds = record["aoti_export_s"]
+    lines += ["", f"- AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in {seconds['compile']:.1f} s "
+              f"({record['package_mb']:.0f} MB), once for every batch and size.",
+              "- torch.compile (compile.mode=" + record["compile_mode"] + ", a static graph per batch shape): first "
+              "call " + ", ".join(f"{r['compiled_first_call_s']:.1f} s at batch {r['batch']}" for r in record["rows"]) +
+              " (Inductor's cache as the machine had it: a second run on one machine compiles from its cache).",
+              "- Largest differences from eager: " + "; ".join(
+                  f"batch {r['batch']}: compiled logits {r['compiled_vs_eager']['logits']:.2g} boxes "
+                  f"{r['compiled_vs_eager']['boxes']:.2g}, AOTInductor logits {r['aoti_vs_eager']['logits']:.2g} "
+                  f"boxes {r['aoti_vs_eager']['boxes']:.2g}" for r in record["rows"]) + "."]
+    if record["quick"]:
+        lines.append("- --quick: a check that the script runs. Both compiled ways were built without vectorized CPU "
+                     "kernels (quick_compile, engine/export_aoti.py), so these figures say nothing about speed.")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.quick else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/export_latency.py measures on a GPU and none is available here; --quick runs on the CPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        record = {**header(args, device), **measure(args, device, workdir)}
+    name = "export_latency_quick" if args.quick else "export_latency_h200"
+    write_report(record, args.out, name)
+    print(f"wrote {args.out / (name + '.md')} and .json")
+
+
+if __name__ == "__main__":
+    main()
