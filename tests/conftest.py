@@ -7,6 +7,8 @@ engine.compile.compile_regions sets process-wide settings (duck sizing, Dynamo's
 starts from torch's own.
 """
 
+import io
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch._dynamo.config as dynamo_config  # noqa: E402  (imports triton: aft
 
 from engine.compile import RECOMPILE_LIMIT  # noqa: E402  (after the path and the Triton switch above)
 from engine.config import register_configs  # noqa: E402  (after the path and the Triton switch above)
+from engine.console import keep_file_only_off_console  # noqa: E402
 
 register_configs()
 
@@ -37,3 +40,21 @@ def _torch_compile_defaults():
     yield
     fx_config.use_duck_shape = duck_shape
     setattr(dynamo_config, RECOMPILE_LIMIT, recompile_limit)
+
+
+@pytest.fixture
+def console_and_file(tmp_path):
+    """The root logger as train.py runs with it: Hydra's console and train.log handlers, FILE_ONLY records kept off
+    the console (engine/console.py). Yields (the console's text buffer, the log file's path)."""
+    root = logging.getLogger()
+    console_text = io.StringIO()
+    console, file = logging.StreamHandler(console_text), logging.FileHandler(tmp_path / "train.log")
+    saved = root.handlers[:], root.level
+    root.handlers[:] = [console, file]
+    root.setLevel(logging.INFO)
+    keep_file_only_off_console()
+    yield console_text, tmp_path / "train.log"
+    file.close()
+    root.handlers[:], level = saved
+    root.setLevel(level)
+    torch._logging.set_logs()  # torch's own logging back to its defaults

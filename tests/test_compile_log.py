@@ -3,7 +3,6 @@ that leaves compilation out (engine/compile_log.py, engine/console.py, engine/pr
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from engine.compile_log import CompileClock, log_recompiles_to_file
-from engine.console import FILE_ONLY, keep_file_only_off_console
+from engine.console import FILE_ONLY
 from engine.progress import Progress
 
 
@@ -30,23 +29,6 @@ def test_the_clock_counts_the_graphs_and_the_seconds_of_compilation():
     spent = clock.totals().since(before)
     assert spent.graphs == 2 and spent.by_function == {"twice": 2}
     assert spent.seconds > 0
-
-
-@pytest.fixture
-def console_and_file(tmp_path):
-    """The root logger as Hydra sets it up: a console handler and a train.log file handler."""
-    root = logging.getLogger()
-    console_text = io.StringIO()
-    console, file = logging.StreamHandler(console_text), logging.FileHandler(tmp_path / "train.log")
-    saved = root.handlers[:], root.level
-    root.handlers[:] = [console, file]
-    root.setLevel(logging.INFO)
-    keep_file_only_off_console()
-    yield console_text, tmp_path / "train.log"
-    file.close()
-    root.handlers[:], level = saved
-    root.setLevel(level)
-    torch._logging.set_logs()  # torch's own logging back to its defaults
 
 
 def test_a_recompilation_is_one_line_in_train_log_and_nothing_on_the_console(console_and_file):

@@ -4,7 +4,6 @@ and the time split between inference and COCOeval."""
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 import time
@@ -15,7 +14,6 @@ from test_detection_images import FixedDetector
 
 from datasets import build_data_loader, build_dataset
 from datasets.cocoeval_backend import faster_coco_eval_installed
-from engine.console import keep_file_only_off_console
 from engine.evaluation import evaluate_coco
 from engine.precision import Precision
 from engine.progress import EvaluationProgress
@@ -26,23 +24,6 @@ needs_faster = pytest.mark.skipif(not faster_coco_eval_installed(),
 CPU = torch.device("cpu")
 # Printed by both pycocotools and faster-coco-eval on every evaluation.
 COCOEVAL_NOISE = ("Loading and preparing results...", "index created!", "Accumulating evaluation results...")
-
-
-@pytest.fixture
-def console_and_file(tmp_path):
-    """The root logger as train.py runs with it: Hydra's console and train.log handlers, FILE_ONLY kept off the
-    console (engine/console.py)."""
-    root = logging.getLogger()
-    console_text = io.StringIO()
-    console, file = logging.StreamHandler(console_text), logging.FileHandler(tmp_path / "train.log")
-    saved = root.handlers[:], root.level
-    root.handlers[:] = [console, file]
-    root.setLevel(logging.INFO)
-    keep_file_only_off_console()
-    yield console_text, tmp_path / "train.log"
-    file.close()
-    root.handlers[:], level = saved
-    root.setLevel(level)
 
 
 @pytest.fixture(scope="module")
