@@ -12,8 +12,6 @@ config and is what the tests call.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import sys
 import time
@@ -27,6 +25,7 @@ from pycocotools.coco import COCO
 from torch.utils.data import DataLoader
 
 from datasets.annotations import clean_annotations, load_annotation_file
+from datasets.coco import coco_index
 from datasets.evaluation import CocoEvaluator
 from datasets.image_folder import ImageFolder, find_images, raise_unreadable
 from datasets.loader import collate_fn
@@ -106,11 +105,7 @@ def read_ground_truth(annotations: str) -> COCO:
     data, report = clean_annotations(load_annotation_file(annotations))
     if report.num_dropped:
         log.warning(report.message(Path(annotations)))
-    gt = COCO()
-    gt.dataset = data
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
-        gt.createIndex()
-    return gt
+    return coco_index(data)
 
 
 def image_ids(paths: list[Path], *, root: Path, gt: COCO | None) -> list[int]:

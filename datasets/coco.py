@@ -94,10 +94,7 @@ class CocoDetection(Dataset):
         check_files_exist(self.image_dir, data["images"], annotation_file=self.annotation_file)
         if verify_images:
             check_images_open(self.image_dir, data["images"], annotation_file=self.annotation_file)
-        self.coco = COCO()
-        self.coco.dataset = data
-        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
-            self.coco.createIndex()
+        self.coco = coco_index(data)
         # Images without annotations stay in, as in the original (they teach "no object").
         self.ids = sorted(self.coco.imgs.keys())
         self.transforms = transforms
@@ -159,6 +156,15 @@ class CocoDetection(Dataset):
         if self.transforms is not None:
             image, target = self.transforms(image, target)
         return image, target
+
+
+def coco_index(data: dict) -> COCO:
+    """pycocotools' index of annotation ``data`` (a checked, cleaned file), built quietly."""
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+        coco.createIndex()
+    return coco
 
 
 def build_dataset(split: str, cfg_dataset: Any, *, augment: bool | None = None, check: bool = True) -> CocoDetection:

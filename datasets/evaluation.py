@@ -31,6 +31,16 @@ class RankExchange(Protocol):
     def broadcast_object(self, obj): ...
 
 
+def coco_results(image_id: int, prediction: dict[str, torch.Tensor]) -> list[dict]:
+    """One image's detections {"scores" (k,), "labels" (k,), "boxes" (k, 4) xyxy} as COCO results:
+    [{"image_id", "category_id", "bbox" [x, y, w, h], "score"}]."""
+    boxes = box_convert(prediction["boxes"].detach().float().cpu(), "xyxy", "xywh").tolist()  # COCO's format
+    scores = prediction["scores"].detach().float().cpu().tolist()
+    labels = prediction["labels"].detach().cpu().tolist()
+    return [{"image_id": int(image_id), "category_id": int(label), "bbox": box, "score": score}
+            for box, score, label in zip(boxes, scores, labels)]
+
+
 class CocoEvaluator:
     """Collects detections, then computes COCO bbox AP against ``coco_gt``.
 
@@ -71,13 +81,7 @@ class CocoEvaluator:
             image_id = int(image_id)
             if image_id not in self.coco_gt.imgs:
                 raise KeyError(f"image id {image_id} is not in the ground-truth annotations")
-            boxes = box_convert(prediction["boxes"].detach().float().cpu(), "xyxy", "xywh").tolist()  # COCO's format
-            scores = prediction["scores"].detach().float().cpu().tolist()
-            labels = prediction["labels"].detach().cpu().tolist()
-            self.results[image_id] = [
-                {"image_id": image_id, "category_id": int(label), "bbox": box, "score": score}
-                for box, score, label in zip(boxes, scores, labels)
-            ]
+            self.results[image_id] = coco_results(image_id, prediction)
         self._gathered = False
 
     def gather(self) -> None:

@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 
 import torch
-from torchvision.ops import box_convert, clip_boxes_to_image
+from torchvision.ops import clip_boxes_to_image
 from torchvision.transforms.v2 import functional as F
 
+from datasets.evaluation import coco_results
 from datasets.image_files import read_image
 
 from .detection_images import display_scale, draw_detections
@@ -56,10 +57,9 @@ class Predictions:
         result["boxes"] = clip_boxes_to_image(result["boxes"], (height, width))
         self.all_detections[image_id] = result
         keep = result["scores"] >= self.score_threshold
-        boxes = box_convert(result["boxes"][keep], "xyxy", "xywh")
-        for box, score, label in zip(boxes.tolist(), result["scores"][keep].tolist(), result["labels"][keep].tolist()):
-            self.detections.append({"image_id": image_id, "category_id": int(label),
-                                    "bbox": [round(v, 2) for v in box], "score": round(score, 5)})
+        for detection in coco_results(image_id, {k: v[keep] for k, v in result.items()}):
+            self.detections.append({**detection, "bbox": [round(v, 2) for v in detection["bbox"]],
+                                    "score": round(detection["score"], 5)})
         if self.draw:
             self._draw(path, result["boxes"][keep], result["labels"][keep], result["scores"][keep])
 
