@@ -161,6 +161,8 @@ def _collate(batch: list):
 def main(cfg: DictConfig) -> None:
     keep_file_only_off_console()
     run_reporting_faults(lambda: predict(cfg), run_dir=Path(HydraConfig.get().runtime.output_dir), log=log,
+                         interrupted="stopped by Ctrl-C: detections.json and images.json are written at the end, so "
+                                     "there are none; the pictures drawn so far are kept",
                          dated=not cfg.output_dir)
 
 

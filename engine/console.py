@@ -57,11 +57,14 @@ def user_faults() -> tuple[type[BaseException], ...]:
 
 
 def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger,
-                         dated: bool = False) -> None:
+                         dated: bool = False,
+                         interrupted: str = "stopped at once by a second Ctrl-C: the steps since the last checkpoint "
+                                            "are lost") -> None:
     """Run ``job`` (see the module docstring): returns when it succeeds, else exits or re-raises.
 
     run_dir  Hydra's run directory, removed if the job failed before writing anything into it; ``dated``: it is
              outputs/<date>/<time>, whose date and outputs folders go too when that leaves them empty
+    interrupted  the message for a KeyboardInterrupt (a job without stop signals of its own gets it at once)
     """
     from .stop_request import TrainingStopped
 
@@ -70,7 +73,7 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
     except TrainingStopped as stopped:  # the loop has logged where to resume from
         sys.exit(stopped.exit_code)
     except KeyboardInterrupt:
-        log.error("stopped at once by a second Ctrl-C: the steps since the last checkpoint are lost")
+        log.error("%s", interrupted)
         sys.exit(INTERRUPTED_EXIT_CODE)
     except user_faults() as fault:
         log.error("%s", fault)
