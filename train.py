@@ -108,6 +108,13 @@ def prepare_compilation(cfg: DictConfig) -> None:
     log_recompiles_to_file()
 
 
+def _running_as(plan) -> str:
+    """How the model runs, for the run's first log line."""
+    if plan is None:
+        return ", eager"
+    return ", CUDA graphs of the eager model" if plan.mode == "graphs" else f", compiled ({plan.mode})"
+
+
 def planned_evaluations(cfg: DictConfig, *, total_steps: int, steps_per_epoch: int, start_epoch: int = 0) -> int:
     """How many evaluations this run will make (every eval_every epochs, and after the last step)."""
     last_epoch = min(cfg.epochs, math.ceil(total_steps / max(1, steps_per_epoch)))
@@ -164,7 +171,8 @@ def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopReques
     # A resumed run has its own weights.
     init = prepare_init_from(cfg.model) if ckpt is None else InitFrom()
     training = build_training(cfg, ctx=ctx, init=init, ckpt=ckpt, ckpt_path=resume_path,
-                              evaluation_batches=len(val_loader.batch_sampler) * evaluations)
+                              evaluation_batches=len(val_loader.batch_sampler) * evaluations,
+                              training_steps=total_steps)
     position = Position()
     if training.resumed is not None:
         epoch, step, steps_in_epoch, rng = training.resumed
@@ -175,7 +183,7 @@ def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopReques
         n_params = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
         log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %d steps per "
                  "epoch, %d epochs", output_dir, ctx.world_size, ctx.device, training.precision.name,
-                 ", compiled" if training.compile_plan else ", eager", n_params / 1e6, steps_per_epoch, cfg.epochs)
+                 _running_as(training.compile_plan), n_params / 1e6, steps_per_epoch, cfg.epochs)
     trainer = Trainer(cfg=cfg, ctx=ctx, output_dir=output_dir, training=training, train_loader=train_loader,
                       val_loader=val_loader, coco_gt=data["val"].coco,
                       detection_images=build_detection_images(cfg, data["val"], enabled=ctx.is_main),

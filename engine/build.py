@@ -48,12 +48,14 @@ class Training:
 
 
 def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt: dict | None = None,
-                   ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0) -> Training:
+                   ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0,
+                   training_steps: int = 0) -> Training:
     """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes.
 
     init                 model.init_from's weights, loaded into the fresh model (a new run)
     ckpt, ckpt_path      a checkpoint to resume: weights, optimizer, schedule and scaler restored (engine.resume)
     evaluation_batches   the evaluation batches this process will run, which decides compile.evaluation=null
+    training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
     """
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
     model, criterion, postprocess = build_model(cfg.model)
@@ -61,7 +63,12 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
         init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
     model.to(ctx.device)
     criterion.to(ctx.device)
-    plan = resolve_compile(cfg.compile, device=ctx.device, evaluation_batches=evaluation_batches)
+    plan = resolve_compile(cfg.compile, device=ctx.device, evaluation_batches=evaluation_batches,
+                           training_steps=training_steps)
+    if plan is not None and plan.mode == "graphs" and ctx.world_size > 1 and cfg.gradient_sync == "ddp":
+        raise ValueError("compile.mode=graphs records the backward as a CUDA graph, which DistributedDataParallel's "
+                         "hooks cannot run inside; use gradient_sync=allreduce (the default) or "
+                         "compile.mode=reduce-overhead")
     if plan is not None:
         compile_model(model, plan, criterion=criterion)  # in place: training and evaluation use it
     optimizer = build_optimizer(model, cfg.optim)

@@ -1,11 +1,14 @@
 """The ``compile`` settings as a plan for this device, applied to the regions a model declares.
 
-``compile.mode=auto`` (the default) compiles on a GPU, with CUDA graphs: the transformer with its heads as
+``compile.mode=auto`` (the default) on a GPU replays the eager model as CUDA graphs (``graphs``,
+engine/cuda_graphs.py: nothing compiled, a second or so per size) for a run of fewer than ``STEPS_TO_COMPILE``
+steps, and compiles it for a longer run or when a ``compile.regions|backbone|backend`` key asks for Inductor.
+Compiled (``reduce-overhead``), it takes the transformer with its heads as
 one graph (``DeformableDETR.predict``: the encoder, the decoder, the glue between their layers, the heads,
 the deformable attention op itself, which is a registered operator traced with no break), the position
 encoding, the backbone (``DeformableDETR.features``, one graph per size bucket) and, in training, the losses
-after the Hungarian matching. On the CPU it runs eagerly. ``compile.mode=eager`` turns compilation off;
-``default`` compiles without CUDA graphs (also on the CPU); ``reduce-overhead`` is auto's GPU choice.
+after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and graphs
+off; ``default`` compiles without CUDA graphs (also on the CPU).
 
 Why these choices (bench/results/e2e_h200.md): the step's thousands of small launches are in the
 transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
@@ -45,7 +48,13 @@ from models.compiled_regions import Region
 log = logging.getLogger(__name__)
 
 # Inductor's modes that a compiled run may use: plain kernels, or the same kernels replayed as CUDA graphs.
-COMPILE_MODES = ("default", "reduce-overhead")
+INDUCTOR_MODES = ("default", "reduce-overhead")
+# Every mode that changes how the model runs: the eager model's CUDA graphs (engine/cuda_graphs.py), or Inductor.
+COMPILE_MODES = ("graphs", *INDUCTOR_MODES)
+# compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below them its
+# compilation (minutes with a cold cache) costs more than its faster step saves over the eager model's CUDA
+# graphs (bench/results/ttr_h200.md has both).
+STEPS_TO_COMPILE = 35000
 # What one compiled graph spans (DeformableDETR.compile_regions).
 REGION_CHOICES = ("layers", "transformer")
 DEFAULT_REGIONS = "transformer"
@@ -75,9 +84,16 @@ class CompilePlan:
 
     @property
     def cuda_graphs(self) -> bool:
-        return self.mode == "reduce-overhead"
+        return self.mode in ("reduce-overhead", "graphs")
+
+    @property
+    def inductor(self) -> bool:
+        return self.mode in INDUCTOR_MODES
 
     def describe(self, *, losses: bool = True) -> str:
+        if not self.inductor:
+            return ("CUDA graphs of the eager model (training" + (", evaluation" if self.evaluation else "")
+                    + "), recorded once per size; nothing compiled")
         parts = ["the transformer's layers and the heads" if self.regions == "layers"
                  else "the transformer with its heads", "the position encoding"]
         if self.backbone == "static":
@@ -90,29 +106,35 @@ class CompilePlan:
         return f"torch.compile ({self.backend}{graphs}) of {', '.join(parts)}"
 
 
-def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0) -> CompilePlan | None:
+def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0,
+                    training_steps: int = 0) -> CompilePlan | None:
     """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager.
 
     ``evaluation_batches``: the evaluation batches this process will run in all, which decides
-    ``compile.evaluation=null``. Settings that cannot work on this device are refused, naming the keys.
+    ``compile.evaluation=null`` when compiling; ``training_steps``: the optimizer steps it will run, which decide
+    auto's choice on a GPU (STEPS_TO_COMPILE). Settings that cannot work on this device are refused, naming the
+    keys.
     """
     mode = str(cfg_compile.mode)
     if mode == "eager":
         return None
+    inductor_keys = [f"compile.{key}={getattr(cfg_compile, key)}" for key in ("regions", "backbone", "backend")
+                     if getattr(cfg_compile, key) is not None]
     if mode == "auto":
         if device.type != "cuda":
-            chosen = [f"compile.{key}={getattr(cfg_compile, key)}" for key in ("regions", "backbone", "backend",
-                                                                               "evaluation")
-                      if getattr(cfg_compile, key) is not None]
+            chosen = inductor_keys + ([f"compile.evaluation={cfg_compile.evaluation}"]
+                                      if cfg_compile.evaluation is not None else [])
             if chosen:
                 raise ValueError(f"{', '.join(chosen)} does nothing here: compile.mode=auto compiles on a GPU only "
                                  f"and this run is on {device}; set compile.mode=default to compile on the CPU")
             return None
-        mode = "reduce-overhead"
-    if mode == "reduce-overhead" and device.type != "cuda":
-        raise ValueError(f"compile.mode=reduce-overhead replays CUDA graphs and needs a GPU, but this run is on "
+        mode = "reduce-overhead" if inductor_keys or training_steps >= STEPS_TO_COMPILE else "graphs"
+    if mode in ("reduce-overhead", "graphs") and device.type != "cuda":
+        raise ValueError(f"compile.mode={mode} replays CUDA graphs and needs a GPU, but this run is on "
                          f"{device}; set compile.mode=default (or device=cuda)")
     evaluation = cfg_compile.evaluation
+    if mode == "graphs":  # recording an evaluation size costs about a second: always worth it
+        return CompilePlan(mode=mode, evaluation=True if evaluation is None else bool(evaluation))
     if evaluation is None:
         evaluation = evaluation_batches >= EVALUATION_BATCHES_TO_COMPILE
     return CompilePlan(mode=mode, regions=str(cfg_compile.regions or DEFAULT_REGIONS),
@@ -125,6 +147,12 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     (training); returns the model."""
     if plan.mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {plan.mode!r}")
+    if plan.mode == "graphs":
+        from .cuda_graphs import graph_model
+
+        graph_model(model, evaluation=plan.evaluation)
+        log.info("%s", plan.describe())
+        return model
     if plan.cuda_graphs and plan.backend != "inductor":
         raise ValueError(f"compile mode {plan.mode!r} needs the inductor backend, got backend {plan.backend!r}")
     if plan.backbone not in TRAIN_BACKBONE_CHOICES:

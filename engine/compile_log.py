@@ -2,7 +2,7 @@
 
 ``CompileClock`` adds up the wall time of everything Dynamo's compile callbacks bracket in this process:
 tracing and compiling a new graph (Inductor and AOTAutograd included), a backward compiled at its first
-call, and a CUDA graph being recorded. The loop charges that time to "compile" rather than to training or
+call, and a CUDA graph being recorded (also the graphs of the eager model, ``record_capture``). The loop charges that time to "compile" rather than to training or
 evaluation, keeps it out of the ETA, and logs "compiled N graphs in X s". Graphs are counted per compiled
 function (``co_name``: features, detect, predict, stacked_losses ...).
 
@@ -78,6 +78,12 @@ class CompileClock:
                 self._seconds += time.perf_counter() - self._started
                 self._started = None
 
+    def record_capture(self, name: str, seconds: float) -> None:
+        """A CUDA graph recorded outside Dynamo (engine/cuda_graphs.py): its time and one graph of ``name``."""
+        with self._lock:
+            self._seconds += seconds
+            self._graphs[name] += 1
+
     def totals(self) -> CompileTotals:
         """Seconds and graphs so far (a compile in progress counts up to now)."""
         from torch._dynamo.utils import get_compilation_metrics
@@ -92,6 +98,21 @@ class CompileClock:
                     self._graphs[metrics.co_name] += 1
             seconds = self._seconds + (time.perf_counter() - self._started if self._started is not None else 0.0)
             return CompileTotals(seconds=seconds, graphs=sum(self._graphs.values()), by_function=dict(self._graphs))
+
+
+# The names ``record_capture`` counts CUDA graphs of the eager model under (engine/cuda_graphs.py): this prefix and the
+# recorded method's name.
+CAPTURE_PREFIX = "graphed_"
+
+
+def describe_work(totals: CompileTotals) -> str:
+    """What a step's compile totals did: "compiled N graphs", "recorded the CUDA graphs of N sizes", or both."""
+    recorded = sum(n for name, n in totals.by_function.items() if name.startswith(CAPTURE_PREFIX))
+    compiled = totals.graphs - recorded
+    parts = [f"compiled {compiled} graphs"] if compiled else []
+    if recorded:
+        parts.append(f"recorded the CUDA graphs of {recorded} {'size' if recorded == 1 else 'sizes'}")
+    return " and ".join(parts) or "recorded CUDA graphs"
 
 
 def describe_graphs(by_function: dict) -> str:

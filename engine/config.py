@@ -93,8 +93,10 @@ class OptimConfig:
 class CompileConfig:
     """configs/train.yaml's ``compile`` group: torch.compile of the model (engine/compile.py).
 
-    mode        auto: compiled with CUDA graphs on a GPU, eager on the CPU | eager | default (compiled, no CUDA
-                graphs) | reduce-overhead (compiled, replayed as CUDA graphs)
+    mode        auto: on a GPU the eager model's CUDA graphs for a short run, compiled with CUDA graphs for a long
+                one (engine.compile.STEPS_TO_COMPILE); eager on the CPU | eager | graphs (the eager model
+                recorded as CUDA graphs, nothing compiled) | default (compiled, no CUDA graphs) | reduce-overhead
+                (compiled, replayed as CUDA graphs)
     regions     what one graph spans: transformer (the whole transformer with its heads) | layers
     backbone    static (the backbone compiled too, a graph per size bucket) | eager
     backend     torch.compile's backend (aot_eager: trace only, for debugging)
@@ -120,6 +122,10 @@ class CompileConfig:
         if self.mode == CompileMode.eager and chosen:
             problems += [f"compile.{key}={value} does nothing with compile.mode=eager (drop it, or choose a compiled "
                          f"mode: compile.mode=auto|default|reduce-overhead)" for key, value in chosen.items()]
+        if self.mode == CompileMode.graphs:
+            problems += [f"compile.{key}={value} does nothing with compile.mode=graphs, which compiles nothing (drop "
+                         f"it, or compile: compile.mode=reduce-overhead)" for key, value in chosen.items()
+                         if key != "evaluation"]
         if self.mode in (CompileMode.auto, CompileMode["reduce-overhead"]) and self.backend not in (None, "inductor"):
             problems.append(f"compile.mode={self.mode} replays CUDA graphs, which need compile.backend=inductor; got "
                             f"compile.backend={self.backend} (set compile.mode=default to use another backend)")

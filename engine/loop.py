@@ -33,7 +33,7 @@ from datasets.per_class_ap import category_names
 
 from .build import Training
 from .checkpoint import LATEST, check_free_space, checkpoint_bytes, epoch_checkpoint_name, publish_as, save_checkpoint
-from .compile_log import CompileTotals, describe_graphs
+from .compile_log import CompileTotals, describe_graphs, describe_work
 from .detection_images import DetectionImages
 from .distributed import DistContext, Ranks, all_reduce_mean, barrier
 from .evaluation import evaluate_coco, record_evaluation
@@ -250,8 +250,8 @@ class Trainer:
         if not self.ctx.is_main:
             return
         total = self.timing.compile
-        graphs = f"compiled {compiled.graphs} graphs" if compiled.graphs else "recorded CUDA graphs"
-        log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, graphs, compiled.seconds,
+        log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, describe_work(compiled),
+                 compiled.seconds,
                  f" ({describe_graphs(compiled.by_function)})" if compiled.by_function else "", total.seconds)
         self.writer.add("compile", {"seconds": total.seconds, "graphs": total.graphs}, self.position.step)
 

@@ -35,7 +35,9 @@ class Precision:
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        # No weight cache: a cast cached across calls would be baked into a CUDA graph recorded while it was
+        # cached (engine/cuda_graphs.py); a weight used twice in one forward is cast twice instead.
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype, cache_enabled=False)
 
     @property
     def name(self) -> str:

@@ -6,6 +6,7 @@ M heads, D = C // M channels per head, L levels, P sampling points per level and
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,8 +19,21 @@ from msda import IMPLS
 
 
 def level_sizes_xy(levels, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(L, 2) tensor of (W_l, H_l) made from host ints, with no device sync (models.host_copy)."""
-    return to_device_async(torch.tensor([[w, h] for h, w in levels], dtype=dtype), device)
+    """(L, 2) tensor of (W_l, H_l) made from host ints, with no device sync (models.host_copy).
+
+    Eagerly, one tensor per sizes, dtype and device, made at its first use and then reused: a CUDA graph
+    recorded over this (engine/cuda_graphs.py) reads it at every replay, where a fresh host copy would be
+    recorded as a read of a host buffer that is later freed. Under torch.compile it is part of the graph.
+    """
+    if torch.compiler.is_compiling():
+        return to_device_async(torch.tensor([[w, h] for h, w in levels], dtype=dtype), device)
+    return _cached_level_sizes_xy(tuple(tuple(hw) for hw in levels), dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_level_sizes_xy(levels: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # usable in training even when first made under inference_mode
+        return to_device_async(torch.tensor([[w, h] for h, w in levels], dtype=dtype), device)
 
 
 class MSDeformAttn(nn.Module):

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
-from engine.compile import (EVALUATION_BATCHES_TO_COMPILE, RECOMPILE_LIMIT, STATIC_BACKBONE_GRAPHS, CompilePlan,
-                            compile_model, resolve_compile)
+from engine.compile import (EVALUATION_BATCHES_TO_COMPILE, RECOMPILE_LIMIT, STATIC_BACKBONE_GRAPHS, STEPS_TO_COMPILE,
+                            CompilePlan, compile_model, resolve_compile)
 from engine.config import CompileConfig
 from models import build_model
 from models.deformable_attention import MSDeformAttn
@@ -37,9 +37,9 @@ def plan(backend, **keys) -> CompilePlan:
 
 
 # ------------------------------------------------------------------------------------------- the settings
-def test_auto_compiles_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu():
-    assert resolve_compile(settings(), device=CPU) is None
-    on_gpu = resolve_compile(settings(), device=GPU)
+def test_auto_compiles_a_long_run_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu():
+    assert resolve_compile(settings(), device=CPU, training_steps=STEPS_TO_COMPILE) is None
+    on_gpu = resolve_compile(settings(), device=GPU, training_steps=STEPS_TO_COMPILE)
     assert on_gpu == CompilePlan(mode="reduce-overhead", regions="transformer", backbone="static",
                                  backend="inductor", evaluation=False)
     assert resolve_compile(settings(mode="eager"), device=GPU) is None
@@ -48,10 +48,11 @@ def test_auto_compiles_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu():
 
 
 def test_evaluation_is_compiled_when_the_run_evaluates_enough_batches():
-    assert not resolve_compile(settings(), device=GPU, evaluation_batches=EVALUATION_BATCHES_TO_COMPILE - 1).evaluation
-    assert resolve_compile(settings(), device=GPU, evaluation_batches=EVALUATION_BATCHES_TO_COMPILE).evaluation
-    assert resolve_compile(settings(evaluation=True), device=GPU).evaluation
-    assert not resolve_compile(settings(evaluation=False), device=GPU, evaluation_batches=10**6).evaluation
+    long = dict(device=GPU, training_steps=STEPS_TO_COMPILE)
+    assert not resolve_compile(settings(), evaluation_batches=EVALUATION_BATCHES_TO_COMPILE - 1, **long).evaluation
+    assert resolve_compile(settings(), evaluation_batches=EVALUATION_BATCHES_TO_COMPILE, **long).evaluation
+    assert resolve_compile(settings(evaluation=True), **long).evaluation
+    assert not resolve_compile(settings(evaluation=False), evaluation_batches=10**6, **long).evaluation
 
 
 @pytest.mark.parametrize("keys,device,message", [
@@ -262,14 +263,19 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager(seeded
     compiled = copy.deepcopy(eager)
     compile_model(compiled, CompilePlan(mode="reduce-overhead", evaluation=True))
     for H, W in ((128, 160), (160, 136)) * 3:
-        images, mask = (t.cuda() for t in _batch(H=H, W=W, pad_w=8))
-        sizes = torch.tensor([[H, W - 8]] * images.shape[0], device="cuda")
-        with torch.no_grad():
-            expected = postprocess(eager(images, mask), sizes)
-            got = postprocess(compiled.detect(images, mask), sizes)
-        for e, g in zip(expected, got):
-            torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-3, atol=1e-4)
-            torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-3, atol=1e-2)
+        assert_same_detections(eager, compiled, postprocess, H=H, W=W, device="cuda")
+
+
+def assert_same_detections(reference, model, postprocess, *, H: int, W: int, device: str) -> None:
+    """``model.detect`` gives ``reference``'s detections (its eager forward, without gradients) on one batch."""
+    images, mask = (t.to(device) for t in _batch(H=H, W=W, pad_w=8))
+    sizes = torch.tensor([[H, W - 8]] * images.shape[0], device=device)
+    with torch.no_grad():
+        expected = postprocess(reference(images, mask), sizes)
+        got = postprocess(model.detect(images, mask), sizes)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-3, atol=1e-4, msg=lambda m: f"{H}x{W}: {m}")
+        torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-3, atol=1e-2, msg=lambda m: f"{H}x{W}: {m}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

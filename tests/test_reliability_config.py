@@ -34,7 +34,7 @@ def compose_train(*overrides):
                                 r"compile\.regions"),
     (["compile.backbone=dynamic"], r"Invalid value 'dynamic', expected one of \[eager, static\]\s+full_key: "
                                    r"compile\.backbone"),
-    (["compile.mode=fast"], r"Invalid value 'fast', expected one of \[auto, eager, default, reduce-overhead\]\s+"
+    (["compile.mode=fast"], r"Invalid value 'fast', expected one of \[auto, eager, graphs, default, reduce-overhead\]\s+"
                             r"full_key: compile\.mode"),
     # The settings of older versions are gone: each names its key.
     (["compile=true"], r"full_key: compile"),

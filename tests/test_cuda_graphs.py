@@ -1,0 +1,180 @@
+"""engine/cuda_graphs.py: the eager model recorded as CUDA graphs (compile.mode=graphs, auto's choice on a GPU
+for a short run). The settings are checked on the CPU; recording and replaying run on the device machine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.compile import STEPS_TO_COMPILE, CompilePlan, compile_model, resolve_compile
+from engine.compile_log import CompileClock, CompileTotals, describe_work
+from engine.config import CompileConfig
+from engine.precision import Precision
+from engine.step import TrainStep
+from models import build_model
+from models.deformable_attention import level_sizes_xy
+from test_compile import assert_same_detections
+from test_models import _batch, _targets, tiny_cfg
+from test_step import SMALL, make_step
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+# Sizes in the order the tests meet them: each new one recorded, each repeated one replayed, and sizes
+# alternate, so that a replay follows another size's graphs in the shared memory pool.
+SIZES = ((128, 160), (128, 160), (160, 136), (128, 160), (141, 163), (160, 136))
+
+
+def settings(**keys):
+    return OmegaConf.structured(CompileConfig(**keys))
+
+
+# ------------------------------------------------------------------------------------------- the settings
+def test_auto_records_cuda_graphs_for_a_short_run_on_a_gpu_and_compiles_a_long_one():
+    short = resolve_compile(settings(), device=GPU, training_steps=STEPS_TO_COMPILE - 1)
+    assert short == CompilePlan(mode="graphs", evaluation=True) and short.cuda_graphs and not short.inductor
+    assert resolve_compile(settings(), device=GPU, training_steps=STEPS_TO_COMPILE).mode == "reduce-overhead"
+    assert resolve_compile(settings(), device=GPU).mode == "graphs"  # evaluation only
+    assert resolve_compile(settings(), device=CPU, training_steps=1) is None
+
+
+def test_auto_compiles_when_a_key_asks_for_inductor_and_graphs_keep_evaluation_optional():
+    for key in (dict(regions="layers"), dict(backbone="eager"), dict(backend="inductor")):
+        assert resolve_compile(settings(**key), device=GPU, training_steps=10).mode == "reduce-overhead", key
+    assert not resolve_compile(settings(mode="graphs", evaluation=False), device=GPU).evaluation
+    assert "nothing compiled" in resolve_compile(settings(mode="graphs"), device=GPU).describe()
+
+
+@pytest.mark.parametrize("keys,message", [
+    (dict(mode="graphs", regions="layers"), r"compile\.regions=layers does nothing with compile\.mode=graphs"),
+    (dict(mode="graphs", backbone="static"), r"compile\.backbone=static does nothing with compile\.mode=graphs"),
+])
+def test_graphs_refuse_the_keys_of_inductor_naming_them(keys, message):
+    with pytest.raises(ValueError, match=message):
+        settings(**keys)
+
+
+def test_graphs_need_a_gpu():
+    with pytest.raises(ValueError, match=r"compile\.mode=graphs replays CUDA graphs and needs a GPU"):
+        resolve_compile(settings(mode="graphs"), device=CPU)
+
+
+def test_the_level_sizes_are_made_once_per_sizes_so_that_a_graph_can_read_them_at_every_replay():
+    levels = ((13, 17), (7, 9))
+    first = level_sizes_xy(levels, dtype=torch.float32, device=CPU)
+    assert first is level_sizes_xy([[13, 17], [7, 9]], dtype=torch.float32, device=CPU)
+    assert first.tolist() == [[17.0, 13.0], [9.0, 7.0]]
+    with torch.inference_mode():
+        other = level_sizes_xy(((5, 3),), dtype=torch.float64, device=CPU)
+    assert not other.is_inference()  # still usable by a training step that saves it for backward
+
+
+def test_captures_count_as_compilation_with_their_method_name():
+    clock = CompileClock.get()
+    before = clock.totals()
+    clock.record_capture("forward", 1.5)
+    since = clock.totals().since(before)
+    assert since.graphs == 1 and since.by_function == {"forward": 1} and since.seconds >= 1.5
+
+
+def test_a_steps_log_line_says_what_it_recorded_and_what_it_compiled():
+    assert describe_work(CompileTotals(1.0, 2, {"graphed_forward": 2})) == "recorded the CUDA graphs of 2 sizes"
+    assert describe_work(CompileTotals(1.0, 2, {"features": 1, "predict": 1})) == "compiled 2 graphs"
+    assert describe_work(CompileTotals(1.0, 2, {"predict": 1, "graphed_detect": 1})) == \
+        "compiled 1 graphs and recorded the CUDA graphs of 1 size"
+
+
+# ------------------------------------------------------------------------------------------- on the GPU
+def _graphed_pair(variant, *, amp="none"):
+    eager = make_step(variant, msda="triton", device="cuda", dropout=0.0)  # replays draw their own RNG order
+    graphed = make_step(variant, msda="triton", device="cuda", dropout=0.0)
+    graphed.model.load_state_dict(eager.model.state_dict())
+    for step in (eager, graphed):
+        step.precision = Precision(amp=amp, device=GPU)
+    compile_model(graphed.model, CompilePlan(mode="graphs", evaluation=True))
+    return eager, graphed
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", ["base", "box_refine", "two_stage"])
+def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_steps(variant):
+    """Each step starts both models from the same weights (eager's, copied in place: the graphs read the
+    parameters where they are), so that the comparison does not depend on how the two optimizers' steps
+    diverge: Adam divides by each gradient's own size, so the last-bit differences of the backward's atomics
+    move a near-zero gradient's weight by up to lr per step."""
+    torch.manual_seed(0)
+    eager, graphed = _graphed_pair(variant)
+    clock = CompileClock.get()
+    before = clock.totals()
+    for H, W in SIZES:
+        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        expected, got = eager(*batch, targets), graphed(*batch, targets)
+        # [loss, gradient norm, each loss]; two-stage's top-k of the encoder's proposals may flip on a near tie
+        torch.testing.assert_close(got, expected, rtol=5e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
+        if variant != "two_stage":
+            for (name, e), g in zip(eager.model.named_parameters(), graphed.model.parameters()):
+                assert (e.grad is None) == (g.grad is None), name
+                if e.grad is not None:
+                    error = float((g.grad - e.grad).norm())
+                    assert error <= 1e-2 * float(e.grad.norm()) + 1e-8, f"size {H}x{W}, {name}: |difference| {error}"
+        with torch.no_grad():
+            for e, g in zip(eager.model.parameters(), graphed.model.parameters()):
+                g.copy_(e)
+    assert clock.totals().since(before).by_function == {"graphed_forward": len(set(SIZES))}  # one recording per size
+
+
+@needs_gpu
+def test_bf16_steps_replayed_as_cuda_graphs_follow_the_weights_as_they_change():
+    """autocast's casts are in the graph (no weight cache): a replay after an update uses the new weights."""
+    torch.manual_seed(0)
+    eager, graphed = _graphed_pair("box_refine", amp="bf16")
+    for H, W in SIZES:
+        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        expected, got = eager(*batch, targets), graphed(*batch, targets)
+        torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-3, msg=lambda m: f"size {H}x{W}: {m}")
+
+
+@needs_gpu
+def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_training_steps():
+    torch.manual_seed(0)
+    model, criterion, postprocess = build_model(tiny_cfg("two_stage", msda="triton", **SMALL))
+    model.cuda()
+    criterion.cuda()
+    graphed = copy.deepcopy(model)
+    compile_model(graphed, CompilePlan(mode="graphs", evaluation=True))
+    optimizer = torch.optim.SGD(graphed.parameters(), lr=0.05)
+    step = TrainStep(model=graphed, criterion=criterion, optimizer=optimizer,
+                     precision=Precision(amp="none", device=GPU), clip_max_norm=0.1)
+    for round_ in range(2):
+        graphed.eval()
+        model.load_state_dict(graphed.state_dict())
+        model.eval()
+        for H, W in SIZES:
+            assert_same_detections(model, graphed, postprocess, H=H, W=W, device="cuda")
+        graphed.train()
+        for H, W in SIZES[:3]:  # the weights move: the evaluation graphs must see the new ones
+            step(*[t.cuda() for t in _batch(H=H, W=W, pad_w=8)],
+                 [{k: v.cuda() for k, v in t.items()} for t in _targets()])
+
+
+@needs_gpu
+def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eagerly():
+    torch.manual_seed(0)
+    model, _, _ = build_model(tiny_cfg("base", msda="triton", **SMALL))
+    model.cuda()
+    reference = copy.deepcopy(model).eval()
+    compile_model(model, CompilePlan(mode="graphs", evaluation=False))
+    model.eval()
+    images, mask = (t.cuda() for t in _batch(H=128, W=160, pad_w=8))
+    clock = CompileClock.get()
+    before = clock.totals()
+    with torch.no_grad():
+        got, expected = model(images, mask), reference(images, mask)
+        detected = model.detect(images, mask)  # evaluation=False: detect is the plain method
+    torch.testing.assert_close(got["pred_logits"], expected["pred_logits"])
+    torch.testing.assert_close(detected["pred_boxes"], expected["pred_boxes"])
+    assert clock.totals().since(before).graphs == 0
