@@ -55,8 +55,8 @@ RUN_KEYS = ("gpu", "date", "torch", "triton", "command")  # what a step-time row
 
 def compile_overrides(mode: str, regions: str | None = None, backbone: str | None = None) -> list[str]:
     """The config overrides of a compile.mode (and, compiled, compile.regions and compile.backbone)."""
-    if mode == "eager":
-        return ["compile.mode=eager"]
+    if mode in ("eager", "graphs"):  # nothing compiled: no regions, no backbone choice
+        return [f"compile.mode={mode}"]
     return [f"compile.mode={mode}", f"compile.regions={regions or DEFAULT_REGIONS}",
             f"compile.backbone={backbone or 'static'}"]
 
@@ -81,8 +81,8 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     configs = [(batch, amp, mode, regions, backbone, impl) for batch in args.batches for amp in args.amps
                for mode in args.compile_modes
                # The regions' and backbone's settings only mean something where the model is compiled.
-               for regions in (args.compile_regions if mode != "eager" else [None])
-               for backbone in (args.compile_backbone if mode != "eager" else ["eager"])
+               for regions in (args.compile_regions if mode not in ("eager", "graphs") else [None])
+               for backbone in (args.compile_backbone if mode not in ("eager", "graphs") else ["eager"])
                for impl in args.impls]
     rows = []
     for repeat in range(args.repeats):

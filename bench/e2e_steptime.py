@@ -254,8 +254,9 @@ def measure(*, cfg, height: int, width: int, warmup: int, steps: int, multishape
         return (time.perf_counter() - t0) * 1e3
 
     base = {"impl": impl, "amp": amp, "compile": plan is not None, "compile_mode": compile_mode, "batch": batch,
-            **({"backbone_compiled": plan.backbone} if plan is not None and plan.backbone != "eager" else {}),
-            **({"compile_regions": plan.regions} if plan is not None else {})}
+            **({"backbone_compiled": plan.backbone} if plan is not None and plan.inductor and plan.backbone != "eager"
+               else {}),
+            **({"compile_regions": plan.regions} if plan is not None and plan.inductor else {})}
     fixed = random_batch([(height, width)] * batch, num_classes, device, gen)
     host_before = host_conditions()
     graphs_before = _unique_graphs()

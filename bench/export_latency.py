@@ -4,11 +4,13 @@
     python bench/export_latency.py --out /tmp/bench --quick             # CPU, tiny model, 96 x 128: a check of the script
     python bench/export_latency.py --out DIR --checkpoint PATH --dtype bf16
 
-Three ways to run the same model on the same batches, in one process, one after the other:
-  eager     ``DeformableDETR.detect`` as predict.py and evaluation run it (model.msda=triton on CUDA)
+Ways to run the same model on the same batches, in one process, one after the other:
+  eager     ``DeformableDETR.detect`` as predict.py runs it (model.msda=triton on CUDA)
   compiled  ``detect`` compiled as engine/compile.py compiles it for evaluation (compile.evaluation=true: one
-            static graph per batch shape, CUDA graphs on a GPU: compile.mode=auto's choice); its first call at
-            each shape compiles, and is reported apart
+            static graph per batch shape, CUDA graphs on a GPU: compile.mode=reduce-overhead, auto's choice for
+            long runs); its first call at each shape compiles, and is reported apart
+  graphs    (GPU) ``detect`` of the eager model recorded as a CUDA graph per shape (compile.mode=graphs, auto's
+            choice for evaluation and short runs)
   aoti      the package that ``python export.py format=aoti`` writes (dynamic batch and sides, the attention as
             msda::attention on CUDA: this process has imported msda), traced and compiled once, reported apart
 Images are 800 x 1333 (the COCO recipe's evaluation size; padded to 800 x 1344 as every batch is, to
@@ -140,9 +142,15 @@ def measure(args, device: torch.device, workdir: str) -> dict:
 
     # After the export: compile_model sets process-wide options (duck sizing) that the trace should not see.
     compiled_model = copy.deepcopy(model)
-    mode = "reduce-overhead" if device.type == "cuda" else "default"  # compile.mode=auto on a GPU; default on a CPU
+    mode = "reduce-overhead" if device.type == "cuda" else "default"  # Inductor with CUDA graphs on a GPU
     compile_model(compiled_model, CompilePlan(mode=mode, evaluation=True, backbone="static"))
     compiled = ExportableDetector(compiled_model).eval()
+    ways = [("eager", eager), ("compiled", compiled)]
+    if device.type == "cuda":  # the eager model's CUDA graphs (compile.mode=graphs), nothing compiled
+        graphed_model = copy.deepcopy(model)
+        compile_model(graphed_model, CompilePlan(mode="graphs", evaluation=True))
+        ways.append(("graphs", ExportableDetector(graphed_model).eval()))
+    ways.append(("aoti", aoti))
     inductor_options = QUICK_COMPILE if args.quick else {}  # the package's quick_compile, for a like comparison
 
     rows = []
@@ -160,10 +168,9 @@ def measure(args, device: torch.device, workdir: str) -> dict:
         row = {"batch": batch, "compiled_first_call_s": compile_s,
                "compiled_vs_eager": largest_differences(first, expected),
                "aoti_vs_eager": largest_differences(from_package, expected)}
-        for name, call in (("eager", eager), ("compiled", compiled), ("aoti", aoti)):
+        for name, call in ways:
             row[f"{name}_ms"] = timed_ms(call, inputs, warmup=args.warmup, repeats=args.repeats, device=device)
-        print(f"batch {batch}: eager {row['eager_ms']:.1f} ms, compiled {row['compiled_ms']:.1f} ms, "
-              f"AOTInductor {row['aoti_ms']:.1f} ms", flush=True)
+        print(f"batch {batch}: " + ", ".join(f"{name} {row[f'{name}_ms']:.1f} ms" for name, _ in ways), flush=True)
         rows.append(row)
     return {"rows": rows, "aoti_export_s": aoti_seconds, "package_mb": package.stat().st_size / 2**20,
             "compile_mode": mode}
@@ -196,6 +203,11 @@ def write_report(record: dict, out: Path, name: str) -> None:
         lines.append(f"| {row['batch']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} | {row['aoti_ms']:.1f} | "
                      f"{row['compiled_ms'] / row['eager_ms']:.2f} | {row['aoti_ms'] / row['eager_ms']:.2f} | "
                      f"{row['aoti_ms'] / row['compiled_ms']:.2f} |")
+    graphed = [row for row in record["rows"] if "graphs_ms" in row]
+    if graphed:
+        lines += ["", "The eager model's CUDA graphs (compile.mode=graphs, nothing compiled), same run: "
+                  + "; ".join(f"batch {row['batch']} {row['graphs_ms']:.1f} ms ({row['graphs_ms'] / row['eager_ms']:.2f}x "
+                              f"eager)" for row in graphed) + "."]
     seconds = record["aoti_export_s"]
     lines += ["", f"- AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in {seconds['compile']:.1f} s "
               f"({record['package_mb']:.0f} MB), once for every batch and size.",

@@ -1,20 +1,23 @@
 """Converged mAP parity in one command: the synthetic default run (`python train.py`: model=tiny, 24 epochs) with
 several seeds for each way of running the model, run side by side on one GPU.
 
-    python bench/parity.py --out bench/results                 # on a GPU: 9 runs at once, about 8 minutes
+    python bench/parity.py --out bench/results                 # on a GPU: 12 runs at once
     python bench/parity.py --quick --out /tmp/parity           # CPU smoke run: 2 pytorch runs of 20 steps
 
 Configurations (each `python train.py seed=N device=... num_workers=... output_dir=...` plus):
 
     triton-eager     model.msda=triton compile.mode=eager
-    triton-compiled  model.msda=triton compile.mode=auto (the GPU's default: compiled, CUDA graphs; the synthetic
-                     set's own compile.mode=eager is overridden by the command line)
+    triton-graphs    model.msda=triton compile.mode=graphs (the GPU's default for this run: the eager model
+                     replayed as CUDA graphs)
+    triton-compiled  model.msda=triton compile.mode=reduce-overhead (Inductor with CUDA graphs: auto's choice for
+                     long runs; the results of 2026-12-01 ran it as compile.mode=auto, then the GPU's default)
     pytorch-eager    model.msda=pytorch compile.mode=eager
 
 Every run writes its usual run directory under --work/runs (train.log, eval_epoch*.json, tensorboard/; removed at
 the start of the next call), the compiled ones share --work/compile_cache (kept). The report
 takes each run's last evaluation (AP, AP50), each configuration's mean and spread (max - min over its seeds),
-and the pass criterion: for triton-eager against pytorch-eager, and for triton-compiled against triton-eager,
+and the pass criterion: for triton-eager against pytorch-eager, and for triton-graphs and triton-compiled against
+triton-eager,
 |difference of the mean APs| <= the larger of the two configurations' spreads, i.e. within the seed-to-seed
 variation that either configuration shows by itself. Beside it, the target of a mean AP >= 0.25 for each
 configuration. The loss and AP curves of all runs (read back from their TensorBoard events) go into one figure
@@ -42,10 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CONFIGS = {"triton-eager": ["model.msda=triton", "compile.mode=eager"],
-           "triton-compiled": ["model.msda=triton", "compile.mode=auto"],
+           "triton-compiled": ["model.msda=triton", "compile.mode=reduce-overhead"],
+           "triton-graphs": ["model.msda=triton", "compile.mode=graphs"],
            "pytorch-eager": ["model.msda=pytorch", "compile.mode=eager"]}
 # (configuration, its reference): the pairs the pass criterion compares.
-COMPARISONS = (("triton-eager", "pytorch-eager"), ("triton-compiled", "triton-eager"))
+COMPARISONS = (("triton-eager", "pytorch-eager"), ("triton-compiled", "triton-eager"),
+               ("triton-graphs", "triton-eager"))
 AP_TARGET = 0.25
 # What --quick runs: one configuration that needs no GPU and no Triton interpreter, two seeds, 20 steps.
 QUICK = {"configs": ["pytorch-eager"], "seeds": [0, 1], "overrides": ["epochs=1", "max_steps=20"]}
@@ -192,7 +197,7 @@ def plot(out: Path, record: dict) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(CONFIGS, ("tab:orange", "tab:red", "tab:blue")))
+    colours = dict(zip(CONFIGS, ("tab:orange", "tab:red", "tab:green", "tab:blue")))
     fig, (loss_ax, ap_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in record["rows"]:
         if "failed" in r:
@@ -218,7 +223,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_parity"))
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
-                        help="configurations to run (all three; quick: pytorch-eager)")
+                        help="configurations to run (all four; quick: pytorch-eager)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of each (0 1 2; quick: 0 1)")
     parser.add_argument("--parallel", type=int, default=None, help="runs at once (all of them)")
     parser.add_argument("--device", default=None, help="device= of the runs (cuda; quick: cpu)")
