@@ -432,3 +432,18 @@ def test_worker_loading_is_reproducible_from_the_seed(synthetic_root):
     for (images_a, boxes_a), (images_b, boxes_b) in zip(a, b):
         assert torch.equal(images_a, images_b) and all(torch.equal(x, y) for x, y in zip(boxes_a, boxes_b))
     assert any(x[0].shape != y[0].shape or not torch.equal(x[0], y[0]) for x, y in zip(a, c))
+
+
+def test_a_large_split_written_by_several_processes_is_the_set_one_process_writes(tmp_path, monkeypatch):
+    import datasets.synthetic as synthetic
+
+    def written(root):
+        return [(f.name, f.read_bytes()) for f in sorted((root / "val2017").iterdir())] + \
+            [(root / "annotations" / "instances_val2017.json").read_text()]
+
+    monkeypatch.setattr(synthetic, "IMAGES_PER_WRITER", 8)
+    monkeypatch.setattr(synthetic, "MAX_WRITERS", 3)
+    several = synthetic.ensure_synthetic_dataset(tmp_path / "several", num_train=1, num_val=40, image_size=32, seed=5)
+    monkeypatch.setattr(synthetic, "MAX_WRITERS", 1)
+    one = synthetic.ensure_synthetic_dataset(tmp_path / "one", num_train=1, num_val=40, image_size=32, seed=5)
+    assert written(several) == written(one)
