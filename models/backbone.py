@@ -33,8 +33,12 @@ IMAGENET_WEIGHTS = {
 
 
 def downsample_mask(mask: torch.Tensor, size) -> torch.Tensor:
-    """Padding mask (B, H, W) bool -> (B, h, w) bool by nearest interpolation, as the original."""
-    return F.interpolate(mask[None].float(), size=size).to(torch.bool)[0]
+    """Padding mask (B, H, W) bool -> (B, h, w) bool by nearest interpolation, as the original.
+
+    The images are the batch of one channel (the original interpolates them as the channels of one image:
+    the same pixels), so that the batch size stays a batch size to torch.export: as channels, CUDA's
+    nearest-upsampling decomposition guarded on it being under 4, and a dynamic batch failed to export."""
+    return F.interpolate(mask[:, None].float(), size=size).to(torch.bool)[:, 0]
 
 
 def _imagenet_state_dict(name: str) -> dict:

@@ -334,3 +334,27 @@ def test_pretrained_from_a_file(tmp_path, seeded):
     torch.save(bad, tmp_path / "bad.pth")
     with pytest.raises(ValueError, match="missing.*conv1.weight"):
         Backbone(name="resnet18", pretrained=str(tmp_path / "bad.pth"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"))])
+def test_masks_are_downsampled_as_the_original_and_export_with_any_batch_size(device):
+    """The original interpolates the batch as the channels of one image; ours as a batch of one channel: the
+    same masks, and torch.export keeps the batch dynamic (CUDA's decomposition guarded on the channel count)."""
+    import torch.nn.functional as F
+
+    from models.backbone import downsample_mask
+
+    torch.manual_seed(0)
+    masks = torch.rand(3, 37, 53, device=device) > 0.5
+    for size in ((5, 7), (19, 27), (37, 53), (74, 106)):
+        original = F.interpolate(masks[None].float(), size=size).to(torch.bool)[0]
+        assert torch.equal(downsample_mask(masks, size), original), size
+
+    class Downsample(torch.nn.Module):
+        def forward(self, mask):
+            return downsample_mask(mask, (mask.shape[-2] // 8, mask.shape[-1] // 8))
+
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(Downsample(), (masks[:2, :32, :48].contiguous(),), dynamic_shapes=({0: batch},))
+    assert torch.equal(program.module()(masks[:, :32, :48].contiguous()), Downsample()(masks[:, :32, :48]))
