@@ -80,7 +80,7 @@ def scaling_worker(args) -> None:
         if gradient_sync == "ddp":  # data_parallel turns Dynamo's cuts at DDP's buckets off; back on to compare
             torch._dynamo.config.optimize_ddp = cuts
         step = training.step
-        compiled = args.compile_mode != "eager"
+        compiled = args.compile_mode not in ("eager", "graphs")  # compiled by Inductor
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
         batch = random_batch([(800, 1333)] * args.batch, cfg.model.num_classes, ctx.device, gen)
         host_before = host_conditions()

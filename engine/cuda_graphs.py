@@ -145,10 +145,11 @@ class GraphedMethod:
 
 
 def graph_model(model: nn.Module, *, evaluation: bool = True) -> nn.Module:
-    """Replay ``model``'s training ``forward`` and (``evaluation``) its ``detect`` as CUDA graphs, in place (per
-    instance, through ``use_compiled``: parameters, state_dict keys and checkpoints are unchanged); returns the
-    model."""
+    """Replay the regions ``model`` declares for recording (``compile_regions(graphs=True)``: its training ``forward``
+    and, with ``evaluation``, its ``detect``) as CUDA graphs, in place (per instance, through ``use_compiled``:
+    parameters, state_dict keys and checkpoints are unchanged); returns the model."""
     pool = torch.cuda.graph_pool_handle()
-    for name, backward in (("forward", True), ("detect", False))[:2 if evaluation else 1]:
-        model.use_compiled(name, GraphedMethod(model, getattr(type(model), name), backward=backward, pool=pool))
+    for region in model.compile_regions(graphs=True, evaluation=evaluation):
+        method = getattr(type(model), region.name)
+        model.use_compiled(region.name, GraphedMethod(model, method, backward=region.training, pool=pool))
     return model

@@ -26,6 +26,8 @@ class Region:
     whole         one graph with no break (fullgraph): a break would bring back the host cost it removes
     cuda_graphs   may be replayed as CUDA graphs (False: its sizes change with every call)
     starts_step   a call is a new step of the CUDA-graph trees: the outputs of the last call are done with
+    training      recorded as CUDA graphs of the eager model (engine/cuda_graphs.py, ``compile_regions(graphs=
+                  True)``): True, its forward and backward (a training call); False, a forward without gradients
     """
 
     name: str
@@ -34,6 +36,7 @@ class Region:
     whole: bool = False
     cuda_graphs: bool = True
     starts_step: bool = False
+    training: bool = False
 
 
 class CompiledRegions:

@@ -120,9 +120,12 @@ class DeformableDETR(CompiledRegions, nn.Module):
         each compile again."""
         return DeformableDETR.predict(self, *DeformableDETR.features(self, images, mask))
 
-    def compile_regions(self, *, regions: str = "transformer", backbone: bool = True,
-                        evaluation: bool = False) -> list[Region]:
+    def compile_regions(self, *, regions: str = "transformer", backbone: bool = True, evaluation: bool = False,
+                        graphs: bool = False) -> list[Region]:
         """What engine/compile.py compiles (models/compiled_regions.py).
+
+        graphs: what engine/cuda_graphs.py records instead, nothing compiled: ``forward`` (the whole model,
+        forward and backward, in training) and, with ``evaluation``, ``detect``; each one recording per input size.
 
         regions "transformer": ``predict`` (the encoder, the decoder, the glue between their layers and the
         heads) as one graph, and the position encoding; "layers": each encoder and decoder layer (layers of
@@ -131,6 +134,8 @@ class DeformableDETR(CompiledRegions, nn.Module):
         make a graph with symbolic sizes guard on each size's parity. ``evaluation``: ``detect``, one graph
         per image size.
         """
+        if graphs:
+            return [Region("forward", training=True)] + ([Region("detect")] if evaluation else [])
         if regions == "layers":
             layers = [*self.transformer.encoder.layers, *self.transformer.decoder.layers]
             names = {id(m): n for n, m in self.named_modules()}

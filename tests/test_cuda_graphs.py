@@ -178,3 +178,10 @@ def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eage
     torch.testing.assert_close(got["pred_logits"], expected["pred_logits"])
     torch.testing.assert_close(detected["pred_boxes"], expected["pred_boxes"])
     assert clock.totals().since(before).graphs == 0
+
+
+def test_the_model_declares_what_is_recorded():
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    training, evaluation = model.compile_regions(graphs=True, evaluation=True)
+    assert (training.name, training.training, evaluation.name, evaluation.training) == ("forward", True, "detect", False)
+    assert [r.name for r in model.compile_regions(graphs=True, evaluation=False)] == ["forward"]
