@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import BENCH_MODES, compile_overrides  # noqa: E402
 from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
-from engine.compile import DEFAULT_REGIONS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
+from engine.compile import DEFAULT_REGIONS, INDUCTOR_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
 from engine.distributed import GRADIENT_SYNCS  # noqa: E402
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
@@ -80,7 +80,7 @@ def scaling_worker(args) -> None:
         if gradient_sync == "ddp":  # data_parallel turns Dynamo's cuts at DDP's buckets off; back on to compare
             torch._dynamo.config.optimize_ddp = cuts
         step = training.step
-        compiled = args.compile_mode not in ("eager", "graphs")  # compiled by Inductor
+        compiled = args.compile_mode in INDUCTOR_MODES
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
         batch = random_batch([(800, 1333)] * args.batch, cfg.model.num_classes, ctx.device, gen)
         host_before = host_conditions()

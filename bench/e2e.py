@@ -43,7 +43,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from bench.e2e_report import (  # noqa: E402
     bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report)
-from engine.compile import COMPILE_MODES, DEFAULT_REGIONS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
+from engine.compile import (COMPILE_MODES, DEFAULT_REGIONS, INDUCTOR_MODES, REGION_CHOICES,  # noqa: E402
+                            TRAIN_BACKBONE_CHOICES)
 from engine.config import register_configs  # noqa: E402
 from engine.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
@@ -55,7 +56,7 @@ RUN_KEYS = ("gpu", "date", "torch", "triton", "command")  # what a step-time row
 
 def compile_overrides(mode: str, regions: str | None = None, backbone: str | None = None) -> list[str]:
     """The config overrides of a compile.mode (and, compiled, compile.regions and compile.backbone)."""
-    if mode in ("eager", "graphs"):  # nothing compiled: no regions, no backbone choice
+    if mode not in INDUCTOR_MODES:  # nothing compiled: no regions, no backbone choice
         return [f"compile.mode={mode}"]
     return [f"compile.mode={mode}", f"compile.regions={regions or DEFAULT_REGIONS}",
             f"compile.backbone={backbone or 'static'}"]
@@ -81,8 +82,8 @@ def run_steptime(args, device, save_rows) -> list[dict]:
     configs = [(batch, amp, mode, regions, backbone, impl) for batch in args.batches for amp in args.amps
                for mode in args.compile_modes
                # The regions' and backbone's settings only mean something where the model is compiled.
-               for regions in (args.compile_regions if mode not in ("eager", "graphs") else [None])
-               for backbone in (args.compile_backbone if mode not in ("eager", "graphs") else ["eager"])
+               for regions in (args.compile_regions if mode in INDUCTOR_MODES else [None])
+               for backbone in (args.compile_backbone if mode in INDUCTOR_MODES else ["eager"])
                for impl in args.impls]
     rows = []
     for repeat in range(args.repeats):

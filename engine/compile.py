@@ -55,6 +55,8 @@ COMPILE_MODES = ("graphs", *INDUCTOR_MODES)
 # compilation (minutes with a cold cache) costs more than its faster step saves over the eager model's CUDA
 # graphs (bench/results/ttr_h200.md has both).
 STEPS_TO_COMPILE = 35000
+# The compile settings that only Inductor reads (the others: mode, evaluation, cache_dir).
+INDUCTOR_KEYS = ("regions", "backbone", "backend")
 # What one compiled graph spans (DeformableDETR.compile_regions).
 REGION_CHOICES = ("layers", "transformer")
 DEFAULT_REGIONS = "transformer"
@@ -118,7 +120,7 @@ def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: in
     mode = str(cfg_compile.mode)
     if mode == "eager":
         return None
-    inductor_keys = [f"compile.{key}={getattr(cfg_compile, key)}" for key in ("regions", "backbone", "backend")
+    inductor_keys = [f"compile.{key}={getattr(cfg_compile, key)}" for key in INDUCTOR_KEYS
                      if getattr(cfg_compile, key) is not None]
     if mode == "auto":
         if device.type != "cuda":

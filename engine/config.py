@@ -37,7 +37,7 @@ from datasets import DATASET_SCHEMAS, DatasetConfig
 from datasets.cocoeval_backend import BACKENDS as COCOEVAL_BACKENDS
 from models.model_config import ModelConfig
 
-from .compile import COMPILE_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES
+from .compile import COMPILE_MODES, INDUCTOR_KEYS, REGION_CHOICES, TRAIN_BACKBONE_CHOICES
 from .distributed import GRADIENT_SYNCS
 from .precision import AMP_DTYPES
 
@@ -117,7 +117,7 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        chosen = {key: getattr(self, key) for key in ("regions", "backbone", "backend", "evaluation")
+        chosen = {key: getattr(self, key) for key in (*INDUCTOR_KEYS, "evaluation")
                   if getattr(self, key) is not None}
         if self.mode == CompileMode.eager and chosen:
             problems += [f"compile.{key}={value} does nothing with compile.mode=eager (drop it, or choose a compiled "
@@ -125,7 +125,7 @@ class CompileConfig:
         if self.mode == CompileMode.graphs:
             problems += [f"compile.{key}={value} does nothing with compile.mode=graphs, which compiles nothing (drop "
                          f"it, or compile: compile.mode=reduce-overhead)" for key, value in chosen.items()
-                         if key != "evaluation"]
+                         if key in INDUCTOR_KEYS]
         if self.mode in (CompileMode.auto, CompileMode["reduce-overhead"]) and self.backend not in (None, "inductor"):
             problems.append(f"compile.mode={self.mode} replays CUDA graphs, which need compile.backend=inductor; got "
                             f"compile.backend={self.backend} (set compile.mode=default to use another backend)")

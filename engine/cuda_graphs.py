@@ -23,7 +23,6 @@ recorded.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 
@@ -114,10 +113,8 @@ class GraphedMethod:
         return replay
 
     def _record_training(self, flat: _FlatOutputs, static: tuple):
-        options = {"num_warmup_iters": WARMUP_CALLS, "allow_unused_input": True}
-        if "pool" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
-            options["pool"] = self.pool
-        graphed = torch.cuda.make_graphed_callables(flat, static, **options)
+        graphed = torch.cuda.make_graphed_callables(flat, static, num_warmup_iters=WARMUP_CALLS,
+                                                    allow_unused_input=True, pool=self.pool)
 
         def replay(images, mask):
             return tree_unflatten(list(graphed(images, mask)), flat.spec)

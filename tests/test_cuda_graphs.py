@@ -149,7 +149,7 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
     optimizer = torch.optim.SGD(graphed.parameters(), lr=0.05)
     step = TrainStep(model=graphed, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp="none", device=GPU), clip_max_norm=0.1)
-    for round_ in range(2):
+    for _ in range(2):
         graphed.eval()
         model.load_state_dict(graphed.state_dict())
         model.eval()
