@@ -12,7 +12,8 @@ compilation is left out of the ETA and of the training time (engine/run_timing.p
 
 Nothing is lost beyond the last checkpoint: checkpoint.pth is also rewritten mid-epoch every
 ``checkpoint_minutes``, and a stop signal (engine/stop_request.py) lets the step finish, writes it at that
-exact step and stops the run (TrainingStopped). On several processes the request travels in the log
+exact step and stops the run (TrainingStopped). Checkpoints are written while training goes on
+(engine/checkpoint_writer.py); a stop and the end of the run wait for the write. On several processes the request travels in the log
 interval's all-reduce, so every rank stops at the same step without a sync of its own.
 """
 
@@ -32,7 +33,8 @@ from datasets import ImageReadError
 from datasets.per_class_ap import category_names
 
 from .build import Training
-from .checkpoint import LATEST, check_free_space, checkpoint_bytes, epoch_checkpoint_name, publish_as, save_checkpoint
+from .checkpoint import LATEST, check_free_space, checkpoint_bytes, epoch_checkpoint_name
+from .checkpoint_writer import CheckpointWriter
 from .compile_log import CompileTotals, describe_graphs, describe_work
 from .detection_images import DetectionImages
 from .distributed import DistContext, Ranks, all_reduce_mean, barrier
@@ -110,6 +112,7 @@ class Trainer:
         self.stop = stop or StopRequest()
         self._stop_agreed = False  # every process has learnt of a stop request (at a log interval)
         self._last_save = time.monotonic()
+        self.checkpoints = CheckpointWriter()
 
     # -- the schedule -----------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -123,10 +126,15 @@ class Trainer:
                 self._train_epoch(epoch)
                 self._close_epoch(epoch)
         except ImageReadError as error:  # a damaged image met while training: say where to resume from
+            self.checkpoints.wait_quietly()  # the hint names the checkpoint being written
             raise ImageReadError(f"{error}\n{last_checkpoint_hint(self.output_dir)}") from error
+        except BaseException:
+            self.checkpoints.wait_quietly()
+            raise
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
             self.writer.close()
+        self.timing.add_checkpoint(self.checkpoints.wait())
         record = self.timing.record(padding_waste=self.batches.padding_waste)
         if self.ctx.is_main:
             self.timing.write(self.output_dir, record)
@@ -162,6 +170,7 @@ class Trainer:
                 self._report_compilation(compiled, what=f"step {pos.step} ({images.shape[-2]}x{images.shape[-1]})")
             if pos.step % self.cfg.log_every == 0 or pos.step == self.total_steps:
                 self._report(epoch)
+                self.checkpoints.check()
                 self._save_if_due()
             self.stop.announce()
             if self._stop_agreed or (self.stop.requested and not self.ctx.distributed):
@@ -179,6 +188,7 @@ class Trainer:
         """Write the exact position and stop: the step that was running when the signal came has finished."""
         self._report(epoch)  # this interval's losses are checked before they are saved
         self._save(epoch_done=False)
+        self.timing.add_checkpoint(self.checkpoints.wait())  # the message below says the file holds this step
         pos, latest = self.position, self.output_dir / LATEST
         signum = self.stop.signum if self.stop.signum is not None else int(signal.SIGTERM)
         message = (f"stopped by {signal.Signals(signum).name if self.stop.requested else 'another process'} at epoch "
@@ -256,6 +266,7 @@ class Trainer:
         self.writer.add("compile", {"seconds": total.seconds, "graphs": total.graphs}, self.position.step)
 
     def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:
+        self.checkpoints.wait_quietly()  # the last good checkpoint may still be being written
         latest = self.output_dir / LATEST
         kept = (f"the last good checkpoint, {latest}, is kept (resume={latest})" if latest.exists()
                 else "no checkpoint had been written yet")
@@ -273,13 +284,12 @@ class Trainer:
                      "grad_scaler": self.precision.scaler.state_dict(), "epoch": pos.epoch,
                      "steps_in_epoch": pos.steps_in_epoch, "step": pos.step, "config": self.config_record,
                      "categories": self.categories, "rng": capture_rng_state()}
-            t0 = time.perf_counter()
             if epoch_done and pos.epoch % self.cfg.checkpoint_every == 0:
-                saved = save_checkpoint(state, self.output_dir / epoch_checkpoint_name(pos.epoch))
-                publish_as(saved, self.output_dir / LATEST)
+                held = self.checkpoints.save(state, self.output_dir / epoch_checkpoint_name(pos.epoch),
+                                             also_as=self.output_dir / LATEST)
             else:
-                save_checkpoint(state, self.output_dir / LATEST)
-            self.timing.add_checkpoint(time.perf_counter() - t0)
+                held = self.checkpoints.save(state, self.output_dir / LATEST)
+            self.timing.add_checkpoint(held)
         self._last_save = time.monotonic()
         self.step_log.restart_clock()
 

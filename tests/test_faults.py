@@ -85,11 +85,11 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
 
 
 def test_checkpoints_are_written_mid_epoch_every_checkpoint_minutes(data_root, tmp_path, monkeypatch):
-    import engine.loop
+    import engine.checkpoint_writer
 
     saved = []
-    save = engine.loop.save_checkpoint
-    monkeypatch.setattr(engine.loop, "save_checkpoint",
+    save = engine.checkpoint_writer.save_checkpoint
+    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint",
                         lambda state, path: saved.append((state["epoch"], state["steps_in_epoch"])) or save(state, path))
     trainer.train(compose_run(data_root, tmp_path, "epochs=1", "checkpoint_minutes=1e-6"))  # due at every log line
     assert saved == [(0, 1), (0, 2), (1, 0)]  # after steps 1 and 2, then the epoch's end
@@ -144,6 +144,19 @@ def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, m
         save_checkpoint({"model": {"w": torch.zeros(2)}, "step": 2}, path)
     monkeypatch.undo()
     assert load_checkpoint(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
+
+
+def test_a_run_whose_checkpoint_write_fails_stops_with_that_error(data_root, tmp_path, monkeypatch):
+    """The write happens in the background; the run still ends with its error, not with a result."""
+    import engine.checkpoint
+
+    def full_disk(obj, f):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine.checkpoint.torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint_epoch0001\.pth"):
+        trainer.train(compose_run(data_root, tmp_path, "epochs=2"))
+    assert not list(tmp_path.glob("*.pth")) and not list(tmp_path.glob("eval_epoch0002.json"))
 
 
 # ------------------------------------------------------------------------------------------ run directories
