@@ -218,22 +218,6 @@ def _levels_key(levels) -> tuple:
 
 _NO_GUARD = contextlib.nullcontext()
 
-# Kernels msda/precompile.py is compiling; the first launch after it waits for all of them.
-PENDING: list = []
-
-
-def _launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``. On meta tensors (msda/precompile.py's stand-ins for a call to come) it
-    compiles the kernel for those arguments and launches nothing."""
-    if args[0].is_meta:
-        return kernel.warmup(*args, grid=grid, **kwargs)
-    if PENDING:
-        from .precompile import finish_pending
-
-        finish_pending()
-    kernel[grid](*args, **kwargs)
-    return None
-
 
 def _device_guard(t: torch.Tensor):
     """Triton launches on the current device: switch only when the tensors live elsewhere (rare, and not free)."""
@@ -274,7 +258,7 @@ def forward(value, levels, sampling_locations, attention_weights, *, config: tup
     grid, args, kwargs = _plan("forward", N, shape[1], M, D, shape[3], shape[4], value.dtype, _levels_key(levels),
                                config)
     with _device_guard(value):
-        _launch(msda_forward_kernel, grid, value, sampling_locations, attention_weights, output, *args, **kwargs)
+        msda_forward_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
     return output.view(N, shape[1], M * D)
 
 
@@ -319,8 +303,8 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
     def query_kernel(name, grad_value, keys, counts):
         grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name),
                                    L if name in ("fused", "scatter") else first_gathered)
-        _launch(msda_backward_kernel, grid, grad_output, value, sampling_locations, attention_weights, grad_value,
-                grad_loc, grad_weight, keys, counts, *args, **kwargs)
+        msda_backward_kernel[grid](grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc,
+                                   grad_weight, keys, counts, *args, **kwargs)
 
     with _device_guard(value):
         accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
@@ -349,8 +333,8 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
             perm = torch.sort(keys, stable=True).indices  # ascending sample id inside every cell
         else:
             perm = torch.empty(num_samples, dtype=index_dtype, device=value.device)
-            _launch(msda_fill_cells_kernel, (_cdiv(num_samples, 1024),), keys, counts, perm, num_samples, num_cells,
-                    BLOCK=1024, num_warps=4)
+            msda_fill_cells_kernel[(_cdiv(num_samples, 1024),)](keys, counts, perm, num_samples, num_cells,
+                                                                 BLOCK=1024, num_warps=4)
         lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes, large))
         common = dict(M=M, D=D, L=L, P=P, BLOCK_D=_pow2(D), FILLED=not deterministic, num_warps=warps,
                       COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)
@@ -360,9 +344,9 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
             if s_begin >= s_end:
                 continue
             block_s = lanes // block_e
-            _launch(msda_grad_value_gather_kernel, (_cdiv(s_end - s_begin, block_s), N * M),
-                    grad_output, sampling_locations, attention_weights, counts, perm, grad_value,
-                    Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e, **common)
+            msda_grad_value_gather_kernel[(_cdiv(s_end - s_begin, block_s), N * M)](
+                grad_output, sampling_locations, attention_weights, counts, perm, grad_value,
+                Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e, **common)
         return grad_value.to(value.dtype), grad_loc, grad_weight
 
 

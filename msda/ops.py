@@ -28,18 +28,13 @@ def _pairs(flat_levels: list[int]) -> tuple[tuple[int, int], ...]:
 # ----------------------------------------------------------------------------------------------------
 # the operator
 # ----------------------------------------------------------------------------------------------------
-def _forward(value, sampling_locations, attention_weights, levels, *, backward: bool,
-             deterministic: bool) -> torch.Tensor:
-    """Triton forward on validated inputs -> (N, Lq, M*D). ``backward``: a backward will follow (its kernels
-    are precompiled with the forward's, see msda/precompile.py)."""
+def _forward(value, sampling_locations, attention_weights, levels) -> torch.Tensor:
+    """Triton forward on validated inputs -> (N, Lq, M*D)."""
     N, _, M, D = value.shape
     Lq = sampling_locations.shape[1]
     if N == 0 or Lq == 0:
         return value.new_zeros((N, Lq, M * D))  # nothing to gather: no launch
     from . import launch  # triton is imported only when the Triton path is used
-    from .precompile import precompile
-
-    precompile(value, levels, sampling_locations, attention_weights, backward=backward, deterministic=deterministic)
 
     return launch.forward(value.contiguous(), levels, sampling_locations.contiguous(),
                           attention_weights.contiguous())
@@ -61,9 +56,7 @@ def _backward_impl(grad_output, value, sampling_locations, attention_weights, le
 def attention_op(value: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
                  flat_levels: list[int], deterministic: bool) -> torch.Tensor:
     """Triton forward on validated inputs -> (N, Lq, M*D). ``deterministic`` only matters to the backward."""
-    # Whether a backward follows is not known inside the op: an inference-only compiled model precompiles it too.
-    return _forward(value, sampling_locations, attention_weights, _pairs(flat_levels), backward=True,
-                    deterministic=deterministic)
+    return _forward(value, sampling_locations, attention_weights, _pairs(flat_levels))
 
 
 @attention_op.register_fake
@@ -114,8 +107,7 @@ class EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(value, sampling_locations, attention_weights)
         ctx.levels = levels
         ctx.deterministic = deterministic
-        return _forward(value, sampling_locations, attention_weights, levels,
-                        backward=any(ctx.needs_input_grad[:3]), deterministic=deterministic)
+        return _forward(value, sampling_locations, attention_weights, levels)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
