@@ -139,6 +139,7 @@ def measure(args, device: torch.device, workdir: str) -> dict:
     package = write_aoti(program, Path(workdir) / "detector.pt2", quick=args.quick)
     aoti = AotiRunner(package)
     aoti_seconds = {"trace": traced, "compile": time.perf_counter() - started - traced}
+    print(f"package: traced in {traced:.1f} s, compiled in {aoti_seconds['compile']:.1f} s", flush=True)
 
     # After the export: compile_model sets process-wide options (duck sizing) that the trace should not see.
     compiled_model = copy.deepcopy(model)
