@@ -12,7 +12,9 @@ Ways to run the same model on the same batches, in one process, one after the ot
   graphs    (GPU) ``detect`` of the eager model recorded as a CUDA graph per shape (compile.mode=graphs, auto's
             choice for evaluation and short runs)
   aoti      the package that ``python export.py format=aoti`` writes (dynamic batch and sides, the attention as
-            msda::attention on CUDA: this process has imported msda), traced and compiled once, reported apart
+            msda::attention on CUDA: the process has imported msda), traced and compiled once, reported apart; it
+            is built and timed in a child process of its own, so that a crash there (a segfault in packaging or
+            loading) is reported and the other ways are still measured
 Images are 800 x 1333 (the COCO recipe's evaluation size; padded to 800 x 1344 as every batch is, to
 multiples of 32), random, with a padding mask; the model is the default Deformable DETR (ResNet-50) with
 random weights unless --checkpoint names one: latency does not depend on the weights. Each figure is the
@@ -27,7 +29,9 @@ import argparse
 import copy
 import datetime
 import json
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +69,7 @@ def parse_args(argv=None):
                         help="image size before padding to 32 (default 800 1333; quick 96 128)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration (default 5; quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per configuration (default 20; quick 3)")
+    parser.add_argument("--aoti-part", type=Path, default=None, help=argparse.SUPPRESS)  # the child process (measure)
     args = parser.parse_args(argv)
     args.batches = args.batches or ([1, 2] if args.quick else [1, 8])
     args.size = args.size or ([96, 128] if args.quick else [800, 1333])
@@ -127,21 +132,55 @@ def largest_differences(outputs, expected) -> dict[str, float]:
     return {name: float((a.float() - b.float()).abs().max()) for name, a, b in zip(("logits", "boxes"), outputs, expected)}
 
 
-def measure(args, device: torch.device, workdir: str) -> dict:
-    """Every row (module docstring); the package is written into ``workdir`` (it is as large as the weights)."""
+def aoti_part(args, device: torch.device, workdir: Path) -> None:
+    """The package's share of the run, in a process of its own (see ``measure``): trace, compile and load the
+    package, then per batch one call whose outputs go to ``workdir`` and the timed calls; aoti.json holds the
+    times. The model and the batches are built as the parent builds them (the same seeds), so the outputs compare."""
     model = build_detector_model(args, device)
     eager = ExportableDetector(model).eval()
-
     started = time.perf_counter()
     sample = batch_inputs(max(2, min(args.batches)), args, device)  # a dynamic batch is traced at 2 or more
     program = trace(eager, sample, dynamic=True)
     traced = time.perf_counter() - started
-    package = write_aoti(program, Path(workdir) / "detector.pt2", quick=args.quick)
+    print(f"package: traced in {traced:.1f} s", flush=True)
+    package = write_aoti(program, workdir / "detector.pt2", quick=args.quick)
     aoti = AotiRunner(package)
-    aoti_seconds = {"trace": traced, "compile": time.perf_counter() - started - traced}
-    print(f"package: traced in {traced:.1f} s, compiled in {aoti_seconds['compile']:.1f} s", flush=True)
+    seconds = {"trace": traced, "compile": time.perf_counter() - started - traced}
+    print(f"package: compiled and loaded in {seconds['compile']:.1f} s", flush=True)
+    record = {"aoti_export_s": seconds, "package_mb": package.stat().st_size / 2**20, "aoti_ms": {}}
+    for batch in args.batches:
+        inputs = batch_inputs(batch, args, device)
+        torch.save([t.cpu() for t in aoti(*inputs)], workdir / f"aoti_outputs_{batch}.pt")
+        record["aoti_ms"][str(batch)] = timed_ms(aoti, inputs, warmup=args.warmup, repeats=args.repeats, device=device)
+        print(f"batch {batch}: aoti {record['aoti_ms'][str(batch)]:.1f} ms", flush=True)
+        (workdir / "aoti.json").write_text(json.dumps(record))
 
-    # After the export: compile_model sets process-wide options (duck sizing) that the trace should not see.
+
+def measure_aoti(argv: list[str], workdir: Path) -> tuple[dict, str | None]:
+    """``aoti_part`` in a child process: a crash in packaging or in the package (a segfault) ends that process,
+    not the measurements of the other ways. Returns its record (whatever it wrote) and its failure, if any."""
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--aoti-part", str(workdir)]
+    child = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(child.stdout, end="", flush=True)
+    written = workdir / "aoti.json"
+    record = json.loads(written.read_text()) if written.exists() else {}
+    if child.returncode == 0:
+        return record, None
+    ended = (f"was killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
+             else f"exited with code {child.returncode}")
+    steps = [line for line in child.stdout.splitlines() if line.startswith(("package:", "batch "))]
+    return record, (f"the AOTInductor process {ended} " + (f"after '{steps[-1]}'" if steps else "before the package "
+                    "was traced") + "; its output is in this run's log")
+
+
+def measure(args, argv: list[str], device: torch.device, workdir: Path) -> dict:
+    """Every row (module docstring). The package first, in its own process (its trace must not see the process-wide
+    options that compile_model sets, and it is as large as the weights: written into ``workdir``)."""
+    aoti, aoti_error = measure_aoti(argv, workdir)
+    if aoti_error:
+        print(f"AOTInductor: {aoti_error}", flush=True)
+    model = build_detector_model(args, device)
+    eager = ExportableDetector(model).eval()
     compiled_model = copy.deepcopy(model)
     mode = "reduce-overhead" if device.type == "cuda" else "default"  # Inductor with CUDA graphs on a GPU
     compile_model(compiled_model, CompilePlan(mode=mode, evaluation=True, backbone="static"))
@@ -151,7 +190,6 @@ def measure(args, device: torch.device, workdir: str) -> dict:
         graphed_model = copy.deepcopy(model)
         compile_model(graphed_model, CompilePlan(mode="graphs", evaluation=True))
         ways.append(("graphs", ExportableDetector(graphed_model).eval()))
-    ways.append(("aoti", aoti))
     inductor_options = QUICK_COMPILE if args.quick else {}  # the package's quick_compile, for a like comparison
 
     rows = []
@@ -165,16 +203,19 @@ def measure(args, device: torch.device, workdir: str) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             compile_s = time.perf_counter() - started
-            from_package = aoti(*inputs)
         row = {"batch": batch, "compiled_first_call_s": compile_s,
-               "compiled_vs_eager": largest_differences(first, expected),
-               "aoti_vs_eager": largest_differences(from_package, expected)}
+               "compiled_vs_eager": largest_differences(first, expected)}
+        outputs = workdir / f"aoti_outputs_{batch}.pt"
+        if str(batch) in aoti.get("aoti_ms", {}):
+            row["aoti_ms"] = aoti["aoti_ms"][str(batch)]
+            row["aoti_vs_eager"] = largest_differences([t.to(device) for t in torch.load(outputs)], expected)
         for name, call in ways:
             row[f"{name}_ms"] = timed_ms(call, inputs, warmup=args.warmup, repeats=args.repeats, device=device)
-        print(f"batch {batch}: " + ", ".join(f"{name} {row[f'{name}_ms']:.1f} ms" for name, _ in ways), flush=True)
+        timed = [name for name, _ in ways] + (["aoti"] if "aoti_ms" in row else [])
+        print(f"batch {batch}: " + ", ".join(f"{name} {row[f'{name}_ms']:.1f} ms" for name in timed), flush=True)
         rows.append(row)
-    return {"rows": rows, "aoti_export_s": aoti_seconds, "package_mb": package.stat().st_size / 2**20,
-            "compile_mode": mode}
+    return {"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "package_mb": aoti.get("package_mb"),
+            "aoti_error": aoti_error, "compile_mode": mode}
 
 
 def header(args, device: torch.device) -> dict:
@@ -201,24 +242,32 @@ def write_report(record: dict, out: Path, name: str) -> None:
              "AOTInductor / compiled |",
              "|---|---|---|---|---|---|---|"]
     for row in record["rows"]:
-        lines.append(f"| {row['batch']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} | {row['aoti_ms']:.1f} | "
-                     f"{row['compiled_ms'] / row['eager_ms']:.2f} | {row['aoti_ms'] / row['eager_ms']:.2f} | "
-                     f"{row['aoti_ms'] / row['compiled_ms']:.2f} |")
+        aoti = row.get("aoti_ms")
+        lines.append(f"| {row['batch']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} | "
+                     + (f"{aoti:.1f}" if aoti else "-") + f" | {row['compiled_ms'] / row['eager_ms']:.2f} | "
+                     + (f"{aoti / row['eager_ms']:.2f} | {aoti / row['compiled_ms']:.2f} |" if aoti else "- | - |"))
     graphed = [row for row in record["rows"] if "graphs_ms" in row]
     if graphed:
         lines += ["", "The eager model's CUDA graphs (compile.mode=graphs, nothing compiled), same run: "
                   + "; ".join(f"batch {row['batch']} {row['graphs_ms']:.1f} ms ({row['graphs_ms'] / row['eager_ms']:.2f}x "
                               f"eager)" for row in graphed) + "."]
     seconds = record["aoti_export_s"]
-    lines += ["", f"- AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in {seconds['compile']:.1f} s "
-              f"({record['package_mb']:.0f} MB), once for every batch and size.",
+    lines += [""]
+    if record.get("aoti_error"):
+        lines.append(f"- AOTInductor: {record['aoti_error']}.")
+    if seconds:
+        lines.append(f"- AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in {seconds['compile']:.1f} "
+                     f"s ({record['package_mb']:.0f} MB), once for every batch and size.")
+    lines += [
               "- torch.compile (compile.mode=" + record["compile_mode"] + ", a static graph per batch shape): first "
               "call " + ", ".join(f"{r['compiled_first_call_s']:.1f} s at batch {r['batch']}" for r in record["rows"]) +
               " (Inductor's cache as the machine had it: a second run on one machine compiles from its cache).",
               "- Largest differences from eager: " + "; ".join(
                   f"batch {r['batch']}: compiled logits {r['compiled_vs_eager']['logits']:.2g} boxes "
-                  f"{r['compiled_vs_eager']['boxes']:.2g}, AOTInductor logits {r['aoti_vs_eager']['logits']:.2g} "
-                  f"boxes {r['aoti_vs_eager']['boxes']:.2g}" for r in record["rows"]) + "."]
+                  f"{r['compiled_vs_eager']['boxes']:.2g}" + (
+                      f", AOTInductor logits {r['aoti_vs_eager']['logits']:.2g} boxes "
+                      f"{r['aoti_vs_eager']['boxes']:.2g}" if "aoti_vs_eager" in r else "")
+                  for r in record["rows"]) + "."]
     if record["quick"]:
         lines.append("- --quick: a check that the script runs. Both compiled ways were built without vectorized CPU "
                      "kernels (quick_compile, engine/export_aoti.py), so these figures say nothing about speed.")
@@ -230,9 +279,13 @@ def main(argv=None) -> None:
     device = torch.device("cpu" if args.quick else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/export_latency.py measures on a GPU and none is available here; --quick runs on the CPU")
+    if args.aoti_part is not None:
+        aoti_part(args, device, args.aoti_part)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
-        record = {**header(args, device), **measure(args, device, workdir)}
+        record = {**header(args, device), **measure(args, argv if argv is not None else sys.argv[1:], device,
+                                                    Path(workdir))}
     name = "export_latency_quick" if args.quick else "export_latency_h200"
     write_report(record, args.out, name)
     print(f"wrote {args.out / (name + '.md')} and .json")
