@@ -13,8 +13,9 @@ compilation is left out of the ETA and of the training time (engine/run_timing.p
 Nothing is lost beyond the last checkpoint: checkpoint.pth is also rewritten mid-epoch every
 ``checkpoint_minutes``, and a stop signal (engine/stop_request.py) lets the step finish, writes it at that
 exact step and stops the run (TrainingStopped). Checkpoints are written while training goes on
-(engine/checkpoint_writer.py); a stop and the end of the run wait for the write. On several processes the request travels in the log
-interval's all-reduce, so every rank stops at the same step without a sync of its own.
+(engine/checkpoint_writer.py); a stop and the end of the run wait for the write. On several processes the
+request travels in the log interval's all-reduce, so every rank stops at the same step without a sync of
+its own.
 """
 
 from __future__ import annotations
