@@ -19,20 +19,27 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import publish_as, save_checkpoint
+from .checkpoint import CheckpointWriteError, publish_as, save_checkpoint
 
 log = logging.getLogger(__name__)
 
 
-def host_copy(obj):
+def host_copy(obj, _copies: dict | None = None):
     """``obj`` with every tensor copied to host memory (a copy even of host tensors: the optimizer updates
-    them in place); dicts, lists and tuples are rebuilt around the copies, anything else is shared."""
+    them in place); dicts, lists and tuples are rebuilt around the copies, anything else is shared. Tensors
+    that are the same view of one storage (tied weights: the shared heads of the prediction layers) get one
+    copy, so that torch.save still writes them once."""
+    copies = {} if _copies is None else _copies
     if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
+        key = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(),
+               obj.dtype)
+        if key not in copies or obj.numel() == 0:
+            copies[key] = obj.detach().to("cpu", copy=True)
+        return copies[key]
     if isinstance(obj, dict):
-        return type(obj)((k, host_copy(v)) for k, v in obj.items())
+        return type(obj)((k, host_copy(v, copies)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
+        return type(obj)(host_copy(v, copies) for v in obj)
     return obj
 
 
@@ -52,8 +59,9 @@ class CheckpointWriter:
         self.wait()
         snapshot = host_copy(state)
         if self.background:
+            # Not a daemon: a process that exits with a write in flight finishes it first.
             self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path), also_as),
-                                            name="checkpoint-writer", daemon=True)
+                                            name="checkpoint-writer")
             self._thread.start()
         else:
             self._write(snapshot, Path(path), also_as)
@@ -89,7 +97,12 @@ class CheckpointWriter:
         try:
             saved = save_checkpoint(state, path)
             if also_as is not None:
-                publish_as(saved, also_as)
+                try:
+                    publish_as(saved, also_as)
+                except OSError as error:
+                    raise CheckpointWriteError(
+                        f"wrote checkpoint {saved} but could not publish it as {also_as} ({error.strerror or error}); "
+                        f"{saved} holds the latest state: resume={saved}") from None
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
             self._error = error
 

@@ -114,6 +114,7 @@ class Trainer:
         self._stop_agreed = False  # every process has learnt of a stop request (at a log interval)
         self._last_save = time.monotonic()
         self.checkpoints = CheckpointWriter()
+        self._evaluated = False  # this process has run an evaluation (and so forked its loader's workers)
 
     # -- the schedule -----------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -126,6 +127,7 @@ class Trainer:
                     break
                 self._train_epoch(epoch)
                 self._close_epoch(epoch)
+            self.timing.add_checkpoint(self.checkpoints.wait())
         except ImageReadError as error:  # a damaged image met while training: say where to resume from
             self.checkpoints.wait_quietly()  # the hint names the checkpoint being written
             raise ImageReadError(f"{error}\n{last_checkpoint_hint(self.output_dir)}") from error
@@ -135,7 +137,6 @@ class Trainer:
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
             self.writer.close()
-        self.timing.add_checkpoint(self.checkpoints.wait())
         record = self.timing.record(padding_waste=self.batches.padding_waste)
         if self.ctx.is_main:
             self.timing.write(self.output_dir, record)
@@ -292,9 +293,15 @@ class Trainer:
                 held = self.checkpoints.save(state, self.output_dir / LATEST)
             self.timing.add_checkpoint(held)
         self._last_save = time.monotonic()
+        self.timing.pause()  # the time held here is the checkpoint's, not the next step's
         self.step_log.restart_clock()
 
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
+        if not self._evaluated:
+            # The first evaluation forks the validation loader's workers, which would inherit the file being
+            # written: an open descriptor that keeps a replaced checkpoint's disk space taken until the run ends.
+            self.timing.add_checkpoint(self.checkpoints.wait())
+            self._evaluated = True
         before, t0 = self.timing.clock.totals(), time.perf_counter()
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,

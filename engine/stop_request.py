@@ -4,7 +4,8 @@ SIGUSR1 (which SLURM can send ahead of time, ``--signal=USR1@120``).
 ``StopRequest`` turns those signals into a flag that the training loop reads between steps: the current step
 finishes, checkpoint.pth is written with the exact position in the epoch, and the run exits with
 ``STOPPED_EXIT_CODE[signal]`` (128 + the signal's number, as a shell reports a process stopped by it). A second
-Ctrl-C stops at once (KeyboardInterrupt), losing only the steps since the last checkpoint. The loader's worker
+Ctrl-C stops at once (KeyboardInterrupt), losing only the steps since the last checkpoint (a checkpoint being
+written in the background is finished first: engine/checkpoint_writer.py). The loader's worker
 processes ignore these signals (``ignore_stop_signals``), so that a Ctrl-C sent to the whole process group does
 not kill them under the step the main process is finishing.
 """

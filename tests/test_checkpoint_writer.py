@@ -15,44 +15,47 @@ from engine.checkpoint_writer import CheckpointWriter, host_copy
 
 @pytest.fixture
 def held_writes(monkeypatch):
-    """save_checkpoint that waits for ``release`` before writing: the test sees the write in flight."""
-    release, started = threading.Event(), threading.Event()
+    """save_checkpoint that waits for ``release`` before writing: the test sees the write in flight.
+    ``writes`` counts the writes that started."""
+    release, started, writes = threading.Event(), threading.Event(), []
 
     def held(state, path):
+        writes.append(path)
         started.set()
         assert release.wait(30), "the test never released the write"
         return save_checkpoint(state, path)
 
     monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint", held)
-    return started, release
+    yield started, release, writes
+    release.set()  # a test that failed before releasing leaves no writer blocked behind it
 
 
 def test_the_file_holds_the_state_at_the_save_not_after_the_next_update(tmp_path, held_writes):
-    started, release = held_writes
-    weight = torch.randn(64)
-    expected = weight.clone()
-    state = {"model": {"w": weight}, "optimizer": {"state": {0: {"exp_avg": torch.randn(3)}}, "lr": [0.1]},
-             "step": 7}
+    started, release, _ = held_writes
+    weight, exp_avg = torch.randn(64), torch.randn(3)
+    expected_weight, expected_exp_avg = weight.clone(), exp_avg.clone()
+    state = {"model": {"w": weight}, "optimizer": {"state": {0: {"exp_avg": exp_avg}}, "lr": [0.1]}, "step": 7}
     writer = CheckpointWriter()
     writer.save(state, tmp_path / "checkpoint.pth")
     assert started.wait(30) and writer.writing and not (tmp_path / "checkpoint.pth").exists()
     weight.add_(1.0)  # the optimizer's in-place step, while the file is written
+    exp_avg.mul_(0.5)
     release.set()
     writer.wait()
     saved = load_checkpoint(tmp_path / "checkpoint.pth")
-    assert torch.equal(saved["model"]["w"], expected) and saved["step"] == 7
-    assert torch.equal(saved["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(saved["model"]["w"], expected_weight) and saved["step"] == 7
+    assert torch.equal(saved["optimizer"]["state"][0]["exp_avg"], expected_exp_avg)
 
 
 def test_the_next_save_waits_for_the_one_in_flight(tmp_path, held_writes):
-    started, release = held_writes
+    started, release, writes = held_writes
     writer = CheckpointWriter()
     writer.save({"model": {}, "step": 1}, tmp_path / "checkpoint.pth")
     assert started.wait(30)
     second = threading.Thread(target=writer.save, args=({"model": {}, "step": 2}, tmp_path / "checkpoint.pth"))
     second.start()
     second.join(0.5)
-    assert second.is_alive()  # held behind the first write
+    assert second.is_alive() and len(writes) == 1  # held behind the first write, its own not started
     release.set()
     second.join(30)
     writer.wait()
@@ -99,6 +102,18 @@ def test_a_failing_run_logs_the_write_error_instead_of_raising_it_over_its_own(t
     writer.save({"model": {}}, tmp_path / "checkpoint.pth")
     writer.wait_quietly()
     assert "could not write checkpoint" in caplog.text and not (tmp_path / "checkpoint.pth").exists()
+
+
+def test_tied_weights_are_copied_once_and_written_once(tmp_path):
+    head = torch.nn.Linear(256, 256)  # 256 KB: a second copy in the file would be seen
+    model = torch.nn.ModuleDict({"a": head, "b": head, "other": torch.nn.Linear(256, 256)})  # tied, as the model's heads
+    copied = host_copy(model.state_dict())
+    assert copied["a.weight"] is copied["b.weight"] and copied["a.weight"] is not copied["other.weight"]
+    writer = CheckpointWriter()
+    writer.save({"model": model.state_dict()}, tmp_path / "tied.pth")
+    writer.wait()
+    torch.save({"model": model.state_dict()}, tmp_path / "in_line.pth")  # what torch.save alone writes
+    assert abs((tmp_path / "tied.pth").stat().st_size - (tmp_path / "in_line.pth").stat().st_size) < 4096
 
 
 def test_host_copy_copies_every_tensor_and_keeps_the_structure():

@@ -146,6 +146,50 @@ def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, m
     assert load_checkpoint(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
 
 
+def test_a_run_that_fails_while_a_checkpoint_is_written_finishes_the_file_first(data_root, tmp_path, monkeypatch):
+    import time
+
+    import engine.checkpoint_writer
+    import engine.loop
+
+    save = engine.checkpoint_writer.save_checkpoint
+    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint",
+                        lambda state, path: time.sleep(1.0) or save(state, path))  # a slow disk
+    train_epoch = engine.loop.Trainer._train_epoch
+
+    def fails_in_the_second_epoch(self, epoch):
+        if epoch == 1:
+            raise RuntimeError("a fault in the second epoch")
+        return train_epoch(self, epoch)
+
+    monkeypatch.setattr(engine.loop.Trainer, "_train_epoch", fails_in_the_second_epoch)
+    with pytest.raises(RuntimeError, match="a fault in the second epoch"):
+        trainer.train(compose_run(data_root, tmp_path, "epochs=2", "eval_every=5"))
+    assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == STEPS_PER_EPOCH  # whole, when train() returns
+
+
+def test_the_first_evaluation_starts_its_workers_after_the_write_in_flight(data_root, tmp_path, monkeypatch):
+    """Forked while a checkpoint is written, the validation loader's workers would keep its file open."""
+    import threading
+    import time
+
+    import engine.checkpoint_writer
+    import engine.loop
+
+    save = engine.checkpoint_writer.save_checkpoint
+    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint",
+                        lambda state, path: time.sleep(1.0) or save(state, path))
+    evaluate, writing = engine.loop.evaluate_coco, []
+
+    def recording(**kwargs):
+        writing.append(any(t.name == "checkpoint-writer" for t in threading.enumerate()))
+        return evaluate(**kwargs)
+
+    monkeypatch.setattr(engine.loop, "evaluate_coco", recording)
+    trainer.train(compose_run(data_root, tmp_path, "epochs=2", "eval_every=1"))
+    assert writing[0] is False and len(writing) == 2  # the second may overlap a write: its workers exist already
+
+
 def test_a_run_whose_checkpoint_write_fails_stops_with_that_error(data_root, tmp_path, monkeypatch):
     """The write happens in the background; the run still ends with its error, not with a result."""
     import engine.checkpoint
