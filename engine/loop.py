@@ -114,13 +114,17 @@ class Trainer:
         self._stop_agreed = False  # every process has learnt of a stop request (at a log interval)
         self._last_save = time.monotonic()
         self.checkpoints = CheckpointWriter()
-        self._evaluated = False  # this process has run an evaluation (and so forked its loader's workers)
 
     # -- the schedule -----------------------------------------------------------------------------------
     def fit(self) -> dict:
         pos = self.position
         self.batches.start_at(pos.epoch, pos.steps_in_epoch)
         self._stream = iter(self.train_loader)
+        if self.val_loader.num_workers > 0:
+            # The validation loader's workers are forked now, before any checkpoint is written: forked while the
+            # writer thread has the file open, they would inherit it and keep a replaced checkpoint's disk space
+            # taken until the run ends. Its first evaluation then starts with its workers ready.
+            iter(self.val_loader)
         try:
             for epoch in range(pos.epoch, self.cfg.epochs):
                 if pos.step >= self.total_steps:
@@ -297,11 +301,6 @@ class Trainer:
         self.step_log.restart_clock()
 
     def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
-        if not self._evaluated:
-            # The first evaluation forks the validation loader's workers, which would inherit the file being
-            # written: an open descriptor that keeps a replaced checkpoint's disk space taken until the run ends.
-            self.timing.add_checkpoint(self.checkpoints.wait())
-            self._evaluated = True
         before, t0 = self.timing.clock.totals(), time.perf_counter()
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.val_loader,
                                    coco_gt=self.coco_gt, device=self.ctx.device, precision=self.precision,

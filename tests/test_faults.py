@@ -168,26 +168,50 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_finishes_the_file_first(
     assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == STEPS_PER_EPOCH  # whole, when train() returns
 
 
-def test_the_first_evaluation_starts_its_workers_after_the_write_in_flight(data_root, tmp_path, monkeypatch):
-    """Forked while a checkpoint is written, the validation loader's workers would keep its file open."""
-    import threading
+def test_no_loader_worker_holds_a_checkpoint_file_open(data_root, tmp_path, monkeypatch):
+    """Workers forked while a checkpoint is written would inherit its open file (and keep a replaced one's disk
+    space): every worker, the validation loader's too, exists before the first write."""
     import time
 
-    import engine.checkpoint_writer
+    import engine.checkpoint
     import engine.loop
 
-    save = engine.checkpoint_writer.save_checkpoint
-    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint",
-                        lambda state, path: time.sleep(1.0) or save(state, path))
-    evaluate, writing = engine.loop.evaluate_coco, []
+    save = engine.checkpoint.torch.save
+    monkeypatch.setattr(engine.checkpoint.torch, "save",  # the file open and in flight as evaluation starts
+                        lambda obj, f: time.sleep(1.0) or save(obj, f))
+    evaluate, held = engine.loop.evaluate_coco, []
 
-    def recording(**kwargs):
-        writing.append(any(t.name == "checkpoint-writer" for t in threading.enumerate()))
-        return evaluate(**kwargs)
+    def checking(**kwargs):
+        result = evaluate(**kwargs)  # the loader's workers run (and, forked now, would be) here
+        held.append(sorted(name for pid in child_pids() for name in open_files(pid) if "checkpoint" in name))
+        return result
 
-    monkeypatch.setattr(engine.loop, "evaluate_coco", recording)
-    trainer.train(compose_run(data_root, tmp_path, "epochs=2", "eval_every=1"))
-    assert writing[0] is False and len(writing) == 2  # the second may overlap a write: its workers exist already
+    monkeypatch.setattr(engine.loop, "evaluate_coco", checking)
+    trainer.train(compose_run(data_root, tmp_path, "epochs=2", "num_workers=2"))
+    assert held == [[], []]
+
+
+def child_pids() -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():  # the parent's pid, after the name and the state
+            children.append(int(stat.parent.name))
+    assert children, "the run's loader workers were not found"
+    return children
+
+
+def open_files(pid: int) -> list[str]:
+    names = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            names.append(os.readlink(fd))
+        except OSError:
+            continue
+    return names
 
 
 def test_a_run_whose_checkpoint_write_fails_stops_with_that_error(data_root, tmp_path, monkeypatch):
