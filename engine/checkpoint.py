@@ -150,17 +150,23 @@ def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Make ``dst`` hold the same bytes as the finished checkpoint ``src``, atomically.
 
     A hard link costs no second write of a large file; where links are not supported it is a copy. Either
-    way the new name appears by rename, and replacing ``dst`` later leaves ``src`` untouched.
+    way the new name appears by rename, and replacing ``dst`` later leaves ``src`` untouched. A copy that
+    fails (a full disk) raises CheckpointWriteError naming both files.
     """
     src, dst = Path(src), Path(dst)
     tmp = _temporary_name(dst)
-    if tmp.exists():
-        tmp.unlink()
     try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+        if tmp.exists():
+            tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except OSError as error:
+        raise CheckpointWriteError(
+            f"wrote checkpoint {src} but could not publish it as {dst} ({error.strerror or error}); {src} holds "
+            f"the latest state: resume={src}") from None
     return dst
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointWriteError, publish_as, save_checkpoint
+from .checkpoint import publish_as, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,9 @@ def host_copy(obj, _copies: dict | None = None):
 
 class CheckpointWriter:
     """``save`` returns once the state is copied; ``wait`` blocks until the file is on disk and raises the
-    write's error. ``background=False`` writes inside ``save`` (the same files, in the caller's thread)."""
+    write's error."""
 
-    def __init__(self, *, background: bool = True):
-        self.background = background
+    def __init__(self):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -58,14 +57,10 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         self.wait()
         snapshot = host_copy(state)
-        if self.background:
-            # Not a daemon: a process that exits with a write in flight finishes it first.
-            self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path), also_as),
-                                            name="checkpoint-writer")
-            self._thread.start()
-        else:
-            self._write(snapshot, Path(path), also_as)
-            self._raise_error()
+        # Not a daemon: a process that exits with a write in flight finishes it first.
+        self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path), also_as),
+                                        name="checkpoint-writer")
+        self._thread.start()
         return time.perf_counter() - t0
 
     def wait(self) -> float:
@@ -97,12 +92,7 @@ class CheckpointWriter:
         try:
             saved = save_checkpoint(state, path)
             if also_as is not None:
-                try:
-                    publish_as(saved, also_as)
-                except OSError as error:
-                    raise CheckpointWriteError(
-                        f"wrote checkpoint {saved} but could not publish it as {also_as} ({error.strerror or error}); "
-                        f"{saved} holds the latest state: resume={saved}") from None
+                publish_as(saved, also_as)
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
             self._error = error
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import (CheckpointError, check_training_state, load_checkpoint, load_model_weights,
-                               model_config_for_checkpoint, publish_as, save_checkpoint)
+from engine.checkpoint import (CheckpointError, CheckpointWriteError, check_training_state, load_checkpoint,
+                               load_model_weights, model_config_for_checkpoint, publish_as, save_checkpoint)
 from engine.resume import find_resume_checkpoint
 from engine.rng import capture_rng_state, restore_rng_state
 
@@ -102,6 +102,24 @@ def test_epoch_copy_survives_replacing_the_latest(tmp_path, state):
     save_checkpoint({**state, "step": 9}, tmp_path / "checkpoint.pth")
     assert load_checkpoint(epoch_file)["step"] == 7
     assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == 9
+
+
+def test_a_failed_publish_names_both_files_and_keeps_the_epoch_file(tmp_path, state, monkeypatch):
+    import engine.checkpoint
+
+    epoch_file = save_checkpoint(state, tmp_path / "checkpoint_epoch0001.pth")
+
+    def no_room(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(engine.checkpoint.os, "link", no_room)  # a filesystem without links, then a full disk
+    monkeypatch.setattr(engine.checkpoint.shutil, "copyfile", no_room)
+    with pytest.raises(CheckpointWriteError, match=r"wrote checkpoint .*checkpoint_epoch0001\.pth but could not "
+                                                   r"publish it as .*checkpoint\.pth \(No space left on device\); "
+                                                   r".*resume="):
+        publish_as(epoch_file, tmp_path / "checkpoint.pth")
+    monkeypatch.undo()
+    assert load_checkpoint(epoch_file)["step"] == 7 and not (tmp_path / "checkpoint.pth").exists()
 
 
 def test_resume_lookup(tmp_path, state):

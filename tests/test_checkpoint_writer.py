@@ -71,12 +71,11 @@ def test_an_epoch_file_is_published_as_latest_once_written(tmp_path):
     assert load_checkpoint(tmp_path / "checkpoint_epoch0001.pth")["step"] == 3
 
 
-@pytest.mark.parametrize("background", [True, False])
-def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_file(tmp_path, monkeypatch, background):
+def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_file(tmp_path, monkeypatch):
     import engine.checkpoint
 
     path = tmp_path / "checkpoint.pth"
-    writer = CheckpointWriter(background=background)
+    writer = CheckpointWriter()
     writer.save({"model": {}, "step": 1}, path)
     writer.wait()
 
