@@ -2,9 +2,10 @@
 
 ``CompileClock`` adds up the wall time of everything Dynamo's compile callbacks bracket in this process:
 tracing and compiling a new graph (Inductor and AOTAutograd included), a backward compiled at its first
-call, and a CUDA graph being recorded (also the graphs of the eager model, ``record_capture``). The loop charges that time to "compile" rather than to training or
-evaluation, keeps it out of the ETA, and logs "compiled N graphs in X s". Graphs are counted per compiled
-function (``co_name``: features, detect, predict, stacked_losses ...).
+call, and a CUDA graph being recorded (also the graphs of the eager model, ``record_capture``). The loop
+charges that time to "compile" rather than to training or evaluation, keeps it out of the ETA, and logs
+"compiled N graphs in X s". Graphs are counted per compiled function (``co_name``: features, detect, predict,
+stacked_losses ...).
 
 ``log_recompiles_to_file`` sends each recompilation's reason to train.log as one line and keeps torch's
 multi-line account of it off the console.
@@ -100,8 +101,8 @@ class CompileClock:
             return CompileTotals(seconds=seconds, graphs=sum(self._graphs.values()), by_function=dict(self._graphs))
 
 
-# The names ``record_capture`` counts CUDA graphs of the eager model under (engine/cuda_graphs.py): this prefix and the
-# recorded method's name.
+# The names ``record_capture`` counts CUDA graphs of the eager model under (engine/cuda_graphs.py): this prefix
+# and the recorded method's name.
 CAPTURE_PREFIX = "graphed_"
 
 
