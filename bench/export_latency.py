@@ -34,7 +34,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,14 +71,16 @@ def parse_args(argv=None):
                         help="image size before padding to 32 (default 800 1333; quick 96 128)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration (default 5; quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per configuration (default 20; quick 3)")
+    parser.add_argument("--aoti-timeout-s", type=float, default=360,
+                        help="stop the AOTInductor process after this many seconds (default 360)")
     parser.add_argument("--aoti-part", type=Path, default=None, help=argparse.SUPPRESS)  # the child process (measure)
     args = parser.parse_args(argv)
     args.batches = args.batches or ([1, 2] if args.quick else [1, 8])
     args.size = args.size or ([96, 128] if args.quick else [800, 1333])
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 20)
-    if min(args.batches) < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--batches must be >= 1, --warmup >= 0 and --repeats >= 1")
+    if min(args.batches) < 1 or args.warmup < 0 or args.repeats < 1 or args.aoti_timeout_s <= 0:
+        parser.error("--batches must be >= 1, --warmup >= 0, --repeats >= 1 and --aoti-timeout-s > 0")
     return args
 
 
@@ -156,27 +160,49 @@ def aoti_part(args, device: torch.device, workdir: Path) -> None:
         (workdir / "aoti.json").write_text(json.dumps(record))
 
 
-def measure_aoti(argv: list[str], workdir: Path) -> tuple[dict, str | None]:
+def measure_aoti(argv: list[str], workdir: Path, timeout_s: float) -> tuple[dict, str | None]:
     """``aoti_part`` in a child process: a crash in packaging or in the package (a segfault) ends that process,
-    not the measurements of the other ways. Returns its record (whatever it wrote) and its failure, if any."""
-    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--aoti-part", str(workdir)]
-    child = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    print(child.stdout, end="", flush=True)
+    not the measurements of the other ways, and one that runs past ``timeout_s`` is stopped, leaving them time.
+    Its output is passed through as it comes (faulthandler on: a crash prints the Python stack it happened in).
+    Returns its record (whatever it wrote) and its failure, if any."""
+    command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv, "--aoti-part", str(workdir)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    stopped = threading.Event()
+
+    def stop():
+        stopped.set()
+        child.kill()
+
+    timer = threading.Timer(timeout_s, stop)
+    timer.start()
+    try:
+        for line in child.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+        returncode = child.wait()
+    finally:
+        timer.cancel()
     written = workdir / "aoti.json"
     record = json.loads(written.read_text()) if written.exists() else {}
-    if child.returncode == 0:
+    if returncode == 0:
         return record, None
-    ended = (f"was killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
-             else f"exited with code {child.returncode}")
-    steps = [line for line in child.stdout.splitlines() if line.startswith(("package:", "batch "))]
+    if stopped.is_set():
+        ended = f"was stopped after {timeout_s:.0f} s (--aoti-timeout-s)"
+    elif returncode < 0:
+        ended = f"was killed by {signal.Signals(-returncode).name}"
+    else:
+        ended = f"exited with code {returncode}"
+    steps = [line.strip() for line in lines if line.startswith(("package:", "batch "))]
     return record, (f"the AOTInductor process {ended} " + (f"after '{steps[-1]}'" if steps else "before the package "
                     "was traced") + "; its output is in this run's log")
 
 
-def measure(args, argv: list[str], device: torch.device, workdir: Path) -> dict:
-    """Every row (module docstring). The package first, in its own process (its trace must not see the process-wide
-    options that compile_model sets, and it is as large as the weights: written into ``workdir``)."""
-    aoti, aoti_error = measure_aoti(argv, workdir)
+def measure(args, argv: list[str], device: torch.device, workdir: Path, report: Callable[[dict], None]) -> None:
+    """Every row (module docstring), handed to ``report`` as each batch is measured, so that a run stopped
+    partway keeps its report of what it measured. The package first, in its own process (its trace must not see
+    the process-wide options that compile_model sets, and it is as large as the weights: written into ``workdir``)."""
+    aoti, aoti_error = measure_aoti(argv, workdir, args.aoti_timeout_s)
     if aoti_error:
         print(f"AOTInductor: {aoti_error}", flush=True)
     model = build_detector_model(args, device)
@@ -214,8 +240,8 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path) -> dict:
         timed = [name for name, _ in ways] + (["aoti"] if "aoti_ms" in row else [])
         print(f"batch {batch}: " + ", ".join(f"{name} {row[f'{name}_ms']:.1f} ms" for name in timed), flush=True)
         rows.append(row)
-    return {"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "package_mb": aoti.get("package_mb"),
-            "aoti_error": aoti_error, "compile_mode": mode}
+        report({"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "package_mb": aoti.get("package_mb"),
+                "aoti_error": aoti_error, "compile_mode": mode})
 
 
 def header(args, device: torch.device) -> dict:
@@ -227,11 +253,13 @@ def header(args, device: torch.device) -> dict:
             "model": "the tests' tiny model (ResNet-18, --quick)" if args.quick else "Deformable DETR, ResNet-50",
             "weights": str(args.checkpoint) if args.checkpoint else "random", "dtype": args.dtype,
             "image_size": list(args.size), "padded_size": [padded(s) for s in args.size],
-            "warmup": args.warmup, "repeats": args.repeats, "quick": args.quick}
+            "warmup": args.warmup, "repeats": args.repeats, "quick": args.quick, "batches": args.batches}
 
 
 def write_report(record: dict, out: Path, name: str) -> None:
-    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    written = out / f"{name}.json.tmp"  # replaced whole: the report is rewritten after each batch
+    written.write_text(json.dumps(record, indent=2) + "\n")
+    written.replace(out / f"{name}.json")
     h, w = record["image_size"]
     lines = [f"# Exported detector latency on {record['gpu']}", "",
              f"{record['date']}, torch {record['torch']}, triton {record['triton']}: `{record['command']}`", "",
@@ -268,6 +296,9 @@ def write_report(record: dict, out: Path, name: str) -> None:
                       f", AOTInductor logits {r['aoti_vs_eager']['logits']:.2g} boxes "
                       f"{r['aoti_vs_eager']['boxes']:.2g}" if "aoti_vs_eager" in r else "")
                   for r in record["rows"]) + "."]
+    missing = [batch for batch in record["batches"] if batch not in {row["batch"] for row in record["rows"]}]
+    if missing:
+        lines.append(f"- Not measured, the run ended first: batch {', '.join(map(str, missing))}.")
     if record["quick"]:
         lines.append("- --quick: a check that the script runs. Both compiled ways were built without vectorized CPU "
                      "kernels (quick_compile, engine/export_aoti.py), so these figures say nothing about speed.")
@@ -283,12 +314,16 @@ def main(argv=None) -> None:
         aoti_part(args, device, args.aoti_part)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as workdir:
-        record = {**header(args, device), **measure(args, argv if argv is not None else sys.argv[1:], device,
-                                                    Path(workdir))}
     name = "export_latency_quick" if args.quick else "export_latency_h200"
-    write_report(record, args.out, name)
-    print(f"wrote {args.out / (name + '.md')} and .json")
+    head = header(args, device)
+
+    def report(measured: dict) -> None:
+        write_report({**head, **measured}, args.out, name)
+        print(f"wrote {args.out / (name + '.md')} and .json ({len(measured['rows'])} of {len(args.batches)} batches)",
+              flush=True)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        measure(args, argv if argv is not None else sys.argv[1:], device, Path(workdir), report)
 
 
 if __name__ == "__main__":
