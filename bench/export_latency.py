@@ -13,8 +13,8 @@ Ways to run the same model on the same batches, in one process, one after the ot
             choice for evaluation and short runs)
   aoti      the package that ``python export.py format=aoti`` writes (dynamic batch and sides, the attention as
             msda::attention on CUDA: the process has imported msda), traced and compiled once, reported apart; it
-            is built and timed in a child process of its own, so that a crash there (a segfault in packaging or
-            loading) is reported and the other ways are still measured
+            is built in a child process and loaded and timed in another, as a deployment loads it, so that a crash
+            there (a segfault in packaging or loading) is reported and the other ways are still measured
 Images are 800 x 1333 (the COCO recipe's evaluation size; padded to 800 x 1344 as every batch is, to
 multiples of 32), random, with a padding mask; the model is the default Deformable DETR (ResNet-50) with
 random weights unless --checkpoint names one: latency does not depend on the weights. Each figure is the
@@ -56,6 +56,7 @@ from models import build_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The quick check's model: the tests' tiny one (tests/trained_checkpoint.py), which the CPU runs in a second.
+PACKAGE = "detector.pt2"
 QUICK_MODEL = ["model=tiny", "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=1",
                "model.dim_feedforward=64", "model.num_queries=12", "model.num_feature_levels=3", "model.num_classes=4"]
 
@@ -73,7 +74,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per configuration (default 20; quick 3)")
     parser.add_argument("--aoti-timeout-s", type=float, default=360,
                         help="stop the AOTInductor process after this many seconds (default 360)")
-    parser.add_argument("--aoti-part", type=Path, default=None, help=argparse.SUPPRESS)  # the child process (measure)
+    # The package's child processes (measure_aoti): build it into DIR, then load and time it.
+    parser.add_argument("--aoti-build", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--aoti-run", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batches = args.batches or ([1, 2] if args.quick else [1, 8])
     args.size = args.size or ([96, 128] if args.quick else [800, 1333])
@@ -136,10 +139,10 @@ def largest_differences(outputs, expected) -> dict[str, float]:
     return {name: float((a.float() - b.float()).abs().max()) for name, a, b in zip(("logits", "boxes"), outputs, expected)}
 
 
-def aoti_part(args, device: torch.device, workdir: Path) -> None:
-    """The package's share of the run, in a process of its own (see ``measure``): trace, compile and load the
-    package, then per batch one call whose outputs go to ``workdir`` and the timed calls; aoti.json holds the
-    times. The model and the batches are built as the parent builds them (the same seeds), so the outputs compare."""
+def aoti_build(args, device: torch.device, workdir: Path) -> None:
+    """The package built in a process of its own (see ``measure_aoti``): traced and compiled into
+    ``workdir``/detector.pt2; aoti.json holds the times. The model is built as the parent builds it (the same seed),
+    so the outputs compare."""
     model = build_detector_model(args, device)
     eager = ExportableDetector(model).eval()
     started = time.perf_counter()
@@ -147,11 +150,21 @@ def aoti_part(args, device: torch.device, workdir: Path) -> None:
     program = trace(eager, sample, dynamic=True)
     traced = time.perf_counter() - started
     print(f"package: traced in {traced:.1f} s", flush=True)
-    package = write_aoti(program, workdir / "detector.pt2", quick=args.quick)
-    aoti = AotiRunner(package)
+    package = write_aoti(program, workdir / PACKAGE, quick=args.quick)
     seconds = {"trace": traced, "compile": time.perf_counter() - started - traced}
-    print(f"package: compiled and loaded in {seconds['compile']:.1f} s", flush=True)
+    print(f"package: compiled in {seconds['compile']:.1f} s", flush=True)
     record = {"aoti_export_s": seconds, "package_mb": package.stat().st_size / 2**20, "aoti_ms": {}}
+    (workdir / "aoti.json").write_text(json.dumps(record))
+
+
+def aoti_run(args, device: torch.device, workdir: Path) -> None:
+    """The package loaded in a fresh process, as a deployment loads it, then per batch one call whose outputs go
+    to ``workdir`` and the timed calls, added to aoti.json. The batches are built as the parent builds them."""
+    record = json.loads((workdir / "aoti.json").read_text())
+    started = time.perf_counter()
+    aoti = AotiRunner(workdir / PACKAGE)
+    record["aoti_load_s"] = time.perf_counter() - started
+    print(f"package: loaded in {record['aoti_load_s']:.1f} s", flush=True)
     for batch in args.batches:
         inputs = batch_inputs(batch, args, device)
         torch.save([t.cpu() for t in aoti(*inputs)], workdir / f"aoti_outputs_{batch}.pt")
@@ -161,11 +174,25 @@ def aoti_part(args, device: torch.device, workdir: Path) -> None:
 
 
 def measure_aoti(argv: list[str], workdir: Path, timeout_s: float) -> tuple[dict, str | None]:
-    """``aoti_part`` in a child process: a crash in packaging or in the package (a segfault) ends that process,
-    not the measurements of the other ways, and one that runs past ``timeout_s`` is stopped, leaving them time.
-    Its output is passed through as it comes (faulthandler on: a crash prints the Python stack it happened in).
-    Returns its record (whatever it wrote) and its failure, if any."""
-    command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv, "--aoti-part", str(workdir)]
+    """``aoti_build``, then ``aoti_run``, each in a child process: a crash in packaging or in the package (a
+    segfault) ends that process, not the measurements of the other ways, and children that run past ``timeout_s``
+    together are stopped, leaving them time. Their output is passed through as it comes (faulthandler on: a crash
+    prints the Python stack it happened in). Returns the record they wrote (whatever it holds) and their failure,
+    if any."""
+    deadline = time.perf_counter() + timeout_s
+    error = None
+    for part in ("build", "run"):
+        error = run_child(argv + [f"--aoti-{part}", str(workdir)], deadline - time.perf_counter(), timeout_s)
+        if error:
+            error = f"the AOTInductor {part} process {error}; its output is in this run's log"
+            break
+    written = workdir / "aoti.json"
+    return (json.loads(written.read_text()) if written.exists() else {}), error
+
+
+def run_child(argv: list[str], timeout_s: float, budget_s: float) -> str | None:
+    """This script with ``argv`` in a child process, stopped after ``timeout_s``: how it failed, or None."""
+    command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     stopped = threading.Event()
@@ -174,7 +201,7 @@ def measure_aoti(argv: list[str], workdir: Path, timeout_s: float) -> tuple[dict
         stopped.set()
         child.kill()
 
-    timer = threading.Timer(timeout_s, stop)
+    timer = threading.Timer(max(timeout_s, 0.0), stop)
     timer.start()
     try:
         for line in child.stdout:
@@ -183,19 +210,16 @@ def measure_aoti(argv: list[str], workdir: Path, timeout_s: float) -> tuple[dict
         returncode = child.wait()
     finally:
         timer.cancel()
-    written = workdir / "aoti.json"
-    record = json.loads(written.read_text()) if written.exists() else {}
     if returncode == 0:
-        return record, None
+        return None
     if stopped.is_set():
-        ended = f"was stopped after {timeout_s:.0f} s (--aoti-timeout-s)"
+        ended = f"was stopped when the AOTInductor share ran out ({budget_s:.0f} s, --aoti-timeout-s)"
     elif returncode < 0:
         ended = f"was killed by {signal.Signals(-returncode).name}"
     else:
         ended = f"exited with code {returncode}"
     steps = [line.strip() for line in lines if line.startswith(("package:", "batch "))]
-    return record, (f"the AOTInductor process {ended} " + (f"after '{steps[-1]}'" if steps else "before the package "
-                    "was traced") + "; its output is in this run's log")
+    return ended + (f" after '{steps[-1]}'" if steps else " before its first step")
 
 
 def measure(args, argv: list[str], device: torch.device, workdir: Path, report: Callable[[dict], None]) -> None:
@@ -240,7 +264,8 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         timed = [name for name, _ in ways] + (["aoti"] if "aoti_ms" in row else [])
         print(f"batch {batch}: " + ", ".join(f"{name} {row[f'{name}_ms']:.1f} ms" for name in timed), flush=True)
         rows.append(row)
-        report({"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "package_mb": aoti.get("package_mb"),
+        report({"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "aoti_load_s": aoti.get("aoti_load_s"),
+                "package_mb": aoti.get("package_mb"),
                 "aoti_error": aoti_error, "compile_mode": mode})
 
 
@@ -285,7 +310,9 @@ def write_report(record: dict, out: Path, name: str) -> None:
         lines.append(f"- AOTInductor: {record['aoti_error']}.")
     if seconds:
         lines.append(f"- AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in {seconds['compile']:.1f} "
-                     f"s ({record['package_mb']:.0f} MB), once for every batch and size.")
+                     f"s ({record['package_mb']:.0f} MB), once for every batch and size"
+                     + (f"; loaded in {record['aoti_load_s']:.1f} s by another process." if record.get("aoti_load_s")
+                        else "."))
     lines += [
               "- torch.compile (compile.mode=" + record["compile_mode"] + ", a static graph per batch shape): first "
               "call " + ", ".join(f"{r['compiled_first_call_s']:.1f} s at batch {r['batch']}" for r in record["rows"]) +
@@ -310,8 +337,11 @@ def main(argv=None) -> None:
     device = torch.device("cpu" if args.quick else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/export_latency.py measures on a GPU and none is available here; --quick runs on the CPU")
-    if args.aoti_part is not None:
-        aoti_part(args, device, args.aoti_part)
+    if args.aoti_build is not None:
+        aoti_build(args, device, args.aoti_build)
+        return
+    if args.aoti_run is not None:
+        aoti_run(args, device, args.aoti_run)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     name = "export_latency_quick" if args.quick else "export_latency_h200"
