@@ -20,7 +20,8 @@ multiples of 32), random, with a padding mask; the model is the default Deformab
 random weights unless --checkpoint names one: latency does not depend on the weights. Each figure is the
 median of --repeats timed calls after --warmup untimed ones, the GPU synchronized around each call. The
 outputs of the compiled model and of the package are compared with eager's (largest absolute differences).
-Writes export_latency_h200.json and .md (export_latency_quick.* with --quick) into --out.
+Writes export_latency_h200.json and .md (export_latency_quick.* with --quick) into --out, and the package's
+processes' output into export_latency_h200_aoti.log.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import TextIO
 from pathlib import Path
 
 import torch
@@ -55,8 +57,10 @@ from engine.trained_model import load_trained_model  # noqa: E402
 from models import build_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PACKAGE = "detector.pt2"  # in the run's temporary folder
+# The model timed: the COCO detector (the train config's default dataset, synthetic, would make it the tiny one).
+FULL_MODEL = ["dataset=coco"]
 # The quick check's model: the tests' tiny one (tests/trained_checkpoint.py), which the CPU runs in a second.
-PACKAGE = "detector.pt2"
 QUICK_MODEL = ["model=tiny", "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=1",
                "model.dim_feedforward=64", "model.num_queries=12", "model.num_feature_levels=3", "model.num_classes=4"]
 
@@ -92,8 +96,8 @@ def build_detector_model(args, device: torch.device) -> torch.nn.Module:
     msda = "triton" if device.type == "cuda" else "pytorch"
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*(QUICK_MODEL if args.quick else []), "model.pretrained=none",
-                                                      f"model.msda={msda}"])
+        cfg = compose(config_name="train", overrides=[*(QUICK_MODEL if args.quick else FULL_MODEL),
+                                                      "model.pretrained=none", f"model.msda={msda}"])
     if args.checkpoint is not None:
         model = load_trained_model(args.checkpoint, cfg.model, device=device, msda=msda).model
     else:
@@ -173,25 +177,28 @@ def aoti_run(args, device: torch.device, workdir: Path) -> None:
         (workdir / "aoti.json").write_text(json.dumps(record))
 
 
-def measure_aoti(argv: list[str], workdir: Path, timeout_s: float) -> tuple[dict, str | None]:
+def measure_aoti(argv: list[str], workdir: Path, timeout_s: float, log: Path) -> tuple[dict, str | None]:
     """``aoti_build``, then ``aoti_run``, each in a child process: a crash in packaging or in the package (a
     segfault) ends that process, not the measurements of the other ways, and children that run past ``timeout_s``
-    together are stopped, leaving them time. Their output is passed through as it comes (faulthandler on: a crash
-    prints the Python stack it happened in). Returns the record they wrote (whatever it holds) and their failure,
-    if any."""
+    together are stopped, leaving them time. Their output is passed through as it comes and kept in ``log``
+    (faulthandler on: a crash prints the Python stack it happened in). Returns the record they wrote (whatever it
+    holds) and their failure, if any."""
     deadline = time.perf_counter() + timeout_s
     error = None
-    for part in ("build", "run"):
-        error = run_child(argv + [f"--aoti-{part}", str(workdir)], deadline - time.perf_counter(), timeout_s)
-        if error:
-            error = f"the AOTInductor {part} process {error}; its output is in this run's log"
-            break
+    with log.open("w") as kept:
+        for part in ("build", "run"):
+            error = run_child(argv + [f"--aoti-{part}", str(workdir)], deadline - time.perf_counter(), timeout_s,
+                              kept)
+            if error:
+                error = f"the AOTInductor {part} process {error}; its output is in {log.name}"
+                break
     written = workdir / "aoti.json"
     return (json.loads(written.read_text()) if written.exists() else {}), error
 
 
-def run_child(argv: list[str], timeout_s: float, budget_s: float) -> str | None:
-    """This script with ``argv`` in a child process, stopped after ``timeout_s``: how it failed, or None."""
+def run_child(argv: list[str], timeout_s: float, budget_s: float, kept: TextIO) -> str | None:
+    """This script with ``argv`` in a child process, stopped after ``timeout_s``, its output printed and written to
+    ``kept``: how it failed, or None."""
     command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -206,6 +213,7 @@ def run_child(argv: list[str], timeout_s: float, budget_s: float) -> str | None:
     try:
         for line in child.stdout:
             print(line, end="", flush=True)
+            kept.write(line)
             lines.append(line)
         returncode = child.wait()
     finally:
@@ -222,11 +230,12 @@ def run_child(argv: list[str], timeout_s: float, budget_s: float) -> str | None:
     return ended + (f" after '{steps[-1]}'" if steps else " before its first step")
 
 
-def measure(args, argv: list[str], device: torch.device, workdir: Path, report: Callable[[dict], None]) -> None:
+def measure(args, argv: list[str], device: torch.device, workdir: Path, report: Callable[[dict], None],
+            aoti_log: Path) -> None:
     """Every row (module docstring), handed to ``report`` as each batch is measured, so that a run stopped
     partway keeps its report of what it measured. The package first, in its own process (its trace must not see
     the process-wide options that compile_model sets, and it is as large as the weights: written into ``workdir``)."""
-    aoti, aoti_error = measure_aoti(argv, workdir, args.aoti_timeout_s)
+    aoti, aoti_error = measure_aoti(argv, workdir, args.aoti_timeout_s, aoti_log)
     if aoti_error:
         print(f"AOTInductor: {aoti_error}", flush=True)
     model = build_detector_model(args, device)
@@ -266,7 +275,8 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         rows.append(row)
         report({"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "aoti_load_s": aoti.get("aoti_load_s"),
                 "package_mb": aoti.get("package_mb"),
-                "aoti_error": aoti_error, "compile_mode": mode})
+                "aoti_error": aoti_error, "compile_mode": mode,
+                "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6})
 
 
 def header(args, device: torch.device) -> dict:
@@ -288,7 +298,8 @@ def write_report(record: dict, out: Path, name: str) -> None:
     h, w = record["image_size"]
     lines = [f"# Exported detector latency on {record['gpu']}", "",
              f"{record['date']}, torch {record['torch']}, triton {record['triton']}: `{record['command']}`", "",
-             f"{record['model']} ({record['weights']} weights), {record['dtype']}, {h} x {w} images padded to "
+             f"{record['model']} ({record['parameters_m']:.1f} M parameters, {record['weights']} weights), "
+             f"{record['dtype']}, {h} x {w} images padded to "
              f"{' x '.join(map(str, record['padded_size']))}; median of {record['repeats']} calls after "
              f"{record['warmup']} warm-up calls.", "",
              "| batch | eager ms | torch.compile ms | AOTInductor ms | compiled / eager | AOTInductor / eager | "
@@ -353,7 +364,8 @@ def main(argv=None) -> None:
               flush=True)
 
     with tempfile.TemporaryDirectory() as workdir:
-        measure(args, argv if argv is not None else sys.argv[1:], device, Path(workdir), report)
+        measure(args, argv if argv is not None else sys.argv[1:], device, Path(workdir), report,
+                args.out / f"{name}_aoti.log")
 
 
 if __name__ == "__main__":
