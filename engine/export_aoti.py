@@ -27,19 +27,35 @@ optimization; the package's host code runs slower.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
+
 # Inductor settings of quick_compile (the module docstring). Kernels stay vectorized: a package built without
 # (cpp.simdlen=0) records no CPU instruction set, and torch 2.11 crashed loading it on an AVX-512 host.
 QUICK_COMPILE = {"aot_inductor.compile_wrapper_opt_level": "O0"}
+# Releases before this one crashed (a segmentation fault) loading the packages this project writes: torch 2.11 on an
+# H200 machine, in aoti_load_package's native loader, CPU and CUDA packages alike, also in a fresh process. Torch
+# 2.14 loads them (CI); 2.12 and 2.13 were not tried.
+LOADER_CRASHED_BELOW = (2, 12)
+
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the torch in use."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def write_aoti(program: torch.export.ExportedProgram, path: Path, *, quick: bool = False) -> Path:
     """``program`` compiled and packaged at ``path`` (a .pt2 file)."""
     import torch._inductor
 
+    if torch_release() < LOADER_CRASHED_BELOW:
+        log.warning("format=aoti on torch %s: loading the packages this project writes crashed on torch 2.11 (a "
+                    "segmentation fault in torch's package loader, also in a fresh process); torch 2.14 loads them. "
+                    "The package is written first, then loaded for the parity check.", torch.__version__)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         path.unlink()  # an earlier export's package: replaced whole
