@@ -13,6 +13,7 @@ An official Deformable DETR checkpoint is {"model": state_dict, "args": argparse
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import os
 import pickle
@@ -232,6 +233,11 @@ def recorded_model_config(ckpt: dict) -> dict:
     return {}
 
 
+def shown(value) -> str:
+    """A config value for a log line: an enum member (a typed config's choice) shown as its value, as a string is."""
+    return repr(value.value if isinstance(value, enum.Enum) else value)
+
+
 def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
                                 keys: Iterable[str] | None = None) -> dict:
     """``cfg_model`` with the architecture the checkpoint records (variant, sizes, classes) put in.
@@ -249,7 +255,7 @@ def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.P
     merged = dict(cfg_model)
     for key, value in recorded.items():
         if key in merged and role_of(f"model.{key}") != HOW_TO_RUN and merged[key] != value:
-            log.info("model.%s=%r as recorded in %s (config said %r)", key, value, path, merged[key])
+            log.info("model.%s=%s as recorded in %s (config said %s)", key, shown(value), path, shown(merged[key]))
             merged[key] = value
     if "pretrained" in merged:
         merged["pretrained"] = "none"

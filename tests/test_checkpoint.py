@@ -1,6 +1,7 @@
 """Checkpoints: atomic writes, clear errors for unreadable files, official-format reading, resume lookup."""
 
 import argparse
+import logging
 import os
 import random
 import time
@@ -85,6 +86,16 @@ def test_our_checkpoint_records_its_config():
     ckpt = {"model": {}, "config": {"model": {"hidden_dim": 64, "msda": "pytorch", "num_classes": 7}}}
     merged = model_config_for_checkpoint({"hidden_dim": 256, "msda": "triton", "num_classes": 91}, ckpt, path="x")
     assert merged == {"hidden_dim": 64, "msda": "triton", "num_classes": 7}
+
+
+def test_a_recorded_value_is_logged_as_written_not_as_an_enum(caplog):
+    from models.model_config import BackboneName
+
+    ckpt = {"model": {}, "config": {"model": {"backbone": "resnet18"}}}
+    with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
+        merged = model_config_for_checkpoint({"backbone": BackboneName.resnet50}, ckpt, path="run.pth")
+    assert merged == {"backbone": "resnet18"}
+    assert "model.backbone='resnet18' as recorded in run.pth (config said 'resnet50')" in caplog.text
 
 
 def test_weights_that_do_not_fit_name_the_variant():
