@@ -68,8 +68,9 @@ def predict(cfg: DictConfig) -> dict:
              len(paths), cfg.images, trained.checkpoint, trained.step, trained.model_config["num_classes"],
              trained.model_config["msda"], device, val_size, max_size)
 
-    loader = DataLoader(ImageFolder(paths, val_size=val_size, max_size=max_size), batch_size=cfg.batch_size,
-                        num_workers=cfg.num_workers, collate_fn=_collate, pin_memory=device.type == "cuda")
+    folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw)
+    loader = DataLoader(folder, batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=_collate,
+                        pin_memory=device.type == "cuda")
     output_dir.mkdir(parents=True, exist_ok=True)
     predictions = Predictions(output_dir, root=root, categories=trained.categories,
                               score_threshold=cfg.score_threshold, draw=cfg.draw)
@@ -85,7 +86,7 @@ def predict(cfg: DictConfig) -> dict:
             sizes = torch.tensor([info["orig_size"] for info in infos], device=device)
             for info, result in zip(infos, postprocess(outputs, sizes)):
                 predictions.add(image_id=ids[info["index"]], path=info["path"], orig_size=info["orig_size"],
-                                result=result)
+                                result=result, pixels=info.get("pixels"))
             done += len(infos)
             now = time.perf_counter()
             if now - last_report >= PROGRESS_EVERY_S or done == len(paths):

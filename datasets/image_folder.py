@@ -2,8 +2,9 @@
 (EXIF orientation applied, any PIL mode converted to RGB) and resized as the checkpoint's run evaluated.
 
 Each item is (image (3, h, w) float32 normalized, info) with info = {"index", "path", "orig_size" (H, W) as
-the picture shows it, "size" (h, w) after resizing}; an image that cannot be read gives (None, info with
-"error"), so that the reader, not a loader worker, raises it with the file's name.
+the picture shows it, "size" (h, w) after resizing, and with ``keep_pixels`` "pixels", the picture as read
+(3, H, W) uint8, so that drawing on it does not read the file again}; an image that cannot be read gives (None,
+info with "error"), so that the reader, not a loader worker, raises it with the file's name.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def find_images(images: str | Path) -> list[Path]:
 class ImageFolder(Dataset):
     """``paths`` read and resized to ``val_size`` (short side, long side at most ``max_size``)."""
 
-    def __init__(self, paths: list[Path], *, val_size: int, max_size: int):
+    def __init__(self, paths: list[Path], *, val_size: int, max_size: int, keep_pixels: bool = False):
         self.paths = list(paths)
+        self.keep_pixels = keep_pixels
         self.transforms = make_coco_transforms(train=False, val_size=val_size, max_size=max_size)
 
     def __len__(self) -> int:
@@ -58,6 +60,8 @@ class ImageFolder(Dataset):
         height, width = image.shape[-2:]
         target = {"boxes": tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(height, width)),
                   "labels": torch.zeros(0, dtype=torch.int64), "area": torch.zeros(0)}
+        if self.keep_pixels:
+            info["pixels"] = image.as_subclass(torch.Tensor)  # the transforms make new tensors: this one stays as read
         image, target = self.transforms(image, target)
         return image, {**info, "orig_size": (int(height), int(width)), "size": tuple(int(s) for s in image.shape[-2:])}
 

@@ -22,7 +22,6 @@ from torchvision.ops import clip_boxes_to_image
 from torchvision.transforms.v2 import functional as F
 
 from datasets.evaluation import coco_results
-from datasets.image_files import read_image
 
 from .detection_images import display_scale, draw_detections
 
@@ -47,8 +46,12 @@ class Predictions:
     def file_name(self, path: str | Path) -> str:
         return Path(path).resolve().relative_to(self.root).as_posix()
 
-    def add(self, *, image_id: int, path: str, orig_size: tuple[int, int], result: dict[str, torch.Tensor]) -> None:
-        """One image's post-processed detections: {"scores" (k,), "labels" (k,), "boxes" (k, 4) xyxy pixels}."""
+    def add(self, *, image_id: int, path: str, orig_size: tuple[int, int], result: dict[str, torch.Tensor],
+            pixels: torch.Tensor | None = None) -> None:
+        """One image's post-processed detections: {"scores" (k,), "labels" (k,), "boxes" (k, 4) xyxy pixels};
+        ``pixels``, the picture as read ((3, H, W) uint8), to draw them on (needed when drawing)."""
+        if self.draw and pixels is None:
+            raise ValueError(f"Predictions.add: drawing needs the pixels of {path} (ImageFolder(keep_pixels=True))")
         height, width = orig_size
         self.images.append({"id": image_id, "file_name": self.file_name(path), "width": width, "height": height})
         result = {k: v.detach().float().cpu() if k != "labels" else v.detach().cpu() for k, v in result.items()}
@@ -61,10 +64,10 @@ class Predictions:
             self.detections.append({**detection, "bbox": [round(v, 2) for v in detection["bbox"]],
                                     "score": round(detection["score"], 5)})
         if self.draw:
-            self._draw(path, result["boxes"][keep], result["labels"][keep], result["scores"][keep])
+            self._draw(path, pixels, result["boxes"][keep], result["labels"][keep], result["scores"][keep])
 
-    def _draw(self, path: str, boxes: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor) -> None:
-        image = F.pil_to_tensor(read_image(Path(path), image_id=0, expected_size=(None, None)))
+    def _draw(self, path: str, image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor,
+              scores: torch.Tensor) -> None:
         height, width = image.shape[-2:]
         scale = max(1.0, display_scale(height=height, width=width))  # small images enlarged: readable labels
         if scale > 1:
