@@ -101,6 +101,15 @@ def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set):
     return buckets
 
 
+def warn_unbounded_sizes(cfg: DictConfig, buckets, plan, *, training: bool) -> None:
+    """Without size buckets, a plan that builds graphs per input size builds them for every padded size met."""
+    work = plan.per_size_work(training=training) if plan is not None and buckets is None else None
+    if work:
+        log.warning("dataset.size_buckets=0 with compile.mode=%s: each new padded batch size %s again (every multiple "
+                    "of dataset.pad_to_multiple=%d up to the largest image); the size buckets bound that to a few "
+                    "sizes, compile.mode=eager builds nothing", cfg.compile.mode, work, cfg.dataset.pad_to_multiple)
+
+
 def prepare_compilation(cfg: DictConfig) -> None:
     """Compiled graphs and kernels kept in compile.cache_dir; recompilations logged to train.log."""
     use_compile_cache(cfg.compile.cache_dir)
@@ -180,6 +189,7 @@ def _train(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopReques
                             rng=rng if ctx.world_size == 1 else None)
         log.info("resumed from %s at epoch %d, step %d", resume_path, epoch, step)
     if ctx.is_main:
+        warn_unbounded_sizes(cfg, buckets, training.compile_plan, training=True)
         n_params = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
         log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %d steps per "
                  "epoch, %d epochs", output_dir, ctx.world_size, ctx.device, training.precision.name,
@@ -223,6 +233,8 @@ def _evaluate(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets)
     model, postprocess, plan = build_evaluation(OmegaConf.create(model_cfg), cfg, ctx=ctx,
                                                 evaluation_batches=len(loader.batch_sampler))
+    if ctx.is_main:
+        warn_unbounded_sizes(cfg, buckets, plan, training=False)
     load_model_weights(model, ckpt, path=cfg.checkpoint)
     detection_images = build_detection_images(cfg, val_set, enabled=ctx.is_main)
     evaluation = evaluate_coco(model=model, postprocess=postprocess, loader=loader,

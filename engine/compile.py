@@ -92,6 +92,15 @@ class CompilePlan:
     def inductor(self) -> bool:
         return self.mode in INDUCTOR_MODES
 
+    def per_size_work(self, *, training: bool = True) -> str | None:
+        """What this plan builds again for each new input size (None: nothing), which the size buckets bound and a
+        run without them (dataset.size_buckets=0) pays for every padded size it meets."""
+        if not self.inductor:
+            return "records CUDA graphs" if training or self.evaluation else None
+        what = (["the backbone"] if training and self.backbone == "static" else []) + \
+            (["evaluation's graph"] if self.evaluation else [])
+        return f"compiles {' and '.join(what)}" if what else None
+
     def describe(self, *, losses: bool = True) -> str:
         if not self.inductor:
             return ("CUDA graphs of the eager model (training" + (", evaluation" if self.evaluation else "")

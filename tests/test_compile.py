@@ -47,6 +47,16 @@ def test_auto_compiles_a_long_run_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu()
     assert compiled_cpu.mode == "default" and compiled_cpu.backbone == "eager" and not compiled_cpu.cuda_graphs
 
 
+def test_what_a_plan_builds_again_for_each_input_size():
+    assert CompilePlan(mode="graphs").per_size_work(training=True) == "records CUDA graphs"
+    assert CompilePlan(mode="graphs", evaluation=True).per_size_work(training=False) == "records CUDA graphs"
+    assert CompilePlan(mode="graphs", evaluation=False).per_size_work(training=False) is None
+    static = CompilePlan(mode="reduce-overhead", backbone="static", evaluation=True)
+    assert static.per_size_work(training=True) == "compiles the backbone and evaluation's graph"
+    assert static.per_size_work(training=False) == "compiles evaluation's graph"
+    assert CompilePlan(mode="default", backbone="eager", evaluation=False).per_size_work(training=True) is None
+
+
 def test_evaluation_is_compiled_when_the_run_evaluates_enough_batches():
     long = dict(device=GPU, training_steps=STEPS_TO_COMPILE)
     assert not resolve_compile(settings(), evaluation_batches=EVALUATION_BATCHES_TO_COMPILE - 1, **long).evaluation

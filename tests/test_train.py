@@ -257,3 +257,18 @@ def test_missing_coco_annotations_is_a_clear_error(tmp_path):
             "device=cpu"])
     with pytest.raises(FileNotFoundError, match=r"annotation file not found: .*instances_train2017\.json"):
         trainer.train(cfg)
+
+
+def test_a_run_without_size_buckets_is_warned_when_its_plan_builds_graphs_per_size(caplog):
+    from omegaconf import OmegaConf
+
+    from engine.compile import CompilePlan
+
+    cfg = OmegaConf.create({"compile": {"mode": "graphs"}, "dataset": {"pad_to_multiple": 32}})
+    with caplog.at_level("WARNING", logger="train"):
+        trainer.warn_unbounded_sizes(cfg, None, CompilePlan(mode="graphs"), training=True)
+        trainer.warn_unbounded_sizes(cfg, object(), CompilePlan(mode="graphs"), training=True)  # buckets: nothing
+        trainer.warn_unbounded_sizes(cfg, None, None, training=True)  # eager: nothing
+    assert len(caplog.records) == 1
+    assert ("dataset.size_buckets=0 with compile.mode=graphs: each new padded batch size records CUDA graphs again"
+            in caplog.text and "dataset.pad_to_multiple=32" in caplog.text)
