@@ -281,8 +281,11 @@ def split_runs(steps: list[int], values: list[float]) -> list[tuple[list[int], l
 
 
 def plot(out: Path) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # the figures are optional, as bench/parity.py's are
+        print("e2e: matplotlib is not installed; no figures (pip install matplotlib)", flush=True)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
