@@ -38,8 +38,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from datasets.json_file import write_json  # noqa: E402
 from engine.compile import CompilePlan, compile_model  # noqa: E402
 from engine.config import register_configs  # noqa: E402
 from engine.export_aoti import QUICK_COMPILE, AotiRunner, write_aoti  # noqa: E402
@@ -250,6 +251,9 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         compile_model(graphed_model, CompilePlan(mode="graphs", evaluation=True))
         ways.append(("graphs", ExportableDetector(graphed_model).eval()))
     inductor_options = QUICK_COMPILE if args.quick else {}  # the package's quick_compile, for a like comparison
+    measured = {"aoti_export_s": aoti.get("aoti_export_s"), "aoti_load_s": aoti.get("aoti_load_s"),
+                "package_mb": aoti.get("package_mb"), "aoti_error": aoti_error, "compile_mode": mode,
+                "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6}
 
     rows = []
     for batch in args.batches:
@@ -273,10 +277,7 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         timed = [name for name, _ in ways] + (["aoti"] if "aoti_ms" in row else [])
         print(f"batch {batch}: " + ", ".join(f"{name} {row[f'{name}_ms']:.1f} ms" for name in timed), flush=True)
         rows.append(row)
-        report({"rows": rows, "aoti_export_s": aoti.get("aoti_export_s"), "aoti_load_s": aoti.get("aoti_load_s"),
-                "package_mb": aoti.get("package_mb"),
-                "aoti_error": aoti_error, "compile_mode": mode,
-                "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6})
+        report({"rows": rows, **measured})
 
 
 def header(args, device: torch.device) -> dict:
@@ -292,9 +293,7 @@ def header(args, device: torch.device) -> dict:
 
 
 def write_report(record: dict, out: Path, name: str) -> None:
-    written = out / f"{name}.json.tmp"  # replaced whole: the report is rewritten after each batch
-    written.write_text(json.dumps(record, indent=2) + "\n")
-    written.replace(out / f"{name}.json")
+    write_json(out / f"{name}.json", record, indent=2)  # whole: the report is rewritten after each batch
     h, w = record["image_size"]
     lines = [f"# Exported detector latency on {record['gpu']}", "",
              f"{record['date']}, torch {record['torch']}, triton {record['triton']}: `{record['command']}`", "",

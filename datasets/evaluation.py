@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
-import os
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +13,7 @@ from pycocotools.coco import COCO
 from torchvision.ops import box_convert
 
 from .cocoeval_backend import evaluated_cocoeval, resolve_backend
+from .json_file import write_json
 from .per_class_ap import per_class_ap, per_class_without_detections
 
 # Names of COCOeval.stats[0..5] (bbox): AP at IoU .50:.95, .50, .75, then by object area.
@@ -148,7 +147,4 @@ class CocoEvaluator:
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.detections, f)
-        os.replace(tmp, path)
+        write_json(path, self.detections)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ import torch._dynamo
 
 from datasets import CocoEvaluator
 from datasets.cocoeval_backend import PACKAGES
+from datasets.json_file import write_json
 
 from .cocoeval_log import log_cocoeval_output
 from .distributed import Ranks
@@ -134,15 +133,10 @@ def write_eval_json(path: str | Path, *, stats: dict[str, float], per_class: dic
 
     ``per_class`` is {category name: AP}, null for a category without ground truth in the evaluated images.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     record = {**info, **stats}
     if per_class is not None:
         record["per_class"] = per_class
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(tmp, path)
-    return path
+    return write_json(path, record, indent=2)
 
 
 def record_evaluation(evaluation: Evaluation, *, writer, json_path: str | Path, step: int, what: str,

@@ -13,8 +13,6 @@ Both json files are written atomically at the end; pictures as each batch is don
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from torchvision.ops import clip_boxes_to_image
 from torchvision.transforms.v2 import functional as F
 
 from datasets.evaluation import coco_results
+from datasets.json_file import write_json
 
 from .detection_images import display_scale, draw_detections
 
@@ -84,13 +83,7 @@ class Predictions:
         """detections.json and images.json, each written whole or not at all."""
         images = {"images": sorted(self.images, key=lambda i: i["id"]), "annotations": [],
                   "categories": [{"id": i, "name": name} for i, name in sorted(self.categories.items())]}
-        return (_write_json(self.output_dir / "detections.json", self.detections),
-                _write_json(self.output_dir / "images.json", images))
+        return (write_json(self.output_dir / "detections.json", self.detections),
+                write_json(self.output_dir / "images.json", images))
 
 
-def _write_json(path: Path, obj) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-    return path

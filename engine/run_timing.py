@@ -10,13 +10,14 @@ log line; bench/ttr.py reads the file.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from datasets.json_file import write_json
 
 from .compile_log import CompileClock, CompileTotals
 from .progress import format_duration
@@ -117,8 +118,4 @@ class RunTiming:
                 + (f"{steady:.0f} ms" if steady is not None else "-") + f"; {record['graphs_compiled']} graphs compiled")
 
     def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
-        path = Path(output_dir) / TIMING_FILE
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, path)
-        return path
+        return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
