@@ -103,8 +103,8 @@ class CompilePlan:
 
     def describe(self, *, losses: bool = True) -> str:
         if not self.inductor:
-            return ("CUDA graphs of the eager model (training" + (", evaluation" if self.evaluation else "")
-                    + "), recorded once per size; nothing compiled")
+            return ("CUDA graphs of the eager model (training" + (", the losses" if losses else "")
+                    + (", evaluation" if self.evaluation else "") + "), recorded once per size; nothing compiled")
         parts = ["the transformer's layers and the heads" if self.regions == "layers"
                  else "the transformer with its heads", "the position encoding"]
         if self.backbone == "static":
@@ -161,8 +161,8 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     if plan.mode == "graphs":
         from .cuda_graphs import graph_model
 
-        graph_model(model, evaluation=plan.evaluation)
-        log.info("%s", plan.describe())
+        graph_model(model, evaluation=plan.evaluation, criterion=criterion)
+        log.info("%s", plan.describe(losses=criterion is not None))
         return model
     if plan.cuda_graphs and plan.backend != "inductor":
         raise ValueError(f"compile mode {plan.mode!r} needs the inductor backend, got backend {plan.backend!r}")

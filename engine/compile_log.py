@@ -107,12 +107,13 @@ CAPTURE_PREFIX = "graphed_"
 
 
 def describe_work(totals: CompileTotals) -> str:
-    """What a step's compile totals did: "compiled N graphs", "recorded the CUDA graphs of N sizes", or both."""
+    """What a step's compile totals did: "compiled N graphs", "recorded N CUDA graphs" (a recording of a method at
+    one size, its forward and backward counted as one), or both."""
     recorded = sum(n for name, n in totals.by_function.items() if name.startswith(CAPTURE_PREFIX))
     compiled = totals.graphs - recorded
     parts = [f"compiled {compiled} graphs"] if compiled else []
     if recorded:
-        parts.append(f"recorded the CUDA graphs of {recorded} {'size' if recorded == 1 else 'sizes'}")
+        parts.append(f"recorded {recorded} CUDA {'graph' if recorded == 1 else 'graphs'}")
     return " and ".join(parts) or "recorded CUDA graphs"
 
 

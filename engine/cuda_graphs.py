@@ -8,14 +8,16 @@ compilation takes minutes.
 
 What is recorded, per input size (batch, height, width) and precision:
 - training: ``forward`` (backbone, transformer, heads), its forward and its backward, through
-  ``torch.cuda.make_graphed_callables``. The Hungarian matching, the losses and the optimizer stay eager: the
-  matching reads its cost matrices on the host.
+  ``torch.cuda.make_graphed_callables``; and the losses after the matching (``SetCriterion.stacked_losses``),
+  forward and backward, per padded number of targets (models.criterion.target_slots). The Hungarian matching
+  and the optimizer stay eager: the matching reads its cost matrices on the host.
 - evaluation: ``detect`` as one forward graph.
 
-All graphs share one memory pool. That is safe because every replay's outputs are used up before the next
-replay starts (the step turns them into losses and gradients, evaluation into detections on the host): a
-graph's outputs live in memory another size's replay may write. A caller must not keep a replay's outputs
-past the next call. Capture needs a model that reads nothing back from the GPU and copies nothing from the
+The model's graphs share one memory pool. That is safe because every replay's outputs are used up before the
+next replay of the pool starts (the step turns them into losses and gradients, evaluation into detections on
+the host): a graph's outputs, and the activations its forward leaves for its backward, live in memory another
+size's replay may write. A caller must not keep a replay's outputs past the next call. The losses' graphs
+replay between the model's forward and its backward, so they have a pool of their own. Capture needs a model that reads nothing back from the GPU and copies nothing from the
 host while it runs (models/deformable_attention.py keeps its level sizes on the device) and autocast without
 its weight cache (engine/precision.py): a cached cast would freeze the weights a graph saw when it was
 recorded.
@@ -43,41 +45,42 @@ WARMUP_CALLS = 2
 
 
 class _FlatOutputs(nn.Module):
-    """One method of ``model`` as a module returning a flat tuple of tensors, what capture takes; its parameters
-    are the model's, so that the backward graph produces their gradients."""
+    """One method of ``owner`` as a module returning a flat tuple of tensors, what capture takes; its parameters
+    are the owner's, so that the backward graph produces their gradients."""
 
-    def __init__(self, model: nn.Module, method):
+    def __init__(self, owner: nn.Module, method):
         super().__init__()
-        self.model = model
+        self.owner = owner
         self.method = method
         self.spec = None
 
-    def forward(self, images: torch.Tensor, mask: torch.Tensor):
-        flat, self.spec = tree_flatten(self.method(self.model, images, mask))
+    def forward(self, *args: torch.Tensor):
+        flat, self.spec = tree_flatten(self.method(self.owner, *args))
         return tuple(flat)
 
 
 class GraphedMethod:
-    """``method`` of ``model`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs,
-    one recording per input size.
+    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs,
+    one recording per size (the shapes, dtypes and requires_grad of its tensor arguments, and autocast).
 
-    backward  True: forward and backward recorded (training; called with gradients on and the model training,
-              else it runs eagerly); False: a forward graph, for calls without gradients
-    pool      the memory pool every graph of the model shares (module docstring)
+    backward  True: forward and backward recorded (training; called with gradients on, the owner training and
+              something to differentiate, else it runs eagerly); False: a forward graph, for calls without
+              gradients
+    pool      the memory pool the graphs share (module docstring)
+    A call with an argument that is not a tensor (a model's mask of None) runs eagerly.
     """
 
-    def __init__(self, model: nn.Module, method, *, backward: bool, pool):
-        self.model, self.method, self.backward, self.pool = model, method, backward, pool
+    def __init__(self, owner: nn.Module, method, *, backward: bool, pool):
+        self.owner, self.method, self.backward, self.pool = owner, method, backward, pool
         self.name = CAPTURE_PREFIX + method.__name__  # apart from the Dynamo-compiled functions of that name
+        self._trains_parameters = any(p.requires_grad for p in owner.parameters())
         self._graphs: dict[tuple, object] = {}
         self._told_full = False
 
-    def __call__(self, images: torch.Tensor, mask: torch.Tensor | None = None):
-        if mask is None:
-            mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
-        if not self._applies(images):
-            return self.method(self.model, images, mask)
-        key = (tuple(images.shape), images.dtype, tuple(mask.shape), torch.is_autocast_enabled("cuda"),
+    def __call__(self, *args):
+        if not self._applies(args):
+            return self.method(self.owner, *args)
+        key = (tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args), torch.is_autocast_enabled("cuda"),
                torch.get_autocast_dtype("cuda"))
         replay = self._graphs.get(key)
         if replay is None:
@@ -86,38 +89,40 @@ class GraphedMethod:
                     self._told_full = True
                     log.warning("%s: %d sizes recorded as CUDA graphs, the most kept; new sizes run eagerly "
                                 "(dataset.size_buckets bounds the sizes a run meets)", self.name, MAX_SIZES)
-                return self.method(self.model, images, mask)
-            replay = self._graphs[key] = self._record(images, mask)
-        return replay(images, mask)
+                return self.method(self.owner, *args)
+            replay = self._graphs[key] = self._record(args)
+        return replay(*args)
 
-    def _applies(self, images: torch.Tensor) -> bool:
-        if not images.is_cuda:
+    def _applies(self, args) -> bool:
+        if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return False
         if self.backward:
-            return torch.is_grad_enabled() and self.model.training
+            return (torch.is_grad_enabled() and self.owner.training
+                    and (self._trains_parameters or any(a.requires_grad for a in args)))
         return not torch.is_grad_enabled()
 
-    def _record(self, images: torch.Tensor, mask: torch.Tensor):
+    def _record(self, args: tuple):
         if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
             raise RuntimeError("CUDA graphs need autocast without its weight cache (torch.autocast(..., "
                                "cache_enabled=False), as engine.precision.Precision.autocast does)")
         started = time.perf_counter()
-        flat = _FlatOutputs(self.model, self.method)
-        static = (images.clone(), mask.clone())
+        flat = _FlatOutputs(self.owner, self.method)
+        # The graphs' own inputs, leaves: recording must not reach the autograd graph the arguments came from.
+        static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         replay = self._record_training(flat, static) if self.backward else self._record_inference(flat, static)
         torch.cuda.current_stream().synchronize()
         seconds = time.perf_counter() - started
         CompileClock.get().record_capture(self.name, seconds)
-        log.info("%s: recorded the CUDA graphs of size %s in %.1f s", self.name, "x".join(map(str, images.shape)),
-                 seconds)
+        log.info("%s: recorded the CUDA graphs of size %s in %.1f s", self.name,
+                 " ".join("x".join(map(str, a.shape)) or "1" for a in args), seconds)
         return replay
 
     def _record_training(self, flat: _FlatOutputs, static: tuple):
         graphed = torch.cuda.make_graphed_callables(flat, static, num_warmup_iters=WARMUP_CALLS,
                                                     allow_unused_input=True, pool=self.pool)
 
-        def replay(images, mask):
-            return tree_unflatten(list(graphed(images, mask)), flat.spec)
+        def replay(*args):
+            return tree_unflatten(list(graphed(*args)), flat.spec)
 
         return replay
 
@@ -132,21 +137,29 @@ class GraphedMethod:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = flat(*static)
 
-        def replay(images, mask):
-            static[0].copy_(images)
-            static[1].copy_(mask)
+        def replay(*args):
+            for into, value in zip(static, args):
+                into.copy_(value)
             graph.replay()
             return tree_unflatten(list(outputs), flat.spec)
 
         return replay
 
 
-def graph_model(model: nn.Module, *, evaluation: bool = True) -> nn.Module:
+def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Module | None = None) -> nn.Module:
     """Replay the regions ``model`` declares for recording (``compile_regions(graphs=True)``: its training ``forward``
     and, with ``evaluation``, its ``detect``) as CUDA graphs, in place (per instance, through ``use_compiled``:
-    parameters, state_dict keys and checkpoints are unchanged); returns the model."""
-    pool = torch.cuda.graph_pool_handle()
-    for region in model.compile_regions(graphs=True, evaluation=evaluation):
-        method = getattr(type(model), region.name)
-        model.use_compiled(region.name, GraphedMethod(model, method, backward=region.training, pool=pool))
+    parameters, state_dict keys and checkpoints are unchanged), and the regions of ``criterion`` (its losses) in
+    a pool of their own; returns the model."""
+    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation))
+    if criterion is not None:
+        graph_regions(criterion, criterion.compile_regions(graphs=True))
     return model
+
+
+def graph_regions(owner: nn.Module, regions) -> None:
+    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs sharing one new pool."""
+    pool = torch.cuda.graph_pool_handle()
+    for region in regions:
+        method = getattr(type(owner), region.name)
+        owner.use_compiled(region.name, GraphedMethod(owner, method, backward=region.training, pool=pool))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import box_convert, generalized_box_iou, sigmoid_focal_loss
+from torchvision.ops import box_convert, sigmoid_focal_loss
 
 from models.compiled_regions import CompiledRegions, Region
 from models.host_copy import to_device_async
@@ -27,6 +27,16 @@ _PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
 
 # What the losses are divided by: a number, a device tensor, or a function giving either (SetCriterion.forward).
 NumBoxes = float | torch.Tensor | Callable[[], float | torch.Tensor]
+# A padding target's box (normalized cxcywh): any box of positive area, so that its GIoU with a prediction is
+# finite and the padding's zero contribution has a zero gradient.
+PADDING_BOX = 0.5
+
+
+def target_slots(num_targets: int) -> int:
+    """Targets (and matched pairs per layer) the losses are padded to for a batch of ``num_targets``: the next
+    power of two above it, at least 8, so that at least one padding target exists for the padding pairs to
+    point at and a run meets a handful of sizes (engine/cuda_graphs.py records one graph per size)."""
+    return max(8, 1 << num_targets.bit_length())
 
 
 class SetCriterion(CompiledRegions, nn.Module):
@@ -86,7 +96,8 @@ class SetCriterion(CompiledRegions, nn.Module):
         if callable(num_boxes):
             num_boxes = num_boxes()
         device = outputs["pred_logits"].device
-        matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device)
+        num_queries = outputs["pred_logits"].shape[1]
+        matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device, num_queries)
         losses = {}
         for (suffixes, logits, boxes, tgts), group_matches in zip(groups, matches):
             losses.update(self._group_losses(suffixes, logits, boxes, tgts, group_matches, tgt_lengths, num_boxes))
@@ -96,31 +107,38 @@ class SetCriterion(CompiledRegions, nn.Module):
         """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix."""
         labels = torch.cat([t["labels"] for t in targets]).to(logits.device, torch.int64)  # (T,)
         tgt_boxes = torch.cat([t["boxes"] for t in targets]).to(logits.device)  # (T, 4)
+        padding = m.slots - len(labels)  # padding targets after the real ones (target_slots)
+        labels = F.pad(labels, (0, padding))
+        tgt_boxes = F.pad(tgt_boxes, (0, 0, 0, padding), value=PADDING_BOX)
         sums = self.stacked_losses(logits, boxes, labels, tgt_boxes, m.layer, m.batch, m.query, m.target, tgt_lengths)
         per_layer = {name: values / num_boxes if name in _PER_BOX else values for name, values in sums.items()}
         losses = {name + suffix: value for name, values in per_layer.items()
                   for suffix, value in zip(suffixes, values.unbind())}
         if "labels" in self.losses and "" in suffixes:
-            # class_error is logged for the final layer only; its matches are one contiguous slice.
+            # class_error is logged for the final layer only; its real matches start its block of pairs.
             g = suffixes.index("")
-            first = sum(m.per_layer[:g])
-            rows = slice(first, first + m.per_layer[g])
+            rows = slice(g * m.slots, g * m.slots + m.per_layer[g])
             losses["class_error"] = 100 - _top1_accuracy(logits[g, m.batch[rows], m.query[rows]],
                                                          labels[m.target[rows]])
         return losses
 
-    def compile_regions(self) -> list[Region]:
-        """``stacked_losses`` (models/compiled_regions.py): five hundred small launches forward and backward,
-        between the matching and the backward. Symbolic sizes and no CUDA graphs: the number of matched pairs
-        changes with every batch, and a graph would be recorded for each."""
+    def compile_regions(self, *, graphs: bool = False) -> list[Region]:
+        """``stacked_losses`` (models/compiled_regions.py): hundreds of small launches forward and backward,
+        between the matching and the backward. Compiled by Inductor: symbolic sizes and no CUDA graphs, one
+        graph for every number of matched pairs. ``graphs``: recorded as CUDA graphs of the eager losses (their
+        forward and backward, engine/cuda_graphs.py), one per padded size (``target_slots``)."""
+        if graphs:
+            return [Region("stacked_losses", training=True)]
         return [Region("stacked_losses", cuda_graphs=False)]
 
     def stacked_losses(self, logits, boxes, labels, tgt_boxes, layer, batch, query, target, tgt_lengths) -> dict:
         """{name: (G,)} of G stacked layers, before the division by num_boxes (for the names in _PER_BOX).
 
-        Tensors only, no host values, so that engine.compile can compile it once for every batch: the number
-        of matched pairs M changes with every batch. logits (G, B, Q, K), boxes (G, B, Q, 4), labels (T,),
-        tgt_boxes (T, 4), the matched pairs' layer, batch, query and target indices (M,), tgt_lengths (B,).
+        Tensors only, no host values and no size that depends on the values, so that engine.compile can compile
+        it once for every batch and engine.cuda_graphs record it once per padded size. logits (G, B, Q, K), boxes
+        (G, B, Q, 4), labels (S,) and tgt_boxes (S, 4), the batch's targets followed by padding targets;
+        the matched pairs' layer, batch, query and target indices (M,), where a padding pair has query Q and
+        a padding target; tgt_lengths (B,), the real targets per image. Padding adds nothing to any loss.
         """
         sums = {}
         if "labels" in self.losses:
@@ -138,9 +156,11 @@ class SetCriterion(CompiledRegions, nn.Module):
             # The loss sums B*Q*K small terms; accumulate them in fp32 (the gradient flows through the cast).
             logits = logits.float()
         G, B, Q, K = logits.shape
-        # Index K is the "no object" class: its one-hot column is dropped below, leaving zeros.
-        target_classes = torch.full((G, B, Q), K, dtype=torch.int64, device=logits.device)  # (G, B, Q)
+        # Index K is the "no object" class: its one-hot column is dropped below, leaving zeros. Padding pairs
+        # (query Q) write to an extra column, dropped too.
+        target_classes = torch.full((G, B, Q + 1), K, dtype=torch.int64, device=logits.device)
         target_classes[layer, batch, query] = labels[target]
+        target_classes = target_classes[..., :Q]  # (G, B, Q)
         onehot = F.one_hot(target_classes, K + 1)[..., :K].to(logits.dtype)  # (G, B, Q, K)
         focal = sigmoid_focal_loss(logits, onehot, alpha=self.focal_alpha, gamma=2.0, reduction="none")
         # The original normalizes as mean over queries, sum over the rest, / num_boxes, then * Q.
@@ -148,16 +168,18 @@ class SetCriterion(CompiledRegions, nn.Module):
 
 
 class _Matches(NamedTuple):
-    """The matched (prediction, target) pairs of G stacked layers, as device index tensors (M,).
+    """The matched (prediction, target) pairs of G stacked layers, as device index tensors (M = G * slots,).
 
-    Pairs are ordered layer by layer; per_layer (host ints) says how many each layer has.
+    Each layer has a block of ``slots`` pairs (``target_slots``): its real pairs, then padding pairs
+    (query Q, the first padding target); per_layer (host ints) says how many real pairs each layer has.
     """
 
     layer: torch.Tensor
     batch: torch.Tensor
     query: torch.Tensor
-    target: torch.Tensor  # index into the batch's targets concatenated image after image
+    target: torch.Tensor  # index into the batch's targets concatenated image after image, then the padding
     per_layer: list[int]
+    slots: int
 
 
 def _prediction_groups(outputs: dict, targets: list[dict]) -> list[tuple[list[str], torch.Tensor, torch.Tensor, list]]:
@@ -175,48 +197,69 @@ def _prediction_groups(outputs: dict, targets: list[dict]) -> list[tuple[list[st
     return groups
 
 
-def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device) -> tuple[list[_Matches], torch.Tensor]:
-    """The matcher's host indices of every group, and the targets per image, in one host->device copy.
+def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device,
+                       num_queries: int) -> tuple[list[_Matches], torch.Tensor]:
+    """The matcher's host indices of every group, padded (``_Matches``), and the targets per image, in one
+    host->device copy.
 
     Indexing a CUDA tensor with CPU indices copies them one by one, each copy waiting for the GPU; packing
     them into one buffer makes a single asynchronous copy (models.host_copy).
     """
     starts = np.cumsum([0] + tgt_lengths)
+    slots = target_slots(int(starts[-1]))
+    padding_pair = (0, num_queries, int(starts[-1]))  # batch, query, target of a padding pair
     arrays, layouts = [], []
     for layers in matched:
-        columns = [[], [], [], []]  # layer, batch, query, target
+        columns = np.empty((4, len(layers), slots), dtype=np.int64)  # layer, batch, query, target
+        columns[0] = np.arange(len(layers))[:, None]
+        columns[1:] = np.asarray(padding_pair)[:, None, None]
         per_layer = []
         for g, per_image in enumerate(layers):
             count = 0
             for b, (rows, cols) in enumerate(per_image):
-                columns[0].append(np.full(len(rows), g))
-                columns[1].append(np.full(len(rows), b))
-                columns[2].append(rows.numpy())
-                columns[3].append(cols.numpy() + starts[b])
-                count += len(rows)
+                end = count + len(rows)
+                columns[1, g, count:end] = b
+                columns[2, g, count:end] = rows.numpy()
+                columns[3, g, count:end] = cols.numpy() + starts[b]
+                count = end
             per_layer.append(count)
-        arrays.extend(np.concatenate(c).astype(np.int64) if c else np.empty(0, np.int64) for c in columns)
+        arrays.extend(columns.reshape(4, -1))
         layouts.append(per_layer)
     arrays.append(np.asarray(tgt_lengths, dtype=np.int64))
     flat = to_device_async(torch.from_numpy(np.concatenate(arrays)), device).split([len(a) for a in arrays])
-    matches = [_Matches(*flat[4 * i:4 * i + 4], per_layer=per_layer) for i, per_layer in enumerate(layouts)]
+    matches = [_Matches(*flat[4 * i:4 * i + 4], per_layer=per_layer, slots=slots)
+               for i, per_layer in enumerate(layouts)]
     return matches, flat[-1]
 
 
 def _loss_boxes(boxes, tgt_boxes, layer, batch, query, target, *, num_layers: int) -> dict[str, torch.Tensor]:
     """(G,) L1 on normalized cxcywh and 1 - GIoU on xyxy, summed over each layer's matched pairs."""
-    src_boxes = boxes[layer, batch, query]  # (M, 4)
+    num_queries = boxes.shape[2]
+    real = query < num_queries  # (M,): padding pairs have query Q and read query Q-1's box, added as 0
+    src_boxes = boxes[layer, batch, query.clamp(max=num_queries - 1)]  # (M, 4)
     if src_boxes.dtype in (torch.float16, torch.bfloat16):
         src_boxes = src_boxes.float()
     target_boxes = tgt_boxes[target].to(src_boxes.dtype)  # (M, 4)
     l1 = (src_boxes - target_boxes).abs().sum(-1)  # (M,)
-    # diag of the pairwise matrix (no eps), as the original; torchvision's generalized_box_iou_loss
-    # adds eps terms that change the numbers slightly.
-    giou = torch.diag(
-        generalized_box_iou(box_convert(src_boxes, "cxcywh", "xyxy"), box_convert(target_boxes, "cxcywh", "xyxy"))
-    )  # (M,)
+    giou = paired_generalized_box_iou(box_convert(src_boxes, "cxcywh", "xyxy"),
+                                      box_convert(target_boxes, "cxcywh", "xyxy"))  # (M,)
     zeros = src_boxes.new_zeros(num_layers)
-    return {"loss_bbox": zeros.index_add(0, layer, l1), "loss_giou": zeros.index_add(0, layer, 1 - giou)}
+    return {"loss_bbox": zeros.index_add(0, layer, torch.where(real, l1, 0.0)),
+            "loss_giou": zeros.index_add(0, layer, torch.where(real, 1 - giou, 0.0))}
+
+
+def paired_generalized_box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """GIoU of each box of ``a`` (M, 4) with the box of ``b`` (M, 4) in the same row, xyxy: the diagonal of
+    torchvision's pairwise generalized_box_iou, computed by the same operations (no eps, as the original's
+    loss) without the (M, M) matrix."""
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    inter_wh = (torch.min(a[:, 2:], b[:, 2:]) - torch.max(a[:, :2], b[:, :2])).clamp(min=0)
+    inter = inter_wh[:, 0] * inter_wh[:, 1]
+    union = area_a + area_b - inter
+    hull_wh = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0)
+    hull = hull_wh[:, 0] * hull_wh[:, 1]
+    return inter / union - (hull - union) / hull
 
 
 @torch.no_grad()

@@ -7,7 +7,9 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from models.criterion import SetCriterion, build_criterion
+from torchvision.ops import box_convert, generalized_box_iou
+
+from models.criterion import SetCriterion, build_criterion, paired_generalized_box_iou, target_slots
 from models.matcher import HungarianMatcher
 from models.postprocess import PostProcess
 
@@ -202,6 +204,95 @@ def test_loss_values_match_the_published_formulas(gen):
     torch.testing.assert_close(losses["loss_ce"], expected_ce, rtol=1e-5, atol=1e-6)
     assert losses["loss_bbox"].item() == pytest.approx(l1 / num_boxes, rel=1e-5)
     assert losses["loss_giou"].item() == pytest.approx(giou / num_boxes, rel=1e-5)
+
+
+def test_every_layer_and_class_error_match_the_published_formulas_with_more_targets_than_queries(gen):
+    """Three decoder layers, one image with more targets than queries (its layers match fewer pairs than there are
+    targets, so each layer's block of pairs holds padding): every layer's losses and the final layer's class error
+    against a computation by hand from the matcher's pairs."""
+    targets = rand_targets([9, 2], gen)
+    Q = 6
+    layers = [rand_outputs(2, Q, gen) for _ in range(3)]
+    outputs = {**layers[-1], "aux_outputs": layers[:-1]}
+    losses = make_criterion(dec_layers=3)(outputs, targets)
+    num_boxes = 11.0
+    for suffix, layer in zip(("_0", "_1", ""), layers):
+        indices = make_criterion(aux_loss=False).matcher(layer, targets)
+        onehot = torch.zeros(2, Q, K)
+        l1, giou, correct, pairs = 0.0, 0.0, 0, 0
+        for b, (rows, cols) in enumerate(indices):
+            for q, t in zip(rows.tolist(), cols.tolist()):
+                label = targets[b]["labels"][t]
+                onehot[b, q, label] = 1.0
+                pred, tgt = layer["pred_boxes"][b, q], targets[b]["boxes"][t]
+                l1 += (pred - tgt).abs().sum().item()
+                giou += 1 - scalar_giou(pred.tolist(), tgt.tolist())
+                correct += int(layer["pred_logits"][b, q].argmax() == label)
+                pairs += 1
+        assert pairs == Q + 2  # the first image's 9 targets got the 6 queries
+        expected_ce = focal_by_hand(layer["pred_logits"], onehot).mean(1).sum() / num_boxes * Q
+        torch.testing.assert_close(losses["loss_ce" + suffix], expected_ce, rtol=1e-5, atol=1e-6)
+        assert losses["loss_bbox" + suffix].item() == pytest.approx(l1 / num_boxes, rel=1e-5)
+        assert losses["loss_giou" + suffix].item() == pytest.approx(giou / num_boxes, rel=1e-5)
+    assert losses["class_error"].item() == pytest.approx(100 - 100 * correct / pairs, rel=1e-5)
+
+
+def test_padding_pairs_and_targets_add_nothing_to_the_losses_or_their_gradients(gen):
+    """stacked_losses on exactly the matched pairs, and on the same pairs padded as SetCriterion pads them (padding
+    targets after the real ones, padding pairs with query Q at the end of each layer's block): the same sums and
+    the same gradients of logits and boxes."""
+    criterion = make_criterion(dec_layers=3)
+    G, B, Q = 3, 2, 7
+    logits = torch.randn(G, B, Q, K, generator=gen, requires_grad=True)
+    boxes = rand_boxes(G * B * Q, gen).view(G, B, Q, 4).requires_grad_(True)
+    T, S = 5, target_slots(5)
+    labels, tgt_boxes = torch.randint(0, K, (T,), generator=gen), rand_boxes(T, gen)
+    per_layer = [5, 4, 5]  # pairs of each layer: (batch, query, target)
+    pairs = [[(b, q, t) for b, q, t in zip(torch.randint(0, B, (n,), generator=gen).tolist(),
+                                            torch.randperm(Q, generator=gen)[:n].tolist(), range(n))]
+             for n in per_layer]
+
+    def indices(padded: bool):
+        rows = []
+        for g, layer_pairs in enumerate(pairs):
+            rows += [(g, *p) for p in layer_pairs] + ([(g, 0, Q, T)] * (S - len(layer_pairs)) if padded else [])
+        return [torch.tensor(column) for column in zip(*rows)]
+
+    tgt_lengths = torch.tensor([3, 2])
+    exact = criterion.stacked_losses(logits, boxes, labels, tgt_boxes, *indices(False), tgt_lengths)
+    padded_labels = torch.cat([labels, torch.zeros(S - T, dtype=torch.int64)])
+    padded_boxes = torch.cat([tgt_boxes, torch.full((S - T, 4), 0.5)])
+    padded = criterion.stacked_losses(logits, boxes, padded_labels, padded_boxes, *indices(True), tgt_lengths)
+    assert set(padded) == set(exact) == {"loss_ce", "loss_bbox", "loss_giou", "cardinality_error"}
+    for name in exact:
+        torch.testing.assert_close(padded[name], exact[name], rtol=1e-6, atol=1e-7, msg=name)
+    weights = torch.rand(3, G, generator=gen)
+
+    def gradients(sums):
+        total = sum((w * sums[name]).sum() for w, name in zip(weights, ("loss_ce", "loss_bbox", "loss_giou")))
+        return torch.autograd.grad(total, (logits, boxes))
+
+    for got, expected in zip(gradients(padded), gradients(exact)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_target_slots_leave_room_for_a_padding_target_and_few_sizes():
+    slots = [target_slots(n) for n in range(2000)]
+    assert all(s > n and s >= 8 and s & (s - 1) == 0 for n, s in enumerate(slots))
+    assert all(s <= max(8, 2 * n) for n, s in enumerate(slots) if n)
+    assert len(set(slots[:256])) == 6  # 8 ... 256 for fewer than 256 targets per batch
+
+
+def test_paired_giou_is_the_diagonal_of_the_pairwise_giou(gen):
+    a, b = rand_boxes(40, gen), rand_boxes(40, gen)
+    b[:5] = a[:5]  # identical boxes
+    b[5:10, :2] = a[5:10, :2] + 1.0  # far apart: negative GIoU
+    b[10:15] = a[10:15] * torch.tensor([1.0, 1.0, 0.5, 0.5])  # contained
+    a, b = box_convert(a, "cxcywh", "xyxy"), box_convert(b, "cxcywh", "xyxy")
+    paired = paired_generalized_box_iou(a, b)
+    torch.testing.assert_close(paired, torch.diag(generalized_box_iou(a, b)), rtol=0, atol=0)
+    assert (paired[:5] == 1).all() and (paired[5:10] < 0).all()
 
 
 @pytest.mark.parametrize("sizes", [[0], [0, 0], [0, 4]])

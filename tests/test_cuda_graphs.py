@@ -11,12 +11,14 @@ from omegaconf import OmegaConf
 
 from engine.compile import STEPS_TO_COMPILE, CompilePlan, compile_model, resolve_compile
 from engine.compile_log import CompileClock, CompileTotals, describe_work
+from engine.cuda_graphs import graph_regions
 from engine.config import CompileConfig
 from engine.precision import Precision
 from engine.step import TrainStep
 from models import build_model
 from models.deformable_attention import level_sizes_xy
 from test_compile import assert_same_detections
+from test_criterion import make_criterion, rand_outputs, rand_targets
 from test_models import _batch, _targets, tiny_cfg
 from test_step import SMALL, make_step
 
@@ -80,10 +82,11 @@ def test_captures_count_as_compilation_with_their_method_name():
 
 
 def test_a_steps_log_line_says_what_it_recorded_and_what_it_compiled():
-    assert describe_work(CompileTotals(1.0, 2, {"graphed_forward": 2})) == "recorded the CUDA graphs of 2 sizes"
+    assert describe_work(CompileTotals(1.0, 2, {"graphed_forward": 1, "graphed_stacked_losses": 1})) == \
+        "recorded 2 CUDA graphs"
     assert describe_work(CompileTotals(1.0, 2, {"features": 1, "predict": 1})) == "compiled 2 graphs"
     assert describe_work(CompileTotals(1.0, 2, {"predict": 1, "graphed_detect": 1})) == \
-        "compiled 1 graphs and recorded the CUDA graphs of 1 size"
+        "compiled 1 graphs and recorded 1 CUDA graph"
 
 
 # ------------------------------------------------------------------------------------------- on the GPU
@@ -93,7 +96,7 @@ def _graphed_pair(variant, *, amp="none"):
     graphed.model.load_state_dict(eager.model.state_dict())
     for step in (eager, graphed):
         step.precision = Precision(amp=amp, device=GPU)
-    compile_model(graphed.model, CompilePlan(mode="graphs", evaluation=True))
+    compile_model(graphed.model, CompilePlan(mode="graphs", evaluation=True), criterion=graphed.criterion)
     return eager, graphed
 
 
@@ -123,7 +126,46 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
         with torch.no_grad():
             for e, g in zip(eager.model.parameters(), graphed.model.parameters()):
                 g.copy_(e)
-    assert clock.totals().since(before).by_function == {"graphed_forward": len(set(SIZES))}  # one recording per size
+    # One recording per size; the losses' one per padded number of targets (4 here: 8 slots), per group of layers.
+    assert clock.totals().since(before).by_function == {"graphed_forward": len(set(SIZES)),
+                                                        "graphed_stacked_losses": 2 if variant == "two_stage" else 1}
+
+
+@needs_gpu
+def test_losses_replayed_as_cuda_graphs_equal_eager_losses_and_gradients_for_every_number_of_targets():
+    """The losses are recorded per padded number of targets (models.criterion.target_slots) and per group of layers
+    (the decoder's, the two-stage proposals'); batches without targets, with more targets than queries, and back to
+    an earlier size, whose graphs are replayed."""
+    gen = torch.Generator().manual_seed(0)
+    eager, graphed = make_criterion(dec_layers=3, two_stage=True), make_criterion(dec_layers=3, two_stage=True)
+    regions = graphed.compile_regions(graphs=True)
+    assert [(r.name, r.training) for r in regions] == [("stacked_losses", True)]
+    graph_regions(graphed, regions)
+    clock = CompileClock.get()
+    before = clock.totals()
+    sizes_seen = [[0, 0], [3, 1], [14, 2], [5, 3], [30, 1], [2, 2]]  # slots 8, 8, 32, 16, 32, 8
+    for sizes in sizes_seen:
+        layers = [rand_outputs(2, 12, gen) for _ in range(4)]
+        leaves = [t.cuda().requires_grad_(True) for layer in layers for t in (layer["pred_logits"], layer["pred_boxes"])]
+        as_outputs = [{"pred_logits": leaves[2 * i], "pred_boxes": leaves[2 * i + 1]} for i in range(4)]
+        outputs = {**as_outputs[2], "aux_outputs": as_outputs[:2], "enc_outputs": as_outputs[3]}
+        targets = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in t.items()} for t in rand_targets(sizes, gen)]
+        expected, got = eager(outputs, targets), graphed(outputs, targets)
+        assert set(got) == set(expected)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{sizes} {name}: {m}")
+        weights = {name: float(i + 1) for i, name in enumerate(sorted(eager.weight_dict))}
+
+        def gradients(losses):
+            return torch.autograd.grad(sum(weights[k] * v for k, v in losses.items() if k in weights), leaves)
+
+        for g, e in zip(gradients(got), gradients(expected)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{sizes}: {m}")
+    # 3 padded sizes (8, 16, 32) for each of the 2 groups of layers
+    assert clock.totals().since(before).by_function == {"graphed_stacked_losses": 6}
+    with torch.no_grad():  # nothing to differentiate: eager
+        graphed(outputs, targets)
+    assert clock.totals().since(before).by_function == {"graphed_stacked_losses": 6}
 
 
 @needs_gpu
