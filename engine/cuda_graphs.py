@@ -17,7 +17,9 @@ The model's graphs share one memory pool. That is safe because every replay's ou
 next replay of the pool starts (the step turns them into losses and gradients, evaluation into detections on
 the host): a graph's outputs, and the activations its forward leaves for its backward, live in memory another
 size's replay may write. A caller must not keep a replay's outputs past the next call. The losses' graphs
-replay between the model's forward and its backward, so they have a pool of their own. Capture needs a model that reads nothing back from the GPU and copies nothing from the
+replay between the model's forward and its backward, and interleaved among themselves (the decoder's forward,
+the two-stage proposals' forward, then their backward in the other order), so each of their recordings has a
+pool of its own. Capture needs a model that reads nothing back from the GPU and copies nothing from the
 host while it runs (models/deformable_attention.py keeps its level sizes on the device) and autocast without
 its weight cache (engine/precision.py): a cached cast would freeze the weights a graph saw when it was
 recorded.
@@ -66,7 +68,7 @@ class GraphedMethod:
     backward  True: forward and backward recorded (training; called with gradients on, the owner training and
               something to differentiate, else it runs eagerly); False: a forward graph, for calls without
               gradients
-    pool      the memory pool the graphs share (module docstring)
+    pool      the memory pool the graphs share (module docstring); None: each recording a pool of its own
     A call with an argument that is not a tensor (a model's mask of None) runs eagerly.
     """
 
@@ -150,16 +152,17 @@ def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Modu
     """Replay the regions ``model`` declares for recording (``compile_regions(graphs=True)``: its training ``forward``
     and, with ``evaluation``, its ``detect``) as CUDA graphs, in place (per instance, through ``use_compiled``:
     parameters, state_dict keys and checkpoints are unchanged), and the regions of ``criterion`` (its losses) in
-    a pool of their own; returns the model."""
-    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation))
+    a pool per recording; returns the model."""
+    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), share_pool=True)
     if criterion is not None:
-        graph_regions(criterion, criterion.compile_regions(graphs=True))
+        graph_regions(criterion, criterion.compile_regions(graphs=True), share_pool=False)
     return model
 
 
-def graph_regions(owner: nn.Module, regions) -> None:
-    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs sharing one new pool."""
-    pool = torch.cuda.graph_pool_handle()
+def graph_regions(owner: nn.Module, regions, *, share_pool: bool) -> None:
+    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs, all of them in one new
+    memory pool (``share_pool``: replays that never interleave) or each recording in a pool of its own."""
+    pool = torch.cuda.graph_pool_handle() if share_pool else None
     for region in regions:
         method = getattr(type(owner), region.name)
         owner.use_compiled(region.name, GraphedMethod(owner, method, backward=region.training, pool=pool))
