@@ -126,7 +126,8 @@ class SetCriterion(CompiledRegions, nn.Module):
         """``stacked_losses`` (models/compiled_regions.py): hundreds of small launches forward and backward,
         between the matching and the backward. Compiled by Inductor: symbolic sizes and no CUDA graphs, one
         graph for every number of matched pairs. ``graphs``: recorded as CUDA graphs of the eager losses (their
-        forward and backward, engine/cuda_graphs.py), one per padded size (``target_slots``)."""
+        forward and backward, engine/cuda_graphs.py), one per padded number of targets (``target_slots``) and, for
+        the two-stage proposals (one per encoder token), per image size too."""
         if graphs:
             return [Region("stacked_losses", training=True)]
         return [Region("stacked_losses", cuda_graphs=False)]
