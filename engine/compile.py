@@ -21,7 +21,7 @@ time per step.
 
 The transformer's graph has symbolic sizes: one graph serves every bucket (``_options`` turns off the size
 thresholds of a fusion that made the second size compile it again). The losses have symbolic
-sizes too and no CUDA graphs: the number of matched pairs changes with every batch. Evaluation runs
+sizes too and no CUDA graphs: the padded number of matched pairs changes from batch to batch. Evaluation runs
 ``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per
 evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later ones none,
 instead of every training region again without gradients. Module names and state_dict keys are unchanged:

@@ -17,9 +17,9 @@ The model's graphs share one memory pool. That is safe because every replay's ou
 next replay of the pool starts (the step turns them into losses and gradients, evaluation into detections on
 the host): a graph's outputs, and the activations its forward leaves for its backward, live in memory another
 size's replay may write. A caller must not keep a replay's outputs past the next call. The losses' graphs
-replay between the model's forward and its backward, and interleaved among themselves (the decoder's forward,
-the two-stage proposals' forward, then their backward in the other order), so each of their recordings has a
-pool of its own. Capture needs a model that reads nothing back from the GPU and copies nothing from the
+replay between the model's forward and its backward, and the two-stage proposals' between the decoder's
+losses' forward and backward: the decoder's losses and the proposals' are two regions, each with a pool of its
+own, shared by its sizes. Capture needs a model that reads nothing back from the GPU and copies nothing from the
 host while it runs (models/deformable_attention.py keeps its level sizes on the device) and autocast without
 its weight cache (engine/precision.py): a cached cast would freeze the weights a graph saw when it was
 recorded.
@@ -68,7 +68,7 @@ class GraphedMethod:
     backward  True: forward and backward recorded (training; called with gradients on, the owner training and
               something to differentiate, else it runs eagerly); False: a forward graph, for calls without
               gradients
-    pool      the memory pool the graphs share (module docstring); None: each recording a pool of its own
+    pool      the memory pool the graphs share (module docstring)
     A call with an argument that is not a tensor (a model's mask of None) runs eagerly.
     """
 
@@ -152,17 +152,18 @@ def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Modu
     """Replay the regions ``model`` declares for recording (``compile_regions(graphs=True)``: its training ``forward``
     and, with ``evaluation``, its ``detect``) as CUDA graphs, in place (per instance, through ``use_compiled``:
     parameters, state_dict keys and checkpoints are unchanged), and the regions of ``criterion`` (its losses) in
-    a pool per recording; returns the model."""
-    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), share_pool=True)
+    a pool per region; returns the model."""
+    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), pool_per_region=False)
     if criterion is not None:
-        graph_regions(criterion, criterion.compile_regions(graphs=True), share_pool=False)
+        graph_regions(criterion, criterion.compile_regions(graphs=True), pool_per_region=True)
     return model
 
 
-def graph_regions(owner: nn.Module, regions, *, share_pool: bool) -> None:
-    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs, all of them in one new
-    memory pool (``share_pool``: replays that never interleave) or each recording in a pool of its own."""
-    pool = torch.cuda.graph_pool_handle() if share_pool else None
+def graph_regions(owner: nn.Module, regions, *, pool_per_region: bool) -> None:
+    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs, all in one new memory
+    pool, or (``pool_per_region``: regions whose replays interleave) each region in a new pool of its own."""
+    shared = torch.cuda.graph_pool_handle()
     for region in regions:
         method = getattr(type(owner), region.name)
+        pool = torch.cuda.graph_pool_handle() if pool_per_region else shared
         owner.use_compiled(region.name, GraphedMethod(owner, method, backward=region.training, pool=pool))

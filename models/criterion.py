@@ -96,21 +96,24 @@ class SetCriterion(CompiledRegions, nn.Module):
         if callable(num_boxes):
             num_boxes = num_boxes()
         device = outputs["pred_logits"].device
-        num_queries = outputs["pred_logits"].shape[1]
-        matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device, num_queries)
+        matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device,
+                                                  [logits.shape[2] for _, logits, _, _ in groups])
         losses = {}
         for (suffixes, logits, boxes, tgts), group_matches in zip(groups, matches):
             losses.update(self._group_losses(suffixes, logits, boxes, tgts, group_matches, tgt_lengths, num_boxes))
         return losses
 
     def _group_losses(self, suffixes, logits, boxes, targets, m: "_Matches", tgt_lengths, num_boxes) -> dict:
-        """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix."""
+        """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix: the
+        decoder's layers through ``stacked_losses``, the two-stage proposals (``_enc``) through
+        ``stacked_proposal_losses``."""
         labels = torch.cat([t["labels"] for t in targets]).to(logits.device, torch.int64)  # (T,)
         tgt_boxes = torch.cat([t["boxes"] for t in targets]).to(logits.device)  # (T, 4)
         padding = m.slots - len(labels)  # padding targets after the real ones (target_slots)
         labels = F.pad(labels, (0, padding))
         tgt_boxes = F.pad(tgt_boxes, (0, 0, 0, padding), value=PADDING_BOX)
-        sums = self.stacked_losses(logits, boxes, labels, tgt_boxes, m.layer, m.batch, m.query, m.target, tgt_lengths)
+        losses_of = self.stacked_proposal_losses if suffixes == ["_enc"] else self.stacked_losses
+        sums = losses_of(logits, boxes, labels, tgt_boxes, m.layer, m.batch, m.query, m.target, tgt_lengths)
         per_layer = {name: values / num_boxes if name in _PER_BOX else values for name, values in sums.items()}
         losses = {name + suffix: value for name, values in per_layer.items()
                   for suffix, value in zip(suffixes, values.unbind())}
@@ -123,14 +126,21 @@ class SetCriterion(CompiledRegions, nn.Module):
         return losses
 
     def compile_regions(self, *, graphs: bool = False) -> list[Region]:
-        """``stacked_losses`` (models/compiled_regions.py): hundreds of small launches forward and backward,
-        between the matching and the backward. Compiled by Inductor: symbolic sizes and no CUDA graphs, one
-        graph for every number of matched pairs. ``graphs``: recorded as CUDA graphs of the eager losses (their
-        forward and backward, engine/cuda_graphs.py), one per padded number of targets (``target_slots``) and, for
-        the two-stage proposals (one per encoder token), per image size too."""
+        """``stacked_losses`` and ``stacked_proposal_losses`` (models/compiled_regions.py): hundreds of small
+        launches forward and backward, between the matching and the backward. Compiled by Inductor: symbolic
+        sizes and no CUDA graphs, one graph for every number of matched pairs. ``graphs``: recorded as CUDA graphs
+        of the eager losses (their forward and backward, engine/cuda_graphs.py), one per padded number of targets
+        (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too. Two
+        regions, so that the proposals' graphs, which replay between the decoder's forward and backward, are never
+        the decoder's own."""
+        names = ("stacked_losses", "stacked_proposal_losses")
         if graphs:
-            return [Region("stacked_losses", training=True)]
-        return [Region("stacked_losses", cuda_graphs=False)]
+            return [Region(name, training=True) for name in names]
+        return [Region(name, cuda_graphs=False) for name in names]
+
+    def stacked_proposal_losses(self, *args) -> dict:
+        """``stacked_losses`` of the two-stage encoder's proposals (G = 1, one proposal per encoder token)."""
+        return SetCriterion.stacked_losses(self, *args)
 
     def stacked_losses(self, logits, boxes, labels, tgt_boxes, layer, batch, query, target, tgt_lengths) -> dict:
         """{name: (G,)} of G stacked layers, before the division by num_boxes (for the names in _PER_BOX).
@@ -172,7 +182,8 @@ class _Matches(NamedTuple):
     """The matched (prediction, target) pairs of G stacked layers, as device index tensors (M = G * slots,).
 
     Each layer has a block of ``slots`` pairs (``target_slots``): its real pairs, then padding pairs
-    (query Q, the first padding target); per_layer (host ints) says how many real pairs each layer has.
+    (query Q, the group's number of predictions per image, and the first padding target); per_layer (host ints)
+    says how many real pairs each layer has.
     """
 
     layer: torch.Tensor
@@ -199,21 +210,20 @@ def _prediction_groups(outputs: dict, targets: list[dict]) -> list[tuple[list[st
 
 
 def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device,
-                       num_queries: int) -> tuple[list[_Matches], torch.Tensor]:
-    """The matcher's host indices of every group, padded (``_Matches``), and the targets per image, in one
-    host->device copy.
+                       num_queries: list[int]) -> tuple[list[_Matches], torch.Tensor]:
+    """The matcher's host indices of every group, padded (``_Matches``; ``num_queries``: each group's predictions
+    per image, the query of its padding pairs), and the targets per image, in one host->device copy.
 
     Indexing a CUDA tensor with CPU indices copies them one by one, each copy waiting for the GPU; packing
     them into one buffer makes a single asynchronous copy (models.host_copy).
     """
     starts = np.cumsum([0] + tgt_lengths)
     slots = target_slots(int(starts[-1]))
-    padding_pair = (0, num_queries, int(starts[-1]))  # batch, query, target of a padding pair
     arrays, layouts = [], []
-    for layers in matched:
+    for layers, queries in zip(matched, num_queries, strict=True):
         columns = np.empty((4, len(layers), slots), dtype=np.int64)  # layer, batch, query, target
         columns[0] = np.arange(len(layers))[:, None]
-        columns[1:] = np.asarray(padding_pair)[:, None, None]
+        columns[1:] = np.asarray([0, queries, starts[-1]])[:, None, None]  # a padding pair's batch, query, target
         per_layer = []
         for g, per_image in enumerate(layers):
             count = 0

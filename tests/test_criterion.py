@@ -238,9 +238,9 @@ def test_every_layer_and_class_error_match_the_published_formulas_with_more_targ
 
 
 def test_padding_pairs_and_targets_add_nothing_to_the_losses_or_their_gradients(gen):
-    """stacked_losses on exactly the matched pairs, and on the same pairs padded as SetCriterion pads them (padding
-    targets after the real ones, padding pairs with query Q at the end of each layer's block): the same sums and
-    the same gradients of logits and boxes."""
+    """stacked_losses on exactly the matched pairs, and on the same pairs padded by hand as SetCriterion pads them
+    (padding targets after the real ones, padding pairs with query Q at the end of each layer's block): the same
+    sums and the same gradients of logits and boxes."""
     criterion = make_criterion(dec_layers=3)
     G, B, Q = 3, 2, 7
     logits = torch.randn(G, B, Q, K, generator=gen, requires_grad=True)
@@ -386,10 +386,11 @@ def test_num_boxes_given_as_a_function_is_asked_for_once_after_the_matching(gen)
 
 
 def test_losses_of_all_layers_at_once_equal_each_layer_alone(gen):
-    """The decoder layers are matched and scored together; each equals its own single-layer criterion."""
+    """The decoder layers are matched and scored together; each equals its own single-layer criterion. The
+    two-stage proposals outnumber the queries (one per encoder token): their padding is their own."""
     targets = rand_targets([3, 0, 2], gen)
     layers = [rand_outputs(3, 7, gen) for _ in range(3)]
-    outputs = {**layers[-1], "aux_outputs": layers[:-1], "enc_outputs": rand_outputs(3, 7, gen)}
+    outputs = {**layers[-1], "aux_outputs": layers[:-1], "enc_outputs": rand_outputs(3, 20, gen)}
     losses = make_criterion(dec_layers=3, two_stage=True)(outputs, targets)
     single = make_criterion(aux_loss=False)
     bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
@@ -496,7 +497,8 @@ def _outputs_with_aux(B, Q, gen, n_aux, requires_grad=True):
 
 
 def test_compiled_losses_equal_eager_for_every_number_of_matches_without_recompiling(gen):
-    """engine.compile compiles stacked_losses once (dynamic shapes): the matched pairs change every batch."""
+    """engine.compile compiles stacked_losses once (dynamic shapes): the padded number of matched pairs changes
+    from batch to batch."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -505,7 +507,7 @@ def test_compiled_losses_equal_eager_for_every_number_of_matches_without_recompi
     counter = CompileCounterWithBackend("aot_eager")
     compiled.stacked_losses = torch.compile(compiled.stacked_losses, dynamic=True, backend=counter, fullgraph=True)
     frames = []
-    for sizes in ([3, 5], [2, 7], [4, 1], [6, 6]):  # 8, 9, 5 and 12 targets: new sizes M = 6 * T each time
+    for sizes in ([3, 5], [2, 1], [10, 12], [20, 30]):  # 8, 3, 22 and 50 targets: 16, 8, 32 and 64 slots
         outputs, leaves = _outputs_with_aux(2, 12, gen, n_aux=5)
         targets = rand_targets(sizes, gen)
         expected = eager(outputs, targets)

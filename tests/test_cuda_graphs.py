@@ -130,24 +130,25 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
     # two-stage proposals' one per size too (one proposal per encoder token).
     sizes = len(set(SIZES))
     assert clock.totals().since(before).by_function == {
-        "graphed_forward": sizes, "graphed_stacked_losses": 1 + (sizes if variant == "two_stage" else 0)}
+        "graphed_forward": sizes, "graphed_stacked_losses": 1,
+        **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {})}
 
 
 @needs_gpu
 def test_losses_replayed_as_cuda_graphs_equal_eager_losses_and_gradients_for_every_number_of_targets():
-    """The losses are recorded per padded number of targets (models.criterion.target_slots) and per group of layers
-    (the decoder's, the two-stage proposals'); batches without targets, with more targets than queries, and back to
-    an earlier size, whose graphs are replayed."""
+    """The losses are recorded per padded number of targets (models.criterion.target_slots), the decoder's and the
+    two-stage proposals' (more of them than queries) apart; batches without targets, with more targets than
+    queries, and back to an earlier size, whose graphs are replayed."""
     gen = torch.Generator().manual_seed(0)
     eager, graphed = make_criterion(dec_layers=3, two_stage=True), make_criterion(dec_layers=3, two_stage=True)
     regions = graphed.compile_regions(graphs=True)
-    assert [(r.name, r.training) for r in regions] == [("stacked_losses", True)]
-    graph_regions(graphed, regions, share_pool=False)
+    assert [(r.name, r.training) for r in regions] == [("stacked_losses", True), ("stacked_proposal_losses", True)]
+    graph_regions(graphed, regions, pool_per_region=True)
     clock = CompileClock.get()
     before = clock.totals()
     sizes_seen = [[0, 0], [3, 1], [14, 2], [5, 3], [30, 1], [2, 2]]  # slots 8, 8, 32, 16, 32, 8
     for sizes in sizes_seen:
-        layers = [rand_outputs(2, 12, gen) for _ in range(4)]
+        layers = [rand_outputs(2, 12, gen) for _ in range(3)] + [rand_outputs(2, 20, gen)]  # 20 proposals
         leaves = [t.cuda().requires_grad_(True) for layer in layers for t in (layer["pred_logits"], layer["pred_boxes"])]
         as_outputs = [{"pred_logits": leaves[2 * i], "pred_boxes": leaves[2 * i + 1]} for i in range(4)]
         outputs = {**as_outputs[2], "aux_outputs": as_outputs[:2], "enc_outputs": as_outputs[3]}
@@ -163,11 +164,11 @@ def test_losses_replayed_as_cuda_graphs_equal_eager_losses_and_gradients_for_eve
 
         for g, e in zip(gradients(got), gradients(expected)):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{sizes}: {m}")
-    # 3 padded sizes (8, 16, 32) for each of the 2 groups of layers
-    assert clock.totals().since(before).by_function == {"graphed_stacked_losses": 6}
+    recorded = {"graphed_stacked_losses": 3, "graphed_stacked_proposal_losses": 3}  # 8, 16 and 32 slots each
+    assert clock.totals().since(before).by_function == recorded
     with torch.no_grad():  # nothing to differentiate: eager
         graphed(outputs, targets)
-    assert clock.totals().since(before).by_function == {"graphed_stacked_losses": 6}
+    assert clock.totals().since(before).by_function == recorded
 
 
 @needs_gpu
