@@ -159,7 +159,7 @@ def aoti_build(args, device: torch.device, workdir: Path) -> None:
     seconds = {"trace": traced, "compile": time.perf_counter() - started - traced}
     print(f"package: compiled in {seconds['compile']:.1f} s", flush=True)
     record = {"aoti_export_s": seconds, "package_mb": package.stat().st_size / 2**20, "aoti_ms": {}}
-    (workdir / "aoti.json").write_text(json.dumps(record))
+    write_json(workdir / "aoti.json", record)
 
 
 def aoti_run(args, device: torch.device, workdir: Path) -> None:
@@ -175,7 +175,7 @@ def aoti_run(args, device: torch.device, workdir: Path) -> None:
         torch.save([t.cpu() for t in aoti(*inputs)], workdir / f"aoti_outputs_{batch}.pt")
         record["aoti_ms"][str(batch)] = timed_ms(aoti, inputs, warmup=args.warmup, repeats=args.repeats, device=device)
         print(f"batch {batch}: aoti {record['aoti_ms'][str(batch)]:.1f} ms", flush=True)
-        (workdir / "aoti.json").write_text(json.dumps(record))
+        write_json(workdir / "aoti.json", record)
 
 
 def measure_aoti(argv: list[str], workdir: Path, timeout_s: float, log: Path) -> tuple[dict, str | None]:
