@@ -98,9 +98,10 @@ def main():
         for dtype in args.dtype:
             value_type, nbytes = DTYPES[dtype]
             common = dict(M=M, D=D, L=L, P=P, BLOCK_D=triton.next_power_of_2(D), COMPUTE_DTYPE=tl.float32)
-            block_q, block_p, warps = launch_config(("forward", D, nbytes, L, P, True))
-            compile_report(kernels.msda_forward_kernel, dict(common, BLOCK_Q=block_q, BLOCK_P=block_p), value_type,
-                           warps, args.arch, args.out, f"forward D{D} {dtype} q{block_q} p{block_p} w{warps}")
+            block_q, block_p, warps, unroll = launch_config(("forward", D, nbytes, L, P, True))
+            compile_report(kernels.msda_forward_kernel, dict(common, BLOCK_Q=block_q, BLOCK_P=block_p, UNROLL=unroll),
+                           value_type, warps, args.arch, args.out,
+                           f"forward D{D} {dtype} q{block_q} p{block_p} w{warps} u{unroll}")
             for name, (grads, scatter, keys) in flags.items():
                 block_q, block_p, warps = launch_config((name, D, nbytes, L, P, True))
                 constants = dict(common, BLOCK_Q=block_q, BLOCK_P=block_p, SAMPLE_GRADS=grads, SCATTER=scatter,

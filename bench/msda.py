@@ -6,8 +6,8 @@
 1. precompile  every candidate kernel in --jobs worker processes; they fill Triton's on-disk cache, so the
                timing process only loads binaries (the unrolled kernels take seconds each to compile).
 2. sweep       per head dim D (32: M=8; 64: M=4; 128: M=2, so M*D = 256) on encoder N2 (Lq=S) and decoder
-               N4 Lq300, uniform and realistic locations, fp32 and bf16: the forward's (BLOCK_Q, BLOCK_P, warps)
-               and each grad_value scheme (fused, split, gather) in its candidate configurations. For every
+               N4 Lq300, uniform and realistic locations, fp32 and bf16: the forward's (BLOCK_Q, BLOCK_P, warps,
+               UNROLL) and each grad_value scheme (fused, split, gather) in its candidate configurations. For every
                table key the configuration with the least summed time over both distributions wins; the
                winners go into this run's launch table and into msda_launch_table.py (paste into launch.py).
 3. targets     encoder N2/N4 and decoder N4 Lq300/Lq900, fp32/bf16, uniform/realistic, D=32, through the
@@ -87,26 +87,40 @@ def heads(D: int) -> int:
 
 
 def candidates(D: int) -> dict:
-    """Configurations timed per kernel. Query kernels: (BLOCK_Q, BLOCK_P, num_warps); split uses one for both
+    """Configurations timed per kernel. Forward: (BLOCK_Q, BLOCK_P, num_warps, UNROLL); the other query kernels:
+    (BLOCK_Q, BLOCK_P, num_warps); split uses one for both
     of its kernels; gather: ((BLOCK_Q, BLOCK_P, warps) of the keys kernel, (lanes, warps) of the row sums);
     hybrid: ((BLOCK_Q, BLOCK_P, warps), entries per value row from which a level is gathered)."""
     if DEVICE == "cpu":  # --smoke: wide programs, which the interpreter runs fastest; two each for the picks
-        return {"forward": [(64, 16, 4), (32, 16, 2)], "fused": [(64, 16, 4), (32, 16, 2)],
+        return {"forward": [(64, 16, 4, 1), (32, 16, 2, 1)], "fused": [(64, 16, 4), (32, 16, 2)],
                 "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
                 "hybrid": [((64, 16, 4), 8)]}
     return _candidates(D)
 
 
+# Steps of L*P / BLOCK_P samples that a kernel may unroll: the backward unrolls all of its steps, so its candidates
+# take BLOCK_P >= L*P / 4; the forward's loop is unrolled at most this many times. Triton's compile time grows much
+# faster than the unrolled code (bench/results/msda_compile.md), and a run with an empty cache pays it in its first
+# step: 16 unrolled steps compiled for 17-18 s where 4 took 1-2 s, for no measurable gain in kernel time.
+MAX_UNROLLED_STEPS = 4
+
+
+def forward_unrolled(configs: list) -> list:
+    """Each forward (BLOCK_Q, BLOCK_P, warps) with the loop over its L*P / BLOCK_P steps unrolled 1, 2 or 4 times
+    (one step needs no unrolling)."""
+    return [(*c, unroll) for c in configs for unroll in ((1, 2, MAX_UNROLLED_STEPS) if c[1] < L * P else (1,))]
+
+
 def _candidates(D: int) -> dict:
-    if D == 32:  # (16, 1, *) is the previous kernels' measured best: one sample per step, 16 queries
-        return {"forward": [(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)],
-                "fused": [(16, 1, 4), (8, 2, 4), (4, 4, 4), (2, 16, 4)],
+    if D == 32:  # (16, 1, *) is the forward's measured best: one sample per step, 16 queries
+        return {"forward": forward_unrolled([(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)]),
+                "fused": [(4, 4, 4), (2, 16, 4)],
                 "split": [(4, 4, 4), (2, 16, 4)],
                 "gather": [((4, 4, 4), (32, 4)), ((2, 16, 4), (32, 4)), ((2, 16, 4), (64, 8))],
                 "hybrid": [((4, 4, 4), 256), ((4, 4, 4), 64), ((2, 16, 4), 256)]}
     wide, narrow = max(1, 512 // D), max(1, 128 // D)  # keep BLOCK_Q * D about that of the D=32 candidates
-    return {"forward": [(wide, 1, 4), (narrow, 4, 4), (1, 16, 4 if D <= 64 else 8)],
-            "fused": [(wide, 1, 4), (narrow, 4, 4)],
+    return {"forward": forward_unrolled([(wide, 1, 4), (narrow, 4, 4), (1, 16, 4 if D <= 64 else 8)]),
+            "fused": [(narrow, 4, 4)],
             "split": [(narrow, 4, 4)],
             "gather": [((narrow, 4, 4), (max(8, 1024 // D), 4))],
             "hybrid": [((narrow, 4, 4), 256)]}

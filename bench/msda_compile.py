@@ -91,14 +91,14 @@ def measure(args) -> list[dict]:
                 _, _, kwargs = launch._plan(kernel, BATCH, queries, HEADS, args.head_dim, len(LEVELS), POINTS, dtype,
                                             LEVELS, None)
                 seconds, ptx = compile_seconds(fn, kwargs, pointer_types(f"*{name}"), target)
-                config = [kwargs["BLOCK_Q"], kwargs["BLOCK_P"], kwargs["num_warps"]]
+                config = [kwargs["BLOCK_Q"], kwargs["BLOCK_P"], kwargs["num_warps"], kwargs.get("UNROLL", "-")]
                 key = (name, kernel, *config)
                 row = {"dtype": name, "call": call, "kernel": kernel, "scheme": None if kernel == "forward" else scheme,
                        "config": config, "compile_s": seconds, "ptx_chars": ptx,
                        "cached": key in compiled}  # the other call's kernel: a run compiles it once
                 compiled.add(key)
-                print(f"{name} {call:<8} {kernel:<8} BLOCK_Q {row['config'][0]:>2} BLOCK_P {row['config'][1]:>2} "
-                      f"warps {row['config'][2]}: {seconds:.1f} s, PTX {ptx / 1e3:.0f} k chars", flush=True)
+                print(f"{name} {call:<8} {kernel:<8} BLOCK_Q {config[0]:>2} BLOCK_P {config[1]:>2} warps {config[2]} "
+                      f"unroll {config[3]}: {seconds:.1f} s, PTX {ptx / 1e3:.0f} k chars", flush=True)
                 rows.append(row)
             if scheme != "fused":
                 rows.append({"dtype": name, "call": call, "kernel": "backward", "scheme": scheme, "config": None,
@@ -111,7 +111,7 @@ def write_report(out: Path, record: dict) -> None:
              f"{record['date']}, {record['machine']}, triton {record['triton']}: `{record['command']}`", "",
              f"Head dim {record['head_dim']}, {len(LEVELS)} levels, {POINTS} points, {HEADS} heads; one compile each "
              "into an empty cache, in one process, after a small kernel that paid Triton's start.", "",
-             "| dtype | call | kernel | backward scheme | BLOCK_Q, BLOCK_P, warps | compile s | PTX k chars |",
+             "| dtype | call | kernel | backward scheme | BLOCK_Q, BLOCK_P, warps, unroll | compile s | PTX k chars |",
              "|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         if r["compile_s"] is None:

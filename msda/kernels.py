@@ -2,8 +2,10 @@
 
 Query kernels (forward, backward) run on a 2D grid (cdiv(Lq, BLOCK_Q), N*M): one program owns BLOCK_Q
 consecutive queries of one (batch n, head m) pair and walks their L*P samples BLOCK_P at a time, so a step
-works on (BLOCK_Q, BLOCK_P, BLOCK_D) tiles. BLOCK_P = 1 unrolls one sample per step; BLOCK_P = L*P loads
-every location and weight of a query in one contiguous row and gathers all corners at once.
+works on (BLOCK_Q, BLOCK_P, BLOCK_D) tiles. BLOCK_P = 1 takes one sample per step; BLOCK_P = L*P loads
+every location and weight of a query in one contiguous row and gathers all corners at once. The forward walks
+its steps in a loop unrolled UNROLL times, not fully: Triton's compile time grows much faster than the code
+(bench/results/msda_compile.md), and a run with an empty cache waits for it in its first step.
 
 grad_value has two mechanisms, which the backward kernel can mix by level (gather_level). Scatter: every
 corner's contribution is added with fp32 atomics. Gather: the sample is filed under the cell of its top-left
@@ -99,7 +101,7 @@ def _query_block(Lq, M: tl.constexpr, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _load_samples(loc_ptr, weight_ptr, query_row, q_in, step: tl.constexpr,
+def _load_samples(loc_ptr, weight_ptr, query_row, q_in, step,
                   levels01, levels23, levels45, levels67,
                   L: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
     """Samples step*BLOCK_P .. +BLOCK_P of every query: flat index, mask, level, level geometry, x, y, weight.
@@ -158,6 +160,7 @@ def msda_forward_kernel(
     Lq, levels01, levels23, levels45, levels67,
     M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -166,7 +169,7 @@ def msda_forward_kernel(
     batch_row0 = n.to(tl.int64) * S  # first value row of batch n
 
     acc = tl.zeros((BLOCK_Q, BLOCK_P, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P, BLOCK_D)
-    for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
+    for step in tl.range(0, (L * P + BLOCK_P - 1) // BLOCK_P, loop_unroll_factor=UNROLL):
         # ---- load: locations and weights of BLOCK_P samples per query
         sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
             loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)

@@ -34,47 +34,49 @@ _FLAGS = {"fused": (True, True, False), "sample_grads": (True, False, False), "s
 # launch table, measured on an H200 by `python bench/msda.py --out DIR`: it prints this block with the
 # fastest measured entries (msda_sweep.md); paste it over the one below. Keys:
 #   query kernels  (kernel, D, value bytes, L, P, large) -> (BLOCK_Q, BLOCK_P, num_warps)
-#                  kernel: forward | fused | sample_grads | scatter | keys | hybrid
+#                  kernel: fused | sample_grads | scatter | keys | hybrid
+#   forward        ("forward", D, value bytes, L, P, large) -> (BLOCK_Q, BLOCK_P, num_warps, UNROLL)
 #   gather kernel  ("gather", D, value bytes, large)     -> (lanes = BLOCK_S * BLOCK_E, num_warps)
 #   hybrid split   ("hybrid_split", D, value bytes, large) -> entries per value row from which a level is gathered
 #   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather | hybrid (non-deterministic)
-# Anything not in the table falls back to _default_config (a 2026-11-29 sweep of the previous kernels:
-# 16 queries and 4 warps, 2 warps for a 2-byte forward; the atomic scatter fused into one backward kernel).
+# Anything not in the table falls back to _default_config: the forward takes 16 queries and 4 warps (2 for a 2-byte
+# value) and one sample per step, unrolled 4 times; the backward fuses the atomic scatter into one kernel of 4
+# queries and at least L*P/4 samples per step (the H200 sweeps' picks for D=32).
 # ----------------------------------------------------------------------------------------------------
-# Measured on NVIDIA H200, 2026-11-30, torch 2.11.0+cu130, triton 3.6.0:
-# python bench/msda.py --out /root/out
+# Measured on NVIDIA H200, 2026-12-02, torch 2.11.0+cu130, triton 3.6.0:
+# python bench/msda.py --out /root/out --jobs 14 (table picked from the candidates with at most 4 unrolled steps)
 TUNED: dict = {
-    ('forward', 128, 2, 4, 4, False): (4, 1, 4),
-    ('forward', 128, 2, 4, 4, True): (4, 1, 4),
-    ('forward', 128, 4, 4, 4, False): (4, 1, 4),
-    ('forward', 128, 4, 4, 4, True): (4, 1, 4),
-    ('forward', 32, 2, 4, 4, False): (8, 2, 4),
-    ('forward', 32, 2, 4, 4, True): (16, 1, 2),
-    ('forward', 32, 4, 4, 4, False): (8, 2, 4),
-    ('forward', 32, 4, 4, 4, True): (16, 1, 4),
-    ('forward', 64, 2, 4, 4, False): (8, 1, 4),
-    ('forward', 64, 2, 4, 4, True): (8, 1, 4),
-    ('forward', 64, 4, 4, 4, False): (1, 16, 4),
-    ('forward', 64, 4, 4, 4, True): (8, 1, 4),
+    ('forward', 128, 2, 4, 4, False): (1, 4, 4, 1),
+    ('forward', 128, 2, 4, 4, True): (4, 1, 4, 4),
+    ('forward', 128, 4, 4, 4, False): (1, 4, 4, 1),
+    ('forward', 128, 4, 4, 4, True): (4, 1, 4, 4),
+    ('forward', 32, 2, 4, 4, False): (16, 1, 4, 4),
+    ('forward', 32, 2, 4, 4, True): (16, 1, 2, 4),
+    ('forward', 32, 4, 4, 4, False): (8, 2, 4, 2),
+    ('forward', 32, 4, 4, 4, True): (16, 1, 2, 4),
+    ('forward', 64, 2, 4, 4, False): (2, 4, 4, 4),
+    ('forward', 64, 2, 4, 4, True): (8, 1, 4, 4),
+    ('forward', 64, 4, 4, 4, False): (2, 4, 4, 4),
+    ('forward', 64, 4, 4, 4, True): (8, 1, 4, 4),
     ('fused', 128, 2, 4, 4, False): (1, 4, 4),
     ('fused', 128, 2, 4, 4, True): (1, 4, 4),
     ('fused', 128, 4, 4, 4, False): (1, 4, 4),
     ('fused', 128, 4, 4, 4, True): (1, 4, 4),
     ('fused', 32, 2, 4, 4, False): (2, 16, 4),
     ('fused', 32, 2, 4, 4, True): (4, 4, 4),
-    ('fused', 32, 4, 4, 4, False): (2, 16, 4),
+    ('fused', 32, 4, 4, 4, False): (4, 4, 4),
     ('fused', 32, 4, 4, 4, True): (2, 16, 4),
-    ('fused', 64, 2, 4, 4, False): (8, 1, 4),
+    ('fused', 64, 2, 4, 4, False): (2, 4, 4),
     ('fused', 64, 2, 4, 4, True): (2, 4, 4),
-    ('fused', 64, 4, 4, 4, False): (8, 1, 4),
+    ('fused', 64, 4, 4, 4, False): (2, 4, 4),
     ('fused', 64, 4, 4, 4, True): (2, 4, 4),
     ('gather', 128, 2, False): (8, 4),
     ('gather', 128, 2, True): (8, 4),
     ('gather', 128, 4, False): (8, 4),
     ('gather', 128, 4, True): (8, 4),
-    ('gather', 32, 2, False): (64, 8),
+    ('gather', 32, 2, False): (32, 4),
     ('gather', 32, 2, True): (32, 4),
-    ('gather', 32, 4, False): (64, 8),
+    ('gather', 32, 4, False): (32, 4),
     ('gather', 32, 4, True): (32, 4),
     ('gather', 64, 2, False): (16, 4),
     ('gather', 64, 2, True): (16, 4),
@@ -86,7 +88,7 @@ TUNED: dict = {
     ('hybrid', 128, 4, 4, 4, True): (1, 4, 4),
     ('hybrid', 32, 2, 4, 4, False): (4, 4, 4),
     ('hybrid', 32, 2, 4, 4, True): (4, 4, 4),
-    ('hybrid', 32, 4, 4, 4, False): (2, 16, 4),
+    ('hybrid', 32, 4, 4, 4, False): (4, 4, 4),
     ('hybrid', 32, 4, 4, 4, True): (4, 4, 4),
     ('hybrid', 64, 2, 4, 4, False): (2, 4, 4),
     ('hybrid', 64, 2, 4, 4, True): (2, 4, 4),
@@ -108,9 +110,9 @@ TUNED: dict = {
     ('keys', 128, 2, 4, 4, True): (1, 4, 4),
     ('keys', 128, 4, 4, 4, False): (1, 4, 4),
     ('keys', 128, 4, 4, 4, True): (1, 4, 4),
-    ('keys', 32, 2, 4, 4, False): (2, 16, 4),
+    ('keys', 32, 2, 4, 4, False): (4, 4, 4),
     ('keys', 32, 2, 4, 4, True): (2, 16, 4),
-    ('keys', 32, 4, 4, 4, False): (2, 16, 4),
+    ('keys', 32, 4, 4, 4, False): (4, 4, 4),
     ('keys', 32, 4, 4, 4, True): (2, 16, 4),
     ('keys', 64, 2, 4, 4, False): (2, 4, 4),
     ('keys', 64, 2, 4, 4, True): (2, 4, 4),
@@ -150,7 +152,7 @@ TUNED: dict = {
     ('scheme', 32, 4, 4, 4, True): 'fused',
     ('scheme', 64, 2, 4, 4, False): 'hybrid',
     ('scheme', 64, 2, 4, 4, True): 'fused',
-    ('scheme', 64, 4, 4, 4, False): 'hybrid',
+    ('scheme', 64, 4, 4, 4, False): 'fused',
     ('scheme', 64, 4, 4, 4, True): 'fused',
 }
 
@@ -173,16 +175,18 @@ def _default_config(key: tuple):
         if kernel == "hybrid_split":
             return 8
         L, P = key[3], key[4]
-        return 64, _pow2(L * P), 4
+        return (64, _pow2(L * P), 4, 1) if kernel == "forward" else (64, _pow2(L * P), 4)
     if kernel == "scheme":
         return "fused"
     if kernel == "hybrid_split":
         return 256
     if kernel == "gather":
         return max(8, 1024 // _pow2(D)), 4
-    block_q = 16 if D <= 32 else 8 if D <= 64 else 4
-    warps = 2 if kernel == "forward" and nbytes == 2 else 4
-    return block_q, 1, warps
+    if kernel == "forward":
+        return 16 if D <= 32 else 8 if D <= 64 else 4, 1, 2 if nbytes == 2 else 4, 4
+    # The backward unrolls all its steps: four at most (as bench/msda.py's candidates), so that it compiles quickly.
+    L, P = key[3], key[4]
+    return 4 if D <= 32 else 2 if D <= 64 else 1, _pow2(_cdiv(L * P, 4)), 4
 
 
 @functools.lru_cache(maxsize=1024)
@@ -236,10 +240,14 @@ def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: t
     if N * M > 65535:
         raise ValueError(f"the Triton kernels put N*M on the grid's second axis (at most 65535), got N={N}, M={M}")
     nbytes = dtype.itemsize
-    block_q, block_p, warps = config or launch_config((kernel, D, nbytes, L, P, N * Lq * M >= LARGE))
+    config = config or launch_config((kernel, D, nbytes, L, P, N * Lq * M >= LARGE))
+    block_q, block_p, warps = config[:3]
     kwargs = dict(M=M, D=D, L=L, P=P, BLOCK_D=_pow2(D), COMPUTE_DTYPE=tl.float64 if dtype == torch.float64
                   else tl.float32, BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps)
     if kernel == "forward":
+        if len(config) != 4:
+            raise ValueError(f"a forward config is (BLOCK_Q, BLOCK_P, num_warps, UNROLL), got {config}")
+        kwargs["UNROLL"] = config[3]
         return (_cdiv(Lq, block_q), N * M), (Lq, *pack_levels(levels)), kwargs
     kwargs.update(zip(("SAMPLE_GRADS", "SCATTER", "KEYS"), _FLAGS[kernel]))
     return (_cdiv(Lq, block_q), N * M), (Lq, gather_level, *pack_levels(levels)), kwargs
@@ -249,7 +257,7 @@ def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: t
 # forward
 # ----------------------------------------------------------------------------------------------------
 def forward(value, levels, sampling_locations, attention_weights, *, config: tuple | None = None) -> torch.Tensor:
-    """Returns (N, Lq, M*D) in value's dtype. config = (BLOCK_Q, BLOCK_P, num_warps) overrides the table."""
+    """Returns (N, Lq, M*D) in value's dtype. config = (BLOCK_Q, BLOCK_P, num_warps, UNROLL) overrides the table."""
     N, S, M, D = value.shape
     shape = sampling_locations.shape  # (N, Lq, M, L, P, 2)
     output = torch.empty((N, shape[1], M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)

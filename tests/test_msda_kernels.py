@@ -124,21 +124,31 @@ def test_clustered_samples(gen, device, kwargs):
 # ------------------------------------------------------------------------------------------------
 # launch configurations: block shapes that cut the samples unevenly, one query per program, tiles
 # ------------------------------------------------------------------------------------------------
-QUERY_CONFIGS = [(4, 1, 1), (2, 2, 2), (16, 4, 4), (2, 16, 4)]
+# (BLOCK_Q, BLOCK_P, warps, the forward's UNROLL)
+QUERY_CONFIGS = [(4, 1, 1, 3), (2, 2, 2, 2), (16, 4, 4, 2), (2, 16, 4, 1)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("config", QUERY_CONFIGS, ids=[f"{q}q-{p}p-{w}w" for q, p, w in QUERY_CONFIGS])
+@pytest.mark.parametrize("config", QUERY_CONFIGS, ids=[f"{q}q-{p}p-{w}w-{u}u" for q, p, w, u in QUERY_CONFIGS])
 def test_query_block_shapes(gen, device, config):
-    """L*P = 9 samples: BLOCK_P 2, 4, 16 leave a partial last step; 5 queries leave a partial block."""
+    """L*P = 9 samples: BLOCK_P 2, 4, 16 leave a partial last step; 5 queries leave a partial block; the
+    forward's 5 and 3 steps unrolled twice leave a step after the unrolled ones (compiled on a GPU only: the
+    interpreter runs the loop as written)."""
     inputs = make_inputs(gen, M=1, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2,
                          device=device)
     expected = reference(*inputs)
-    configs = {name: config for name in ("fused", "sample_grads", "scatter", "keys", "hybrid")}
+    configs = {name: config[:3] for name in ("fused", "sample_grads", "scatter", "keys", "hybrid")}
     # fused, split (sample_grads + scatter), the bucket gather (keys) and hybrid: every query-kernel variant.
     for scheme in ("fused", "split", "gather", "hybrid"):
         results = triton_results(*inputs, forward_config=config, configs=configs, scheme=scheme)
         assert_close(results, expected, 1e-10, inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_config_without_unroll_raises(gen, device):
+    levels, value, loc, weights, _ = make_inputs(gen, device=device)
+    with pytest.raises(ValueError, match=r"a forward config is \(BLOCK_Q, BLOCK_P, num_warps, UNROLL\), got \(2, 16, 4\)"):
+        launch.forward(value, levels, loc, weights, config=(2, 16, 4))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -296,6 +306,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 COCO_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 # Configurations that compile in about a second (one-sample-per-step kernels take tens): GPU time is scarce.
 QUICK = {name: (2, 16, 4) for name in ("fused", "keys", "sample_grads", "scatter", "hybrid")}
+QUICK_FORWARD = (2, 16, 4, 1)
 
 
 @CUDA
@@ -332,13 +343,13 @@ def test_new_image_size_neither_syncs_nor_recompiles(gen):
     """The level layout and Lq are unspecialized kernel arguments: a new layout reuses the compiled kernels."""
     first = make_inputs(gen, levels=((6, 4), (3, 2)), Lq=5, dtype=torch.float32, device="cuda")
     second = make_inputs(gen, levels=((17, 33), (9, 16)), Lq=32, dtype=torch.float32, device="cuda")
-    triton_results(*first, forward_config=QUICK["fused"], scheme="fused", configs=QUICK)
+    triton_results(*first, forward_config=QUICK_FORWARD, scheme="fused", configs=QUICK)
     torch.cuda.synchronize()
     kernels = (launch.msda_forward_kernel, launch.msda_backward_kernel)
     before = [compiled_variants(k) for k in kernels]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        results = triton_results(*second, forward_config=QUICK["fused"], scheme="fused", configs=QUICK)
+        results = triton_results(*second, forward_config=QUICK_FORWARD, scheme="fused", configs=QUICK)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [compiled_variants(k) for k in kernels] == before
