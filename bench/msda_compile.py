@@ -91,7 +91,7 @@ def measure(args) -> list[dict]:
                 _, _, kwargs = launch._plan(kernel, BATCH, queries, HEADS, args.head_dim, len(LEVELS), POINTS, dtype,
                                             LEVELS, None)
                 seconds, ptx = compile_seconds(fn, kwargs, pointer_types(f"*{name}"), target)
-                config = [kwargs["BLOCK_Q"], kwargs["BLOCK_P"], kwargs["num_warps"], kwargs.get("UNROLL", "-")]
+                config = [kwargs["BLOCK_Q"], kwargs["BLOCK_P"], kwargs["num_warps"], kwargs.get("UNROLL", "all")]
                 key = (name, kernel, *config)
                 row = {"dtype": name, "call": call, "kernel": kernel, "scheme": None if kernel == "forward" else scheme,
                        "config": config, "compile_s": seconds, "ptx_chars": ptx,
