@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -149,11 +148,13 @@ def main() -> None:
     rows = measure(args)
     import triton
 
+    from datasets.json_file import write_json
+
     record = {"date": datetime.date.today().isoformat(), "arch": args.arch, "head_dim": args.head_dim,
               "machine": f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPU cores",
               "triton": triton.__version__, "command": "python " + " ".join(sys.argv), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "msda_compile.json").write_text(json.dumps(record, indent=1))
+    write_json(args.out / "msda_compile.json", record, indent=1)
     write_report(args.out, record)
 
 

@@ -231,6 +231,8 @@ def main() -> None:
     t0 = time.perf_counter()
     import torch
 
+    from datasets.json_file import write_json
+
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     saved = args.out / "ttr_h200.json"
@@ -264,7 +266,7 @@ def main() -> None:
             continue
         done[name] = row
         record["rows"].append({**row, "run": int(run)})
-        saved.write_text(json.dumps(record, indent=1))
+        write_json(saved, record, indent=1)  # whole: the file holds every earlier run's rows too
         write_report(args.out, record)
         print(f"ttr {name}: total {row['total_s']:.1f} s (first step {row['first_step_s']:.1f}, compile "
               f"{row['compile_s']:.1f}, train {row['train_s']:.1f}, eval {row['eval_s']:.1f}), steady step "
