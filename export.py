@@ -65,6 +65,10 @@ def export(cfg: DictConfig) -> dict:
     cfg = check_config(cfg, ExportConfig)
     device = resolve_device(cfg.device)
     node = attention_node(cfg, device)
+    if cfg.format == ExportFormat.aoti:
+        from engine.export_aoti import check_cxx_compiler
+
+        check_cxx_compiler()  # before the checkpoint is loaded and the model traced, which take a while
     path = output_path(cfg).expanduser().resolve()
     trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, msda=MSDA_IMPLS[node])
     dtype = DTYPES[str(cfg.dtype)]

@@ -22,6 +22,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   [ -d /tmp/site/hydra ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# A CXX without a shared libstdc++ (the H200 machine's /opt/gcc/bin/g++) builds AOTInductor packages that crash
+# when loaded, and export.py refuses it (engine/export_aoti.py): the g++ on PATH has the shared library.
+if [ -n "${CXX:-}" ] && [[ "$("$CXX" -print-file-name=libstdc++.so 2>/dev/null)" != */* ]]; then
+  echo "CXX=$CXX has no shared libstdc++: using g++ ($(command -v g++))"
+  export CXX=g++
+fi
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv > "$OUT/gpus.csv" 2>&1
 
 run_step() {  # name gpu

@@ -23,39 +23,78 @@ The deformable attention in the package:
 
 ``quick_compile`` (tests, ``bench/export_latency.py --quick``): the C++ wrapper is compiled without
 optimization; the package's host code runs slower.
+
+The C++ compiler (Inductor's: $CXX, else g++) must link libstdc++ as a shared library. One without libstdc++.so
+(a toolchain built for static linking) puts a private copy of it into the package, and the process that loads
+the package then crashes in ``aoti_load_package`` (a segmentation fault inside the package's copy; seen with
+torch 2.11, CPU and CUDA packages alike). ``check_cxx_compiler`` refuses such a compiler before the compilation.
 """
 
 from __future__ import annotations
 
-import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-
-# Inductor settings of quick_compile (the module docstring). Kernels stay vectorized: a package built without
-# (cpp.simdlen=0) records no CPU instruction set, and torch 2.11 crashed loading it on an AVX-512 host.
+# Inductor settings of quick_compile (the module docstring): only the wrapper's optimization is lowered; the
+# kernels are built as a real export builds them.
 QUICK_COMPILE = {"aot_inductor.compile_wrapper_opt_level": "O0"}
-# Releases before this one crashed (a segmentation fault) loading the packages this project writes: torch 2.11 on an
-# H200 machine, in aoti_load_package's native loader, CPU and CUDA packages alike, also in a fresh process. Torch
-# 2.14 loads them (CI); 2.12 and 2.13 were not tried.
-LOADER_CRASHED_BELOW = (2, 12)
 
 
-def torch_release() -> tuple[int, int]:
-    """(major, minor) of the torch in use."""
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+class AotiCompilerError(ValueError):
+    """The C++ compiler would build a package that crashes when it is loaded (the module docstring)."""
+
+
+def inductor_cxx() -> str:
+    """The C++ compiler Inductor compiles packages with: $CXX, else g++ (as found on PATH)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # private: present in the torch releases we run
+
+        return get_cpp_compiler()
+    except Exception:  # not there, or no compiler found (Inductor says so itself when it compiles)
+        return os.environ.get("CXX", "g++")
+
+
+def has_shared_libstdcxx(compiler: str) -> bool | None:
+    """Whether ``compiler`` finds a libstdc++.so to link (it prints the library's path; one that has none prints
+    the bare name back); None when it cannot be asked."""
+    try:
+        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if found.returncode != 0:
+        return None
+    return os.sep in found.stdout.strip()
+
+
+def check_cxx_compiler(compiler: str | None = None) -> None:
+    """Raise AotiCompilerError when ``compiler`` (default: Inductor's) would link libstdc++ statically. Only on
+    Linux, where packages link libstdc++; a compiler that is missing or cannot be asked is left to Inductor's
+    own error."""
+    if not sys.platform.startswith("linux"):
+        return
+    compiler = compiler or inductor_cxx()
+    if has_shared_libstdcxx(compiler) is not False:
+        return
+    fallback = shutil.which("g++")
+    suggestion = (f"CXX={fallback}" if fallback and has_shared_libstdcxx(fallback)
+                  else "CXX= a compiler whose -print-file-name=libstdc++.so gives a path")
+    raise AotiCompilerError(
+        f"format=aoti: the C++ compiler {compiler} has no shared libstdc++ (`{compiler} -print-file-name=libstdc++.so`"
+        f" finds no file), so it would link a static copy into the package, and torch crashes (a segmentation "
+        f"fault) loading such a package. Run the export with {suggestion} (Inductor compiles with $CXX, else g++)")
 
 
 def write_aoti(program: torch.export.ExportedProgram, path: Path, *, quick: bool = False) -> Path:
     """``program`` compiled and packaged at ``path`` (a .pt2 file)."""
     import torch._inductor
 
-    if torch_release() < LOADER_CRASHED_BELOW:
-        log.warning("format=aoti on torch %s: loading the packages this project writes crashed on torch 2.11 (a "
-                    "segmentation fault in torch's package loader, also in a fresh process); torch 2.14 loads them. "
-                    "The package is written first, then loaded for the parity check.", torch.__version__)
+    check_cxx_compiler()
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         path.unlink()  # an earlier export's package: replaced whole
