@@ -51,7 +51,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from datasets.json_file import write_json  # noqa: E402
 from engine.compile import CompilePlan, compile_model  # noqa: E402
 from engine.config import register_configs  # noqa: E402
-from engine.export_aoti import QUICK_COMPILE, AotiRunner, write_aoti  # noqa: E402
+from engine.export_aoti import QUICK_COMPILE, AotiRunner, inductor_cxx, write_aoti  # noqa: E402
 from engine.export_samples import random_batch  # noqa: E402
 from engine.exportable import ExportableDetector, SampleShape, trace  # noqa: E402
 from engine.trained_model import load_trained_model  # noqa: E402
@@ -285,7 +285,8 @@ def header(args, device: torch.device) -> dict:
 
     return {"date": datetime.date.today().isoformat(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-            "torch": torch.__version__, "triton": triton.__version__, "command": "python " + " ".join(sys.argv),
+            "torch": torch.__version__, "triton": triton.__version__, "cxx": inductor_cxx(),
+            "command": "python " + " ".join(sys.argv),
             "model": "the tests' tiny model (ResNet-18, --quick)" if args.quick else "Deformable DETR, ResNet-50",
             "weights": str(args.checkpoint) if args.checkpoint else "random", "dtype": args.dtype,
             "image_size": list(args.size), "padded_size": [padded(s) for s in args.size],
@@ -296,7 +297,8 @@ def write_report(record: dict, out: Path, name: str) -> None:
     write_json(out / f"{name}.json", record, indent=2)  # whole: the report is rewritten after each batch
     h, w = record["image_size"]
     lines = [f"# Exported detector latency on {record['gpu']}", "",
-             f"{record['date']}, torch {record['torch']}, triton {record['triton']}: `{record['command']}`", "",
+             f"{record['date']}, torch {record['torch']}, triton {record['triton']}, C++ compiler "
+             f"{record.get('cxx', 'not recorded')}: `{record['command']}`", "",
              f"{record['model']} ({record['parameters_m']:.1f} M parameters, {record['weights']} weights), "
              f"{record['dtype']}, {h} x {w} images padded to "
              f"{' x '.join(map(str, record['padded_size']))}; median of {record['repeats']} calls after "
@@ -337,8 +339,8 @@ def write_report(record: dict, out: Path, name: str) -> None:
     if missing:
         lines.append(f"- Not measured, the run ended first: batch {', '.join(map(str, missing))}.")
     if record["quick"]:
-        lines.append("- --quick: a check that the script runs. Both compiled ways were built without vectorized CPU "
-                     "kernels (quick_compile, engine/export_aoti.py), so these figures say nothing about speed.")
+        lines.append("- --quick: a check that the script runs (a tiny model on the CPU, the package's wrapper built "
+                     "unoptimized: quick_compile, engine/export_aoti.py); these figures say nothing about speed.")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
