@@ -5,179 +5,28 @@
     python export.py checkpoint=PATH msda_node=tensorrt dtype=fp16 device=cuda     # ONNX for TensorRT's plugin
     python export.py checkpoint=PATH postprocess=true                              # with the top-k detections
 
-Writes the file beside the checkpoint (configs/export.yaml, ``output``) and export.log beside it. The graph's
-inputs and outputs: engine/exportable.py. Every export ends with a parity check: the exported model (run by
-onnxruntime, or the loaded package) and the PyTorch model on the same sample batch (validation images of the
-checkpoint's run when they are found, else noise), at the sample's shape and, for a dynamic graph, at a second
-one; beyond the tolerance (engine/export_parity.py) the command fails with exit code 1, keeping the file.
-``export(cfg)`` takes a composed config and is what the tests call.
+Writes the file beside the checkpoint (configs/export.yaml, ``output``) and export.log beside it, then checks it
+against the PyTorch model (engine/export/run.py). ``export(cfg)`` takes a composed config and is what the tests
+call.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from engine.checkpoint import read_recorded_config
-from engine.config import check_config, register_configs
-from engine.console import keep_file_only_off_console, run_reporting_faults
-from engine.distributed import resolve_device
-from engine.export_config import SIDE_MULTIPLE, ExportConfig, ExportFormat, MsdaNode, output_path
-from engine.export_parity import ParityReport, check_parity, tolerance_for
-from engine.export_samples import recorded_validation_folder, sample_batch
-from engine.exportable import ExportableDetector, SampleShape, smallest_multiple, trace
-from engine.trained_model import load_trained_model
-from models.postprocess import PostProcess
+from engine.config.registry import register_configs
+from engine.export.run import export
+from engine.reporting.log_filter import keep_file_only_off_console
+from engine.runtime.console import run_reporting_faults
 
 log = logging.getLogger("export")
 register_configs()
 
-
-def export_directory(output: str | None, checkpoint: str) -> str:
-    """configs/export.yaml's hydra.run.dir, where export.log goes: the exported file's folder (the checkpoint's by
-    default), or, when the checkpoint's folder does not exist (the command will say so), the temporary folder,
-    so that a mistyped path leaves no folder behind."""
-    folder = Path(output or checkpoint).expanduser().resolve().parent
-    if output or folder.is_dir():
-        return str(folder)
-    return str(Path(tempfile.gettempdir()) / "deformable_detr_export")
-
-
-if not OmegaConf.has_resolver("export_dir"):
-    OmegaConf.register_new_resolver("export_dir", export_directory)
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# model.msda to build the model with, per msda_node: the reference traces as grid_sample ops; triton as one
-# msda::attention op per layer (which the TensorRT node replaces).
-MSDA_IMPLS = {MsdaNode.reference: "pytorch", MsdaNode.triton: "triton", MsdaNode.tensorrt: "triton"}
-
-
-def export(cfg: DictConfig) -> dict:
-    """Export ``cfg.checkpoint`` as ``cfg`` says; returns {"output", "format", "msda_node", "sample" (where the
-    sample images came from), "parity" (ParityReports; empty for msda_node=tensorrt), "seconds" (trace, write)}."""
-    cfg = check_config(cfg, ExportConfig)
-    device = resolve_device(cfg.device)
-    node = attention_node(cfg, device)
-    if cfg.format == ExportFormat.aoti:
-        from engine.export_aoti import check_cxx_compiler
-
-        check_cxx_compiler()  # before the checkpoint is loaded and the model traced, which take a while
-    path = output_path(cfg).expanduser().resolve()
-    trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, msda=MSDA_IMPLS[node])
-    dtype = DTYPES[str(cfg.dtype)]
-    detector = ExportableDetector(trained.model.to(dtype),
-                                  PostProcess(num_select=cfg.max_detections) if cfg.postprocess else None)
-    height, width = cfg.image_size or evaluation_size(trained.val_size, trained.max_size)
-    shape = SampleShape(batch=cfg.batch_size, height=height, width=width)
-    folder = recorded_validation_folder(read_recorded_config(cfg.checkpoint))
-    sample = sample_batch(shape, folder=folder)
-    inputs = sample.inputs(postprocess=cfg.postprocess, dtype=dtype, device=device)
-    log.info("exporting %s (step %d, %d classes) to %s: %s, %s on %s, attention %s, sample %d x %d x %d (%s), %s",
-             trained.checkpoint, trained.step, trained.model_config["num_classes"], path, cfg.format, cfg.dtype,
-             device, node, shape.batch, shape.height, shape.width, "dynamic batch and sides" if cfg.dynamic
-             else "static", sample.source)
-
-    started = time.perf_counter()
-    program = trace(detector, inputs, dynamic=cfg.dynamic)
-    traced = time.perf_counter() - started
-    runner = write_and_load(cfg, program, detector, path=path, node=node, device=device, trained=trained)
-    written = time.perf_counter() - started - traced
-    log.info("wrote %s (%.1f MB): traced in %.1f s, %s in %.1f s", path, path.stat().st_size / 2**20, traced,
-             "translated" if cfg.format == ExportFormat.onnx else "compiled", written)
-
-    if runner is None:
-        log.warning("msda_node=tensorrt: %s holds TensorRT's MultiscaleDeformableAttnPlugin_TRT nodes, which no "
-                    "runtime here implements: the file was NOT run and NOT checked against the PyTorch model (only "
-                    "its graph was written). Build it with TensorRT (trtexec --onnx=%s) and compare its outputs with "
-                    "a msda_node=reference export on the same images", path, path)
-        reports = []
-    else:
-        reports = check_export(cfg, runner, detector, shape=shape, sample=sample, folder=folder, path=path,
-                               dtype=dtype, device=device)
-    return {"output": path, "format": str(cfg.format), "msda_node": str(node), "sample": sample.source,
-            "parity": reports, "seconds": {"trace": traced, "write": written}}
-
-
-def check_export(cfg: DictConfig, runner, detector: ExportableDetector, *, shape: SampleShape, sample, folder,
-                 path: Path, dtype: torch.dtype, device: torch.device) -> list[ParityReport]:
-    """The parity checks of the written file (module docstring): a ParityReport per shape, logged; raises
-    ExportParityError at the first shape whose differences exceed the tolerance."""
-    tolerance = tolerance_for(str(cfg.dtype), logits=cfg.tolerance.logits, boxes=cfg.tolerance.boxes)
-    reports = []
-    for check_shape in parity_shapes(shape, detector, dynamic=cfg.dynamic):
-        batch = sample if check_shape == shape else sample_batch(check_shape, folder=folder)
-        inputs = batch.inputs(postprocess=cfg.postprocess, dtype=dtype, device=device)
-        report = check_parity(runner, detector, inputs, tolerance=tolerance,
-                              what=f"{path} at {_describe(check_shape)}")
-        log.info("parity at %s: %s", _describe(check_shape), report.describe())
-        reports.append(report)
-    return reports
-
-
-def attention_node(cfg: DictConfig, device: torch.device) -> MsdaNode:
-    """``cfg.msda_node``, or the format's default on ``device`` (configs/export.yaml)."""
-    node = cfg.msda_node
-    if node is None:
-        node = MsdaNode.triton if cfg.format == ExportFormat.aoti and device.type == "cuda" else MsdaNode.reference
-    node = MsdaNode(str(node))
-    if node == MsdaNode.triton and device.type != "cuda":
-        raise ValueError(f"msda_node=triton puts the Triton kernels' op in the package, which runs on CUDA, but the "
-                         f"export is on {device}: set device=cuda, or msda_node=reference for a CPU package")
-    return node
-
-
-def evaluation_size(val_size: int, max_size: int) -> tuple[int, int]:
-    """The sample's (height, width) by default: the checkpoint's evaluation short and long sides, each rounded up
-    to a multiple of 32 (the largest image its evaluation batches held, landscape)."""
-    def up(side: int) -> int:
-        return -(-side // SIDE_MULTIPLE) * SIDE_MULTIPLE
-
-    return up(val_size), up(max_size)
-
-
-def write_and_load(cfg: DictConfig, program, detector: ExportableDetector, *, path: Path, node: MsdaNode,
-                   device: torch.device, trained):
-    """Write ``program`` in ``cfg.format`` to ``path``; return what runs it (None for the TensorRT node)."""
-    if cfg.format == ExportFormat.aoti:
-        from engine.export_aoti import AotiRunner, write_aoti
-
-        write_aoti(program, path, quick=cfg.quick_compile)
-        return AotiRunner(path)
-    from engine.export_onnx import OnnxRunner, write_onnx
-
-    metadata = {"deformable_detr.checkpoint": str(trained.checkpoint), "deformable_detr.step": str(trained.step),
-                "deformable_detr.dtype": str(cfg.dtype), "deformable_detr.msda_node": str(node),
-                "deformable_detr.inputs": ", ".join(detector.input_names),
-                "deformable_detr.outputs": ", ".join(detector.output_names),
-                "deformable_detr.categories": str(trained.categories)}
-    if node == MsdaNode.tensorrt:
-        metadata["deformable_detr.parity"] = ("not checked: the attention is TensorRT's plugin node, which no "
-                                              "runtime at export time implemented")
-    write_onnx(program, path, input_names=detector.input_names, output_names=detector.output_names,
-               opset=cfg.opset, tensorrt=node == MsdaNode.tensorrt, metadata=metadata)
-    return None if node == MsdaNode.tensorrt else OnnxRunner(path, device=device)
-
-
-def parity_shapes(shape: SampleShape, detector: ExportableDetector, *, dynamic: bool) -> list[SampleShape]:
-    """The sample's shape, and for a dynamic graph a second one (another batch, a taller and narrower image), so
-    that a size the export fixed by mistake shows."""
-    if not dynamic:
-        return [shape]
-    least = SIDE_MULTIPLE * smallest_multiple(detector.model)
-    other = SampleShape(batch=max(1, shape.batch - 1), height=shape.height + SIDE_MULTIPLE,
-                        width=max(least, shape.width - SIDE_MULTIPLE))
-    return [shape, other]
-
-
-def _describe(shape: SampleShape) -> str:
-    return f"batch {shape.batch}, {shape.height} x {shape.width}"
+__all__ = ["export"]
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")

@@ -4,9 +4,9 @@
     python bench/ddp.py --parts scaling --gpus 1 2 --steps 30
 
 scaling  torchrun with 1 and N processes (one GPU each, the same batch per GPU), eager and compiled: the
-         trainer's TrainStep on random 800x1333 batches of the default model (bf16, msda=triton), its
+         trainer's OptimizerStep on random 800x1333 batches of the default model (bf16, msda=triton), its
          gradients averaged as train.py's gradient_sync setting does it (--gradient-sync): during backward
-         by DistributedDataParallel, or after it by engine.distributed.GradientAllReduce. images/s =
+         by DistributedDataParallel, or after it by engine.runtime.distributed.GradientAllReduce. images/s =
          processes x batch / median step; efficiency = images/s over N x the 1-GPU figure.
 ap       The synthetic set's default schedule, shortened (--epochs), through `python train.py` on 1 GPU
          (seeds 0 and 1: the seed-to-seed spread) and `torchrun --nproc_per_node=N train.py` (seed 0).
@@ -33,10 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e import BENCH_MODES, compile_overrides  # noqa: E402
-from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
 from bench.e2e_report import annotation_caveat, back_to_back_how, mode_label, ms_cell  # noqa: E402
-from engine.compile import DEFAULT_REGIONS, INDUCTOR_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
-from engine.distributed import GRADIENT_SYNCS  # noqa: E402
+from bench.e2e_steptime import COCO_TRAIN_IMAGES  # noqa: E402
+from engine.config.choices import (  # noqa: E402
+    DEFAULT_REGIONS,
+    GRADIENT_SYNCS,  # noqa: E402
+    INDUCTOR_MODES,
+    REGION_CHOICES,
+    TRAIN_BACKBONE_CHOICES,
+)
 
 # NVLink multicast stays off on shared machines (it can take the host's GPUs down): children inherit this.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -63,10 +68,18 @@ def scaling_worker(args) -> None:
     from torch._dynamo.utils import counters as dynamo_counters
 
     from bench.e2e import compose_config
-    from bench.e2e_steptime import (ATTENTION_KERNELS, back_to_back_blocks_ms, back_to_back_keys, count_syncs,
-                                    host_conditions, profile_steps, python_profile, random_batch)
-    from engine.build import build_training
-    from engine.distributed import init_distributed, shutdown_distributed
+    from bench.e2e_steptime import (
+        ATTENTION_KERNELS,
+        back_to_back_blocks_ms,
+        back_to_back_keys,
+        count_syncs,
+        host_conditions,
+        profile_steps,
+        python_profile,
+        random_batch,
+    )
+    from engine.runtime.distributed import init_distributed, shutdown_distributed
+    from engine.train.build import build_training
 
     ctx = init_distributed(device="cuda", timeout_s=600)
     try:
@@ -304,7 +317,7 @@ def main():
     parser.add_argument("--compile-regions", default=DEFAULT_REGIONS, choices=list(REGION_CHOICES),
                         help="scaling: compile.regions of the compiled modes")
     parser.add_argument("--gradient-sync", nargs="+", default=["allreduce"], choices=list(GRADIENT_SYNCS),
-                        help="scaling on several GPUs: allreduce (engine.distributed.GradientAllReduce after "
+                        help="scaling on several GPUs: allreduce (engine.runtime.distributed.GradientAllReduce after "
                         "backward, train.py's default) or ddp (DistributedDataParallel's hooks during backward); "
                         "both: each is run")
     parser.add_argument("--ddp-graph-cuts", nargs="+", default=["off"], choices=["off", "dynamo"],

@@ -3,8 +3,8 @@
     python bench/e2e.py --out bench/results                           # on a GPU: everything below
     python bench/e2e.py --parts steptime --compile-modes eager reduce-overhead   # only the step-time table
 
-steptime  The trainer's own step (engine.step.TrainStep: forward, matching + losses, backward, clipping,
-          fused AdamW) of the default Deformable DETR, built as train.py builds it (engine.build), for each
+steptime  The trainer's own step (engine.train.step.OptimizerStep: forward, matching + losses, backward, clipping,
+          fused AdamW) of the default Deformable DETR, built as train.py builds it (engine.train.build), for each
           compile.mode given (eager, default, reduce-overhead), triton and pytorch, in the
           same process (--isolate: one process each; --repeats N: N times, in alternating order): on random
           800x1333 batches (median step, GPU kernel time, launches and host syncs per
@@ -41,12 +41,10 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bench.e2e_report import (  # noqa: E402
-    bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report)
-from engine.compile import (COMPILE_MODES, DEFAULT_REGIONS, INDUCTOR_MODES, REGION_CHOICES,  # noqa: E402
-                            TRAIN_BACKBONE_CHOICES)
-from engine.config import register_configs  # noqa: E402
-from engine.precision import Precision  # noqa: E402
+from bench.e2e_report import bench_row_for_trainpy, combine_repeats, mode_label, plot, trainpy_runs, write_report  # noqa: E402
+from engine.config.choices import COMPILE_MODES, DEFAULT_REGIONS, INDUCTOR_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
+from engine.config.registry import register_configs  # noqa: E402
+from engine.runtime.precision import Precision  # noqa: E402
 from models import build_model  # noqa: E402
 
 # compile.mode values a bench measures: eager, or a compiled mode of engine.compile.
@@ -216,7 +214,8 @@ def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def compare_implementations(args, checkpoint: Path, device) -> dict:
     """One checkpoint through both implementations: AP each, and how many detections agree per image."""
     from datasets import CocoEvaluator, build_data_loader, build_dataset
-    from engine.checkpoint import load_checkpoint, load_model_weights
+    from engine.checkpoint.contents import load_model_weights
+    from engine.checkpoint.io import load_checkpoint
 
     cfg = compose_config([f"dataset.root={args.data_root}", f"device={args.device}",
                           f"dataset.num_train={args.num_train}", f"dataset.num_val={args.num_val}"])
@@ -312,7 +311,7 @@ def main():
                         help="steptime: compile.backbone of the compiled modes; "
                              "several: each is measured")
     parser.add_argument("--compile-regions", nargs="+", default=[DEFAULT_REGIONS], choices=list(REGION_CHOICES),
-                        help="steptime: what one compiled graph spans (engine.compile.REGION_CHOICES); several: "
+                        help="steptime: what one compiled graph spans (engine.config.choices.REGION_CHOICES); several: "
                              "each is measured")
     parser.add_argument("--profile-fixed", type=int, default=0, metavar="STEPS",
                         help="steptime: after the fixed-size steps, profile this many more with cProfile (Python)")

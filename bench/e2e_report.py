@@ -66,7 +66,7 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
     lines = [f"### {title}" if title else f"## Training step, default model, batch {batches}", "",
              f"{header['date']}, {header['gpu']}, torch {header['torch']}, triton {header['triton']}: "
              f"`{header['command']}`.{' ' + header['note'] if header.get('note') else ''} The trainer's own step "
-             "(engine.step.TrainStep: forward, matching and losses, backward, clipping, fused AdamW). Fixed: random "
+             "(engine.train.step.OptimizerStep: forward, matching and losses, backward, clipping, fused AdamW). Fixed: random "
              "800x1333 batches, median of the timed steps after warm-up, each timed to the end of its GPU work; "
              "back to back: the same number of steps with no sync between them, as train.py runs them, wall time "
              f"per step, {back_to_back_how(rows)}. COCO sizes: batches of the COCO recipe's image sizes (short side "
@@ -111,7 +111,7 @@ def steptime_lines(rows: list[dict], header: dict, title: str | None = None) -> 
     idle_rows = [r for r in rows if r.get("gpu_idle_by_phase_ms")]
     if idle_rows:
         lines += ["", "GPU idle per step, charged to what the host was doing meanwhile (torch.profiler; the phases "
-                  "of engine.step, with the matching's host wait and Hungarian solve as step.matching):", ""]
+                  "of engine.train.step, with the matching's host wait and Hungarian solve as step.matching):", ""]
         for r in idle_rows:
             phases = ", ".join(f"{name.removeprefix('step.')} {ms:.1f}"
                                for name, ms in r["gpu_idle_by_phase_ms"].items())

@@ -1,7 +1,7 @@
-"""Training-step timing for bench/e2e.py: engine.step.TrainStep on the default model, eager or compiled.
+"""Training-step timing for bench/e2e.py: engine.train.step.OptimizerStep on the default model, eager or compiled.
 
 For each configuration (a composed config: model.msda, amp, compile.*, batch_size) the step train.py runs,
-built by the same engine.build.build_training, is timed on random batches of a fixed size (800x1333), then on
+built by the same engine.train.build.build_training, is timed on random batches of a fixed size (800x1333), then on
 batches drawn from the COCO recipe's sizes (short side 480-800 in steps of 32, long side up to 1333, padded to
 the batch's largest image). Per row:
     step_ms         median wall time of a step (synchronized after each)
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from datasets import padded_size
-from engine.build import build_training
-from engine.distributed import init_distributed
+from engine.runtime.distributed import init_distributed
+from engine.train.build import build_training
 
 ATTENTION_KERNELS = {"triton": ("msda_",), "pytorch": ("grid_sampler",)}
 COCO_SHORT_SIDES = tuple(range(480, 801, 32))
@@ -77,7 +77,7 @@ def _device_us(event) -> float:
     return 0.0
 
 
-# The training step's phases as engine.step and models.criterion name them for the profiler.
+# The training step's phases as engine.train.step and models.criterion name them for the profiler.
 STEP_PHASES = "step."
 
 

@@ -8,7 +8,7 @@ The job: --num-val synthetic images (datasets.ensure_synthetic_dataset, long sid
 `dataset=custom` reads them (short side resized to --val-size, 800, long side up to 5/3 of it: 1333; size
 buckets), through the
 default model with random weights (model.pretrained=none, 91 classes as COCO's head), batch --batch-size, with
-engine.evaluation.evaluate_coco as train.py evaluates: inference_s and its own COCOeval (auto: faster-coco-eval
+engine.evaluation.coco.evaluate_coco as train.py evaluates: inference_s and its own COCOeval (auto: faster-coco-eval
 when installed). Then COCOeval alone, each backend on the same detections (datasets.cocoeval_backend): those of
 the model, and, because a random detector's boxes rarely meet the ground truth and so leave COCOeval little
 matching to do, 100 detections per image made from the ground truth with noise, as a trained detector gives
@@ -16,7 +16,7 @@ matching to do, 100 detections per image made from the ground truth with noise, 
 figure is loadRes + evaluate + accumulate + summarize; total = inference + COCOeval.
 
 Inference runs eagerly by default (--compile-mode eager); with --compile-mode auto as train.py runs it on a GPU
-(the eager model's CUDA graphs, engine/cuda_graphs.py), the first pass records a graph per size bucket,
+(the eager model's CUDA graphs, engine/compile/cuda_graphs.py), the first pass records a graph per size bucket,
 reported as compile_s and included
 in inference_s. Writes eval_time_h200.json and eval_time_h200.md into --out (the date, the GPU, torch, the
 command).
@@ -91,12 +91,12 @@ def run(args) -> dict:
     from bench.e2e import compose_config
     from datasets import build_data_loader, build_dataset, build_size_buckets, ensure_synthetic_dataset
     from datasets.cocoeval_backend import PACKAGES
-    from engine.build import build_evaluation
-    from engine.compile import use_compile_cache
-    from engine.compile_log import CompileClock
-    from engine.distributed import init_distributed
-    from engine.evaluation import evaluate_coco
-    from engine.precision import Precision
+    from engine.compile.cache import use_compile_cache
+    from engine.compile.clock import CompileClock
+    from engine.evaluation.coco import evaluate_coco
+    from engine.runtime.distributed import init_distributed
+    from engine.runtime.precision import Precision
+    from engine.train.build import build_evaluation
 
     t_data = time.perf_counter()
     root = ensure_synthetic_dataset(args.work / f"data_{args.image_size}_{args.num_val}", num_train=1,
@@ -216,7 +216,7 @@ def main() -> None:
         parser.error(f"--num-val must be at least 1, got {args.num_val}")
     import torch
 
-    from engine.console import keep_file_only_off_console
+    from engine.reporting.log_filter import keep_file_only_off_console
 
     # evaluate_coco's progress and closing lines on the console; COCOeval's own lines (FILE_ONLY) are left out.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -6,7 +6,7 @@
 
 Ways to run the same model on the same batches, in one process, one after the other:
   eager     ``DeformableDETR.detect`` as predict.py runs it (model.msda=triton on CUDA)
-  compiled  ``detect`` compiled as engine/compile.py compiles it for evaluation (compile.evaluation=true: one
+  compiled  ``detect`` compiled as engine/compile/plan.py compiles it for evaluation (compile.evaluation=true: one
             static graph per batch shape, CUDA graphs on a GPU: compile.mode=reduce-overhead, auto's choice for
             long runs); its first call at each shape compiles, and is reported apart
   graphs    (GPU) ``detect`` of the eager model recorded as a CUDA graph per shape (compile.mode=graphs, auto's
@@ -49,12 +49,12 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from datasets.json_file import write_json  # noqa: E402
-from engine.compile import CompilePlan, compile_model  # noqa: E402
-from engine.config import register_configs  # noqa: E402
-from engine.export_aoti import QUICK_COMPILE, AotiRunner, inductor_cxx, write_aoti  # noqa: E402
-from engine.export_samples import random_batch  # noqa: E402
-from engine.exportable import ExportableDetector, SampleShape, trace  # noqa: E402
-from engine.trained_model import load_trained_model  # noqa: E402
+from engine.checkpoint.trained_model import load_trained_model  # noqa: E402
+from engine.compile.plan import CompilePlan, compile_model  # noqa: E402
+from engine.config.registry import register_configs  # noqa: E402
+from engine.export.aoti import QUICK_COMPILE, AotiRunner, inductor_cxx, write_aoti  # noqa: E402
+from engine.export.exportable import ExportableDetector, SampleShape, trace  # noqa: E402
+from engine.export.samples import random_batch  # noqa: E402
 from models import build_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -340,7 +340,7 @@ def write_report(record: dict, out: Path, name: str) -> None:
         lines.append(f"- Not measured, the run ended first: batch {', '.join(map(str, missing))}.")
     if record["quick"]:
         lines.append("- --quick: a check that the script runs (a tiny model on the CPU, the package's wrapper built "
-                     "unoptimized: quick_compile, engine/export_aoti.py); these figures say nothing about speed.")
+                     "unoptimized: quick_compile, engine/export/aoti.py); these figures say nothing about speed.")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 

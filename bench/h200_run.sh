@@ -23,9 +23,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # A CXX without a shared libstdc++ (the H200 machine's /opt/gcc/bin/g++) builds AOTInductor packages that crash
-# when loaded, and export.py refuses it (engine/export_aoti.py asks the compiler): the g++ on PATH has the library.
+# when loaded, and export.py refuses it (engine/export/aoti.py asks the compiler): the g++ on PATH has the library.
 if [ -n "${CXX:-}" ]; then
-  python3 -c "import sys; from engine.export_aoti import has_shared_libstdcxx
+  python3 -c "import sys; from engine.export.aoti import has_shared_libstdcxx
 sys.exit(3 if has_shared_libstdcxx(sys.argv[1]) is False else 0)" "$CXX"
   if [ $? -eq 3 ]; then
     echo "CXX=$CXX has no shared libstdc++: using g++ ($(command -v g++))"

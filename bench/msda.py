@@ -39,8 +39,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msda  # noqa: E402
-from msda import launch  # noqa: E402
 from bench.msda_report import summary_line, table_source, target_checks, write_markdown  # noqa: E402
+from msda import launch  # noqa: E402
 
 LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 S = sum(h * w for h, w in LEVELS)

@@ -42,8 +42,20 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msda  # noqa: E402
 from bench.e2e_steptime import _device_us, is_device_work  # noqa: E402
-from bench.msda import (DEVICE, DTYPES, L, LEVELS, P, S, heads, kernel_bench_args, make_inputs,  # noqa: E402
-                        median_ms, run_header, sync)
+from bench.msda import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    LEVELS,
+    L,
+    P,
+    S,
+    heads,
+    kernel_bench_args,
+    make_inputs,
+    median_ms,
+    run_header,
+    sync,
+)
 from msda import launch  # noqa: E402
 
 D = 32

@@ -253,9 +253,9 @@ def main() -> None:
     args.parallel = args.parallel or len(runs)
     if args.parallel < 1:
         parser.error(f"--parallel must be at least 1, got {args.parallel}")
-    import torch
-
     import shutil
+
+    import torch
 
     # A reused run directory would resume, or mix old events into the curves; the compile cache is kept.
     shutil.rmtree(args.work / "runs", ignore_errors=True)

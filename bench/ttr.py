@@ -21,7 +21,7 @@ in a process of its own, with compile.mode and model.msda as named:
 the one the row's cold run filled. Before the first row one process imports what train.py imports, so that the
 checkout's byte-compilation falls on no row. total_s is the wall time from the process's start until its evaluation
 json is written; compile_s, train_s and eval_s, the first step, the steady step and the graphs compiled come
-from the run's own timing.json (engine/run_timing.py). Rows go into ttr_h200.json as each ends, with the
+from the run's own timing.json (engine/train/run_timing.py). Rows go into ttr_h200.json as each ends, with the
 number of this run (one call of the script; earlier runs' rows are kept), and ttr_h200.md with the targets,
 each from one run's rows where a run measured all it needs.
 """
@@ -50,8 +50,8 @@ ROWS = ("auto:cold", "auto:warm", "compiled:cold", "compiled:warm", "auto-layers
         "layers-eager-backbone:warm", "eager:cold", "eager:warm",
         "pytorch-eager:cold", "pytorch-eager:warm")
 DEFAULT_ROWS = ("auto:cold", "auto:warm", "eager:cold", "eager:warm", "pytorch-eager:cold", "pytorch-eager:warm")
-# The graphs (engine/compile_log.py's names) that hold the backbone: its own and evaluation's compiled graphs, the
-# eager model's recordings (engine/cuda_graphs.py).
+# The graphs (engine/compile/clock.py's names) that hold the backbone: its own and evaluation's compiled graphs, the
+# eager model's recordings (engine/compile/cuda_graphs.py).
 BACKBONE_GRAPHS = ("features", "detect", "graphed_forward", "graphed_detect")
 # Seconds a row is expected to take when no measurement of it exists yet (for --deadline-s).
 GUESS_S = {"auto": 100, "compiled": 480, "auto-layers": 300, "layers-eager-backbone": 150, "eager": 110, "pytorch-eager": 150}
@@ -119,9 +119,8 @@ def pad128_waste(data: Path, args) -> float:
     multiples of 128 (dataset.pad_to_multiple=128), over as many steps as the job runs."""
     import itertools
 
-    from datasets import BatchPlan, build_dataset
-
     from bench.e2e import compose_config
+    from datasets import BatchPlan, build_dataset
 
     cfg = compose_config(data_overrides(data))
     train = build_dataset("train", cfg.dataset, check=False)

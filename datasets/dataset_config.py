@@ -1,6 +1,6 @@
 """The dataset config schemas (configs/dataset/*.yaml): one per kind of set, sharing the transform keys.
 
-Each schema is registered in Hydra's ConfigStore (engine/config.py) and pulled in by its yaml file, so a
+Each schema is registered in Hydra's ConfigStore (engine/config/registry.py) and pulled in by its yaml file, so a
 composed ``dataset`` is typed: ``dataset.num_train=abc`` fails at composition, and so does a key the
 chosen set does not have (``dataset=coco dataset.num_train=10``), each with the key in the message. The
 rules OmegaConf cannot express (ranges) are the ``__post_init__`` methods below.
@@ -46,7 +46,7 @@ class DatasetConfig:
     name: DatasetName = MISSING
     # Validation images are always opened once before training; verify=true opens every training image too
     # (worth it for a new set; minutes for all of COCO, hence off there).
-    verify: bool = field(default=False, metadata={"role": "how_to_run"})  # engine/config.py: roles
+    verify: bool = field(default=False, metadata={"role": "how_to_run"})  # engine/config/train_schema.py: roles
     train_scales: list[int] = field(default_factory=lambda: list(COCO_TRAIN_SCALES))
     max_size: int = COCO_MAX_SIZE
     val_size: int = COCO_VAL_SIZE

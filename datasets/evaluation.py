@@ -21,7 +21,7 @@ STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 
 
 class RankExchange(Protocol):
-    """What the evaluator needs from a multi-process run (engine.distributed.Ranks provides it)."""
+    """What the evaluator needs from a multi-process run (engine.runtime.distributed.Ranks provides it)."""
 
     is_main: bool
 

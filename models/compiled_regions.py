@@ -1,6 +1,6 @@
 """The parts of a model that may be compiled, as the model declares them, and how compiling one is applied.
 
-A model lists its regions (``compile_regions(...)`` -> [Region]); engine/compile.py decides the options
+A model lists its regions (``compile_regions(...)`` -> [Region]); engine/compile/plan.py decides the options
 (backend, CUDA graphs) and compiles each: a method region is replaced per instance by its compiled version
 (``use_compiled``; parameters and state_dict keys stay where they are), a submodule region is compiled in
 place (``nn.Module.compile``). A copy or a pickle must not inherit a compiled method: the compiled function
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Region:
-    """One part of a model that engine/compile.py may compile.
+    """One part of a model that engine/compile/plan.py may compile.
 
     name          a method of the model, or the dotted path of a submodule
     method        True: a method, replaced per instance; False: a submodule, compiled in place
@@ -26,7 +26,7 @@ class Region:
     whole         one graph with no break (fullgraph): a break would bring back the host cost it removes
     cuda_graphs   may be replayed as CUDA graphs (False: its sizes change with every call)
     starts_step   a call is a new step of the CUDA-graph trees: the outputs of the last call are done with
-    training      recorded as CUDA graphs of the eager model (engine/cuda_graphs.py, ``compile_regions(graphs=
+    training      recorded as CUDA graphs of the eager model (engine/compile/cuda_graphs.py, ``compile_regions(graphs=
                   True)``): True, its forward and backward (a training call); False, a forward without gradients
     """
 

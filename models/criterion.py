@@ -35,7 +35,7 @@ PADDING_BOX = 0.5
 def target_slots(num_targets: int) -> int:
     """Targets (and matched pairs per layer) the losses are padded to for a batch of ``num_targets``: the next
     power of two above it, at least 8, so that at least one padding target exists for the padding pairs to
-    point at and a run meets a handful of sizes (engine/cuda_graphs.py records one graph per size)."""
+    point at and a run meets a handful of sizes (engine/compile/cuda_graphs.py records one graph per size)."""
     return max(8, 1 << num_targets.bit_length())
 
 
@@ -129,10 +129,10 @@ class SetCriterion(CompiledRegions, nn.Module):
         """``stacked_losses`` and ``stacked_proposal_losses`` (models/compiled_regions.py): hundreds of small
         launches forward and backward, between the matching and the backward. Compiled by Inductor: symbolic
         sizes and no CUDA graphs, one graph for every number of matched pairs. ``graphs``: recorded as CUDA graphs
-        of the eager losses (their forward and backward, engine/cuda_graphs.py), one per padded number of targets
-        (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too. Two
-        regions, so that the proposals' graphs, which replay between the decoder's forward and backward, are never
-        the decoder's own."""
+        of the eager losses (their forward and backward, engine/compile/cuda_graphs.py), one per padded number of
+        targets (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too.
+        Two regions, so that the proposals' graphs, which replay between the decoder's forward and backward, are
+        never the decoder's own."""
         names = ("stacked_losses", "stacked_proposal_losses")
         if graphs:
             return [Region(name, training=True) for name in names]
@@ -145,9 +145,10 @@ class SetCriterion(CompiledRegions, nn.Module):
     def stacked_losses(self, logits, boxes, labels, tgt_boxes, layer, batch, query, target, tgt_lengths) -> dict:
         """{name: (G,)} of G stacked layers, before the division by num_boxes (for the names in _PER_BOX).
 
-        Tensors only, no host values and no size that depends on the values, so that engine.compile can compile
-        it once for every batch and engine.cuda_graphs record it once per padded size. logits (G, B, Q, K), boxes
-        (G, B, Q, 4), labels (S,) and tgt_boxes (S, 4), the batch's targets followed by padding targets;
+        Tensors only, no host values and no size that depends on the values, so that engine/compile can compile
+        it once for every batch and engine/compile/cuda_graphs.py records it once per padded size. logits
+        (G, B, Q, K), boxes (G, B, Q, 4), labels (S,) and tgt_boxes (S, 4), the batch's targets followed by
+        padding targets;
         the matched pairs' layer, batch, query and target indices (M,), where a padding pair has query Q and
         a padding target; tgt_lengths (B,), the real targets per image. Padding adds nothing to any loss.
         """

@@ -22,7 +22,7 @@ def level_sizes_xy(levels, *, dtype: torch.dtype, device: torch.device) -> torch
     """(L, 2) tensor of (W_l, H_l) made from host ints, with no device sync (models.host_copy).
 
     Eagerly, one tensor per sizes, dtype and device, made at its first use and then reused: a CUDA graph
-    recorded over this (engine/cuda_graphs.py) reads it at every replay, where a fresh host copy would be
+    recorded over this (engine/compile/cuda_graphs.py) reads it at every replay, where a fresh host copy would be
     recorded as a read of a host buffer that is later freed. Under torch.compile it is part of the graph.
     """
     if torch.compiler.is_compiling():

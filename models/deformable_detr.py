@@ -44,7 +44,7 @@ class DeformableDETR(CompiledRegions, nn.Module):
     enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage).
 
     ``detect`` is the same computation for inference (evaluation calls it); ``compile_regions`` says which
-    parts engine/compile.py may compile.
+    parts engine/compile/plan.py may compile.
     """
 
     def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
@@ -122,9 +122,9 @@ class DeformableDETR(CompiledRegions, nn.Module):
 
     def compile_regions(self, *, regions: str = "transformer", backbone: bool = True, evaluation: bool = False,
                         graphs: bool = False) -> list[Region]:
-        """What engine/compile.py compiles (models/compiled_regions.py).
+        """What engine/compile/plan.py compiles (models/compiled_regions.py).
 
-        graphs: what engine/cuda_graphs.py records instead, nothing compiled: ``forward`` (the whole model,
+        graphs: what engine/compile/cuda_graphs.py records instead, nothing compiled: ``forward`` (the whole model,
         forward and backward, in training) and, with ``evaluation``, ``detect``; each one recording per input size.
 
         regions "transformer": ``predict`` (the encoder, the decoder, the glue between their layers and the

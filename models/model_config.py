@@ -1,6 +1,6 @@
 """The model config schema (configs/model/*.yaml): types, allowed values and the rules between keys.
 
-``ModelConfig`` is registered in Hydra's ConfigStore (engine/config.py), so a composed config is typed:
+``ModelConfig`` is registered in Hydra's ConfigStore (engine/config/registry.py), so a composed config is typed:
 ``model.nheads=abc`` or ``model.msda=cuda`` fail at composition with the key in the message. The rules
 OmegaConf cannot express (ranges, divisibility, two_stage needing box refinement) live in the
 ``__post_init__`` methods below, the one place that build_deformable_detr and build_criterion rely on;
@@ -78,11 +78,11 @@ class ModelConfig(CriterionConfig):
     backbone: BackboneName = MISSING
     dilation: bool = MISSING
     position_embedding: PositionEmbeddingName = MISSING
-    # How to run, not what is trained (metadata read by engine/config.py: a resumed run or an evaluated
+    # How to run, not what is trained (metadata read by engine/config/train_schema.py: a resumed run or an evaluated
     # checkpoint takes these from the command line).
     pretrained: Optional[str] = field(default="none", metadata={"role": "how_to_run"})  # none | imagenet | path
     train_backbone: bool = True
-    # A checkpoint whose weights start a new run (engine/init_from.py); a resumed run has its own.
+    # A checkpoint whose weights start a new run (engine/checkpoint/init_from.py); a resumed run has its own.
     init_from: Optional[str] = field(default=None, metadata={"role": "how_to_run"})
     # transformer
     hidden_dim: int = MISSING

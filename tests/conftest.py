@@ -3,7 +3,7 @@
 Without a GPU the Triton kernels run under Triton's CPU interpreter, which must be switched on before
 triton decorates any kernel, so it is set here, ahead of every test module's imports. The typed config
 schemas are registered here too, so that every test that composes configs/ gets the typed config.
-engine.compile.compile_regions sets process-wide settings (duck sizing, Dynamo's recompile limit); each test
+engine.compile.plan.compile_regions sets process-wide settings (duck sizing, Dynamo's recompile limit); each test
 starts from torch's own.
 """
 
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo.config as dynamo_config  # noqa: E402  (imports triton: after the Triton switch above)
 
-from engine.compile import RECOMPILE_LIMIT  # noqa: E402  (after the path and the Triton switch above)
-from engine.config import register_configs  # noqa: E402  (after the path and the Triton switch above)
-from engine.console import keep_file_only_off_console  # noqa: E402
+from engine.compile.plan import RECOMPILE_LIMIT  # noqa: E402  (after the path and the Triton switch above)
+from engine.config.registry import register_configs  # noqa: E402  (after the path and the Triton switch above)
+from engine.reporting.log_filter import keep_file_only_off_console  # noqa: E402
 
 register_configs()
 
@@ -45,7 +45,7 @@ def _torch_compile_defaults():
 @pytest.fixture
 def console_and_file(tmp_path):
     """The root logger as train.py runs with it: Hydra's console and train.log handlers, FILE_ONLY records kept off
-    the console (engine/console.py). Yields (the console's text buffer, the log file's path)."""
+    the console (engine/runtime/console.py). Yields (the console's text buffer, the log file's path)."""
     root = logging.getLogger()
     console_text = io.StringIO()
     console, file = logging.StreamHandler(console_text), logging.FileHandler(tmp_path / "train.log")

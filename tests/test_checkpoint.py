@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import (CheckpointError, CheckpointWriteError, check_training_state, load_checkpoint,
-                               load_model_weights, model_config_for_checkpoint, publish_as, save_checkpoint)
-from engine.resume import find_resume_checkpoint
-from engine.rng import capture_rng_state, restore_rng_state
+from engine.checkpoint.contents import check_training_state, load_model_weights, model_config_for_checkpoint
+from engine.checkpoint.io import load_checkpoint, publish_as, save_checkpoint
+from engine.errors import CheckpointError, CheckpointWriteError
+from engine.runtime.rng import capture_rng_state, restore_rng_state
+from engine.train.resume import find_resume_checkpoint
 
 
 @pytest.fixture
@@ -116,15 +117,15 @@ def test_epoch_copy_survives_replacing_the_latest(tmp_path, state):
 
 
 def test_a_failed_publish_names_both_files_and_keeps_the_epoch_file(tmp_path, state, monkeypatch):
-    import engine.checkpoint
+    import engine.checkpoint.io
 
     epoch_file = save_checkpoint(state, tmp_path / "checkpoint_epoch0001.pth")
 
     def no_room(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine.checkpoint.os, "link", no_room)  # a filesystem without links, then a full disk
-    monkeypatch.setattr(engine.checkpoint.shutil, "copyfile", no_room)
+    monkeypatch.setattr(engine.checkpoint.io.os, "link", no_room)  # a filesystem without links, then a full disk
+    monkeypatch.setattr(engine.checkpoint.io.shutil, "copyfile", no_room)
     with pytest.raises(CheckpointWriteError, match=r"wrote checkpoint .*checkpoint_epoch0001\.pth but could not "
                                                    r"publish it as .*checkpoint\.pth \(No space left on device\); "
                                                    r".*resume="):

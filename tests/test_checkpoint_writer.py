@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (engine/checkpoint_writer.py): the state as it was at the save, the
+"""Checkpoints written in the background (engine/checkpoint/writer.py): the state as it was at the save, the
 file whole or not there, one write in flight, and a failed write raised where the run waits."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
-import engine.checkpoint_writer
-from engine.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
-from engine.checkpoint_writer import CheckpointWriter, host_copy
+import engine.checkpoint.writer
+from engine.checkpoint.io import load_checkpoint, save_checkpoint
+from engine.checkpoint.writer import CheckpointWriter, host_copy
+from engine.errors import CheckpointWriteError
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def held_writes(monkeypatch):
         assert release.wait(30), "the test never released the write"
         return save_checkpoint(state, path)
 
-    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint", held)
+    monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint", held)
     yield started, release, writes
     release.set()  # a test that failed before releasing leaves no writer blocked behind it
 
@@ -72,7 +73,7 @@ def test_an_epoch_file_is_published_as_latest_once_written(tmp_path):
 
 
 def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_file(tmp_path, monkeypatch):
-    import engine.checkpoint
+    import engine.checkpoint.io
 
     path = tmp_path / "checkpoint.pth"
     writer = CheckpointWriter()
@@ -83,7 +84,7 @@ def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_fil
         f.write(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 24")
 
-    monkeypatch.setattr(engine.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(engine.checkpoint.io.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint\.pth .*still holds the "
                                                    r"previous checkpoint"):
         writer.save({"model": {}, "step": 2}, path)
@@ -94,9 +95,9 @@ def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_fil
 
 
 def test_a_failing_run_logs_the_write_error_instead_of_raising_it_over_its_own(tmp_path, monkeypatch, caplog):
-    import engine.checkpoint
+    import engine.checkpoint.io
 
-    monkeypatch.setattr(engine.checkpoint.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(28, "No space")))
+    monkeypatch.setattr(engine.checkpoint.io.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(28, "No space")))
     writer = CheckpointWriter()
     writer.save({"model": {}}, tmp_path / "checkpoint.pth")
     writer.wait_quietly()
@@ -130,7 +131,7 @@ def test_check_raises_a_failed_write_once_it_has_ended_and_never_blocks(tmp_path
         assert release.wait(30), "the test never released the write"
         raise CheckpointWriteError(f"could not write checkpoint {path}")
 
-    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint", fails_when_released)
+    monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint", fails_when_released)
     writer = CheckpointWriter()
     writer.save({"model": {}}, tmp_path / "checkpoint.pth")
     writer.check()  # in flight: nothing to raise yet, and no wait

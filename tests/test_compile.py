@@ -1,4 +1,4 @@
-"""engine/compile.py: the compile settings resolved per device, the regions the model declares, compiled as
+"""engine/compile/plan.py: the compile settings resolved per device, the regions the model declares, compiled as
 train.py compiles them (aot_eager on the CPU traces as Inductor does, without codegen; Inductor on the GPU)."""
 
 from __future__ import annotations
@@ -9,15 +9,22 @@ import io
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
-
-from engine.compile import (EVALUATION_BATCHES_TO_COMPILE, RECOMPILE_LIMIT, STATIC_BACKBONE_GRAPHS, STEPS_TO_COMPILE,
-                            CompilePlan, compile_model, resolve_compile)
-from engine.config import CompileConfig
-from models import build_model
-from models.deformable_attention import MSDeformAttn
 from test_models import _batch, _targets, tiny_cfg
 from test_step import SMALL, _loss, make_step
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from engine.compile.plan import (
+    EVALUATION_BATCHES_TO_COMPILE,
+    RECOMPILE_LIMIT,
+    STATIC_BACKBONE_GRAPHS,
+    STEPS_TO_COMPILE,
+    CompilePlan,
+    compile_model,
+    resolve_compile,
+)
+from engine.config.train_schema import CompileConfig
+from models import build_model
+from models.deformable_attention import MSDeformAttn
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -155,7 +162,7 @@ def test_evaluation_compiles_one_graph_per_size_once_and_gives_the_detections_of
 def test_evaluation_without_its_graph_runs_eagerly_and_compiles_nothing(seeded):
     """engine.evaluation runs an uncompiled ``detect`` with Dynamo off: the compiled training regions inside it
     (the position encoding, the layers) are not compiled again without gradients."""
-    from engine.evaluation import evaluate_coco  # noqa: F401  (what runs it so; the switch is checked here)
+    from engine.evaluation.coco import evaluate_coco  # noqa: F401  (what runs it so; the switch is checked here)
 
     model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
     counter = CompileCounterWithBackend("aot_eager")
@@ -295,7 +302,7 @@ def test_a_graph_with_symbolic_sizes_serves_token_counts_on_both_sides_of_induct
     control, which shows this torch has the threshold); with the regions' options it does not."""
     from torch._dynamo.utils import counters
 
-    from engine.compile import _options
+    from engine.compile.plan import _options
     from models.compiled_regions import Region
 
     def graphs_for_token_counts(options):

@@ -1,5 +1,5 @@
 """What compilation costs a run, as it reports it: the compile clock, recompilations in train.log only, an ETA
-that leaves compilation out (engine/compile_log.py, engine/console.py, engine/progress.py)."""
+that leaves compilation out (engine/compile/clock.py, engine/runtime/console.py, engine/reporting/progress.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from engine.compile_log import CompileClock, log_recompiles_to_file
-from engine.console import FILE_ONLY
-from engine.progress import Progress
+from engine.compile.clock import CompileClock
+from engine.compile.recompile_log import log_recompiles_to_file
+from engine.reporting.log_filter import FILE_ONLY
+from engine.reporting.progress import Progress
 
 
 def test_the_clock_counts_the_graphs_and_the_seconds_of_compilation():

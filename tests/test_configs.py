@@ -9,10 +9,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from engine.distributed import argv_for_rank
-from engine.optim import build_optimizer, build_lr_scheduler
-from engine.precision import Precision
-from engine.config import check_config
+from engine.config.registry import check_config
+from engine.runtime.distributed import argv_for_rank
+from engine.runtime.precision import Precision
+from engine.train.optim import build_lr_scheduler, build_optimizer
 from models import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

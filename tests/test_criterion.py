@@ -6,7 +6,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
-
 from torchvision.ops import box_convert, generalized_box_iou
 
 from models.criterion import SetCriterion, build_criterion, paired_generalized_box_iou, target_slots

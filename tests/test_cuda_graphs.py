@@ -1,4 +1,4 @@
-"""engine/cuda_graphs.py: the eager model recorded as CUDA graphs (compile.mode=graphs, auto's choice on a GPU
+"""engine/compile/cuda_graphs.py: the eager model recorded as CUDA graphs (compile.mode=graphs, auto's choice on a GPU
 for a short run). The settings are checked on the CPU; recording and replaying run on the device machine."""
 
 from __future__ import annotations
@@ -8,19 +8,19 @@ import copy
 import pytest
 import torch
 from omegaconf import OmegaConf
-
-from engine.compile import STEPS_TO_COMPILE, CompilePlan, compile_model, resolve_compile
-from engine.compile_log import CompileClock, CompileTotals, describe_work
-from engine.cuda_graphs import graph_regions
-from engine.config import CompileConfig
-from engine.precision import Precision
-from engine.step import TrainStep
-from models import build_model
-from models.deformable_attention import level_sizes_xy
 from test_compile import assert_same_detections
 from test_criterion import make_criterion, rand_outputs, rand_targets
 from test_models import _batch, _targets, tiny_cfg
 from test_step import SMALL, make_step
+
+from engine.compile.clock import CompileClock, CompileTotals, describe_work
+from engine.compile.cuda_graphs import graph_regions
+from engine.compile.plan import STEPS_TO_COMPILE, CompilePlan, compile_model, resolve_compile
+from engine.config.train_schema import CompileConfig
+from engine.runtime.precision import Precision
+from engine.train.step import OptimizerStep
+from models import build_model
+from models.deformable_attention import level_sizes_xy
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
@@ -192,7 +192,7 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
     graphed = copy.deepcopy(model)
     compile_model(graphed, CompilePlan(mode="graphs", evaluation=True))
     optimizer = torch.optim.SGD(graphed.parameters(), lr=0.05)
-    step = TrainStep(model=graphed, criterion=criterion, optimizer=optimizer,
+    step = OptimizerStep(model=graphed, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp="none", device=GPU), clip_max_norm=0.1)
     for _ in range(2):
         graphed.eval()

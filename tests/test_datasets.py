@@ -21,8 +21,8 @@ from datasets import (
     collate_fn,
     ensure_synthetic_dataset,
     make_coco_transforms,
+    synthetic,
 )
-from datasets import synthetic
 from datasets.transforms import (
     IMAGENET_MEAN,
     NormalizeAndFinalize,

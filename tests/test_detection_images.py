@@ -1,4 +1,4 @@
-"""engine/detection_images.py: fixed validation images with detections and ground truth, into TensorBoard."""
+"""engine/evaluation/detection_images.py: fixed validation images with detections and ground truth, into TensorBoard."""
 
 from __future__ import annotations
 
@@ -12,11 +12,18 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torchvision.transforms.v2 import functional as F
 
 from datasets import build_data_loader, build_dataset
-from engine.detection_images import (GROUND_TRUTH_COLOUR, MAX_SIDE, MIN_SIDE, DetectionImages,
-                                     build_detection_images, display_scale, pick_image_ids)
-from engine.evaluation import evaluate_coco
-from engine.precision import Precision
-from engine.tensorboard import ScalarWriter
+from engine.evaluation.coco import evaluate_coco
+from engine.evaluation.detection_images import (
+    GROUND_TRUTH_COLOUR,
+    MAX_SIDE,
+    MIN_SIDE,
+    DetectionImages,
+    build_detection_images,
+    display_scale,
+    pick_image_ids,
+)
+from engine.reporting.tensorboard import ScalarWriter
+from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
 
 
@@ -125,7 +132,7 @@ def test_evaluation_keeps_the_detections_of_the_images_asked_for(val_set):
 def test_settings_are_checked_with_their_keys(val_set):
     from test_reliability_config import compose_train
 
-    from engine.config import check_config
+    from engine.config.registry import check_config
 
     with pytest.raises(ValueError, match=r"eval_images must be an integer >= 0, got -1"):
         check_config(compose_train("eval_images=-1"))

@@ -1,4 +1,4 @@
-"""engine.distributed: a rank that never joins a collective makes the others' wait an error naming them;
+"""engine.runtime.distributed: a rank that never joins a collective makes the others' wait an error naming them;
 GradientAllReduce averages gradients of several dtypes, a parameter unused on one rank included; ranks
 whose models differ, or an unknown gradient sync, are errors that say so.
 
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed import CollectiveError, DistContext, GradientAllReduce, barrier, broadcast_object, data_parallel
+from engine.errors import CollectiveError
+from engine.runtime.distributed import DistContext, GradientAllReduce, barrier, broadcast_object, data_parallel
 
 TIMEOUT_S = 3.0
 

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from pycocotools.coco import COCO
 
 from datasets import CocoEvaluator, ensure_synthetic_dataset
-from engine.distributed import DistContext, Ranks
 from datasets.evaluation import STAT_NAMES
+from engine.runtime.distributed import DistContext, Ranks
 
 
 @pytest.fixture(scope="module")

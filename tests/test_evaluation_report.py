@@ -1,4 +1,4 @@
-"""What an evaluation tells the user (engine/evaluation.py, engine/cocoeval_log.py, engine/progress.py): progress
+"""What an evaluation tells the user (engine/evaluation/, engine/reporting/cocoeval_log.py and progress.py): progress
 lines during inference, COCOeval's summary table on the console and the rest of its printing in train.log only,
 and the time split between inference and COCOeval."""
 
@@ -14,9 +14,9 @@ from test_detection_images import FixedDetector
 
 from datasets import build_data_loader, build_dataset
 from datasets.cocoeval_backend import faster_coco_eval_installed
-from engine.evaluation import evaluate_coco
-from engine.precision import Precision
-from engine.progress import EvaluationProgress
+from engine.evaluation.coco import evaluate_coco
+from engine.reporting.progress import EvaluationProgress
+from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
 
 needs_faster = pytest.mark.skipif(not faster_coco_eval_installed(),

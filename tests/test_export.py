@@ -19,18 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_process import child_env
 from hydra import compose, initialize_config_dir
 from PIL import Image
+from trained_checkpoint import write_checkpoint
 
 import export as exporter
-from child_process import child_env
-from engine.export_config import default_output
-from engine.export_parity import ExportParityError, Tolerance, check_parity, compare_outputs, tolerance_for
-from engine.export_samples import random_batch, recorded_validation_folder, sample_batch
-from engine.exportable import ExportableDetector, SampleShape
-from engine.trained_model import load_trained_model
+from engine.checkpoint.trained_model import load_trained_model
+from engine.config.export_schema import default_output
+from engine.errors import ExportParityError
+from engine.export.exportable import ExportableDetector, SampleShape
+from engine.export.parity import Tolerance, check_parity, compare_outputs, tolerance_for
+from engine.export.samples import random_batch, recorded_validation_folder, sample_batch
 from models.postprocess import PostProcess
-from trained_checkpoint import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -116,7 +117,7 @@ def onnx_export(checkpoint, background_exports) -> dict:
 def test_onnx_file_takes_other_batch_and_image_sizes(checkpoint, onnx_export):
     import onnx
 
-    from engine.export_onnx import OnnxRunner
+    from engine.export.onnx import OnnxRunner
 
     path = onnx_export["output"]
     assert path == checkpoint.with_name("checkpoint.onnx") and path.is_file()
@@ -142,7 +143,7 @@ def test_onnx_file_takes_other_batch_and_image_sizes(checkpoint, onnx_export):
 
 
 def test_onnx_parity_check_fails_for_a_changed_model(checkpoint, onnx_export):
-    from engine.export_onnx import OnnxRunner
+    from engine.export.onnx import OnnxRunner
 
     runner, detector = OnnxRunner(onnx_export["output"], device=CPU), pytorch_detector(checkpoint)
     inputs = inputs_of(SampleShape(batch=2, height=96, width=128), seed=3)
@@ -194,7 +195,7 @@ def test_aoti_package_runs_without_the_project_and_matches(checkpoint, aoti_expo
 
 
 def test_aoti_parity_check_fails_for_a_changed_model(checkpoint, aoti_export):
-    from engine.export_aoti import AotiRunner
+    from engine.export.aoti import AotiRunner
 
     runner, detector = AotiRunner(aoti_export), pytorch_detector(checkpoint, max_detections=10)
     inputs = inputs_of(SampleShape(batch=2, height=96, width=128), seed=5, postprocess=True)
@@ -215,24 +216,26 @@ def fake_compiler(folder: Path, libstdcxx: str) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the libstdc++ check runs on Linux")
 def test_compiler_without_shared_libstdcxx_is_refused_before_anything_is_traced(checkpoint, tmp_path, monkeypatch):
-    from engine import export_aoti
+    import engine.export.run
+    from engine.errors import AotiCompilerError
+    from engine.export import aoti as export_aoti
 
     static_only = fake_compiler(tmp_path, "libstdc++.so")  # what a compiler with no libstdc++.so prints
     refused = (rf"^format=aoti: the C\+\+ compiler {re.escape(static_only)} has no shared libstdc\+\+.* "
                r"Run the export with CXX=")
-    with pytest.raises(export_aoti.AotiCompilerError, match=refused):
+    with pytest.raises(AotiCompilerError, match=refused):
         export_aoti.check_cxx_compiler(static_only)
     monkeypatch.setattr(export_aoti, "inductor_cxx", lambda: static_only)
-    monkeypatch.setattr(exporter, "load_trained_model", lambda *a, **k: pytest.fail("loaded the checkpoint"))
-    with pytest.raises(export_aoti.AotiCompilerError):
+    monkeypatch.setattr(engine.export.run, "load_trained_model", lambda *a, **k: pytest.fail("loaded the checkpoint"))
+    with pytest.raises(AotiCompilerError):
         exporter.export(compose_export(f"checkpoint={checkpoint}", "format=aoti"))
-    with pytest.raises(export_aoti.AotiCompilerError):  # callers other than export.py (the bench) are covered
+    with pytest.raises(AotiCompilerError):  # callers other than export.py (the bench) are covered
         export_aoti.write_aoti(None, tmp_path / "never.pt2")
     assert not (tmp_path / "never.pt2").exists()
 
 
 def test_compiler_with_shared_libstdcxx_or_unknown_is_let_through(tmp_path):
-    from engine.export_aoti import check_cxx_compiler, has_shared_libstdcxx
+    from engine.export.aoti import check_cxx_compiler, has_shared_libstdcxx
 
     shared = fake_compiler(tmp_path, "/usr/lib/gcc/x86_64-linux-gnu/13/libstdc++.so")
     assert has_shared_libstdcxx(shared) is True
@@ -251,7 +254,7 @@ def test_tensorrt_variant_has_the_plugin_node_with_its_inputs(checkpoint, backgr
     import numpy as np
     from onnx import numpy_helper
 
-    from engine.export_tensorrt import PLUGIN_DOMAIN, PLUGIN_NAME
+    from engine.export.tensorrt import PLUGIN_DOMAIN, PLUGIN_NAME
 
     output = background_exports["tensorrt"].finished()
     assert "NOT checked against the PyTorch model" in output and "parity at" not in output

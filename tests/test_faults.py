@@ -13,17 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_process import child_env
 from hydra import compose, initialize_config_dir
+from test_reliability_checkpoint import dead_pid
+from test_train import tiny_overrides
 
 import train as trainer
 from datasets import build_dataset
-from child_process import child_env
-from engine.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
-from engine.run_lock import LOCK_FILE, RunDirectoryInUse
-from engine.step_log import StepLog
-from engine.stop_request import TrainingStopped
-from test_reliability_checkpoint import dead_pid
-from test_train import tiny_overrides
+from engine.checkpoint.io import load_checkpoint, save_checkpoint
+from engine.errors import CheckpointWriteError, RunDirectoryInUse
+from engine.runtime.run_lock import LOCK_FILE
+from engine.runtime.stop_request import TrainingStopped
+from engine.train.step_log import StepLog
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
@@ -50,9 +51,9 @@ def uninterrupted(tmp_path_factory, data_root):
 
 def signal_at_call(monkeypatch, signum: int, call: int) -> None:
     """Send this process ``signum`` from inside the ``call``-th training step, as a scheduler would."""
-    from engine.step import TrainStep
+    from engine.train.step import OptimizerStep
 
-    step_call, calls = TrainStep.__call__, {"n": 0}
+    step_call, calls = OptimizerStep.__call__, {"n": 0}
 
     def stepping(self, *args, **kwargs):
         calls["n"] += 1
@@ -60,7 +61,7 @@ def signal_at_call(monkeypatch, signum: int, call: int) -> None:
             os.kill(os.getpid(), signum)
         return step_call(self, *args, **kwargs)
 
-    monkeypatch.setattr(TrainStep, "__call__", stepping)
+    monkeypatch.setattr(OptimizerStep, "__call__", stepping)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -85,11 +86,11 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
 
 
 def test_checkpoints_are_written_mid_epoch_every_checkpoint_minutes(data_root, tmp_path, monkeypatch):
-    import engine.checkpoint_writer
+    import engine.checkpoint.writer
 
     saved = []
-    save = engine.checkpoint_writer.save_checkpoint
-    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint",
+    save = engine.checkpoint.writer.save_checkpoint
+    monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint",
                         lambda state, path: saved.append((state["epoch"], state["steps_in_epoch"])) or save(state, path))
     trainer.train(compose_run(data_root, tmp_path, "epochs=1", "checkpoint_minutes=1e-6"))  # due at every log line
     assert saved == [(0, 1), (0, 2), (1, 0)]  # after steps 1 and 2, then the epoch's end
@@ -118,10 +119,10 @@ def test_every_rank_learns_of_a_stop_at_the_same_interval():
 def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root, tmp_path, monkeypatch):
     import shutil
 
-    import engine.checkpoint
+    import engine.checkpoint.io
 
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(engine.checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
+    monkeypatch.setattr(engine.checkpoint.io.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
     with pytest.raises(CheckpointWriteError, match=r"has 1 MB free, and a checkpoint of this run takes about \d+ MB: "
                                                    r"free disk space or set output_dir to a disk with room"):
         trainer.train(compose_run(data_root, tmp_path))
@@ -129,7 +130,7 @@ def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root
 
 
 def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    import engine.checkpoint
+    import engine.checkpoint.io
 
     path = save_checkpoint({"model": {"w": torch.ones(2)}, "step": 1}, tmp_path / "checkpoint.pth")
 
@@ -137,7 +138,7 @@ def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, m
         f.write(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 24")
 
-    monkeypatch.setattr(engine.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(engine.checkpoint.io.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint\.pth \(the write stopped "
                                                    r"short: the disk is probably full; \d+ MB free on its disk\); .*"
                                                    r"checkpoint\.pth still holds the previous checkpoint"):
@@ -149,20 +150,20 @@ def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, m
 def test_a_run_that_fails_while_a_checkpoint_is_written_finishes_the_file_first(data_root, tmp_path, monkeypatch):
     import time
 
-    import engine.checkpoint_writer
-    import engine.loop
+    import engine.checkpoint.writer
+    import engine.train.loop
 
-    save = engine.checkpoint_writer.save_checkpoint
-    monkeypatch.setattr(engine.checkpoint_writer, "save_checkpoint",
+    save = engine.checkpoint.writer.save_checkpoint
+    monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint",
                         lambda state, path: time.sleep(1.0) or save(state, path))  # a slow disk
-    train_epoch = engine.loop.Trainer._train_epoch
+    train_epoch = engine.train.loop.TrainingLoop._train_epoch
 
     def fails_in_the_second_epoch(self, epoch):
         if epoch == 1:
             raise RuntimeError("a fault in the second epoch")
         return train_epoch(self, epoch)
 
-    monkeypatch.setattr(engine.loop.Trainer, "_train_epoch", fails_in_the_second_epoch)
+    monkeypatch.setattr(engine.train.loop.TrainingLoop, "_train_epoch", fails_in_the_second_epoch)
     with pytest.raises(RuntimeError, match="a fault in the second epoch"):
         trainer.train(compose_run(data_root, tmp_path, "epochs=2", "eval_every=5"))
     assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == STEPS_PER_EPOCH  # whole, when train() returns
@@ -173,20 +174,20 @@ def test_no_loader_worker_holds_a_checkpoint_file_open(data_root, tmp_path, monk
     space): every worker, the validation loader's too, exists before the first write."""
     import time
 
-    import engine.checkpoint
-    import engine.loop
+    import engine.checkpoint.io
+    import engine.evaluation.validation
 
-    save = engine.checkpoint.torch.save
-    monkeypatch.setattr(engine.checkpoint.torch, "save",  # the file open and in flight as evaluation starts
+    save = engine.checkpoint.io.torch.save
+    monkeypatch.setattr(engine.checkpoint.io.torch, "save",  # the file open and in flight as evaluation starts
                         lambda obj, f: time.sleep(1.0) or save(obj, f))
-    evaluate, held = engine.loop.evaluate_coco, []
+    evaluate, held = engine.evaluation.validation.evaluate_coco, []
 
     def checking(**kwargs):
         result = evaluate(**kwargs)  # the loader's workers run (and, forked now, would be) here
         held.append(sorted(name for pid in child_pids() for name in open_files(pid) if "checkpoint" in name))
         return result
 
-    monkeypatch.setattr(engine.loop, "evaluate_coco", checking)
+    monkeypatch.setattr(engine.evaluation.validation, "evaluate_coco", checking)
     trainer.train(compose_run(data_root, tmp_path, "epochs=2", "num_workers=2"))
     assert held == [[], []]
 
@@ -216,12 +217,12 @@ def open_files(pid: int) -> list[str]:
 
 def test_a_run_whose_checkpoint_write_fails_stops_with_that_error(data_root, tmp_path, monkeypatch):
     """The write happens in the background; the run still ends with its error, not with a result."""
-    import engine.checkpoint
+    import engine.checkpoint.io
 
     def full_disk(obj, f):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(engine.checkpoint.io.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint_epoch0001\.pth"):
         trainer.train(compose_run(data_root, tmp_path, "epochs=2"))
     assert not list(tmp_path.glob("*.pth")) and not list(tmp_path.glob("eval_epoch0002.json"))

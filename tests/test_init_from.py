@@ -1,4 +1,5 @@
-"""engine/init_from.py: model.init_from across a num_classes change, from official-layout weights, and errors."""
+"""engine/checkpoint/init_from.py: model.init_from across a num_classes change, from official-layout weights, and
+errors."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.checkpoint import CheckpointError
-from engine.init_from import CLASS_HEAD, prepare_init_from
+from engine.checkpoint.init_from import CLASS_HEAD, prepare_init_from
+from engine.errors import CheckpointError
 from models import build_deformable_detr
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from test_models import _batch, tiny_cfg  # noqa: E402
 
 from models.deformable_attention import MSDeformAttn  # noqa: E402
 from models.deformable_detr import build_deformable_detr  # noqa: E402
-from test_models import _batch, tiny_cfg  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

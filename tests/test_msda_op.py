@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
+from test_msda import DEVICES, make_inputs, rel_err
 
 import msda
-from test_msda import DEVICES, make_inputs, rel_err
 
 OPCHECK_SHAPES = [
     pytest.param(dict(D=8), id="two-levels"),

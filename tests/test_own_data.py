@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train as trainer
-from engine.checkpoint import CheckpointError, load_checkpoint
+from engine.checkpoint.io import load_checkpoint
+from engine.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2  # 12 training images, batch 4, one epoch (a batch's worth left over in the size buckets)
@@ -51,7 +52,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finetune(runs):
     tmp = runs["tmp"]
-    handler, logger = _ListHandler(), logging.getLogger("engine.init_from")
+    handler, logger = _ListHandler(), logging.getLogger("engine.checkpoint.init_from")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -104,7 +105,7 @@ def test_evaluation_json_and_tensorboard_have_per_class_ap_and_images(finetune):
 def test_eval_only_reports_per_class_and_images(finetune, runs, tmp_path):
     cfg = compose_run(runs["tmp"] / "three", tmp_path, "dataset.num_categories=3", "eval_only=true",
                       f"checkpoint={finetune['output_dir'] / 'checkpoint.pth'}")
-    trainer.evaluate(cfg)
+    trainer.evaluate_checkpoint(cfg)
     written = json.loads((tmp_path / "eval.json").read_text())
     trained = json.loads((finetune["output_dir"] / "eval_epoch0001.json").read_text())
     assert written["per_class"] == pytest.approx(trained["per_class"], abs=1e-12)

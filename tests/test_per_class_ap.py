@@ -13,8 +13,8 @@ from pycocotools.coco import COCO
 
 from datasets import CocoEvaluator, ensure_synthetic_dataset
 from datasets.per_class_ap import category_names
-from engine.evaluation import write_eval_json
-from engine.per_class_report import format_per_class_table, report_per_class
+from engine.evaluation.record import write_eval_json
+from engine.reporting.per_class import format_per_class_table, report_per_class
 
 # The synthetic classes (ids 1-6) plus one the annotation file lists but no image holds.
 NAMES = ["person", "bicycle", "car", "motorcycle", "airplane", "bus", "unicorn"]

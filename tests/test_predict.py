@@ -10,15 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from child_process import child_env
 from hydra import compose, initialize_config_dir
 from PIL import Image
 from pycocotools.coco import COCO
+from trained_checkpoint import CATEGORIES, write_checkpoint
 
 import predict as predictor
-from child_process import child_env
 from datasets import ImageReadError
 from datasets.image_folder import ImageFolder
-from trained_checkpoint import CATEGORIES, write_checkpoint
+from engine.checkpoint.trained_model import load_trained_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIF_ORIENTATION, TURNED_RIGHT = 0x0112, 6  # stored pixels shown turned 90 degrees clockwise
@@ -101,8 +102,8 @@ def test_boxes_are_the_models_relative_boxes_scaled_to_the_original_image(checkp
     out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder / 'a.jpg'}",
                                             f"output_dir={tmp_path}", "score_threshold=0", "max_detections=3",
                                             "draw=false"))
-    trained = predictor.load_trained_model(str(checkpoint), compose_predict("checkpoint=x", "images=y").model,
-                                           device=torch.device("cpu"))
+    trained = load_trained_model(str(checkpoint), compose_predict("checkpoint=x", "images=y").model,
+                                 device=torch.device("cpu"))
     image, info = ImageFolder([folder / "a.jpg"], val_size=trained.val_size, max_size=trained.max_size)[0]
     with torch.no_grad():
         outputs = trained.model(image[None], torch.zeros(1, *image.shape[-2:], dtype=torch.bool))
@@ -133,7 +134,7 @@ def test_pictures_show_the_detections(checkpoint, folder, tmp_path):
 
 def test_an_official_checkpoints_classes_are_cocos(tmp_path):
     """A class head of COCO's 91 rows without recorded names (an official checkpoint) is named as COCO."""
-    from engine.trained_model import recorded_categories
+    from engine.checkpoint.trained_model import recorded_categories
 
     names = recorded_categories({"model": {}}, 91)
     assert names[1] == "person" and names[90] == "toothbrush" and 12 not in names

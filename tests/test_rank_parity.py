@@ -1,8 +1,8 @@
 """Rank parity: one global batch split over 2 ranks (gloo; NCCL on 2 GPUs) gives the loss and gradients of 1 process.
 
-The loss is normalized by the number of boxes averaged over processes (engine.step.TrainStep with
-engine.distributed.average_over_processes), and the gradients are averaged over ranks (by
-engine.distributed.GradientAllReduce after backward, or by DDP inside it), so the mean of the per-rank
+The loss is normalized by the number of boxes averaged over processes (engine.train.step.OptimizerStep with
+engine.runtime.distributed.average_over_processes), and the gradients are averaged over ranks (by
+engine.runtime.distributed.GradientAllReduce after backward, or by DDP inside it), so the mean of the per-rank
 losses and the averaged gradients must equal what one process computes on the whole batch. Both sides
 run the trainer's own step. Images share one size so that padding is the same either way. Rank 1 starts
 from other weights: both ways of syncing must start every rank from rank 0's (the all-reduce also from its
@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
-from engine.config import register_configs
-from engine.compile import CompilePlan, compile_model
-from engine.distributed import DistContext, average_over_processes, data_parallel
-from engine.precision import Precision
-from engine.step import TrainStep
+from engine.compile.plan import CompilePlan, compile_model
+from engine.config.registry import register_configs
+from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
+from engine.runtime.precision import Precision
+from engine.train.step import OptimizerStep
 from models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext, s
     """The trainer's step (no clipping, lr 0); returns its loss and the gradients it computed."""
     module = getattr(model, "module", model)  # the DDP-wrapped model's own parameters
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.0, fused=True)
-    step = TrainStep(model=model, criterion=criterion, optimizer=optimizer,
+    step = OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp="none", device=ctx.device), clip_max_norm=0.0,
                      average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
     values = step(images, masks, targets)

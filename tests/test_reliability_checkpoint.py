@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint import (CheckpointError, load_checkpoint, load_model_weights, read_recorded_config,
-                               remove_stray_temporaries, save_checkpoint)
+from engine.checkpoint.contents import load_model_weights, read_recorded_config
+from engine.checkpoint.io import load_checkpoint, remove_stray_temporaries, save_checkpoint
+from engine.errors import CheckpointError
 
 
 @pytest.mark.parametrize("content", [
@@ -61,7 +62,7 @@ def test_a_save_killed_with_sigkill_leaves_a_temporary_that_the_next_save_remove
     script = (
         "import sys, threading, torch\n"
         f"sys.path.insert(0, {str(os.getcwd())!r})\n"
-        "from engine.checkpoint import save_checkpoint\n"
+        "from engine.checkpoint.io import save_checkpoint\n"
         "real_save = torch.save\n"
         "def stalls(obj, f, *a, **k):\n"
         "    f.write(b'PK partial'); f.flush(); print('writing', flush=True); threading.Event().wait()\n"

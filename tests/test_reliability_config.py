@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_process import child_env
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from child_process import child_env
-from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from engine.config import check_config, plain_config
+from engine.checkpoint.io import load_checkpoint, save_checkpoint
+from engine.config.registry import check_config, plain_config
+from engine.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +99,7 @@ def test_the_shipped_configs_pass(overrides):
 
 def test_a_config_composed_without_the_schemas_is_refused():
     untyped = OmegaConf.create(OmegaConf.to_container(compose_train()))
-    with pytest.raises(TypeError, match=r"composed without its schemas: call engine\.config\.register_configs\(\)"):
+    with pytest.raises(TypeError, match=r"composed without its schemas: call engine\.config\.registry\.register_configs\(\)"):
         check_config(untyped)
 
 

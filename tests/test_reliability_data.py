@@ -1,7 +1,7 @@
 """Data checked before training: missing and damaged images, bad annotations, category ids, bad JSON.
 
 Each test writes its own small COCO-format set under tmp_path (datasets/annotations.py, image_files.py,
-coco.py; engine/num_classes.py).
+coco.py; engine/checkpoint/num_classes.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from datasets import AnnotationFileError, ImageReadError, build_dataset, read_dataset_config
-from engine.num_classes import resolve_num_classes
+from engine.checkpoint.num_classes import resolve_num_classes
 
 SMALL = dict(train_scales=[32], max_size=48, val_size=32, crop=False)
 

@@ -1,4 +1,4 @@
-"""Honest resume (engine/resume.py): resume=auto takes only this run's checkpoint, the settings rule, the
+"""Honest resume (engine/train/resume.py): resume=auto takes only this run's checkpoint, the settings rule, the
 warning that lists what differs, and a changed lr schedule applied to the restored optimizer."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from engine.checkpoint import CheckpointError, save_checkpoint
-from engine.config import plain_config
-from engine.optim import build_lr_scheduler, build_optimizer
-from engine.resume import config_for_resume, find_resume_checkpoint, restore_training_state
+from engine.checkpoint.io import save_checkpoint
+from engine.config.registry import plain_config
+from engine.errors import CheckpointError
+from engine.train.optim import build_lr_scheduler, build_optimizer
+from engine.train.resume import config_for_resume, find_resume_checkpoint, restore_training_state
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -146,7 +147,7 @@ def test_a_resume_with_nothing_left_to_train_is_an_error(base_config, overrides,
 
 
 class Tiny(torch.nn.Module):
-    """Parameters in all three published groups (engine/optim.py)."""
+    """Parameters in all three published groups (engine/train/optim.py)."""
 
     def __init__(self):
         super().__init__()
@@ -229,9 +230,9 @@ def test_a_recorded_model_setting_this_version_refuses_names_the_checkpoint(base
 
 
 def test_what_a_resume_may_change_comes_from_the_schemas_roles():
-    from engine.checkpoint import model_config_for_checkpoint
-    from engine.config import HOW_TO_RUN, role_of
-    from engine.resume import flatten, resumable_change
+    from engine.checkpoint.contents import model_config_for_checkpoint
+    from engine.config.train_schema import HOW_TO_RUN, role_of
+    from engine.train.resume import flatten, resumable_change
 
     keys = flatten(plain_config(compose_train()))
     may_change = {key for key in keys if resumable_change(key)}

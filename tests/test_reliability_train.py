@@ -15,7 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import train as trainer
 from datasets import ImageReadError, build_dataset
-from engine.checkpoint import CheckpointError, load_checkpoint
+from engine.checkpoint.io import load_checkpoint
+from engine.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 2  # 12 training images, batch 4 (a batch's worth left over in the size buckets)
@@ -135,6 +136,6 @@ def test_weights_of_another_size_name_the_checkpoint_not_a_wall_of_mismatches(fi
     with pytest.raises(CheckpointError, match=r"checkpoint .*weights_only\.pth does not fit the model: \d+ parameters "
                                               r"differ in shape \(e\.g\. .*\(10, 64\) in the checkpoint, \(12, 64\) in "
                                               r"the model") as error:
-        trainer.evaluate(compose_run(tmp_path / "eval", *synthetic(data_root), "eval_only=true",
+        trainer.evaluate_checkpoint(compose_run(tmp_path / "eval", *synthetic(data_root), "eval_only=true",
                                      f"checkpoint={weights_only}", "model.num_queries=12"))
     assert len(str(error.value).splitlines()) == 1

@@ -1,8 +1,8 @@
-"""engine.step.TrainStep: one optimizer step, a non-finite one skipped on the device, and no host syncs.
+"""engine.train.step.OptimizerStep: one optimizer step, a non-finite one skipped on the device, and no host syncs.
 
 Also torch.compile of the tiny model's forward and backward (fullgraph, aot_eager) with model.msda=triton
 (under the interpreter without a GPU) and pytorch: no graph break, the outputs and gradients of eager.
-engine/compile.py's regions are tested in tests/test_compile.py.
+engine/compile/plan.py's regions are tested in tests/test_compile.py.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import copy
 
 import pytest
 import torch
+from test_models import _batch, _targets, tiny_cfg
 
-from engine.optim import build_optimizer
-from engine.precision import Precision
-from engine.step import TrainStep
+from engine.runtime.precision import Precision
+from engine.train.optim import build_optimizer
+from engine.train.step import OptimizerStep
 from models import build_model
 from models.deformable_attention import MSDeformAttn
-from test_models import _batch, _targets, tiny_cfg
 
 SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)  # compile traces every layer: keep it short
 
@@ -32,7 +32,7 @@ def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
     model.to(device)
     criterion.to(device)
     optimizer = build_optimizer(model, _optim_cfg())
-    return TrainStep(model=model, criterion=criterion, optimizer=optimizer,
+    return OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
                      precision=Precision(amp="none", device=torch.device(device)), clip_max_norm=0.1)
 
 
@@ -44,7 +44,7 @@ def _optim_cfg():
                                  lr_linear_proj_names=["reference_points", "sampling_offsets"]))
 
 
-def _state(step: TrainStep):
+def _state(step: OptimizerStep):
     params = {n: p.detach().clone() for n, p in step.model.named_parameters()}
     moments = [{k: v.clone() for k, v in s.items()} for s in step.optimizer.state.values()]
     return params, moments
@@ -52,7 +52,7 @@ def _state(step: TrainStep):
 
 def test_the_box_count_average_starts_before_the_forward_and_is_read_after_the_matching(seeded):
     """A multi-process run's all-reduce of the box count has the whole forward to finish, and the matching's
-    host sync does not wait for it (engine.distributed.average_over_processes)."""
+    host sync does not wait for it (engine.runtime.distributed.average_over_processes)."""
     step = make_step()
     events = []
     step.model.register_forward_pre_hook(lambda module, args: events.append("forward"))
@@ -102,7 +102,7 @@ def test_a_non_finite_step_is_skipped_without_touching_weights_or_moments(seeded
 def test_the_step_needs_a_non_negative_clip_norm():
     model, criterion, _ = build_model(tiny_cfg(msda="pytorch", **SMALL))
     with pytest.raises(ValueError, match="clip_max_norm must be >= 0"):
-        TrainStep(model=model, criterion=criterion, optimizer=build_optimizer(model, _optim_cfg()),
+        OptimizerStep(model=model, criterion=criterion, optimizer=build_optimizer(model, _optim_cfg()),
                   precision=Precision(amp="none", device=torch.device("cpu")), clip_max_norm=-1.0)
 
 

@@ -1,7 +1,7 @@
 """Where the GPU idles in a training step: the step's named phases and bench/e2e's attribution of idle time.
 
 bench/e2e.py and bench/ddp.py charge every moment the GPU has nothing to run to the innermost phase the host
-was in (engine.step's step.forward / step.losses / step.backward / step.update, the criterion's
+was in (engine.train.step's step.forward / step.losses / step.backward / step.update, the criterion's
 step.matching); these tests check the attribution on hand-made timelines, and that a real step names its
 phases for the profiler.
 """
@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_models import _batch, _targets
+from test_step import make_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.e2e_steptime import STEP_PHASES, idle_by_phase, is_device_work
-from test_models import _batch, _targets
-from test_step import make_step
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 

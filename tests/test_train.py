@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_process import child_env
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train as trainer
-from child_process import child_env
-from engine.checkpoint import CheckpointError, load_checkpoint
+from engine.checkpoint.io import load_checkpoint
+from engine.errors import CheckpointError, NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 # 16 training images, batch 4, wide and tall: an epoch's images left over in the two orientations' size buckets
@@ -74,7 +75,7 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
 
     for name in ("checkpoint.pth", "checkpoint_epoch0001.pth", "checkpoint_epoch0002.pth"):
         assert (run_dir / name).is_file(), name
-    timing = json.loads((run_dir / "timing.json").read_text())  # where the run's time went (engine/run_timing.py)
+    timing = json.loads((run_dir / "timing.json").read_text())  # where the run's time went (engine/train/run_timing.py)
     assert timing == tiny_run["timing"] and timing["steps"] == 2 * STEPS_PER_EPOCH
     assert timing["compile_s"] == 0 and timing["graphs_compiled"] == 0  # the CPU runs eagerly
     assert 0 < timing["train_s"] < timing["total_s"] and 0 < timing["eval_s"] < timing["total_s"]
@@ -98,7 +99,7 @@ def test_eval_only_reproduces_the_final_evaluation(tiny_run, data_root, tmp_path
                       f"checkpoint={tiny_run['output_dir'] / 'checkpoint.pth'}",
                       # the architecture comes from the checkpoint's recorded config, not from these
                       "model.hidden_dim=64", "model.num_queries=30")
-    result = trainer.evaluate(cfg)
+    result = trainer.evaluate_checkpoint(cfg)
     assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-12)
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["AP"] == pytest.approx(tiny_run["eval"]["AP"], abs=1e-12)
@@ -112,7 +113,7 @@ def test_eval_only_reads_the_variant_from_official_style_args(tiny_run, data_roo
     del args.num_classes  # the official args do not record it (91, from the dataset)
     path = tmp_path / "official_style.pth"
     torch.save({"model": ours["model"], "args": args, "epoch": 1}, path)
-    result = trainer.evaluate(compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={path}",
+    result = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={path}",
                                           "model.hidden_dim=64", "model.dec_layers=6"))
     assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-12)
 
@@ -169,7 +170,7 @@ def test_unreadable_checkpoint_is_a_clear_error(data_root, tmp_path):
     bad = tmp_path / "corrupt.pth"
     bad.write_bytes(b"\x80\x02 not a checkpoint")
     with pytest.raises(CheckpointError, match=r"could not read checkpoint .*corrupt\.pth"):
-        trainer.evaluate(compose_run(data_root, tmp_path / "eval", "eval_only=true", f"checkpoint={bad}"))
+        trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "eval", "eval_only=true", f"checkpoint={bad}"))
     with pytest.raises(CheckpointError, match=r"corrupt\.pth"):
         trainer.train(compose_run(data_root, tmp_path / "resume", f"resume={bad}"))
 
@@ -181,14 +182,14 @@ def test_checkpoint_of_another_variant_is_a_clear_error(tiny_run, data_root, tmp
     torch.save(ckpt, path)
     cfg = compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={path}", "experiment=box_refine")
     with pytest.raises(CheckpointError, match=r"no_config\.pth does not fit the model.*with_box_refine"):
-        trainer.evaluate(cfg)
+        trainer.evaluate_checkpoint(cfg)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data_root, tmp_path, monkeypatch):
-    import engine.build
+    import engine.train.build
 
     calls = {"n": 0}
-    build_model = engine.build.build_model
+    build_model = engine.train.build.build_model
 
     def build_model_with_nan_in_epoch_2(cfg_model):
         model, criterion, postprocess = build_model(cfg_model)
@@ -204,8 +205,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
         criterion.forward = nan_loss
         return model, criterion, postprocess
 
-    monkeypatch.setattr(engine.build, "build_model", build_model_with_nan_in_epoch_2)
-    with pytest.raises(trainer.NonFiniteLossError, match=rf"non-finite loss .* epoch 2, step {STEPS_PER_EPOCH + 2} "
+    monkeypatch.setattr(engine.train.build, "build_model", build_model_with_nan_in_epoch_2)
+    with pytest.raises(NonFiniteLossError, match=rf"non-finite loss .* epoch 2, step {STEPS_PER_EPOCH + 2} "
                                                          r".*loss_bbox=nan"
                                                          r".*checkpoint\.pth, is kept"):
         trainer.train(compose_run(data_root, tmp_path))
@@ -245,7 +246,7 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gr
     # Scored on every validation image (each rank ran 4 of the 7), with the same figures as one process
     # evaluating the same weights.
     assert ddp_eval["num_images"] == 7
-    single = trainer.evaluate(compose_run(data_root, tmp_path / "single", *uneven, "eval_only=true",
+    single = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "single", *uneven, "eval_only=true",
                                           f"checkpoint={run_dir / 'checkpoint.pth'}"))
     assert {k: ddp_eval[k] for k in single["eval"]} == pytest.approx(single["eval"], abs=1e-12)
 
@@ -262,13 +263,14 @@ def test_missing_coco_annotations_is_a_clear_error(tmp_path):
 def test_a_run_without_size_buckets_is_warned_when_its_plan_builds_graphs_per_size(caplog):
     from omegaconf import OmegaConf
 
-    from engine.compile import CompilePlan
+    from engine.compile.plan import CompilePlan
+    from engine.train.run_setup import warn_unbounded_sizes
 
     cfg = OmegaConf.create({"compile": {"mode": "graphs"}, "dataset": {"pad_to_multiple": 32}})
     with caplog.at_level("WARNING", logger="train"):
-        trainer.warn_unbounded_sizes(cfg, None, CompilePlan(mode="graphs"), training=True)
-        trainer.warn_unbounded_sizes(cfg, object(), CompilePlan(mode="graphs"), training=True)  # buckets: nothing
-        trainer.warn_unbounded_sizes(cfg, None, None, training=True)  # eager: nothing
+        warn_unbounded_sizes(cfg, None, CompilePlan(mode="graphs"), training=True)
+        warn_unbounded_sizes(cfg, object(), CompilePlan(mode="graphs"), training=True)  # buckets: nothing
+        warn_unbounded_sizes(cfg, None, None, training=True)  # eager: nothing
     assert len(caplog.records) == 1
     assert ("dataset.size_buckets=0 with compile.mode=graphs: each new padded batch size records CUDA graphs again"
             in caplog.text and "dataset.pad_to_multiple=32" in caplog.text)

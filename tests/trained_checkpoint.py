@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from engine.config import plain_config
+from engine.config.registry import plain_config
 from models import build_model
 from models.deformable_attention import MSDeformAttn
 

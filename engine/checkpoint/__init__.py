@@ -1,0 +1,1 @@
+"""Checkpoints: files written atomically, in the background; their contents; weights for new runs and inference."""

@@ -1,0 +1,119 @@
+"""What a checkpoint holds: the training state a resume needs, the model config it records, its weights.
+
+An official checkpoint records its model in ``args`` (argparse.Namespace), ours in ``config['model']``
+(engine/checkpoint/io.py's docstring lists the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import os
+from collections.abc import Iterable
+
+import torch
+
+from engine.config.train_schema import HOW_TO_RUN, role_of
+from engine.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+TRAINING_STATE = ("optimizer", "lr_scheduler", "grad_scaler", "epoch", "steps_in_epoch", "step", "rng")
+
+
+def check_training_state(ckpt: dict, *, path: str | os.PathLike) -> None:
+    """Resuming needs the whole training state, which only this trainer's checkpoints hold."""
+    missing = [k for k in TRAINING_STATE if k not in ckpt]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be resumed: it has no {', '.join(missing)} (resume needs a checkpoint.pth "
+            f"written by this trainer; an official checkpoint can be evaluated with eval_only=true checkpoint=PATH)")
+
+
+def recorded_model_config(ckpt: dict) -> dict:
+    """The model hyperparameters a checkpoint records: our 'config'['model'] or the official 'args'."""
+    config = ckpt.get("config")
+    if isinstance(config, dict) and isinstance(config.get("model"), dict):
+        return dict(config["model"])
+    args = ckpt.get("args")
+    if isinstance(args, argparse.Namespace):
+        return vars(args).copy()
+    if isinstance(args, dict):
+        return dict(args)
+    return {}
+
+
+def shown(value) -> str:
+    """A config value for a log line: an enum member (a typed config's choice) shown as its value, as a string is."""
+    return repr(value.value if isinstance(value, enum.Enum) else value)
+
+
+def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
+                                keys: Iterable[str] | None = None) -> dict:
+    """``cfg_model`` with the architecture the checkpoint records (variant, sizes, classes) put in.
+
+    The weights fix the architecture, so where the checkpoint records a value (our config, or the official
+    args such as with_box_refine / two_stage) it wins over the composed config; keys it does not record
+    (e.g. num_classes in the official args, 91 there) come from the config. ``keys`` limits what is taken
+    from the checkpoint (default: every recorded key). ``pretrained`` is set to none: the checkpoint
+    replaces the backbone weights, and there is no need to fetch ImageNet ones.
+    """
+    recorded = recorded_model_config(ckpt)
+    if keys is not None:
+        wanted = set(keys)
+        recorded = {k: v for k, v in recorded.items() if k in wanted}
+    merged = dict(cfg_model)
+    for key, value in recorded.items():
+        if key in merged and role_of(f"model.{key}") != HOW_TO_RUN and merged[key] != value:
+            log.info("model.%s=%s as recorded in %s (config said %s)", key, shown(value), path, shown(merged[key]))
+            merged[key] = value
+    if "pretrained" in merged:
+        merged["pretrained"] = "none"
+    return merged
+
+
+def model_state_dict(ckpt: dict) -> dict:
+    """``ckpt['model']`` with the ``module.`` prefix of a DDP-wrapped save removed."""
+    state = ckpt["model"]
+    if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
+        state = {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
+    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it."""
+    state = model_state_dict(ckpt)
+    own = model.state_dict()
+    reshaped = [f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
+                for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]
+    if reshaped:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model: {len(reshaped)} parameters differ in shape (e.g. "
+            f"{'; '.join(reshaped[:3])}). Check model.num_classes, model.hidden_dim, model.num_queries, "
+            f"model.num_feature_levels and the other sizes against the checkpoint")
+    result = model.load_state_dict(state, strict=False)
+    problems = []
+    if result.missing_keys:
+        problems.append(f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[:3]})")
+    if result.unexpected_keys:
+        problems.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[:3]})")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the model: parameters {'; '.join(problems)}. Check the variant "
+            f"(model.with_box_refine, model.two_stage) and the model sizes against the checkpoint")
+
+
+def read_recorded_config(path: str | os.PathLike) -> dict | None:
+    """The config a checkpoint of ours records, or None (unreadable, or not ours), without reading its tensors.
+
+    The file is memory-mapped: only the small pickle is parsed, so looking at many large checkpoints is cheap.
+    """
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # any unreadable file is simply not a candidate; its name is logged by the caller
+        return None
+    config = obj.get("config") if isinstance(obj, dict) else None
+    return config if isinstance(config, dict) else None

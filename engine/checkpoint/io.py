@@ -1,0 +1,198 @@
+"""Checkpoint files: atomic writes (stray temporaries cleaned up), room on the disk, loading with clear errors.
+
+Our checkpoint is a dict:
+    model          state_dict of the unwrapped model (names as in the official checkpoints)
+    optimizer, lr_scheduler, grad_scaler   their state_dicts
+    epoch          epochs completed; steps_in_epoch  batches done in the epoch in progress (0 at a boundary)
+    step           optimizer steps done in the whole run
+    config         the composed run config (plain dict), so a checkpoint knows its model variant
+    rng            python, numpy, torch (and cuda) generator states (engine.runtime.rng)
+An official Deformable DETR checkpoint is {"model": state_dict, "args": argparse.Namespace, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from engine.errors import CheckpointError, CheckpointWriteError
+
+log = logging.getLogger(__name__)
+
+LATEST = "checkpoint.pth"
+
+
+def epoch_checkpoint_name(epoch: int) -> str:
+    return f"checkpoint_epoch{epoch:04d}.pth"
+
+
+def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
+    """Write ``state`` to ``path`` so that a reader sees either the old file or the whole new one.
+
+    torch.save goes to a temporary file in the same directory, which is flushed to disk and then renamed
+    over ``path`` (rename is atomic on POSIX within one filesystem). An interrupted save leaves at most a
+    stray ``.tmp`` file, never a truncated checkpoint; the next save in the directory removes it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stray_temporaries(path.parent)
+    tmp = _temporary_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError of its writer
+        kept = (f"{path} still holds the previous checkpoint" if path.exists()
+                else "no checkpoint had been written there yet")
+        raise CheckpointWriteError(
+            f"could not write checkpoint {path} ({_write_failure(error)}; {_free_mb(path.parent):.0f} MB free on its "
+            f"disk); {kept}. Free disk space or set output_dir to another disk, then resume") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _free_mb(directory: Path) -> float:
+    try:
+        return shutil.disk_usage(directory).free / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _write_failure(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error)
+    if "unexpected pos" in text or "failed writing" in text:
+        return "the write stopped short: the disk is probably full"
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """About what a checkpoint of ``model`` takes on disk: the weights and buffers, and AdamW's two moments of
+    every trained parameter (fp32)."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    moments = sum(2 * 4 * p.numel() for p in model.parameters() if p.requires_grad)
+    return weights + moments + 2**20
+
+
+def check_free_space(directory: str | os.PathLike, needed: int) -> None:
+    """Refuse to start a run whose checkpoints would not fit: found now, not after an epoch of training. A save
+    writes the new file beside the old one before replacing it, so ``needed`` must be free on top of it."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CheckpointWriteError(
+            f"{directory} has {free / 2**20:.0f} MB free, and a checkpoint of this run takes about "
+            f"{needed / 2**20:.0f} MB: free disk space or set output_dir to a disk with room")
+
+
+def _temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+# .<name>.<pid>.tmp, as _temporary_name makes them
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.tmp")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    return True
+
+
+def remove_stray_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that interrupted saves (kill -9, a full disk) left in ``directory``.
+
+    Only files named as save_checkpoint/publish_as name them, and only those of processes that no longer
+    run (or of this one, whose own saves are over by now): a save in progress elsewhere is left alone.
+    """
+    removed = []
+    for tmp in Path(directory).glob(".*.tmp"):
+        match = _TEMPORARY.fullmatch(tmp.name)
+        if match is None:
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or not _process_alive(pid):
+            try:
+                size = tmp.stat().st_size
+                tmp.unlink()
+            except FileNotFoundError:
+                continue
+            log.info("removed %s (%.0f MB), left by an interrupted save", tmp, size / 2**20)
+            removed.append(tmp)
+    return removed
+
+
+def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Make ``dst`` hold the same bytes as the finished checkpoint ``src``, atomically.
+
+    A hard link costs no second write of a large file; where links are not supported it is a copy. Either
+    way the new name appears by rename, and replacing ``dst`` later leaves ``src`` untouched. A copy that
+    fails (a full disk) raises CheckpointWriteError naming both files.
+    """
+    src, dst = Path(src), Path(dst)
+    tmp = _temporary_name(dst)
+    try:
+        if tmp.exists():
+            tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except OSError as error:
+        raise CheckpointWriteError(
+            f"wrote checkpoint {src} but could not publish it as {dst} ({error.strerror or error}); {src} holds "
+            f"the latest state: resume={src}") from None
+    return dst
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a checkpoint onto the CPU; raise CheckpointError naming the path and what was expected.
+
+    Loads with ``weights_only=True`` (no arbitrary code from a downloaded file); argparse.Namespace is
+    allowed because the official checkpoints record their arguments in one.
+    """
+    path = Path(path)
+    expected = ("a torch.save file holding a dict with a 'model' state_dict "
+                "(a checkpoint of this trainer or an official Deformable DETR checkpoint)")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist (expected {expected})")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load fails in many ways on a foreign file (KeyError for text); name the file
+        raise CheckpointError(
+            f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, corrupt or not "
+            f"{expected}") from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+        got = type(obj).__name__ if not isinstance(obj, dict) else f"dict with keys {sorted(obj)[:10]}"
+        raise CheckpointError(f"checkpoint {path} holds {got}; expected {expected}")
+    return obj
+
+
+def _load_failure(e: Exception) -> str:
+    """The informative part of torch.load's error (its weights_only text is advice for trusted files)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if isinstance(e, pickle.UnpicklingError):
+        unsupported = [ln for ln in lines if "Unsupported" in ln]
+        return unsupported[0] if unsupported else "not a pickle of tensors and containers"
+    if isinstance(e, EOFError) or not lines:
+        return f"{type(e).__name__}: ended early"
+    if isinstance(e, KeyError):  # the legacy unpickler meeting bytes that are no pickle opcode
+        return "not a pickle: unknown opcode"
+    return f"{type(e).__name__}: {lines[0].split('. ')[0]}"

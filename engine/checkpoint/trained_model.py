@@ -1,0 +1,96 @@
+"""A detector ready for inference from a checkpoint: ours (any run of train.py) or an official Deformable DETR one.
+
+What predict.py and export.py share with ``python train.py eval_only=true``: the architecture comes from the
+checkpoint where it records it (engine.checkpoint.contents.model_config_for_checkpoint), the number of classes from its
+class head, and the weights are loaded strictly. The class names and the inference size come from the
+checkpoint too when it records them; an official checkpoint (COCO, 91 rows) gets COCO's names and sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from datasets.coco_categories import COCO_CATEGORY_NAMES
+from datasets.transforms import COCO_MAX_SIZE, COCO_VAL_SIZE
+from models import build_model
+
+from .contents import load_model_weights, model_config_for_checkpoint
+from .io import load_checkpoint
+from .num_classes import classes_in_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainedModel:
+    """model        DeformableDETR in eval mode on ``device``, the checkpoint's weights loaded
+    postprocess  PostProcess: outputs -> per image {"scores", "labels", "boxes" xyxy in the given sizes}
+    model_config the model settings it was built from (a dict)
+    categories   category id -> name, as recorded (``name`` says "class N" for an id without one)
+    val_size     the short side images are resized to, as the checkpoint's run evaluated them
+    max_size     the long side's limit, ditto
+    checkpoint   the file it came from
+    step         the training step the checkpoint was saved at (0 where it does not record one)
+    """
+
+    model: torch.nn.Module
+    postprocess: torch.nn.Module
+    model_config: dict
+    categories: dict[int, str]
+    val_size: int
+    max_size: int
+    checkpoint: Path
+    step: int
+
+    def name(self, category_id: int) -> str:
+        return self.categories.get(int(category_id), f"class {int(category_id)}")
+
+
+def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.device, msda: str | None = None,
+                       categories: dict[int, str] | None = None) -> TrainedModel:
+    """The detector of ``checkpoint``, built from ``cfg_model`` (a model config: DictConfig or dict) with what
+    the checkpoint records put in, on ``device``.
+
+    ``msda``: the attention implementation to run (auto | triton | pytorch), else the config's.
+    ``categories``: names to use instead of the checkpoint's (e.g. from an annotation file).
+    """
+    path = Path(checkpoint)
+    ckpt = load_checkpoint(path)
+    plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
+    model_config = model_config_for_checkpoint(plain, ckpt, path=path)
+    model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
+    if msda is not None:
+        model_config["msda"] = msda
+    model, _, postprocess = build_model(OmegaConf.create(model_config))
+    load_model_weights(model, ckpt, path=path)
+    model.to(device).eval()
+    val_size, max_size = recorded_sizes(ckpt)
+    names = categories if categories is not None else recorded_categories(ckpt, model_config["num_classes"])
+    return TrainedModel(model=model, postprocess=postprocess.to(device), model_config=model_config,
+                        categories=names, val_size=val_size, max_size=max_size, checkpoint=path,
+                        step=int(ckpt.get("step", 0) or 0))
+
+
+def recorded_sizes(ckpt: dict) -> tuple[int, int]:
+    """(val_size, max_size) of the run that saved ``ckpt``; COCO's (800, 1333) where it records none."""
+    dataset = (ckpt.get("config") or {}).get("dataset") if isinstance(ckpt.get("config"), dict) else None
+    if isinstance(dataset, dict) and dataset.get("val_size") and dataset.get("max_size"):
+        return int(dataset["val_size"]), int(dataset["max_size"])
+    return COCO_VAL_SIZE, COCO_MAX_SIZE
+
+
+def recorded_categories(ckpt: dict, num_classes: int) -> dict[int, str]:
+    """category id -> name as ``ckpt`` records them (checkpoints of this trainer), else COCO's for a class head
+    of COCO's size (91 rows: the official checkpoints), else none."""
+    recorded = ckpt.get("categories")
+    if isinstance(recorded, dict) and recorded:
+        return {int(k): str(v) for k, v in recorded.items()}
+    if num_classes == max(COCO_CATEGORY_NAMES) + 1:
+        return dict(COCO_CATEGORY_NAMES)
+    log.info("the checkpoint names no classes: they are shown as 'class N' (annotations=FILE.json names them)")
+    return {}

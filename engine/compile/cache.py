@@ -1,0 +1,38 @@
+"""Compiled graphs and kernels kept between runs: ``compile.cache_dir`` for Inductor's, AOTAutograd's and
+Triton's caches, so that a second run or a resume on the same machine skips most of the compilation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch._inductor.config
+
+# Environment variables of the caches and the folder of compile.cache_dir each one takes; a variable the user
+# set before the run wins.
+CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_set_here: dict[str, str] = {}
+
+
+def use_compile_cache(cache_dir: str) -> Path:
+    """Keep Inductor's (with AOTAutograd's) and Triton's caches under ``cache_dir``; returns it resolved.
+
+    Call before anything compiles: both read their variables when they first need them.
+    """
+    root = Path(os.path.expanduser(cache_dir)).resolve()
+    for variable, folder in CACHE_VARIABLES.items():
+        if variable in os.environ and os.environ[variable] != _set_here.get(variable):
+            continue  # the user's own choice
+        _set_here[variable] = os.environ[variable] = str(root / folder)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"compile.cache_dir={cache_dir}: cannot create {root} ({error.strerror}); point it at a "
+                         "writable directory") from error
+    torch._inductor.config.fx_graph_cache = True
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = True
+    return root

@@ -1,0 +1,169 @@
+"""CUDA graphs of the eager model, nothing compiled: ``compile.mode=graphs``, and ``auto``'s choice on a GPU for
+runs too short to repay Inductor's compilation (engine/compile/plan.py).
+
+The eager step is host-bound: Python issues thousands of small kernels per step while the GPU waits. A CUDA
+graph records one step's kernels once and replays them with one launch, so the GPU runs the same eager
+kernels back to back. Recording a size takes a few eager steps and about a second, where Inductor's first
+compilation takes minutes.
+
+What is recorded, per input size (batch, height, width) and precision:
+- training: ``forward`` (backbone, transformer, heads), its forward and its backward, through
+  ``torch.cuda.make_graphed_callables``; and the losses after the matching (``SetCriterion.stacked_losses``),
+  forward and backward, per padded number of targets (models.criterion.target_slots). The Hungarian matching
+  and the optimizer stay eager: the matching reads its cost matrices on the host.
+- evaluation: ``detect`` as one forward graph.
+
+The model's graphs share one memory pool. That is safe because every replay's outputs are used up before the
+next replay of the pool starts (the step turns them into losses and gradients, evaluation into detections on
+the host): a graph's outputs, and the activations its forward leaves for its backward, live in memory another
+size's replay may write. A caller must not keep a replay's outputs past the next call. The losses' graphs
+replay between the model's forward and its backward, and the two-stage proposals' between the decoder's
+losses' forward and backward: the decoder's losses and the proposals' are two regions, each with a pool of its
+own, shared by its sizes. Capture needs a model that reads nothing back from the GPU and copies nothing from the
+host while it runs (models/deformable_attention.py keeps its level sizes on the device) and autocast without
+its weight cache (engine/runtime/precision.py): a cached cast would freeze the weights a graph saw when it was
+recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .clock import CAPTURE_PREFIX, CompileClock
+
+log = logging.getLogger(__name__)
+
+# Sizes recorded per method; a size past them runs eagerly (logged once). Size buckets keep a run to a few
+# (datasets/size_buckets.py); with buckets off every image size would record graphs and keep their memory.
+MAX_SIZES = 32
+# Eager runs before recording: the first call of a size autotunes and loads kernels, which must not happen in
+# the recording.
+WARMUP_CALLS = 2
+
+
+class _FlatOutputs(nn.Module):
+    """One method of ``owner`` as a module returning a flat tuple of tensors, what capture takes; its parameters
+    are the owner's, so that the backward graph produces their gradients."""
+
+    def __init__(self, owner: nn.Module, method):
+        super().__init__()
+        self.owner = owner
+        self.method = method
+        self.spec = None
+
+    def forward(self, *args: torch.Tensor):
+        flat, self.spec = tree_flatten(self.method(self.owner, *args))
+        return tuple(flat)
+
+
+class GraphedMethod:
+    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs,
+    one recording per size (the shapes, dtypes and requires_grad of its tensor arguments, and autocast).
+
+    backward  True: forward and backward recorded (training; called with gradients on, the owner training and
+              something to differentiate, else it runs eagerly); False: a forward graph, for calls without
+              gradients
+    pool      the memory pool the graphs share (module docstring)
+    A call with an argument that is not a tensor (a model's mask of None) runs eagerly.
+    """
+
+    def __init__(self, owner: nn.Module, method, *, backward: bool, pool):
+        self.owner, self.method, self.backward, self.pool = owner, method, backward, pool
+        self.name = CAPTURE_PREFIX + method.__name__  # apart from the Dynamo-compiled functions of that name
+        self._trains_parameters = any(p.requires_grad for p in owner.parameters())
+        self._graphs: dict[tuple, object] = {}
+        self._told_full = False
+
+    def __call__(self, *args):
+        if not self._applies(args):
+            return self.method(self.owner, *args)
+        key = (tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args), torch.is_autocast_enabled("cuda"),
+               torch.get_autocast_dtype("cuda"))
+        replay = self._graphs.get(key)
+        if replay is None:
+            if len(self._graphs) >= MAX_SIZES:
+                if not self._told_full:
+                    self._told_full = True
+                    log.warning("%s: %d sizes recorded as CUDA graphs, the most kept; new sizes run eagerly "
+                                "(dataset.size_buckets bounds the sizes a run meets)", self.name, MAX_SIZES)
+                return self.method(self.owner, *args)
+            replay = self._graphs[key] = self._record(args)
+        return replay(*args)
+
+    def _applies(self, args) -> bool:
+        if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            return False
+        if self.backward:
+            return (torch.is_grad_enabled() and self.owner.training
+                    and (self._trains_parameters or any(a.requires_grad for a in args)))
+        return not torch.is_grad_enabled()
+
+    def _record(self, args: tuple):
+        if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+            raise RuntimeError("CUDA graphs need autocast without its weight cache (torch.autocast(..., "
+                               "cache_enabled=False), as engine.runtime.precision.Precision.autocast does)")
+        started = time.perf_counter()
+        flat = _FlatOutputs(self.owner, self.method)
+        # The graphs' own inputs, leaves: recording must not reach the autograd graph the arguments came from.
+        static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        replay = self._record_training(flat, static) if self.backward else self._record_inference(flat, static)
+        torch.cuda.current_stream().synchronize()
+        seconds = time.perf_counter() - started
+        CompileClock.get().record_capture(self.name, seconds)
+        log.info("%s: recorded the CUDA graphs of size %s in %.1f s", self.name,
+                 " ".join("x".join(map(str, a.shape)) or "1" for a in args), seconds)
+        return replay
+
+    def _record_training(self, flat: _FlatOutputs, static: tuple):
+        graphed = torch.cuda.make_graphed_callables(flat, static, num_warmup_iters=WARMUP_CALLS,
+                                                    allow_unused_input=True, pool=self.pool)
+
+        def replay(*args):
+            return tree_unflatten(list(graphed(*args)), flat.spec)
+
+        return replay
+
+    def _record_inference(self, flat: _FlatOutputs, static: tuple):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                flat(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = flat(*static)
+
+        def replay(*args):
+            for into, value in zip(static, args):
+                into.copy_(value)
+            graph.replay()
+            return tree_unflatten(list(outputs), flat.spec)
+
+        return replay
+
+
+def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Module | None = None) -> nn.Module:
+    """Replay the regions ``model`` declares for recording (``compile_regions(graphs=True)``: its training ``forward``
+    and, with ``evaluation``, its ``detect``) as CUDA graphs, in place (per instance, through ``use_compiled``:
+    parameters, state_dict keys and checkpoints are unchanged), and the regions of ``criterion`` (its losses) in
+    a pool per region; returns the model."""
+    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), pool_per_region=False)
+    if criterion is not None:
+        graph_regions(criterion, criterion.compile_regions(graphs=True), pool_per_region=True)
+    return model
+
+
+def graph_regions(owner: nn.Module, regions, *, pool_per_region: bool) -> None:
+    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs, all in one new memory
+    pool, or (``pool_per_region``: regions whose replays interleave) each region in a new pool of its own."""
+    shared = torch.cuda.graph_pool_handle()
+    for region in regions:
+        method = getattr(type(owner), region.name)
+        pool = torch.cuda.graph_pool_handle() if pool_per_region else shared
+        owner.use_compiled(region.name, GraphedMethod(owner, method, backward=region.training, pool=pool))

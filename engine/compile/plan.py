@@ -1,0 +1,245 @@
+"""The ``compile`` settings as a plan for this device, applied to the regions a model declares.
+
+``compile.mode=auto`` (the default) on a GPU replays the eager model as CUDA graphs (``graphs``,
+engine/compile/cuda_graphs.py: nothing compiled, a second or so per size) for a run of fewer than ``STEPS_TO_COMPILE``
+steps, and compiles it for a longer run or when a ``compile.regions|backbone|backend`` key asks for Inductor.
+Compiled (``reduce-overhead``), it takes the transformer with its heads as
+one graph (``DeformableDETR.predict``: the encoder, the decoder, the glue between their layers, the heads,
+the deformable attention op itself, which is a registered operator traced with no break), the position
+encoding, the backbone (``DeformableDETR.features``, one graph per size bucket) and, in training, the losses
+after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and graphs
+off; ``default`` compiles without CUDA graphs (also on the CPU).
+
+Why these choices (bench/results/e2e_h200.md): the step's thousands of small launches are in the
+transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
+AOTAutograd's wrappers, the CUDA-graph trees' input copies) while the GPU waits, so fewer, larger graphs
+make the faster step. CUDA graphs take the launches off the host. The backbone compiled per size takes the
+rest; the size buckets (datasets/size_buckets.py) bound how many sizes a run meets, training and evaluation
+together, so that it compiles few graphs. ``compile.regions=layers`` compiles each encoder and decoder layer
+(layers of one kind share a graph) and the heads apart: about a third of the first compilation, more host
+time per step.
+
+The transformer's graph has symbolic sizes: one graph serves every bucket (``_options`` turns off the size
+thresholds of a fusion that made the second size compile it again). The losses have symbolic
+sizes too and no CUDA graphs: the padded number of matched pairs changes from batch to batch. Evaluation runs
+``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per
+evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later ones none,
+instead of every training region again without gradients. Module names and state_dict keys are unchanged:
+checkpoints of a compiled run load anywhere.
+
+Compiled graphs, kernels and autotuning results are kept in ``compile.cache_dir`` (``use_compile_cache``),
+so that a second run or a resume on the same machine skips most of the compilation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo.config
+import torch._inductor.config  # noqa: F401  (hasattr below)
+import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, set below)
+
+from engine.config.choices import (
+    COMPILE_MODES,
+    DEFAULT_REGIONS,
+    INDUCTOR_KEYS,
+    INDUCTOR_MODES,
+    REGION_CHOICES,
+    TRAIN_BACKBONE_CHOICES,
+)
+from models.compiled_regions import Region
+
+log = logging.getLogger(__name__)
+
+# compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below them its
+# compilation (minutes with a cold cache) costs more than its faster step saves over the eager model's CUDA
+# graphs (bench/results/ttr_h200.md has both).
+STEPS_TO_COMPILE = 35000
+# Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised
+# for the per-size graphs of the backbone and of evaluation: a run meets its buckets, a user with buckets off
+# (dataset.size_buckets=0) many more. Process-wide: the limit of the other regions rises with it.
+STATIC_BACKBONE_GRAPHS = 64
+# The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+# compile.evaluation=null compiles evaluation when the run evaluates at least this many batches per process in
+# all: a compiled evaluation graph costs tens of seconds per evaluation size to compile (cold cache) and saves
+# milliseconds per batch.
+EVALUATION_BATCHES_TO_COMPILE = 1000
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What this run compiles, the ``compile`` settings resolved for its device (``resolve_compile``)."""
+
+    mode: str = "reduce-overhead"   # one of COMPILE_MODES
+    regions: str = DEFAULT_REGIONS  # one of REGION_CHOICES
+    backbone: str = "static"        # one of TRAIN_BACKBONE_CHOICES
+    backend: str = "inductor"       # torch.compile's backend, or a backend callable (tests)
+    evaluation: bool = False        # DeformableDETR.detect compiled, one graph per evaluation size
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.mode in ("reduce-overhead", "graphs")
+
+    @property
+    def inductor(self) -> bool:
+        return self.mode in INDUCTOR_MODES
+
+    def per_size_work(self, *, training: bool = True) -> str | None:
+        """What this plan builds again for each new input size (None: nothing), which the size buckets bound and a
+        run without them (dataset.size_buckets=0) pays for every padded size it meets."""
+        if not self.inductor:
+            return "records CUDA graphs" if training or self.evaluation else None
+        what = (["the backbone"] if training and self.backbone == "static" else []) + \
+            (["evaluation's graph"] if self.evaluation else [])
+        return f"compiles {' and '.join(what)}" if what else None
+
+    def describe(self, *, losses: bool = True) -> str:
+        if not self.inductor:
+            return ("CUDA graphs of the eager model (training" + (", the losses" if losses else "")
+                    + (", evaluation" if self.evaluation else "") + "), recorded once per size; nothing compiled")
+        parts = ["the transformer's layers and the heads" if self.regions == "layers"
+                 else "the transformer with its heads", "the position encoding"]
+        if self.backbone == "static":
+            parts.append("the backbone (a graph per size)")
+        if losses:
+            parts.append("the losses")
+        if self.evaluation:
+            parts.append("evaluation (a graph per size)")
+        graphs = ", replayed as CUDA graphs" if self.cuda_graphs else ""
+        return f"torch.compile ({self.backend}{graphs}) of {', '.join(parts)}"
+
+
+def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0,
+                    training_steps: int = 0) -> CompilePlan | None:
+    """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager.
+
+    ``evaluation_batches``: the evaluation batches this process will run in all, which decides
+    ``compile.evaluation=null`` when compiling; ``training_steps``: the optimizer steps it will run, which decide
+    auto's choice on a GPU (STEPS_TO_COMPILE). Settings that cannot work on this device are refused, naming the
+    keys.
+    """
+    mode = str(cfg_compile.mode)
+    if mode == "eager":
+        return None
+    inductor_keys = [f"compile.{key}={getattr(cfg_compile, key)}" for key in INDUCTOR_KEYS
+                     if getattr(cfg_compile, key) is not None]
+    if mode == "auto":
+        if device.type != "cuda":
+            chosen = inductor_keys + ([f"compile.evaluation={cfg_compile.evaluation}"]
+                                      if cfg_compile.evaluation is not None else [])
+            if chosen:
+                raise ValueError(f"{', '.join(chosen)} does nothing here: compile.mode=auto compiles on a GPU only "
+                                 f"and this run is on {device}; set compile.mode=default to compile on the CPU")
+            return None
+        mode = "reduce-overhead" if inductor_keys or training_steps >= STEPS_TO_COMPILE else "graphs"
+    if mode in ("reduce-overhead", "graphs") and device.type != "cuda":
+        raise ValueError(f"compile.mode={mode} replays CUDA graphs and needs a GPU, but this run is on "
+                         f"{device}; set compile.mode=default (or device=cuda)")
+    evaluation = cfg_compile.evaluation
+    if mode == "graphs":  # recording an evaluation size costs about a second: always worth it
+        return CompilePlan(mode=mode, evaluation=True if evaluation is None else bool(evaluation))
+    if evaluation is None:
+        evaluation = evaluation_batches >= EVALUATION_BATCHES_TO_COMPILE
+    return CompilePlan(mode=mode, regions=str(cfg_compile.regions or DEFAULT_REGIONS),
+                       backbone=str(cfg_compile.backbone or "static"), backend=cfg_compile.backend or "inductor",
+                       evaluation=bool(evaluation))
+
+
+def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None):
+    """Compile, in place, the regions ``model`` (a DeformableDETR) declares for ``plan``, and the criterion's
+    (training); returns the model."""
+    if plan.mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {plan.mode!r}")
+    if plan.mode == "graphs":
+        from .cuda_graphs import graph_model
+
+        graph_model(model, evaluation=plan.evaluation, criterion=criterion)
+        log.info("%s", plan.describe(losses=criterion is not None))
+        return model
+    if plan.cuda_graphs and plan.backend != "inductor":
+        raise ValueError(f"compile mode {plan.mode!r} needs the inductor backend, got backend {plan.backend!r}")
+    if plan.backbone not in TRAIN_BACKBONE_CHOICES:
+        raise ValueError(f"backbone must be one of {TRAIN_BACKBONE_CHOICES}, got {plan.backbone!r}")
+    if plan.regions not in REGION_CHOICES:
+        raise ValueError(f"regions must be one of {REGION_CHOICES}, got {plan.regions!r}")
+    if plan.cuda_graphs:
+        model.register_forward_pre_hook(_new_cuda_graph_step)
+    # The graph of "transformer" takes every level's maps: sizes of different levels that happen to be equal
+    # when it is first compiled (a square image's levels, the batch size and a small level's height) must stay
+    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read when
+    # a graph is compiled, at its first call; process-wide (per-layer graphs keep torch's default).
+    torch.fx.experimental._config.use_duck_shape = plan.regions == "layers"
+    if plan.backbone == "static" or plan.evaluation:
+        _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
+    regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone == "static",
+                                    evaluation=plan.evaluation)
+    for region in regions:
+        _compile_region(model, region, plan)
+    if criterion is not None:
+        for region in criterion.compile_regions():
+            _compile_region(criterion, region, plan)
+    log.info("%s; the first steps of each new size include its compilation",
+             plan.describe(losses=criterion is not None))
+    return model
+
+
+def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -> None:
+    options = _options(region, plan)
+    if not region.method:
+        owner.get_submodule(region.name).compile(**options)
+        return
+    compiled = torch.compile(getattr(owner, region.name), **options)
+    if region.starts_step and plan.cuda_graphs and region.cuda_graphs:
+        compiled = _starting_a_step(compiled)
+    owner.use_compiled(region.name, compiled)
+
+
+def _options(region: Region, plan: CompilePlan) -> dict:
+    """torch.compile's arguments for one region. Inductor takes a mode or options, not both: reduce-overhead
+    is its CUDA-graph option. For a whole graph with symbolic sizes, Inductor's tiling coalescing analysis
+    is off: meant for static shapes, it failed an assertion comparing two size hints of one fused node of the
+    transformer's graph (torch 2.11), and the compile died. For any graph with symbolic sizes, the fusion of
+    two reductions along different axes of one tensor (a layer norm's backward) skips its size thresholds:
+    they guard on the flattened token count (2 x 256 x S >= 5 x 2^20), so the first size on the other side of
+    it compiled the transformer again. The fused kernel now runs at every size, as it ran above the threshold
+    (most of the COCO recipe's batches of 2)."""
+    options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
+    cuda_graphs = plan.cuda_graphs and region.cuda_graphs
+    inductor = {}
+    triton_options = torch._inductor.config.triton
+    if plan.backend == "inductor" and not region.static_sizes:
+        if region.whole and hasattr(triton_options, "coalesce_tiling_analysis"):
+            inductor["triton.coalesce_tiling_analysis"] = False
+        if hasattr(triton_options, "mix_order_reduction_non_strict_mode"):
+            inductor["triton.mix_order_reduction_non_strict_mode"] = True
+        if inductor and cuda_graphs:
+            inductor["triton.cudagraphs"] = True
+    if inductor:
+        options["options"] = inductor
+    elif cuda_graphs:
+        options["mode"] = "reduce-overhead"
+    return options
+
+
+def _starting_a_step(compiled):
+    def call(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _allow_graphs_per_function(graphs: int) -> None:
+    """Dynamo's recompile limit (process-wide) raised to at least ``graphs``."""
+    if getattr(torch._dynamo.config, RECOMPILE_LIMIT) < graphs:
+        setattr(torch._dynamo.config, RECOMPILE_LIMIT, graphs)
+
+
+def _new_cuda_graph_step(module, args) -> None:
+    # The graph trees reuse a replay's output memory at the next step; telling them where a step starts
+    # lets each compiled region be replayed several times per model call (the layers, the position encoding
+    # once per level) without a live output being overwritten.
+    torch.compiler.cudagraph_mark_step_begin()

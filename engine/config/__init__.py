@@ -1,0 +1,1 @@
+"""The typed settings: allowed values (choices), the train, predict and export schemas, and their registration."""

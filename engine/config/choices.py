@@ -1,0 +1,39 @@
+"""The allowed values of the run settings, as lists and as the enumerations the schemas are typed with.
+
+The modules that act on a setting (engine/compile, engine/runtime/distributed.py, engine/runtime/precision.py)
+import their list from here, so that the schema and the code that reads it never disagree; this module imports
+nothing heavier than the standard library and datasets' list of COCOeval backends.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from datasets.cocoeval_backend import BACKENDS as COCOEVAL_BACKENDS
+
+# auto | cpu | cuda | cuda:N
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Autocast dtypes (engine/runtime/precision.py maps them to torch dtypes).
+AMP_CHOICES = ("none", "bf16", "fp16")
+# Inductor's modes that a compiled run may use: plain kernels, or the same kernels replayed as CUDA graphs.
+INDUCTOR_MODES = ("default", "reduce-overhead")
+# Every mode that changes how the model runs: the eager model's CUDA graphs (engine/compile/cuda_graphs.py), or
+# Inductor.
+COMPILE_MODES = ("graphs", *INDUCTOR_MODES)
+# The compile settings that only Inductor reads (the others: mode, evaluation, cache_dir).
+INDUCTOR_KEYS = ("regions", "backbone", "backend")
+# What one compiled graph spans (DeformableDETR.compile_regions).
+REGION_CHOICES = ("layers", "transformer")
+DEFAULT_REGIONS = "transformer"
+# The backbone compiled per size ("static", one graph per bucket) or left eager.
+TRAIN_BACKBONE_CHOICES = ("eager", "static")
+# How gradients are averaged over processes (engine/runtime/distributed.py).
+GRADIENT_SYNCS = ("allreduce", "ddp")
+
+Amp = StrEnum("Amp", {name: name for name in AMP_CHOICES})
+CompileMode = StrEnum("CompileMode", {name: name for name in ("auto", "eager", *COMPILE_MODES)})
+CompileRegions = StrEnum("CompileRegions", {name: name for name in REGION_CHOICES})
+CompileBackbone = StrEnum("CompileBackbone", {name: name for name in TRAIN_BACKBONE_CHOICES})
+EvalBackend = StrEnum("EvalBackend", {name: name for name in COCOEVAL_BACKENDS})
+GradientSync = StrEnum("GradientSync", {name: name for name in GRADIENT_SYNCS})

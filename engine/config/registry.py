@@ -1,0 +1,94 @@
+"""The schemas registered with Hydra, and the check of a composed config.
+
+configs/train.yaml starts its defaults list with ``train_schema`` (TrainConfig), predict.yaml and export.yaml
+with theirs, and each dataset yaml with its own schema (``/schema/dataset@dataset: NAME``), so Hydra composes
+into typed nodes and rejects a bad value at composition, naming the key: ``epochs=abc``, ``optim.lr=fast``,
+``amp=fp8``, ``model.msda=cuda``, an unknown key. ``register_configs()`` must run before composing (train.py,
+predict.py and export.py call it on import, tests/conftest.py for the tests, bench/ before its compose).
+
+What OmegaConf cannot check (ranges, rules between keys) is in the schemas' ``__post_init__`` methods, beside
+each schema. ``check_config`` runs all of them at once; every entry point calls it before doing anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import time
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from datasets import DATASET_SCHEMAS
+
+from .export_schema import ExportConfig, export_directory
+from .predict_schema import PredictConfig
+from .train_schema import TrainConfig
+
+
+def run_directory(output_dir: str | None) -> str:
+    """Hydra's run directory (configs/train.yaml, hydra.run.dir): ``output_dir`` when set, so that it holds the
+    run's train.log and .hydra/ too, else outputs/<date>/<time>."""
+    return output_dir or time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and the resolvers of the run
+    directories (train.py's and predict.py's, export.py's) (idempotent)."""
+    if not OmegaConf.has_resolver("run_dir"):
+        OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
+    if not OmegaConf.has_resolver("export_dir"):
+        OmegaConf.register_new_resolver("export_dir", export_directory)
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(name="predict_schema", node=PredictConfig)
+    store.store(name="export_schema", node=ExportConfig)
+    for name, schema in DATASET_SCHEMAS.items():
+        store.store(group="schema/dataset", name=str(name), node=schema)
+
+
+def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
+    """Apply every rule OmegaConf could not (ranges, rules between keys), raising ValueError naming the key;
+    return the run's own copy of ``cfg`` (the trainer fills in what the data decides, e.g. num_classes).
+    ``schema``: the schema ``cfg`` was composed with (default TrainConfig; PredictConfig for predict.py).
+
+    Types and allowed values were checked when the config was composed; a config composed without the
+    schemas would have skipped that, so it is refused here rather than half-checked.
+    """
+    if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
+        raise TypeError("the config was composed without its schemas: call engine.config.registry.register_configs() "
+                        "before hydra.compose / @hydra.main (train.py, predict.py and export.py do this on import)")
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))
+    OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules
+    return copy.deepcopy(cfg)
+
+
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """The keys of ``node`` and its groups that their schema does not have, each with the closest known name.
+
+    Hydra refuses a misspelt key, but ``+key=value`` adds one to a typed group, where nothing would read it.
+    """
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return []
+    known = [f.name for f in dataclasses.fields(schema)]
+    problems = []
+    for key in node.keys():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            problems.append(f"{prefix}{key} is not a setting{hint}")
+        elif isinstance(node._get_node(key), DictConfig):
+            problems += unknown_keys(node[key], f"{prefix}{key}.")
+    return problems
+
+
+def plain_config(cfg: DictConfig) -> dict:
+    """The config as plain Python (strings for the enumerations), for checkpoints and json.
+
+    A checkpoint is read back with torch.load(weights_only=True), which refuses our Enum classes.
+    """
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

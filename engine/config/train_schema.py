@@ -1,0 +1,203 @@
+"""The train schema: run settings, the optimizer and compile groups, and each setting's role for a resume.
+
+``TrainConfig`` types configs/train.yaml; its ``model`` and ``dataset`` groups are typed by
+models/model_config.py and datasets/dataset_config.py. What OmegaConf cannot check (ranges, rules between keys)
+is in the ``__post_init__`` methods below (engine/config/registry.py's ``check_config`` runs them all).
+
+Each setting has a role for a resumed run, in its field's metadata (``{"role": ...}``, here and in the
+model and dataset schemas; a group's role covers its keys): ``how_to_run`` (device, precision, compilation,
+loading, intervals, model.msda: a resume may change them and a checkpoint never imposes them), ``length``
+(epochs, max_steps: a resume may extend them), ``invocation`` (resume, output_dir ...: about this command,
+never compared), and, by default, what was trained (another value is another experiment).
+``role_of`` reads them: engine/train/resume.py and engine/checkpoint/contents.py derive their lists from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_type_hints
+
+from omegaconf import MISSING
+
+from datasets import DatasetConfig
+from models.model_config import ModelConfig
+
+from .choices import DEVICE, INDUCTOR_KEYS, Amp, CompileBackbone, CompileMode, CompileRegions, EvalBackend, GradientSync
+
+# Roles of settings (the module docstring); the default role is what was trained.
+HOW_TO_RUN, LENGTH, INVOCATION, IDENTITY = "how_to_run", "length", "invocation", "identity"
+
+
+def _role(role: str, default: Any = dataclasses.MISSING, **kwargs) -> Any:
+    return field(default=default, metadata={"role": role}, **kwargs)
+
+
+@dataclass
+class OptimConfig:
+    """configs/optim/adamw.yaml: AdamW with the published parameter groups, StepLR, gradient clipping."""
+
+    lr: float = MISSING
+    lr_backbone: float = MISSING
+    lr_backbone_names: list[str] = field(default_factory=lambda: ["backbone.0"])
+    lr_linear_proj_mult: float = MISSING
+    lr_linear_proj_names: list[str] = field(default_factory=lambda: ["reference_points", "sampling_offsets"])
+    weight_decay: float = MISSING
+    lr_drop: int = MISSING
+    lr_gamma: float = MISSING
+    clip_max_norm: float = MISSING
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(f"optim.lr must be a finite number > 0, got {self.lr!r}")
+        for key in ("lr_backbone", "lr_linear_proj_mult", "weight_decay", "clip_max_norm"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                problems.append(f"optim.{key} must be a finite number >= 0, got {value!r}")
+        if self.lr_drop < 1:
+            problems.append(f"optim.lr_drop must be an integer >= 1 (epochs before the lr is multiplied by "
+                            f"lr_gamma; more than epochs never drops it), got {self.lr_drop!r}")
+        if not (math.isfinite(self.lr_gamma) and self.lr_gamma > 0):
+            problems.append(f"optim.lr_gamma must be a finite number > 0, got {self.lr_gamma!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class CompileConfig:
+    """configs/train.yaml's ``compile`` group: torch.compile of the model (engine/compile/plan.py).
+
+    mode        auto: on a GPU the eager model's CUDA graphs for a short run, compiled with CUDA graphs for a long
+                one (engine.compile.plan.STEPS_TO_COMPILE); eager on the CPU | eager | graphs (the eager model
+                recorded as CUDA graphs, nothing compiled) | default (compiled, no CUDA graphs) | reduce-overhead
+                (compiled, replayed as CUDA graphs)
+    regions     what one graph spans: transformer (the whole transformer with its heads) | layers
+    backbone    static (the backbone compiled too, a graph per size bucket) | eager
+    backend     torch.compile's backend (aot_eager: trace only, for debugging)
+    evaluation  whether evaluation runs a compiled graph (one per evaluation size); null: when the run evaluates
+                enough batches to repay the compilation (engine.compile.plan.EVALUATION_BATCHES_TO_COMPILE)
+    cache_dir   where compiled kernels and graphs are kept between runs (Inductor's, AOTAutograd's and Triton's
+                caches), so that a second run or a resume skips most of the compilation
+    regions, backbone and backend are null for "the mode's default" (transformer, static, inductor), and
+    must stay null with mode=eager.
+    """
+
+    mode: CompileMode = CompileMode.auto
+    regions: Optional[CompileRegions] = None
+    backbone: Optional[CompileBackbone] = None
+    backend: Optional[str] = None
+    evaluation: Optional[bool] = None
+    cache_dir: str = "~/.cache/deformable_detr/compile"
+
+    def __post_init__(self) -> None:
+        problems = []
+        chosen = {key: getattr(self, key) for key in (*INDUCTOR_KEYS, "evaluation")
+                  if getattr(self, key) is not None}
+        if self.mode == CompileMode.eager and chosen:
+            problems += [f"compile.{key}={value} does nothing with compile.mode=eager (drop it, or choose a compiled "
+                         f"mode: compile.mode=auto|default|reduce-overhead)" for key, value in chosen.items()]
+        if self.mode == CompileMode.graphs:
+            problems += [f"compile.{key}={value} does nothing with compile.mode=graphs, which compiles nothing (drop "
+                         f"it, or compile: compile.mode=reduce-overhead)" for key, value in chosen.items()
+                         if key in INDUCTOR_KEYS]
+        if self.mode in (CompileMode.auto, CompileMode["reduce-overhead"]) and self.backend not in (None, "inductor"):
+            problems.append(f"compile.mode={self.mode} replays CUDA graphs, which need compile.backend=inductor; got "
+                            f"compile.backend={self.backend} (set compile.mode=default to use another backend)")
+        if not self.cache_dir:
+            problems.append("compile.cache_dir must be a directory path")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+# Run setting -> smallest allowed value, for the integer ones.
+_INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "eval_every": 1,
+                    "checkpoint_every": 1, "log_every": 1, "eval_images": 0}
+
+
+@dataclass
+class TrainConfig:
+    """configs/train.yaml: the run settings, and the typed groups under model, optim and dataset.
+
+    ``dataset`` is typed by the chosen set's own schema (a subclass of DatasetConfig), which its yaml pulls in.
+    """
+
+    model: ModelConfig = MISSING
+    optim: OptimConfig = MISSING
+    dataset: DatasetConfig = MISSING
+    seed: int = MISSING
+    device: str = _role(HOW_TO_RUN, MISSING)
+    epochs: int = _role(LENGTH, MISSING)
+    max_steps: Optional[int] = _role(LENGTH, None)
+    batch_size: int = MISSING
+    num_workers: int = _role(HOW_TO_RUN, MISSING)
+    amp: Amp = _role(HOW_TO_RUN, MISSING)
+    compile: CompileConfig = _role(HOW_TO_RUN, default_factory=CompileConfig)
+    eval_every: int = _role(HOW_TO_RUN, MISSING)
+    checkpoint_every: int = _role(HOW_TO_RUN, MISSING)
+    checkpoint_minutes: Optional[float] = _role(HOW_TO_RUN, 30.0)
+    log_every: int = _role(HOW_TO_RUN, MISSING)
+    eval_images: int = _role(HOW_TO_RUN, 4)
+    eval_images_min_score: float = _role(HOW_TO_RUN, 0.3)
+    eval_backend: EvalBackend = _role(HOW_TO_RUN, EvalBackend.auto)
+    gradient_sync: GradientSync = _role(HOW_TO_RUN, GradientSync.allreduce)
+    find_unused_parameters: bool = _role(HOW_TO_RUN, False)
+    dist_timeout_s: float = _role(HOW_TO_RUN, 1800.0)
+    output_dir: Optional[str] = _role(INVOCATION, None)
+    resume: Optional[str] = _role(INVOCATION, None)
+    eval_only: bool = _role(INVOCATION, False)
+    checkpoint: Optional[str] = _role(INVOCATION, None)
+
+    def __post_init__(self) -> None:
+        problems = [f"{key} must be an integer >= {low}, got {getattr(self, key)!r}"
+                    for key, low in _INTEGER_MINIMUM.items() if getattr(self, key) < low]
+        if self.max_steps is not None and self.max_steps < 1:
+            problems.append(f"max_steps must be null or an integer >= 1, got {self.max_steps!r}")
+        if not 0 <= self.eval_images_min_score <= 1:
+            problems.append(f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
+                            f"drawn), got {self.eval_images_min_score!r}")
+        if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
+            problems.append(f"checkpoint_minutes must be > 0 or null (only at epoch ends), got "
+                            f"{self.checkpoint_minutes!r}")
+        if not self.dist_timeout_s > 0:
+            problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
+        if not DEVICE.fullmatch(self.device):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if problems:
+            raise ValueError("bad run settings (configs/train.yaml; fix the override): " + "; ".join(problems))
+
+
+def role_of(key: str, schema: type = None) -> str:
+    """The role (module docstring) of the dotted setting ``key``, e.g. "compile.mode" or "model.msda": that of
+    its nearest field with one, walking down from TrainConfig; IDENTITY where none has one, or the key is
+    unknown (a checkpoint's key this version does not have)."""
+    schema = TrainConfig if schema is None else schema
+    head, _, rest = key.partition(".")
+    spec = {f.name: f for f in dataclasses.fields(schema)}.get(head)
+    if spec is None:
+        return IDENTITY
+    if "role" in spec.metadata:
+        return spec.metadata["role"]
+    inner = get_type_hints(schema).get(head)
+    return role_of(rest, inner) if rest and dataclasses.is_dataclass(inner) else IDENTITY
+
+
+# Top-level keys of the compile settings before they became the ``compile`` group, as checkpoints recorded them.
+LEGACY_COMPILE_KEYS = {"compile_mode": "mode", "compile_regions": "regions", "compile_backbone": "backbone",
+                       "compile_backend": "backend"}
+
+
+def upgrade_recorded_config(recorded: dict) -> dict:
+    """A checkpoint's recorded config in this version's layout: the compile settings of older versions
+    (``compile: bool`` and compile_mode, compile_regions, compile_backbone, compile_backend) become the
+    ``compile`` group, so that a resume compares like with like."""
+    if not isinstance(recorded, dict) or isinstance(recorded.get("compile"), dict):
+        return recorded
+    upgraded = {k: v for k, v in recorded.items() if k != "compile" and k not in LEGACY_COMPILE_KEYS}
+    group = {"mode": "eager"}
+    if recorded.get("compile"):
+        group = {new: recorded[old] for old, new in LEGACY_COMPILE_KEYS.items() if old in recorded}
+        group.setdefault("mode", "default")
+    upgraded["compile"] = group
+    return upgraded

@@ -1,0 +1,123 @@
+"""Inference over a validation loader and COCO bbox AP, gathered over ranks, written as json."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+
+from datasets import CocoEvaluator
+from datasets.cocoeval_backend import PACKAGES
+from engine.reporting.cocoeval_log import log_cocoeval_output
+from engine.reporting.progress import EvaluationProgress
+from engine.runtime.distributed import Ranks
+from engine.runtime.precision import Precision
+from engine.runtime.rng import rng_preserved
+
+log = logging.getLogger("train")
+# Seconds between evaluation progress lines: a COCO val pass (5000 images) logs a few, a synthetic one none.
+PROGRESS_EVERY_S = 15.0
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What one pass over the validation set gives; all but ``detections`` and the timings the same on every rank.
+
+    stats        {"AP", "AP50", "AP75", "APs", "APm", "APl"} (COCOeval stats[0..5])
+    per_class    {category name: AP (IoU .50:.95) or None where the images hold none}, category id order,
+                 from the same COCOeval run as ``stats``
+    num_images   images scored
+    detections   image id -> [{"image_id", "category_id", "bbox" xywh in the file's pixels, "score"}], for the
+                 images asked for with ``keep_detections`` only (all of COCO val's would hold ~0.5M dicts per rank)
+    inference_s  this process's wall time of the pass over its images (model, postprocess, detections to the
+                 host; a compiled evaluation's compilation included)
+    cocoeval_s   this process's wall time from the end of its pass to the figures: gathering every process's
+                 detections (nothing to do with one), COCOeval on rank 0, the broadcast of its figures
+    cocoeval_backend  the COCOeval that ran: "faster" (faster-coco-eval) or "pycocotools"
+    """
+
+    stats: dict[str, float]
+    per_class: dict[str, float | None]
+    num_images: int
+    detections: dict[int, list[dict]]
+    inference_s: float
+    cocoeval_s: float
+    cocoeval_backend: str
+
+
+@torch.no_grad()
+@rng_preserved()
+def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
+                  precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None,
+                  compiled: bool = False, backend: str = "auto",
+                  progress_every_s: float = PROGRESS_EVERY_S) -> Evaluation:
+    """COCO bbox AP of ``model`` on ``loader``: summary, per class, the detections and timings (see Evaluation).
+
+    The figures are the same on every rank; ``keep_detections`` (image ids, e.g. those drawn in TensorBoard)
+    picks the detections returned.
+    ``model`` is the unwrapped DeformableDETR (not DDP: inference needs no gradient sync), run through its
+    ``detect``: its compiled evaluation graph with ``compiled``, else eagerly, with Dynamo off so that no
+    compiled training region compiles again without gradients. Each rank runs its share of the images; the
+    evaluator gathers detections from all ranks (``ranks``) before scoring. The random generators are left as
+    they were (engine.runtime.rng.rng_preserved).
+
+    ``backend`` picks the COCOeval (datasets.cocoeval_backend: auto, faster, pycocotools). Rank 0 logs a progress
+    line every ``progress_every_s`` seconds of inference, COCOeval's summary table (its other lines go to
+    train.log only, engine/reporting/cocoeval_log.py) and the time split between inference and COCOeval.
+    """
+    was_training = model.training
+    model.eval()
+    evaluator = CocoEvaluator(coco_gt, ranks=ranks, backend=backend)  # an unknown backend fails before inference
+    is_main = ranks is None or ranks.is_main
+    world_size = 1 if ranks is None else ranks.ctx.world_size
+    progress = EvaluationProgress(total_images=_images_per_process(loader, world_size), every_s=progress_every_s,
+                                  enabled=is_main, share_of=_num_images(loader) if world_size > 1 else None)
+    started = time.perf_counter()
+    for images, masks, targets in loader:
+        images = images.to(device, non_blocking=True)
+        masks = masks.to(device, non_blocking=True)
+        with precision.autocast(), torch._dynamo.config.patch(disable=not compiled):
+            outputs = model.detect(images, masks)
+        orig_sizes = torch.stack([t["orig_size"] for t in targets]).to(device)  # (B, 2) (h, w)
+        # Boxes and scores in fp32 whatever autocast produced: COCO matching compares IoUs to 0.05 steps.
+        outputs = {k: v.float() for k, v in outputs.items() if k in ("pred_logits", "pred_boxes")}
+        results = postprocess(outputs, orig_sizes)
+        evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})  # reads them to the host
+        progress.update(len(evaluator.results))  # the distinct images done: batch-filling copies count once
+    inferred = time.perf_counter()
+    try:
+        stats = evaluator.summarize()  # gathers every rank's detections first
+    finally:  # what COCOeval printed reaches train.log also when it fails
+        if is_main:
+            log_cocoeval_output(evaluator.cocoeval_output, log)
+    scored = time.perf_counter()
+    model.train(was_training)
+    num_images = len(evaluator.results)
+    inference_s, cocoeval_s = inferred - started, scored - inferred
+    if is_main:
+        if not evaluator.num_detections:
+            log.warning("evaluation: no detections on any of the %d images; every AP is 0", num_images)
+        log.info("evaluation of %d images: inference %.1f s (%.1f img/s), COCOeval %.1f s (%s)", num_images,
+                 inference_s, num_images / max(inference_s, 1e-9), cocoeval_s, PACKAGES[evaluator.backend])
+    kept = {int(i): evaluator.results[int(i)] for i in keep_detections if int(i) in evaluator.results}
+    return Evaluation(stats=stats, per_class=evaluator.per_class, num_images=num_images, detections=kept,
+                      inference_s=inference_s, cocoeval_s=cocoeval_s, cocoeval_backend=evaluator.backend)
+
+
+def _num_images(loader) -> int | None:
+    """Images in the loader's dataset, or None for a loader without a sized dataset."""
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _images_per_process(loader, world_size: int) -> int | None:
+    """Distinct images each process infers: its share of the dataset, as the evaluation sampler splits it
+    (datasets/batch_plan.py: DistributedSampler's split, the last shares padded with other processes' images)."""
+    total = _num_images(loader)
+    return None if total is None else -(-total // world_size)

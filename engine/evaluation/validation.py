@@ -1,0 +1,53 @@
+"""A run's evaluation on its validation set, evaluated and recorded by one call: training after its epochs and
+``eval_only=true`` both evaluate through ``Validation.run``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.runtime.distributed import Ranks
+from engine.runtime.precision import Precision
+
+from .coco import Evaluation, evaluate_coco
+from .detection_images import DetectionImages
+from .record import record_evaluation
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class Validation:
+    """What an evaluation of this run needs, fixed for the run.
+
+    model        the unwrapped DeformableDETR, run through ``detect`` (compiled with ``compiled``)
+    loader       the validation loader; ``coco_gt`` its ground truth
+    ranks        this run's processes: every rank infers its share, rank 0 records the figures
+    backend      the COCOeval (datasets.cocoeval_backend)
+    detection_images  the validation images drawn into TensorBoard with their detections
+    """
+
+    model: torch.nn.Module
+    postprocess: torch.nn.Module
+    loader: object
+    coco_gt: object
+    precision: Precision
+    ranks: Ranks
+    compiled: bool
+    backend: str
+    detection_images: DetectionImages
+
+    def run(self, *, writer, json_path: str | Path, step: int, what: str, **info) -> Evaluation:
+        """Evaluate, then (rank 0) record the figures in TensorBoard (``writer``), ``json_path`` (with ``info``)
+        and the log ("evaluation <what> ..."). The figures are the same on every rank."""
+        evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.loader,
+                                   coco_gt=self.coco_gt, device=self.ranks.ctx.device, precision=self.precision,
+                                   keep_detections=self.detection_images.image_ids, ranks=self.ranks,
+                                   compiled=self.compiled, backend=self.backend)
+        if self.ranks.is_main:
+            record_evaluation(evaluation, writer=writer, json_path=json_path, step=step, what=what,
+                              detection_images=self.detection_images, log=log, **info)
+        return evaluation

@@ -1,0 +1,118 @@
+"""The sample batch an export is traced on and checked with: validation images of the checkpoint's run, or noise.
+
+An export traces the model on one batch (its shape is the static graph's, and the dynamic graph's example) and
+then compares the exported model with the PyTorch one on that batch. Real images make the comparison mean
+something (activations as a trained model meets them), so when the checkpoint records where its run's
+validation images were and that folder exists here, the first ones are read, resized to fit the sample size
+(aspect ratio kept, as predict.py's resize does) and padded, with their masks; otherwise the batch is random
+normalized noise, each image but the first padded on the right and bottom so that the mask is exercised too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchvision.transforms.v2 import functional as F
+
+from datasets.image_files import read_image
+from datasets.image_folder import find_images
+from datasets.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+from .exportable import SampleShape
+
+
+@dataclass
+class SampleBatch:
+    """images (B, 3, H, W) float32 normalized, mask (B, H, W) bool True on padding, target_sizes (B, 2) int64
+    (h, w) of each original image; ``source`` says where the pictures came from (for the log)."""
+
+    images: torch.Tensor
+    mask: torch.Tensor
+    target_sizes: torch.Tensor
+    source: str
+
+    def inputs(self, *, postprocess: bool, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The exported graph's inputs (engine/export/exportable.py), on ``device``, images in ``dtype``."""
+        inputs = (self.images.to(device=device, dtype=dtype), self.mask.to(device))
+        return inputs + ((self.target_sizes.to(device),) if postprocess else ())
+
+
+def recorded_validation_folder(config: dict | None) -> Path | None:
+    """The validation image folder the checkpoint's run config names (dataset coco and synthetic: root/val2017,
+    custom: val_images), if it exists here; relative paths are taken from the current directory, as train.py
+    takes them."""
+    dataset = config.get("dataset") if isinstance(config, dict) else None
+    if not isinstance(dataset, dict):
+        return None
+    if dataset.get("name") in ("coco", "synthetic") and dataset.get("root"):
+        folder = Path(dataset["root"]) / "val2017"
+    elif dataset.get("name") == "custom" and dataset.get("val_images"):
+        folder = Path(dataset["val_images"])
+    else:
+        return None
+    return folder if folder.is_dir() else None
+
+
+def sample_batch(shape: SampleShape, *, folder: Path | None, seed: int = 0) -> SampleBatch:
+    """``shape.batch`` images of ``shape.height`` x ``shape.width``: the first of ``folder``'s images (cycled when
+    there are fewer), else noise (see the module docstring)."""
+    paths = validation_images(folder, limit=shape.batch)
+    if not paths:
+        return random_batch(shape, seed=seed)
+    images = torch.zeros(shape.batch, 3, shape.height, shape.width)
+    mask = torch.ones(shape.batch, shape.height, shape.width, dtype=torch.bool)
+    sizes = []
+    for index, path in zip(range(shape.batch), itertools.cycle(paths)):
+        picture, original = fitted_image(path, index=index, height=shape.height, width=shape.width)
+        h, w = picture.shape[-2:]
+        images[index, :, :h, :w] = picture
+        mask[index, :h, :w] = False
+        sizes.append(original)
+    return SampleBatch(images=images, mask=mask, target_sizes=torch.tensor(sizes, dtype=torch.int64),
+                       source=f"{len(paths)} validation image(s) of {folder}")
+
+
+def validation_images(folder: Path | None, *, limit: int) -> list[Path]:
+    """The first ``limit`` images of ``folder`` (sorted by path), none when there is no folder or no image."""
+    if folder is None:
+        return []
+    try:
+        return find_images(folder)[:limit]
+    except ValueError:  # a folder without images: the batch is noise then
+        return []
+
+
+def fitted_image(path: Path, *, index: int, height: int, width: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The picture at ``path`` resized to fit ``height`` x ``width`` with its aspect ratio, normalized as training
+    does: ((3, h, w) float32, (H, W) of the picture as read)."""
+    pixels = F.pil_to_tensor(read_image(path, image_id=index, expected_size=(None, None)))  # (3, H, W) uint8
+    original = tuple(int(s) for s in pixels.shape[-2:])
+    scale = min(height / original[0], width / original[1])
+    size = [min(height, max(1, round(original[0] * scale))), min(width, max(1, round(original[1] * scale)))]
+    pixels = F.resize(pixels, size, antialias=True)
+    picture = F.normalize(F.to_dtype(pixels, torch.float32, scale=True), mean=list(IMAGENET_MEAN),
+                          std=list(IMAGENET_STD))
+    return picture, original
+
+
+def random_batch(shape: SampleShape, *, seed: int = 0) -> SampleBatch:
+    """Noise images; image i > 0 keeps a random valid region of at least half of each side, the rest padding."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(shape.batch, 3, shape.height, shape.width, generator=generator)
+    mask = torch.zeros(shape.batch, shape.height, shape.width, dtype=torch.bool)
+    sizes = []
+    for index in range(shape.batch):
+        h, w = shape.height, shape.width
+        if index > 0:
+            h = int(torch.randint(shape.height // 2, shape.height + 1, (), generator=generator))
+            w = int(torch.randint(shape.width // 2, shape.width + 1, (), generator=generator))
+        images[index, :, h:, :] = 0
+        images[index, :, :, w:] = 0
+        mask[index, h:, :] = True
+        mask[index, :, w:] = True
+        sizes.append((h, w))
+    return SampleBatch(images=images, mask=mask, target_sizes=torch.tensor(sizes, dtype=torch.int64),
+                       source=f"random images (seed {seed}; no validation images recorded in the checkpoint were found)")

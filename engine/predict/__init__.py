@@ -1,0 +1,1 @@
+"""Detections of a trained model on image files (predict.py)."""

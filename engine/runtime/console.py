@@ -1,0 +1,72 @@
+"""One message per fault, and the exit codes.
+
+``run_reporting_faults`` runs a job the way train.py's users meet it. A fault the user can fix (a setting, a
+path, a data file, a checkpoint, a full disk, another run in the directory: engine.errors.USER_FAULTS) is one
+message on the console, without a traceback or the internal exceptions behind it; the traceback goes to
+train.log (and to the console too with HYDRA_FULL_ERROR=1). The exit codes (README, "Exit codes"): 0 done;
+1 a fault; 128 + N stopped by signal N after saving its step (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 130 also
+for a second Ctrl-C, which stops at once. Anything else is a bug: its traceback goes to train.log and Hydra
+prints it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.errors import USER_FAULTS
+from engine.reporting.log_filter import FILE_ONLY
+
+from .stop_request import TrainingStopped
+
+FAULT_EXIT_CODE = 1
+INTERRUPTED_EXIT_CODE = 130
+# What Hydra leaves in a run directory before the job writes anything (the log is named after the script).
+HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log"}
+
+
+def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger,
+                         dated: bool = False,
+                         interrupted: str = "stopped at once by a second Ctrl-C: the steps since the last checkpoint "
+                                            "are lost") -> None:
+    """Run ``job`` (see the module docstring): returns when it succeeds, else exits or re-raises.
+
+    run_dir  Hydra's run directory, removed if the job failed before writing anything into it; ``dated``: it is
+             outputs/<date>/<time>, whose date and outputs folders go too when that leaves them empty
+    interrupted  the message for a KeyboardInterrupt (a job without stop signals of its own gets it at once)
+    """
+    try:
+        job()
+    except TrainingStopped as stopped:  # the loop has logged where to resume from
+        sys.exit(stopped.exit_code)
+    except KeyboardInterrupt:
+        log.error("%s", interrupted)
+        sys.exit(INTERRUPTED_EXIT_CODE)
+    except USER_FAULTS as fault:
+        log.error("%s", fault)
+        log.error("the traceback of the error above:", exc_info=True, extra=FILE_ONLY)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        remove_if_untouched(run_dir, dated=dated)
+        sys.exit(FAULT_EXIT_CODE)
+    except Exception:
+        log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
+        raise
+
+
+def remove_if_untouched(run_dir: Path | None, *, dated: bool = False) -> None:
+    """A run directory holding only what Hydra put there (the job failed before writing anything) is removed:
+    a failed start leaves no empty run behind (its message was on the console)."""
+    if run_dir is None or not run_dir.is_dir():
+        return
+    if {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in (run_dir.parent, run_dir.parent.parent) if dated else ():
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break

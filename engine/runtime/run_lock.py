@@ -1,0 +1,96 @@
+"""One run per run directory: a lock file that a second run pointed at the same directory finds.
+
+Two runs writing one directory would interleave checkpoint.pth, the evaluation json and the TensorBoard
+curves. ``RunLock`` creates ``<run dir>/.run.lock`` (atomically: O_EXCL) holding the owner's pid, host, start
+time and command; a second run refuses, naming that process. A lock whose process no longer runs (a killed
+run) is taken over with a warning; one held on another host cannot be checked from here and is refused,
+saying how to remove it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from engine.errors import RunDirectoryInUse
+
+log = logging.getLogger("train")
+
+LOCK_FILE = ".run.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """``with RunLock(run_dir):`` holds the directory for this process (rank 0 of a run)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _record(self) -> dict:
+        return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(sys.argv)[:500]}
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):  # at most one stale lock to take over
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._record(), f)
+            self.held = True
+            return
+        raise RunDirectoryInUse(f"{self.path.parent} is being locked and unlocked by another process; try again")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            owner = json.loads(self.path.read_text())
+            pid, host = int(owner["pid"]), str(owner["host"])
+        except (OSError, ValueError, KeyError, TypeError):
+            owner, pid, host = {}, None, None  # unreadable: left by a crash while writing it
+        here = socket.gethostname()
+        if pid is not None and pid != os.getpid() and (host != here or _alive(pid)):
+            where = f"process {pid}" + (f" on {host}" if host != here else "")
+            check = ("" if host == here else f"; this host ({here}) cannot tell whether it still runs: if it does not, "
+                     f"delete {self.path}")
+            raise RunDirectoryInUse(
+                f"run directory {self.path.parent} is in use by {where}, started {owner.get('started', '?')} "
+                f"({owner.get('command', '?')}){check}. Wait for it to end, stop it, or choose another output_dir")
+        log.warning("run directory %s: taking over the lock of %s, which no longer runs", self.path.parent,
+                    f"process {pid}" if pid is not None else "a process that left it unreadable")
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+            self.held = False

@@ -1,0 +1,80 @@
+"""Stopping a run cleanly when asked to: SIGTERM (a scheduler's notice before preemption), SIGINT (Ctrl-C) and
+SIGUSR1 (which SLURM can send ahead of time, ``--signal=USR1@120``).
+
+``StopRequest`` turns those signals into a flag that the training loop reads between steps: the current step
+finishes, checkpoint.pth is written with the exact position in the epoch, and the run exits with
+``STOPPED_EXIT_CODE[signal]`` (128 + the signal's number, as a shell reports a process stopped by it). A second
+Ctrl-C stops at once (KeyboardInterrupt), losing only the steps since the last checkpoint (a checkpoint being
+written in the background is finished first: engine/checkpoint/writer.py). The loader's worker
+processes ignore these signals (``ignore_stop_signals``), so that a Ctrl-C sent to the whole process group does
+not kill them under the step the main process is finishing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+log = logging.getLogger("train")
+
+STOP_SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGUSR1")) if s is not None)
+STOPPED_EXIT_CODE = {int(s): 128 + int(s) for s in STOP_SIGNALS}
+
+
+class TrainingStopped(Exception):
+    """The run stopped on a signal after saving its checkpoint; ``exit_code`` is the process's documented code."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = STOPPED_EXIT_CODE.get(signum, 1)
+
+
+class StopRequest:
+    """While active (a context manager, main thread only), the first stop signal sets ``signum``."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._announced = False
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum, frame) -> None:
+        # Only a flag: the handler may run in the middle of a write to the console, which logging from here
+        # would re-enter (the loop announces the request, ``announce``).
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now
+        if self.signum is None:
+            self.signum = signum
+
+    def announce(self) -> None:
+        """Log the request, once (the loop calls this when it sees it, between steps)."""
+        if self.signum is not None and not self._announced:
+            self._announced = True
+            log.warning("%s received: finishing this step, then writing checkpoint.pth and stopping%s", self.name,
+                        " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else "")
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:
+    """A DataLoader worker_init_fn: the stop signals are the main process's to act on."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)

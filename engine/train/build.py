@@ -1,0 +1,127 @@
+"""One assembly of what runs: the model on its device, compiled as the run's plan says, and for training the
+optimizer, schedule, precision, data parallelism and step.
+
+train.py (training and eval_only), bench/ and the tests all build through these functions, from a composed
+config, so that a benchmark times the step a run takes, compiled as a run compiles it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint.init_from import InitFrom
+from engine.compile.plan import CompilePlan, compile_model, resolve_compile
+from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
+from engine.runtime.precision import Precision
+from engine.runtime.rng import seed_all
+from models import build_model
+
+from .optim import build_lr_scheduler, build_optimizer
+from .resume import Resumed, restore_training_state
+from .step import OptimizerStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunModel:
+    """The model of a run on its device, and how it was compiled.
+
+    model        the unwrapped DeformableDETR (checkpoints, evaluation); compiled regions are in it
+    criterion    its SetCriterion (on the device when built for training)
+    postprocess  boxes and scores from its outputs
+    compile_plan what was compiled, or None (eager)
+    """
+
+    model: torch.nn.Module
+    criterion: torch.nn.Module
+    postprocess: torch.nn.Module
+    compile_plan: CompilePlan | None
+
+
+def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
+                    evaluation_batches: int = 0, training_steps: int = 0) -> RunModel:
+    """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there.
+
+    training             compile the training regions and the losses too (else evaluation's graph only, when the
+                         plan compiles evaluation); the weights are loaded afterwards either way: names are unchanged
+    init                 model.init_from's weights, loaded into the fresh model before it moves
+    evaluation_batches   the evaluation batches this process will run, which decide compile.evaluation=null
+    training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
+    """
+    model, criterion, postprocess = build_model(cfg_model)
+    if init is not None:
+        init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
+    model.to(ctx.device)
+    plan = resolve_compile(cfg_compile, device=ctx.device, evaluation_batches=evaluation_batches,
+                           training_steps=training_steps)
+    if training:
+        criterion.to(ctx.device)
+        if plan is not None:
+            compile_model(model, plan, criterion=criterion)  # in place: training and evaluation use it
+    elif plan is not None and plan.evaluation:
+        # The training regions are wrapped too but never called here: only the evaluation graph compiles.
+        compile_model(model, plan)
+    return RunModel(model=model, criterion=criterion, postprocess=postprocess, compile_plan=plan)
+
+
+@dataclass
+class TrainingSetup:
+    """What ``build_training`` assembles: the run's model, its optimizer and schedule, precision and step.
+
+    step         OptimizerStep over the module to train (DDP-wrapped under torchrun with gradient_sync=ddp)
+    resumed      the position restored from a checkpoint, or None
+    """
+
+    run_model: RunModel
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    step: OptimizerStep
+    resumed: Resumed | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.run_model.model
+
+    @property
+    def compile_plan(self) -> CompilePlan | None:
+        return self.run_model.compile_plan
+
+
+def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt: dict | None = None,
+                   ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0,
+                   training_steps: int = 0) -> TrainingSetup:
+    """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes.
+
+    init                 model.init_from's weights, loaded into the fresh model (a new run)
+    ckpt, ckpt_path      a checkpoint to resume: weights, optimizer, schedule and scaler restored (engine.train.resume)
+    evaluation_batches, training_steps   as build_run_model takes them
+    """
+    seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
+    run_model = build_run_model(cfg.model, cfg.compile, ctx=ctx, training=True, init=init,
+                                evaluation_batches=evaluation_batches, training_steps=training_steps)
+    model, criterion = run_model.model, run_model.criterion
+    plan = run_model.compile_plan
+    if plan is not None and plan.mode == "graphs" and ctx.world_size > 1 and cfg.gradient_sync == "ddp":
+        raise ValueError("compile.mode=graphs records the backward as a CUDA graph, which DistributedDataParallel's "
+                         "hooks cannot run inside; use gradient_sync=allreduce (the default) or "
+                         "compile.mode=reduce-overhead")
+    optimizer = build_optimizer(model, cfg.optim)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
+    precision = Precision(amp=cfg.amp, device=ctx.device)
+    resumed = None
+    if ckpt is not None:  # before data_parallel, which starts every rank from rank 0's weights
+        resumed = restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                         scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
+    trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
+                                            find_unused_parameters=cfg.find_unused_parameters)
+    step = OptimizerStep(model=trained, criterion=criterion, optimizer=optimizer, precision=precision,
+                         clip_max_norm=cfg.optim.clip_max_norm,
+                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
+    return TrainingSetup(run_model=run_model, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
+                         step=step, resumed=resumed)

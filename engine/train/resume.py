@@ -1,0 +1,221 @@
+"""Resuming a run: which checkpoint, which settings win, and putting the training state back.
+
+The rule (README, "Outputs"), applied by ``config_for_resume`` and ``restore_training_state``:
+
+- The model is the checkpoint's. Every ``model.*`` key the checkpoint records is kept (the weights and the
+  optimizer state fix the architecture, the classes and the loss), except ``model.msda`` and
+  ``model.pretrained``, which say how to run and come from the command line.
+- Everything else comes from the command line and is applied: the schedule (``epochs``, ``max_steps``,
+  ``optim.*``: a new lr, lr_drop, lr_gamma or weight_decay replaces the checkpoint's from the next step
+  on), the data and its loading (``dataset.*``, ``batch_size``, ``num_workers``, ``seed``) and how to run
+  (``device``, ``amp``, ``compile.*``, the log/eval/checkpoint intervals).
+- Every setting that differs between the checkpoint and the command line is listed in one warning that
+  says which value is used.
+
+``resume=auto`` takes only what belongs to this run: the run directory's own checkpoint.pth (a fixed
+``hydra.run.dir`` or ``output_dir``), else the newest ``outputs/*/*/checkpoint.pth`` of a run with this
+run's settings (all but the schedule's length and how to run, the roles of engine/config/train_schema.py), and it says
+which one it took. A checkpoint of an older version is read in this version's layout
+(engine.config.train_schema.upgrade_recorded_config).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from engine.checkpoint.contents import load_model_weights, read_recorded_config
+from engine.checkpoint.io import LATEST
+from engine.config.registry import plain_config
+from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
+from engine.errors import CheckpointError
+from models.model_config import MODEL_KEYS
+
+from .optim import group_base_lrs
+
+log = logging.getLogger(__name__)
+# The lr schedule as the optimizer and the scheduler hold it; a change to any of these is applied on resume.
+SCHEDULE_KEYS = ("lr", "lr_backbone", "lr_linear_proj_mult", "weight_decay", "lr_drop", "lr_gamma")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _kept_from_checkpoint(key: str) -> bool:
+    group, _, name = key.partition(".")
+    return group == "model" and name in MODEL_KEYS and role_of(key) != HOW_TO_RUN
+
+
+def resumable_change(key: str) -> bool:
+    """Whether a setting may differ from a checkpoint's without making it another run's (resume=auto): a longer
+    schedule, and how to run. Any other difference (model, data, batch, seed, lr ...) is another experiment."""
+    return role_of(key) in (HOW_TO_RUN, LENGTH)
+
+
+def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, command line's value) for every setting both record with another value.
+
+    ``model.num_classes: null`` on the command line means "from the data", which the checkpoint answers:
+    not a difference.
+    """
+    old, new = flatten(upgrade_recorded_config(recorded)), flatten(current)
+    return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys())
+            if role_of(key) != INVOCATION and old[key] != new[key]
+            and not (key == "model.num_classes" and new[key] is None)]
+
+
+def run_identity_differences(recorded: dict, current: dict) -> list[str]:
+    """Keys that make the checkpoint's run another run than this one (all but the resumable changes)."""
+    return [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
+
+
+def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path, config: dict) -> Path | None:
+    """The checkpoint that ``resume`` names; ``config`` is this run's (plain_config) for resume=auto.
+
+    None/empty: start fresh. A path: that file, or that run directory's checkpoint.pth (it must exist).
+    ``auto``: see the module docstring; None when nothing belongs to this run.
+    """
+    if not resume:
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if path.is_dir():
+            path = path / LATEST
+        if not path.is_file():
+            raise CheckpointError(f"resume={resume}: no checkpoint file at {path}")
+        return path
+    own = Path(output_dir) / LATEST
+    if own.is_file():
+        log.warning("resume=auto: continuing this run directory's checkpoint %s", own)
+        return own
+    others = []
+    for path in sorted(Path(search_root).glob(f"*/*/{LATEST}"), key=lambda p: p.stat().st_mtime, reverse=True):
+        if path.resolve() == own.resolve():
+            continue
+        recorded = read_recorded_config(path)
+        if recorded is None:
+            log.warning("resume=auto: skipping %s, which cannot be read as a checkpoint of this trainer", path)
+            continue
+        differences = run_identity_differences(recorded, config)
+        if not differences:
+            written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+            log.warning("resume=auto: continuing %s (written %s), the newest checkpoint under %s of a run with "
+                        "this run's settings; pass resume=null to start afresh", path, written, search_root)
+            return path
+        others.append(f"{path} ({', '.join(differences[:3])} differ)")
+    if others:
+        log.warning("resume=auto: starting from scratch; the %d checkpoints under %s are of other runs, e.g. %s",
+                    len(others), search_root, others[0])
+    else:
+        log.info("resume=auto: no checkpoint found, starting from scratch")
+    return None
+
+
+def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, report: bool = True) -> DictConfig:
+    """The config a run resumed from ``ckpt`` uses: the checkpoint's model, everything else from ``cfg``.
+
+    ``report`` (rank 0) logs the settings that differ, each with the value used. Raises ValueError when
+    the checkpoint has already done what the schedule asks, so a resumed run never starts only to stop.
+    """
+    recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
+    effective = copy.deepcopy(cfg)
+    for key, value in (recorded.get("model") or {}).items():
+        if key in MODEL_KEYS and role_of(f"model.{key}") != HOW_TO_RUN:
+            try:
+                effective.model[key] = value  # typed node: the recorded value is checked like an override
+            except OmegaConfBaseException as error:
+                raise CheckpointError(f"checkpoint {path} records model.{key}={value!r}, which this version does not "
+                                      f"accept ({str(error).splitlines()[0]})") from error
+    if report:
+        lines = []
+        for key, old, new in setting_differences(recorded, plain_config(cfg)):
+            if _kept_from_checkpoint(key):
+                lines.append(f"{key}: {old!r} kept from the checkpoint, not {new!r} (a resumed model keeps its "
+                             "architecture, classes and loss; start a new run to change them)")
+            else:
+                lines.append(f"{key}: {new!r} from the command line, applied (the checkpoint had {old!r})")
+        if lines:
+            log.warning("resuming %s with settings that differ from the checkpoint's:\n  %s", path,
+                        "\n  ".join(lines))
+    if ckpt["epoch"] >= effective.epochs:
+        raise ValueError(f"resume: checkpoint {path} has completed {ckpt['epoch']} epochs and epochs="
+                         f"{effective.epochs}: nothing is left to train (raise epochs to train on; evaluate it "
+                         f"with eval_only=true checkpoint={path})")
+    if effective.max_steps is not None and ckpt["step"] >= effective.max_steps:
+        raise ValueError(f"resume: checkpoint {path} is at step {ckpt['step']} and max_steps={effective.max_steps}: "
+                         "nothing is left to train (raise max_steps, or set it to null)")
+    return effective
+
+
+class Resumed(NamedTuple):
+    epoch: int           # epochs completed
+    step: int            # optimizer steps done
+    steps_in_epoch: int  # batches done in the epoch in progress
+    rng: dict            # generator states at the checkpoint (engine.runtime.rng)
+
+
+def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           lr_scheduler, scaler, cfg_optim, path: str | os.PathLike) -> Resumed:
+    """Load weights, optimizer, scheduler and scaler from ``ckpt``; then apply a changed schedule.
+
+    ``model`` is the unwrapped module. Errors name the file. When the command line's schedule settings
+    (SCHEDULE_KEYS) are the checkpoint's, the restored state is left exactly as saved, so the resumed run
+    computes what an uninterrupted one would.
+    """
+    load_model_weights(model, ckpt, path=path)
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+        scaler.load_state_dict(ckpt["grad_scaler"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not fit this run's "
+                              f"parameter groups ({error}); was it written by another version of the model "
+                              "or with other optim.lr_backbone_names / lr_linear_proj_names?") from error
+    recorded = (ckpt.get("config") or {}).get("optim")
+    if isinstance(recorded, dict) and any(recorded.get(k) != cfg_optim[k] for k in SCHEDULE_KEYS):
+        apply_schedule(optimizer, lr_scheduler, cfg_optim)
+    return Resumed(ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"], ckpt["rng"])
+
+
+def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) -> None:
+    """Give a restored optimizer and StepLR the schedule of ``cfg_optim``, at the epoch they have reached.
+
+    Each group's lr becomes base * lr_gamma ** (epochs done // lr_drop), with base the group's lr from
+    ``cfg_optim`` (engine/train/optim.py), as if the run had had these settings from the start.
+    """
+    base = group_base_lrs(lr=cfg_optim.lr, lr_backbone=cfg_optim.lr_backbone,
+                          linear_proj_mult=cfg_optim.lr_linear_proj_mult)
+    lr_scheduler.step_size, lr_scheduler.gamma = cfg_optim.lr_drop, cfg_optim.lr_gamma
+    drops = lr_scheduler.last_epoch // lr_scheduler.step_size
+    for i, group in enumerate(optimizer.param_groups):
+        group_base = base[group["name"]]
+        group["initial_lr"] = lr_scheduler.base_lrs[i] = group_base
+        group["lr"] = group_base * cfg_optim.lr_gamma ** drops
+        group["weight_decay"] = cfg_optim.weight_decay
+    lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+
+
+def last_checkpoint_hint(output_dir: str | os.PathLike) -> str:
+    """What a run stopped by bad data can go on from, for the error message."""
+    latest = Path(output_dir) / LATEST
+    if latest.is_file():
+        return (f"The run's last checkpoint is {latest}: fix or remove the file (and its annotations), then "
+                f"continue with resume={latest}")
+    return ("No checkpoint of this run has been written yet: fix or remove the file (and its annotations) and "
+            "start again")

@@ -1,0 +1,85 @@
+"""What a train.py run sets up before its work, the same for training and ``eval_only``: the run directory
+and its lock, compilation's caches and log, the data checked and loaded in size buckets."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from datasets import build_data_loader, build_dataset, build_size_buckets
+from engine.compile.cache import use_compile_cache
+from engine.compile.clock import CompileClock
+from engine.compile.recompile_log import log_recompiles_to_file
+from engine.runtime.distributed import DistContext, barrier, broadcast_object
+from engine.runtime.run_lock import RunLock
+from engine.runtime.stop_request import ignore_stop_signals
+
+log = logging.getLogger("train")
+
+
+def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
+    """The run directory: ``output_dir`` if set, else Hydra's; rank 0 decides and every rank uses it."""
+    chosen = None
+    if ctx.is_main:
+        if cfg.output_dir:
+            chosen = str(Path(cfg.output_dir).resolve())
+        elif HydraConfig.initialized():
+            chosen = str(Path(HydraConfig.get().runtime.output_dir).resolve())
+        else:
+            raise ValueError("output_dir is not set: run through `python train.py` (Hydra picks the run "
+                             "directory) or pass output_dir=PATH")
+        Path(chosen).mkdir(parents=True, exist_ok=True)
+    return Path(broadcast_object(chosen, ctx))
+
+
+def holding_the_run_directory(output_dir: Path, ctx: DistContext):
+    """Rank 0 holds the run directory's lock for the job (engine/runtime/run_lock.py)."""
+    return RunLock(output_dir) if ctx.is_main else contextlib.nullcontext()
+
+
+def prepare_compilation(cfg: DictConfig) -> None:
+    """Compiled graphs and kernels kept in compile.cache_dir; recompilations logged to train.log."""
+    use_compile_cache(cfg.compile.cache_dir)
+    CompileClock.get()
+    log_recompiles_to_file()
+
+
+def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -> dict:
+    """Rank 0 first (it may write the synthetic set to disk), then the others read what it wrote."""
+    datasets = {}
+    if ctx.is_main:  # checks the data (opens the validation images) and reports dropped annotations
+        datasets = {s: build_dataset(s, cfg.dataset, check=True) for s in splits}
+    barrier(ctx)
+    if not ctx.is_main:
+        datasets = {s: build_dataset(s, cfg.dataset, check=False) for s in splits}
+    return datasets
+
+
+def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set):
+    """The run's size buckets (datasets/size_buckets.py; train_set None: evaluation's only), the same on every
+    rank; rank 0 logs them."""
+    buckets = build_size_buckets(train_set, val_set, cfg.dataset, batch_size=cfg.batch_size, seed=cfg.seed)
+    if ctx.is_main:
+        log.info("size buckets: %s", buckets.describe() if buckets is not None else
+                 f"off (dataset.size_buckets=0): each batch is padded to its largest image, rounded up to a multiple "
+                 f"of {cfg.dataset.pad_to_multiple}")
+    return buckets
+
+
+def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buckets):
+    return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=train,
+                             buckets=buckets, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
+                             pad_to_multiple=cfg.dataset.pad_to_multiple, worker_init_fn=ignore_stop_signals)
+
+
+def warn_unbounded_sizes(cfg: DictConfig, buckets, plan, *, training: bool) -> None:
+    """Without size buckets, a plan that builds graphs per input size builds them for every padded size met."""
+    work = plan.per_size_work(training=training) if plan is not None and buckets is None else None
+    if work:
+        log.warning("dataset.size_buckets=0 with compile.mode=%s: each new padded batch size %s again (every multiple "
+                    "of dataset.pad_to_multiple=%d up to the largest image); the size buckets bound that to a few "
+                    "sizes, compile.mode=eager builds nothing", cfg.compile.mode, work, cfg.dataset.pad_to_multiple)

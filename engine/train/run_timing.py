@@ -1,0 +1,120 @@
+"""Where a run's wall time went, as the user waits for it: setup, compilation, warm-up, training, evaluation.
+
+The loop tells ``RunTiming`` when each step and each evaluation starts and ends; compilation is taken from
+the CompileClock (engine/compile/clock.py) and charged to "compile" wherever it happened. The rest of the first
+two steps at each new batch size is "warm-up": kernels autotuned at their first run, cuDNN's plans, a CUDA
+graph recorded at the second. So "train" and "eval" are the time the run would have taken with every graph
+already compiled and warm. At the end the record goes to ``timing.json`` in the run directory and into one
+log line; bench/ttr.py reads the file.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datasets.json_file import write_json
+from engine.compile.clock import CompileClock, CompileTotals
+from engine.reporting.progress import format_duration
+
+TIMING_FILE = "timing.json"
+
+
+@dataclass
+class RunTiming:
+    """Accumulates a run's times (seconds). ``started`` is the process's start on time.perf_counter's clock."""
+
+    started: float
+    clock: CompileClock = field(default_factory=CompileClock.get)
+    compile_at_start: CompileTotals = field(init=False)
+    setup_s: float | None = None
+    first_step_s: float | None = None
+    train_s: float = 0.0
+    warmup_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
+    steps: int = 0
+    step_walls: list[float] = field(default_factory=list)  # seconds, the warm steps that compiled nothing
+    _last_step_end: float | None = None
+    _sizes_seen: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.compile_at_start = self.clock.totals()
+
+    @property
+    def compile(self) -> CompileTotals:
+        """Compilation during this run."""
+        return self.clock.totals().since(self.compile_at_start)
+
+    def step_started(self) -> CompileTotals:
+        """Call as a step (its data included) starts; pass the result to ``step_ended``."""
+        now = time.perf_counter()
+        if self.setup_s is None:
+            self.setup_s = now - self.started
+        if self._last_step_end is None:
+            self._last_step_end = now
+        return self.clock.totals()
+
+    def step_ended(self, before: CompileTotals, *, size: tuple) -> CompileTotals:
+        """The compilation this step did (empty when none); the rest of its wall time counts as warm-up at one of
+        the first two steps of batch ``size``, else as training."""
+        now = time.perf_counter()
+        compiled = self.clock.totals().since(before)
+        wall = now - self._last_step_end
+        self._last_step_end = now
+        if self.first_step_s is None:  # from the start of the process: what the user waits for a first step
+            self.first_step_s = now - self.started
+        warming = self._sizes_seen[size] < 2
+        self._sizes_seen[size] += 1
+        if warming:
+            self.warmup_s += max(0.0, wall - compiled.seconds)
+        else:
+            self.train_s += max(0.0, wall - compiled.seconds)
+            if not compiled.graphs and compiled.seconds < 1e-3:
+                self.step_walls.append(wall)
+        self.steps += 1
+        return compiled
+
+    @property
+    def not_training_s(self) -> float:
+        """Compilation and warm-up so far: what the ETA leaves out."""
+        return self.compile.seconds + self.warmup_s
+
+    def pause(self) -> None:
+        """Between steps, what is not a step (evaluation, checkpoints) is timed apart: the next step's wall
+        time starts when it is asked for."""
+        self._last_step_end = None
+
+    def add_evaluation(self, wall_s: float, compiled: CompileTotals) -> None:
+        self.eval_s += max(0.0, wall_s - compiled.seconds)
+
+    def add_checkpoint(self, wall_s: float) -> None:
+        self.checkpoint_s += wall_s
+
+    def steady_step_ms(self) -> float | None:
+        """Median wall time of the warm steps of the run's second half that compiled nothing."""
+        late = self.step_walls[len(self.step_walls) // 2:]
+        return statistics.median(late) * 1e3 if late else None
+
+    def record(self, **extra) -> dict:
+        compiled = self.compile
+        return {"total_s": time.perf_counter() - self.started, "setup_s": self.setup_s,
+                "first_step_s": self.first_step_s, "compile_s": compiled.seconds, "warmup_s": self.warmup_s,
+                "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
+                "steady_step_ms": self.steady_step_ms(), "graphs_compiled": compiled.graphs,
+                "graphs_by_function": compiled.by_function, **extra}
+
+    def summary(self, record: dict) -> str:
+        steady = record["steady_step_ms"]
+        parts = [f"setup {format_duration(record['setup_s'] or 0)}", f"compile {format_duration(record['compile_s'])}",
+                 f"warm-up {format_duration(record['warmup_s'])}", f"training {format_duration(record['train_s'])}",
+                 f"evaluation {format_duration(record['eval_s'])}"]
+        return (f"{record['steps']} steps in {format_duration(record['total_s'])} ({', '.join(parts)}); steady step "
+                + (f"{steady:.0f} ms" if steady is not None else "-") + f"; {record['graphs_compiled']} graphs compiled")
+
+    def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
+        return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)

@@ -1,0 +1,86 @@
+"""The run's checkpoints: what a checkpoint of the training holds, when it is written, and waiting for it.
+
+checkpoint.pth is rewritten at each epoch's end (also kept as checkpoint_epochNNNN.pth every
+``checkpoint_every`` epochs), mid-epoch every ``checkpoint_minutes`` and at a stop. Rank 0 writes, in the
+background (engine/checkpoint/writer.py): the state is copied to host memory and training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint.io import LATEST, check_free_space, checkpoint_bytes, epoch_checkpoint_name
+from engine.checkpoint.writer import CheckpointWriter
+from engine.runtime.rng import capture_rng_state
+
+from .run_timing import RunTiming
+from .schedule import Position
+
+
+class CheckpointSaver:
+    """Writes the training's state (rank 0 only); every method may be called on every rank.
+
+    config_record  the composed config as a plain dict, stored in every checkpoint
+    categories     category id -> name, recorded so that predict.py and export.py name the classes
+    """
+
+    def __init__(self, *, output_dir: Path, is_main: bool, model: torch.nn.Module, optimizer, lr_scheduler, scaler,
+                 config_record: dict, categories: dict, checkpoint_every: int, checkpoint_minutes: float | None,
+                 timing: RunTiming):
+        self.output_dir, self.is_main = Path(output_dir), is_main
+        self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
+        self.config_record, self.categories = config_record, categories
+        self.checkpoint_every, self.checkpoint_minutes = checkpoint_every, checkpoint_minutes
+        self.timing = timing
+        if is_main:  # a full disk is found now, not at the end of an epoch of training
+            check_free_space(self.output_dir, checkpoint_bytes(model))
+        self.writer = CheckpointWriter()
+        self._last_save = time.monotonic()
+
+    @property
+    def latest(self) -> Path:
+        return self.output_dir / LATEST
+
+    def save(self, position: Position, *, epoch_done: bool) -> None:
+        """checkpoint.pth at ``position`` (and the epoch's own file when one is due)."""
+        if self.is_main:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "lr_scheduler": self.lr_scheduler.state_dict(), "grad_scaler": self.scaler.state_dict(),
+                     "epoch": position.epoch, "steps_in_epoch": position.steps_in_epoch, "step": position.step,
+                     "config": self.config_record, "categories": self.categories, "rng": capture_rng_state()}
+            if epoch_done and position.epoch % self.checkpoint_every == 0:
+                held = self.writer.save(state, self.output_dir / epoch_checkpoint_name(position.epoch),
+                                        also_as=self.latest)
+            else:
+                held = self.writer.save(state, self.latest)
+            self.timing.add_checkpoint(held)
+        self._last_save = time.monotonic()
+
+    def due(self, position: Position, *, steps_per_epoch: int) -> bool:
+        """Mid-epoch: ``checkpoint_minutes`` have passed since the last save (rank 0 alone: it writes, no
+        collective)."""
+        minutes = self.checkpoint_minutes
+        return (self.is_main and minutes is not None and time.monotonic() - self._last_save >= 60 * minutes
+                and position.steps_in_epoch < steps_per_epoch)
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk (its error raised); the time counts as the checkpoint's."""
+        self.timing.add_checkpoint(self.writer.wait())
+
+    def check(self) -> None:
+        """Raise the error of a write that has ended; never blocks."""
+        self.writer.check()
+
+    def wait_quietly(self) -> None:
+        """``wait`` for a run that is already failing: a write error is logged, not raised over the first."""
+        self.writer.wait_quietly()
+
+    def describe_kept(self) -> str:
+        """What a run stopped without saving keeps, for its message (once any write in flight has ended)."""
+        self.wait_quietly()
+        latest = self.latest
+        return (f"the last good checkpoint, {latest}, is kept (resume={latest})" if latest.exists()
+                else "no checkpoint had been written yet")
