@@ -274,3 +274,24 @@ def test_a_run_without_size_buckets_is_warned_when_its_plan_builds_graphs_per_si
     assert len(caplog.records) == 1
     assert ("dataset.size_buckets=0 with compile.mode=graphs: each new padded batch size records CUDA graphs again"
             in caplog.text and "dataset.pad_to_multiple=32" in caplog.text)
+
+
+# Written by train.py at commit 9f3f177, before engine/ became packages (`python train.py max_steps=2 epochs=1
+# device=cpu`: the synthetic default, stopped mid-epoch), then its model and optimizer tensors filled with a constant
+# (same shapes and dtypes) so that it compresses to a small file; every key, the config and the RNG states are as
+# written.
+FLAT_ENGINE_CHECKPOINT = ROOT / "tests" / "data" / "checkpoint_of_9f3f177.pth.xz"
+
+
+def test_a_checkpoint_written_before_the_engine_packages_resumes_and_evaluates(data_root, tmp_path):
+    import lzma
+
+    checkpoint = tmp_path / "checkpoint_of_9f3f177.pth"
+    checkpoint.write_bytes(lzma.decompress(FLAT_ENGINE_CHECKPOINT.read_bytes()))
+    resumed = trainer.train(compose_run(data_root, tmp_path / "resumed", f"resume={checkpoint}",
+                                        "max_steps=3", "epochs=1", "optim.lr=2e-4"))
+    assert resumed["step"] == 3 and len(resumed["losses"]) == 1  # the two steps it held, then one more
+    assert load_checkpoint(tmp_path / "resumed" / "checkpoint.pth")["config"]["model"]["backbone"] == "resnet18"
+    evaluated = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "evaluated", "eval_only=true",
+                                                        f"checkpoint={checkpoint}"))
+    assert set(evaluated["eval"]) == {"AP", "AP50", "AP75", "APs", "APm", "APl"}
