@@ -18,7 +18,7 @@ from torchvision.ops import box_convert, sigmoid_focal_loss
 
 from models.compiled_regions import CompiledRegions, Region
 from models.host_copy import to_device_async
-from models.matcher import HungarianMatcher
+from models.matcher import PADDING_BOX, HungarianMatcher
 from models.model_config import read_criterion_config, resolved_num_classes
 from models.postprocess import PostProcess
 
@@ -27,9 +27,6 @@ _PER_BOX = ("loss_ce", "loss_bbox", "loss_giou")  # divided by num_boxes
 
 # What the losses are divided by: a number, a device tensor, or a function giving either (SetCriterion.forward).
 NumBoxes = float | torch.Tensor | Callable[[], float | torch.Tensor]
-# A padding target's box (normalized cxcywh): any box of positive area, so that its GIoU with a prediction is
-# finite and the padding's zero contribution has a zero gradient.
-PADDING_BOX = 0.5
 
 
 def target_slots(num_targets: int) -> int:

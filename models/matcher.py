@@ -12,7 +12,13 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
-from torchvision.ops import box_convert, generalized_box_iou
+from torch.nn.utils.rnn import pad_sequence
+from torchvision.ops import box_convert
+
+# Every coordinate of a padding target's box (normalized cxcywh): a box of positive area, so that its GIoU with a
+# prediction is finite. It pads the cost matrices' columns, never matched, and the criterion's targets, where the
+# padding's zero contribution has a zero gradient.
+PADDING_BOX = 0.5
 
 
 class HungarianMatcher(nn.Module):
@@ -54,41 +60,45 @@ class HungarianMatcher(nn.Module):
         self.focal_gamma = focal_gamma
 
     def cost_matrix(self, outputs: dict, targets: list[dict]) -> torch.Tensor:
-        """Full cost matrix (B*Q, T) where T is the total number of targets in the batch.
+        """Each image's cost matrix, padded: (B, Q, T_max), T_max the most targets of an image in the batch.
 
         outputs: "pred_logits" (B, Q, K) raw logits, "pred_boxes" (B, Q, 4) normalized cxcywh.
         targets: per image {"labels": (n_i,) int64 in [0, K), "boxes": (n_i, 4) normalized cxcywh}.
-        Columns are the targets of image 0, then image 1, ... Rows are image-major queries.
+        Image b's queries against its own targets are ``[b, :, :n_b]``; the columns after them are padding.
         """
         logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
-        return self.layer_costs(logits[None], boxes[None], targets)[0]
+        return self.image_costs(logits[None], boxes[None], targets)[0]
 
-    def layer_costs(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict]) -> torch.Tensor:
-        """Cost matrices of G stacked predictions against the same targets: (G, B*Q, T).
+    def image_costs(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict]) -> torch.Tensor:
+        """Cost matrices of G stacked predictions, each image's queries against its own targets: (G, B, Q, T_max).
 
-        logits (G, B, Q, K), boxes (G, B, Q, 4): e.g. every decoder layer's output at once.
+        logits (G, B, Q, K), boxes (G, B, Q, 4): e.g. every decoder layer's output at once. Only the blocks the
+        assignment uses are computed (an image's queries never meet another image's targets), so the work and
+        the host copy grow with the batch, not with its square. Padding columns cost 0 and are never read.
         """
         if logits.dtype in (torch.float16, torch.bfloat16):
             # Costs of nearby queries differ by less than a bf16 ulp; match in fp32.
             logits, boxes = logits.float(), boxes.float()
-        G = logits.shape[0]
-        out_prob = logits.flatten(1, 2).sigmoid()  # (G, B*Q, K)
-        out_bbox = boxes.flatten(0, 2)  # (G*B*Q, 4)
-        tgt_ids = torch.cat([t["labels"] for t in targets]).to(device=logits.device, dtype=torch.int64)  # (T,)
-        tgt_bbox = torch.cat([t["boxes"] for t in targets]).to(device=boxes.device, dtype=out_bbox.dtype)  # (T, 4)
+        G, B, Q, _ = logits.shape
+        device = logits.device
+        tgt_ids = pad_sequence([t["labels"].to(device=device, dtype=torch.int64) for t in targets],
+                               batch_first=True)  # (B, T)
+        tgt_bbox = pad_sequence([t["boxes"].to(device=device, dtype=boxes.dtype) for t in targets], batch_first=True,
+                                padding_value=PADDING_BOX)  # (B, T, 4)
+        T = tgt_ids.shape[1]
 
         alpha, gamma = self.focal_alpha, self.focal_gamma
-        prob = out_prob[:, :, tgt_ids]  # (G, B*Q, T): only the targets' classes are needed
+        # Only the targets' classes are needed: (G, B, Q, T)
+        prob = logits.sigmoid().gather(3, tgt_ids[None, :, None, :].expand(G, B, Q, T))
         neg_cost = (1 - alpha) * (prob**gamma) * (-(1 - prob + 1e-8).log())
         pos_cost = alpha * ((1 - prob) ** gamma) * (-(prob + 1e-8).log())
-        cost_class = pos_cost - neg_cost  # (G, B*Q, T)
+        cost_class = pos_cost - neg_cost  # (G, B, Q, T)
 
-        cost_bbox = torch.cdist(out_bbox, tgt_bbox, p=1)  # (G*B*Q, T)
-        cost_giou = -generalized_box_iou(
-            box_convert(out_bbox, "cxcywh", "xyxy"), box_convert(tgt_bbox, "cxcywh", "xyxy")
-        )  # (G*B*Q, T)
-        cost_boxes = (self.cost_bbox * cost_bbox + self.cost_giou * cost_giou).view(G, -1, tgt_ids.shape[0])
-        return cost_boxes + self.cost_class * cost_class
+        out_bbox = boxes[:, :, :, None, :]  # (G, B, Q, 1, 4)
+        tgt = tgt_bbox[None, :, None, :, :]  # (1, B, 1, T, 4)
+        cost_bbox = (out_bbox - tgt).abs().sum(-1)  # (G, B, Q, T)
+        cost_giou = -pairwise_giou(box_convert(out_bbox, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy"))
+        return self.cost_bbox * cost_bbox + self.cost_giou * cost_giou + self.cost_class * cost_class
 
     @torch.no_grad()
     def match_groups(self, groups: list[tuple[torch.Tensor, torch.Tensor, list[dict]]]) -> list[list[list]]:
@@ -110,25 +120,24 @@ class HungarianMatcher(nn.Module):
             sizes = [len(t["boxes"]) for t in targets]
             layouts.append((G, B, Q, sizes))
             if sum(sizes):
-                costs.append(self.layer_costs(logits, boxes, targets).flatten())
+                costs.append(self.image_costs(logits, boxes, targets).flatten())
+        worst = torch.finfo(torch.float32).max
         # linear_sum_assignment needs float64-compatible numbers on the host: one transfer for everything.
-        flat = torch.cat(costs).float().cpu() if costs else torch.empty(0)
+        flat = torch.cat(costs).float().nan_to_num_(nan=worst, posinf=worst).cpu() if costs else torch.empty(0)
         empty = torch.empty(0, dtype=torch.int64)
         matched, offset = [], 0
         for G, B, Q, sizes in layouts:
-            T = sum(sizes)
+            T = max(sizes, default=0)
             if T == 0:
                 matched.append([[(empty, empty) for _ in range(B)] for _ in range(G)])
                 continue
             C = flat[offset:offset + G * B * Q * T].view(G, B, Q, T).numpy()
             offset += G * B * Q * T
-            C = np.nan_to_num(C, nan=np.finfo(np.float32).max, posinf=np.finfo(np.float32).max)
-            starts = np.cumsum([0] + sizes)
             layers = []
             for g in range(G):
                 per_image = []
-                for b in range(B):
-                    rows, cols = linear_sum_assignment(C[g, b, :, starts[b]:starts[b + 1]])
+                for b, n in enumerate(sizes):
+                    rows, cols = linear_sum_assignment(C[g, b, :, :n])
                     per_image.append((torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(cols.astype(np.int64))))
                 layers.append(per_image)
             matched.append(layers)
@@ -144,3 +153,16 @@ class HungarianMatcher(nn.Module):
         """
         logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
         return self.match_groups([(logits[None], boxes[None], targets)])[0][0]
+
+
+def pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Generalized IoU of boxes ``a`` and ``b`` (xyxy), broadcast against each other over their leading dimensions:
+    torchvision's generalized_box_iou, elementwise."""
+    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
+    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
+    inter_wh = (torch.minimum(a[..., 2:], b[..., 2:]) - torch.maximum(a[..., :2], b[..., :2])).clamp(min=0)
+    inter = inter_wh[..., 0] * inter_wh[..., 1]
+    union = area_a + area_b - inter
+    hull_wh = (torch.maximum(a[..., 2:], b[..., 2:]) - torch.minimum(a[..., :2], b[..., :2])).clamp(min=0)
+    hull = hull_wh[..., 0] * hull_wh[..., 1]
+    return inter / union - (hull - union) / hull

@@ -82,7 +82,7 @@ def test_matcher_cost_and_assignment_match_brute_force(gen, Q, n):
     cost = [[scalar_cost(logits[q], boxes[q], labels[t], tgt_boxes[t]) for t in range(n)] for q in range(Q)]
 
     matcher = HungarianMatcher()
-    C = matcher.cost_matrix(outputs, targets)
+    C = matcher.cost_matrix(outputs, targets)[0]
     torch.testing.assert_close(C, torch.tensor(cost), rtol=1e-5, atol=1e-5)
 
     # Brute force: every injective assignment of min(Q, n) pairs.
@@ -97,6 +97,31 @@ def test_matcher_cost_and_assignment_match_brute_force(gen, Q, n):
     assert len(rows) == len(cols) == min(Q, n)
     assert len(set(rows.tolist())) == len(rows) and len(set(cols.tolist())) == len(cols)
     assert sum(cost[q][t] for q, t in zip(rows.tolist(), cols.tolist())) == pytest.approx(best, abs=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5], [1], [0, 2, 0, 7], [6, 1, 1, 4, 2]])
+def test_each_images_cost_block_is_its_slice_of_the_whole_batchs_cost(gen, sizes):
+    """image_costs computes only each image's own block; it equals that block of every query against every target
+    of the batch, computed with torchvision's pairwise GIoU, for G stacked layers."""
+    from torchvision.ops import box_convert, generalized_box_iou
+
+    G, Q = 3, 6
+    logits = torch.randn(G, len(sizes), Q, K, generator=gen)
+    boxes = rand_boxes(G * len(sizes) * Q, gen).view(G, len(sizes), Q, 4)
+    targets = rand_targets(sizes, gen)
+    blocks = HungarianMatcher().image_costs(logits, boxes, targets)  # (G, B, Q, T_max)
+    assert blocks.shape == (G, len(sizes), Q, max(sizes))
+    labels, tgt = torch.cat([t["labels"] for t in targets]), torch.cat([t["boxes"] for t in targets])
+    start = 0
+    for b, n in enumerate(sizes):
+        for g in range(G):
+            prob = logits[g, b].sigmoid()[:, labels[start:start + n]]  # (Q, n)
+            cost_class = 0.25 * (1 - prob) ** 2 * -(prob + 1e-8).log() - 0.75 * prob**2 * -(1 - prob + 1e-8).log()
+            giou = generalized_box_iou(box_convert(boxes[g, b], "cxcywh", "xyxy"),
+                                       box_convert(tgt[start:start + n], "cxcywh", "xyxy"))
+            whole = 2 * cost_class + 5 * torch.cdist(boxes[g, b], tgt[start:start + n], p=1) - 2 * giou
+            torch.testing.assert_close(blocks[g, b, :, :n], whole, rtol=1e-5, atol=1e-5)
+        start += n
 
 
 @pytest.mark.parametrize("sizes", [[3, 0, 5], [1, 4], [0, 2, 0, 7]])
