@@ -1,39 +1,28 @@
-"""Converged mAP parity in one command: the synthetic default run (`python train.py`: model=tiny, 24 epochs) with
-several seeds for each way of running the model, run side by side on one GPU.
+"""Converged mAP parity: do the Triton kernels and the compiled paths train to the same AP as the PyTorch reference?
 
-    python bench/parity.py --out bench/results                 # on a GPU: 12 runs at once
-    python bench/parity.py --quick --out /tmp/parity           # CPU smoke run: 2 pytorch runs of 20 steps
+    python bench/parity.py                    # on a GPU: 4 configurations x 3 seeds, all at once
+    python bench/parity.py --quick            # CPU smoke run: 2 pytorch-eager runs of 20 steps
 
-Configurations (each `python train.py seed=N device=... num_workers=... output_dir=...` plus):
+Each run is the synthetic default (`python train.py`: model=tiny, 24 epochs) with a seed and a configuration:
 
     triton-eager     model.msda=triton compile.mode=eager
     triton-graphs    model.msda=triton compile.mode=graphs (the GPU's default for this run: the eager model
                      replayed as CUDA graphs)
     triton-compiled  model.msda=triton compile.mode=reduce-overhead (Inductor with CUDA graphs: auto's choice for
-                     long runs; the results of 2026-12-01 ran it as compile.mode=auto, then the GPU's default)
+                     long runs)
     pytorch-eager    model.msda=pytorch compile.mode=eager
 
-Every run writes its usual run directory under --work/runs (train.log, eval_epoch*.json, tensorboard/; removed at
-the start of the next call), the compiled ones share --work/compile_cache (kept). The report
-takes each run's last evaluation (AP, AP50), each configuration's mean and spread (max - min over its seeds),
-and the pass criterion: for triton-eager against pytorch-eager, and for triton-graphs and triton-compiled against
-triton-eager,
-|difference of the mean APs| <= the larger of the two configurations' spreads, i.e. within the seed-to-seed
-variation that either configuration shows by itself. Beside it, the target of a mean AP >= 0.25 for each
-configuration. The loss and AP curves of all runs (read back from their TensorBoard events) go into one figure
-(parity_h200.png, when matplotlib is installed). Writes parity_h200.json, parity_h200.md and the figure to --out;
---replot rewrites the report and the figure from the json.
+Every run writes its usual run directory under --work/runs (removed at the start of the next call); the compiled
+ones share --work/compile_cache (kept). The verdict (bench/parity_verdict.py) takes each run's last evaluation.
+Writes parity_h200.json, .md and, with matplotlib, parity_h200.png (the loss and AP curves of every run).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -44,16 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.parity_verdict import AP_TARGET, summarize  # noqa: E402
+from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+
 CONFIGS = {"triton-eager": ["model.msda=triton", "compile.mode=eager"],
-           "triton-compiled": ["model.msda=triton", "compile.mode=reduce-overhead"],
            "triton-graphs": ["model.msda=triton", "compile.mode=graphs"],
+           "triton-compiled": ["model.msda=triton", "compile.mode=reduce-overhead"],
            "pytorch-eager": ["model.msda=pytorch", "compile.mode=eager"]}
-# (configuration, its reference): the pairs the pass criterion compares.
-COMPARISONS = (("triton-eager", "pytorch-eager"), ("triton-compiled", "triton-eager"),
-               ("triton-graphs", "triton-eager"))
-AP_TARGET = 0.25
 # What --quick runs: one configuration that needs no GPU and no Triton interpreter, two seeds, 20 steps.
 QUICK = {"configs": ["pytorch-eager"], "seeds": [0, 1], "overrides": ["epochs=1", "max_steps=20"]}
+NAME = "parity_h200"
 
 
 class Children:
@@ -93,7 +82,8 @@ def run_one(args, config: str, seed: int) -> dict:
     env = dict(os.environ)
     # The runs share the host's cores: each gets its part, rather than every process starting a thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // args.parallel)))
-    row = {"config": config, "seed": seed, "run_dir": str(run_dir), "command": "python train.py " + " ".join(overrides)}
+    row = {"config": config, "overrides": " ".join(CONFIGS[config]), "seed": seed,
+           "command": "python train.py " + " ".join(overrides)}
     started = time.perf_counter()
     log = args.work / "runs" / f"{config}_seed{seed}.log"
     with open(log, "w") as out:
@@ -106,7 +96,7 @@ def run_one(args, config: str, seed: int) -> dict:
         print(f"parity {config} seed {seed}: FAILED ({row['failed']})", flush=True)
         return row
     final = json.loads(evaluations[-1].read_text())
-    row.update(ap=final["AP"], ap50=final["AP50"], epoch=final.get("epoch"), step=final.get("step"),
+    row.update(ap=final["AP"], ap50=final["AP50"], step=final.get("step"),
                loss=tensorboard_scalar(run_dir, "train/loss"), ap_curve=tensorboard_scalar(run_dir, "eval/AP"))
     print(f"parity {config} seed {seed}: AP {row['ap']:.4f} AP50 {row['ap50']:.4f} after step {row['step']} "
           f"({row['wall_s']:.0f} s)", flush=True)
@@ -123,68 +113,31 @@ def tensorboard_scalar(run_dir: Path, tag: str) -> dict[str, list]:
     return {"steps": [e.step for e in scalars], "values": [e.value for e in scalars]}
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Per configuration: runs, mean and spread of AP and AP50; then the criterion for each comparison."""
-    per_config = {}
-    for config in dict.fromkeys(r["config"] for r in rows):
-        done = [r for r in rows if r["config"] == config and "failed" not in r]
-        aps, ap50s = [r["ap"] for r in done], [r["ap50"] for r in done]
-        per_config[config] = {"runs": len(done), "failed": sum(1 for r in rows if r["config"] == config) - len(done),
-                              "mean_ap": statistics.fmean(aps) if aps else None,
-                              "spread_ap": max(aps) - min(aps) if aps else None,
-                              "mean_ap50": statistics.fmean(ap50s) if ap50s else None,
-                              "spread_ap50": max(ap50s) - min(ap50s) if ap50s else None,
-                              "meets_ap_target": bool(aps) and statistics.fmean(aps) >= AP_TARGET}
-    comparisons = []
-    for config, reference in COMPARISONS:
-        a, b = per_config.get(config), per_config.get(reference)
-        if not a or not b or a["runs"] < 2 or b["runs"] < 2:
-            comparisons.append({"config": config, "reference": reference, "passed": None,
-                                "why": "not run, or fewer than 2 finished seeds for one of them: no spread"})
-            continue
-        difference = abs(a["mean_ap"] - b["mean_ap"])
-        allowed = max(a["spread_ap"], b["spread_ap"])
-        comparisons.append({"config": config, "reference": reference, "difference": difference,
-                            "allowed": allowed, "passed": difference <= allowed})
-    return {"per_config": per_config, "comparisons": comparisons}
-
-
-def write_report(out: Path, record: dict) -> None:
+def report_lines(record: dict) -> list[str]:
     h, rows, summary = record["header"], record["rows"], record["summary"]
-    lines = [f"# Converged mAP parity on {h['gpu']}", "",
-             f"{h['date']}, torch {h['torch']}, triton {h['triton']}, {h['cpus']} CPU cores, {h['parallel']} runs at "
-             f"once, {h['wall_s']:.0f} s in all: `{h['command']}`", "",
-             "Each run is `python train.py` (the synthetic default: model=tiny, 24 epochs unless overridden) with the "
-             f"configuration's overrides and `{' '.join(h['common'])}`; AP and AP50 are its last evaluation's.", "",
-             "| configuration | seed | AP | AP50 | step | wall s |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "failed" in r:
-            lines.append(f"| {r['config']} | {r['seed']} | failed: {r['failed']} | | | {r['wall_s']:.0f} |")
-        else:
-            lines.append(f"| {r['config']} | {r['seed']} | {r['ap']:.4f} | {r['ap50']:.4f} | {r['step']} | "
-                         f"{r['wall_s']:.0f} |")
-    lines += ["", f"| configuration | runs | mean AP | AP spread (max-min) | mean AP50 | AP50 spread | mean AP >= "
-                  f"{AP_TARGET} |", "|---|---|---|---|---|---|---|"]
-
-    def number(value) -> str:
-        return "-" if value is None else f"{value:.4f}"
-
+    lines = header_lines(
+        "Converged mAP parity", h,
+        f"Each run is `python train.py` (the synthetic default unless overridden: model=tiny, 24 epochs) with its "
+        f"configuration's overrides, a seed and `{' '.join(h['common'])}`, {h['parallel']} runs at once "
+        f"({h['wall_s']:.0f} s in all); AP is its last evaluation's. A configuration matches its reference when "
+        "the difference of their mean APs is within the larger of the two seed spreads (max - min over the seeds).")
+    per_config = []
     for config, c in summary["per_config"].items():
-        failed = f" ({c['failed']} failed)" if c["failed"] else ""
-        lines.append(f"| {config} | {c['runs']}{failed} | {number(c['mean_ap'])} | {number(c['spread_ap'])} | "
-                     f"{number(c['mean_ap50'])} | {number(c['spread_ap50'])} | {'yes' if c['meets_ap_target'] else 'no'} |")
-    lines += ["", "Pass criterion, per comparison: |mean AP of the configuration - mean AP of its reference| <= the "
-                  "larger of the two AP spreads (max - min over each one's seeds).", "",
-              "| comparison | abs. difference of mean AP | allowed (larger spread) | passed |", "|---|---|---|---|"]
-    for c in summary["comparisons"]:
-        if c["passed"] is None:
-            lines.append(f"| {c['config']} vs {c['reference']} | - | - | n/a: {c['why']} |")
-        else:
-            lines.append(f"| {c['config']} vs {c['reference']} | {c['difference']:.4f} | {c['allowed']:.4f} | "
-                         f"{'yes' if c['passed'] else 'NO'} |")
+        done = [r for r in rows if r["config"] == config and "failed" not in r]
+        per_seed = ", ".join(f"{r['ap']:.4f}" for r in done) + (f" ({c['failed']} failed)" if c["failed"] else "")
+        per_config.append([config, f"`{done[0]['overrides'] if done else ''}`", per_seed, cell(c["mean_ap"], ".4f"),
+                           cell(c["spread_ap"], ".4f"), cell(c["mean_ap50"], ".4f"),
+                           "yes" if c["meets_ap_target"] else "no"])
+    lines += table(["configuration", "overrides", "AP per seed", "mean AP", "spread", "mean AP50",
+                    f"mean AP >= {AP_TARGET}"], per_config)
+    compared = [c for c in summary["comparisons"] if c["passed"] is not None]
+    lines += [""] + (table(["configuration", "reference", "difference of mean AP", "allowed (larger spread)",
+                            "matches"], [[c["config"], c["reference"], f"{c['difference']:.4f}", f"{c['allowed']:.4f}",
+                                          "yes" if c["passed"] else "NO"] for c in compared])
+                     if compared else ["No comparison: none had two finished seeds on both sides."])
     if record.get("figure"):
         lines += ["", f"![loss and AP curves]({record['figure']})"]
-    (out / "parity_h200.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def plot(out: Path, record: dict) -> str | None:
@@ -192,12 +145,12 @@ def plot(out: Path, record: dict) -> str | None:
     try:
         import matplotlib
     except ImportError:
-        print("parity: matplotlib is not installed; no figure (pip install matplotlib, then --replot)", flush=True)
+        print("parity: matplotlib is not installed; no figure (pip install matplotlib)", flush=True)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(CONFIGS, ("tab:orange", "tab:red", "tab:green", "tab:blue")))
+    colours = dict(zip(CONFIGS, ("tab:orange", "tab:green", "tab:red", "tab:blue")))
     fig, (loss_ax, ap_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in record["rows"]:
         if "failed" in r:
@@ -213,14 +166,14 @@ def plot(out: Path, record: dict) -> str | None:
     h = record["header"]
     fig.suptitle(f"Converged mAP parity, synthetic default: {h['gpu']}, {h['date']}")
     fig.tight_layout()
-    fig.savefig(out / "parity_h200.png", dpi=120)
+    fig.savefig(out / f"{NAME}.png", dpi=120)
     plt.close(fig)
-    return "parity_h200.png"
+    return f"{NAME}.png"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; quick: outputs/bench)")
     parser.add_argument("--work", type=Path, default=Path("outputs/bench_parity"))
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
                         help="configurations to run (all four; quick: pytorch-eager)")
@@ -232,30 +185,25 @@ def main() -> None:
                         help="more train.py overrides for every run (quick: epochs=1 max_steps=20)")
     parser.add_argument("--quick", action="store_true",
                         help="a CPU smoke run: pytorch-eager, seeds 0 and 1, epochs=1 max_steps=20, device=cpu")
-    parser.add_argument("--replot", action="store_true", help="only rewrite the report and figure from --out's json")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    saved = args.out / "parity_h200.json"
-    if args.replot:
-        record = json.loads(saved.read_text())
-        record["figure"] = plot(args.out, record)
-        write_report(args.out, record)
-        return
+    out = out_dir(args.out, args.quick)
     args.configs = args.configs or (QUICK["configs"] if args.quick else list(CONFIGS))
     args.seeds = args.seeds if args.seeds is not None else (QUICK["seeds"] if args.quick else [0, 1, 2])
     args.overrides = args.overrides if args.overrides is not None else (QUICK["overrides"] if args.quick else [])
     args.device = args.device or ("cpu" if args.quick else "cuda")
     if args.device == "cpu" and any(c.startswith("triton") for c in args.configs):
         # Possible under TRITON_INTERPRET=1, but at about 90 s per step of the tiny model on 2 cores.
-        parser.error(f"--configs {' '.join(args.configs)}: the triton configurations need a GPU (--device cuda); "
-                     "on the CPU run --configs pytorch-eager")
+        parser.error("the triton configurations need a GPU (--device cuda); on the CPU run --configs pytorch-eager")
     runs = [(config, seed) for config in args.configs for seed in args.seeds]
     args.parallel = args.parallel or len(runs)
     if args.parallel < 1:
         parser.error(f"--parallel must be at least 1, got {args.parallel}")
     import shutil
-
-    import torch
 
     # A reused run directory would resume, or mix old events into the curves; the compile cache is kept.
     shutil.rmtree(args.work / "runs", ignore_errors=True)
@@ -268,21 +216,17 @@ def main() -> None:
         except BaseException:
             CHILDREN.stop()
             raise
-    header = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU",
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "python": platform.python_version(),
-              "cpus": len(os.sched_getaffinity(0)), "command": "python " + " ".join(sys.argv),
-              "parallel": args.parallel, "wall_s": time.perf_counter() - started,
-              "common": [f"device={args.device}", f"num_workers={args.num_workers}", *args.overrides]}
+    header = run_header(cpus=len(os.sched_getaffinity(0)), parallel=args.parallel,
+                        wall_s=time.perf_counter() - started,
+                        common=[f"device={args.device}", f"num_workers={args.num_workers}", *args.overrides])
     record = {"header": header, "rows": rows, "summary": summarize(rows)}
-    saved.write_text(json.dumps(record, indent=1))
-    record["figure"] = plot(args.out, record)
-    saved.write_text(json.dumps(record, indent=1))
-    write_report(args.out, record)
+    out.mkdir(parents=True, exist_ok=True)
+    record["figure"] = plot(out, record)
+    json_path, md_path = write_report(NAME, record, report_lines(record), out=out)
     for c in record["summary"]["comparisons"]:
         verdict = "n/a" if c["passed"] is None else ("passed" if c["passed"] else "FAILED")
         print(f"parity {c['config']} vs {c['reference']}: {verdict}", flush=True)
-    print(f"parity: wrote {saved}, {args.out / 'parity_h200.md'}", flush=True)
+    print(f"parity: wrote {json_path}, {md_path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.parity import AP_TARGET, summarize
+from bench.parity_verdict import AP_TARGET, summarize
 
 
 def rows(aps_by_config: dict[str, list[float]]) -> list[dict]:

@@ -17,7 +17,7 @@ from test_step import make_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.e2e_steptime import STEP_PHASES, idle_by_phase, is_device_work
+from bench.step_profile import STEP_PHASES, idle_by_phase, is_device_work
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 
