@@ -7,6 +7,7 @@ proposals with class-agnostic targets (suffix _enc).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -34,6 +35,20 @@ def target_slots(num_targets: int) -> int:
     power of two above it, at least 8, so that at least one padding target exists for the padding pairs to
     point at and a run meets a handful of sizes (engine/compile/cuda_graphs.py records one graph per size)."""
     return max(8, 1 << num_targets.bit_length())
+
+
+# The suffix of a per-decoder-layer (loss_ce_0 ...) or encoder-proposal (loss_ce_enc) copy of a loss.
+AUX_SUFFIX = re.compile(r"_(\d+|enc)$")
+
+
+def combination_over_passes(name: str) -> str:
+    """How a loss of this criterion combines over passes that each saw a part of one batch (gradient
+    accumulation): "sum" for the losses divided by the batch's box count, "boxes" for class_error (a mean over
+    matched boxes), "images" for cardinality_error (a mean over images)."""
+    base = AUX_SUFFIX.sub("", name)
+    if base in _PER_BOX:
+        return "sum"
+    return "boxes" if base == "class_error" else "images"
 
 
 class SetCriterion(CompiledRegions, nn.Module):

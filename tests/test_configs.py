@@ -84,7 +84,13 @@ def test_experiments_select_the_variant(experiment, refine, two_stage):
 def test_coco_gpu_is_the_full_recipe_on_coco():
     cfg = compose_train(["experiment=coco_gpu"])
     assert cfg.dataset.name == "coco" and cfg.model.backbone == "resnet50" and cfg.model.hidden_dim == 256
-    assert (cfg.epochs, cfg.optim.lr_drop, cfg.batch_size, cfg.amp) == (50, 40, 2, "bf16")
+    assert (cfg.epochs, cfg.optim.lr_drop, cfg.optim.lr, cfg.amp) == (50, 40, 2e-4, "bf16")
+    assert cfg.total_batch_size == 32  # the original's total batch, whatever the number of GPUs
+
+
+def test_the_coco_recipe_without_the_experiment_is_the_original_per_gpu_batch():
+    cfg = compose_train(["dataset=coco"])
+    assert (cfg.batch_size, cfg.total_batch_size) == (2, None)
 
 
 def test_command_line_choice_wins_over_the_dataset_default():

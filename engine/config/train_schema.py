@@ -131,6 +131,7 @@ class TrainConfig:
     epochs: int = _role(LENGTH, MISSING)
     max_steps: Optional[int] = _role(LENGTH, None)
     batch_size: int = MISSING
+    total_batch_size: Optional[int] = None
     num_workers: int = _role(HOW_TO_RUN, MISSING)
     amp: Amp = _role(HOW_TO_RUN, MISSING)
     compile: CompileConfig = _role(HOW_TO_RUN, default_factory=CompileConfig)
@@ -152,6 +153,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         problems = [f"{key} must be an integer >= {low}, got {getattr(self, key)!r}"
                     for key, low in _INTEGER_MINIMUM.items() if getattr(self, key) < low]
+        if self.total_batch_size is not None and self.total_batch_size < 1:
+            problems.append(f"total_batch_size must be null (batch_size per process) or an integer >= 1, got "
+                            f"{self.total_batch_size!r}")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be null or an integer >= 1, got {self.max_steps!r}")
         if not 0 <= self.eval_images_min_score <= 1:

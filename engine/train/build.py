@@ -23,6 +23,7 @@ from models import build_model
 from .optim import build_lr_scheduler, build_optimizer
 from .resume import Resumed, restore_training_state
 from .step import OptimizerStep
+from .step_batch import step_batch
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,10 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
                                          scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
     trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
                                             find_unused_parameters=cfg.find_unused_parameters)
+    batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     step = OptimizerStep(model=trained, criterion=criterion, optimizer=optimizer, precision=precision,
                          clip_max_norm=cfg.optim.clip_max_norm,
-                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
+                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients,
+                         images_per_pass=batch.per_pass if batch.passes > 1 else None)
     return TrainingSetup(run_model=run_model, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
                          step=step, resumed=resumed)

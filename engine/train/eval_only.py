@@ -60,8 +60,9 @@ def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
     model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
                                                    checkpoint_state=ckpt["model"])
-    buckets = size_buckets(cfg, ctx, None, val_set)
-    loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets)
+    # batch_size: the most images one pass takes; evaluation needs less memory than training's passes.
+    buckets = size_buckets(cfg, ctx, None, val_set, batch_size=cfg.batch_size)
+    loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets, batch_size=cfg.batch_size)
     run_model = build_run_model(OmegaConf.create(model_cfg), cfg.compile, ctx=ctx, training=False,
                                 evaluation_batches=len(loader.batch_sampler))
     plan = run_model.compile_plan

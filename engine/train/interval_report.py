@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Callable
 
 import torch
@@ -19,6 +18,7 @@ from engine.errors import NonFiniteLossError
 from engine.reporting.progress import Progress
 from engine.reporting.tensorboard import ScalarWriter
 from engine.runtime.distributed import DistContext, all_reduce_mean
+from models.criterion import AUX_SUFFIX
 
 from .optim import group_lrs
 from .run_timing import RunTiming
@@ -26,10 +26,6 @@ from .step import OptimizerStep
 from .step_log import Interval, StepLog
 
 log = logging.getLogger("train")
-
-# Per-decoder-layer (loss_ce_0 ...) and encoder (loss_ce_enc) copies of a loss; logged only inside the total.
-AUX_LOSS = re.compile(r"_(\d+|enc)$")
-
 
 class IntervalReporter:
     """Collects the steps of a log interval (``step_log``) and reports them (``report``).
@@ -69,7 +65,7 @@ class IntervalReporter:
         weights = self.step.criterion.weight_dict
         last = interval.last
         lrs = group_lrs(self.optimizer)
-        weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_LOSS.search(k)}
+        weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_SUFFIX.search(k)}
         scalars = {"loss": last["loss"], **weighted, **{f"{k}_unscaled": last[k] for k in weighted},
                    "lr": lrs.get("rest", next(iter(lrs.values()))), "step_time_ms": interval.step_ms,
                    "data_time_ms": interval.data_ms, "images_per_s": interval.images_per_s,
@@ -95,7 +91,7 @@ class IntervalReporter:
 
     def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:
         kept = self.describe_kept()  # the last good checkpoint may still be being written
-        losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_LOSS.search(k))
+        losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_SUFFIX.search(k))
         return (f"non-finite {what} ({row['loss'] if what == 'loss' else row['grad_norm']}) at epoch {epoch + 1}, "
                 f"step {step + 1} ({losses}); that update was skipped and the run stops without saving: {kept}. "
                 f"Try a lower optim.lr, amp=none, or check the data")

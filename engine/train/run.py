@@ -38,6 +38,7 @@ from .run_setup import (
 from .run_timing import RunTiming
 from .saving import CheckpointSaver
 from .schedule import Position, planned_evaluations, planned_steps
+from .step_batch import step_batch
 from .stopping import StopControl
 
 log = logging.getLogger("train")
@@ -60,6 +61,9 @@ def train(cfg: DictConfig, *, started: float | None = None) -> dict:
 def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest, *, started: float) -> dict:
     """The run inside its directory, its lock held and its stop signals caught (``train``)."""
     timing = RunTiming(started=started)
+    batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
+    if ctx.is_main:
+        log.info("%s", batch.describe(ctx.world_size))
     prepare_compilation(cfg)
     # The data first: it is checked before anything is trained, and may decide model.num_classes.
     data = build_datasets(cfg, ctx, ("train", "val"))
@@ -77,13 +81,13 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
     # Classes from the data when model.num_classes is null; category ids checked against them.
     cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
 
-    buckets = size_buckets(cfg, ctx, data["train"], data["val"])
-    train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets)
-    val_loader = build_loader(data["val"], cfg, ctx, train=False, buckets=buckets)
+    buckets = size_buckets(cfg, ctx, data["train"], data["val"], batch_size=batch.per_process)
+    train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets, batch_size=batch.per_process)
+    val_loader = build_loader(data["val"], cfg, ctx, train=False, buckets=buckets, batch_size=batch.per_pass)
     steps_per_epoch = train_loader.batch_sampler.steps_per_epoch
     if steps_per_epoch == 0:
         raise ValueError(f"the training set has {len(data['train'])} images, too few for one batch of "
-                         f"{cfg.batch_size} per process on {ctx.world_size} processes"
+                         f"{batch.per_process} per process on {ctx.world_size} processes"
                          + (" once batched by size (dataset.size_buckets=0 batches any images together)"
                             if buckets is not None else ""))
     total_steps = planned_steps(cfg, steps_per_epoch)
@@ -105,9 +109,10 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
-        log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %d steps per "
+        log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
                  "epoch, %d epochs", output_dir, ctx.world_size, ctx.device, setup.precision.name,
-                 running_as(setup.compile_plan), n_params / 1e6, steps_per_epoch, cfg.epochs)
+                 running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size), steps_per_epoch,
+                 cfg.epochs)
     loop = training_loop(cfg, ctx, output_dir, setup, train_loader=train_loader, val_loader=val_loader,
                          coco_gt=data["val"].coco, val_set=data["val"], position=position, timing=timing, stop=stop)
     return {"output_dir": output_dir, **loop.run()}

@@ -59,10 +59,10 @@ def build_datasets(cfg: DictConfig, ctx: DistContext, splits: tuple[str, ...]) -
     return datasets
 
 
-def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set):
-    """The run's size buckets (datasets/size_buckets.py; train_set None: evaluation's only), the same on every
-    rank; rank 0 logs them."""
-    buckets = build_size_buckets(train_set, val_set, cfg.dataset, batch_size=cfg.batch_size, seed=cfg.seed)
+def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set, *, batch_size: int):
+    """The run's size buckets (datasets/size_buckets.py; train_set None: evaluation's only) for batches of
+    ``batch_size`` images, the same on every rank; rank 0 logs them."""
+    buckets = build_size_buckets(train_set, val_set, cfg.dataset, batch_size=batch_size, seed=cfg.seed)
     if ctx.is_main:
         log.info("size buckets: %s", buckets.describe() if buckets is not None else
                  f"off (dataset.size_buckets=0): each batch is padded to its largest image, rounded up to a multiple "
@@ -70,8 +70,9 @@ def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set):
     return buckets
 
 
-def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buckets):
-    return build_data_loader(dataset, batch_size=cfg.batch_size, num_workers=cfg.num_workers, train=train,
+def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buckets, batch_size: int):
+    """This process's loader of ``dataset``, ``batch_size`` images a batch."""
+    return build_data_loader(dataset, batch_size=batch_size, num_workers=cfg.num_workers, train=train,
                              buckets=buckets, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
                              pad_to_multiple=cfg.dataset.pad_to_multiple, worker_init_fn=ignore_stop_signals)
 

@@ -1,6 +1,7 @@
 """One optimizer step, the only one: train.py, bench/ and the tests all call ``OptimizerStep``.
 
-forward under autocast -> Hungarian matching and losses -> backward -> gradient clipping -> AdamW.
+forward under autocast -> Hungarian matching and losses -> backward (in equal passes when the batch is larger
+than one pass may take: the gradients add up) -> gradient clipping -> AdamW.
 
 The step reads nothing back from the GPU except the cost matrices for the matching (one copy, see
 models.matcher): the losses, the gradient norm and whether the update was skipped stay on the device
@@ -19,7 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from engine.runtime.precision import Precision
-from models.criterion import NumBoxes
+from models.criterion import NumBoxes, combination_over_passes
 from models.host_copy import to_device_async
 
 
@@ -37,14 +38,19 @@ class OptimizerStep:
                      to a function giving it that the criterion calls after the matching: the mean over
                      processes, at least 1 (engine.runtime.distributed.average_over_processes; the default is this
                      process's count, at least 1)
+    images_per_pass  the most images one forward and backward pass takes (engine/train/step_batch.py): a larger
+                     batch is split into equal passes whose gradients add up before the update; None: one pass
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  precision: Precision, clip_max_norm: float,
                  average_num_boxes: Callable[[float], NumBoxes] | None = None,
-                 sync_gradients: Callable[[], None] | None = None):
+                 sync_gradients: Callable[[], None] | None = None, images_per_pass: int | None = None):
         if clip_max_norm < 0:
             raise ValueError(f"clip_max_norm must be >= 0 (0 disables clipping), got {clip_max_norm}")
+        if images_per_pass is not None and images_per_pass < 1:
+            raise ValueError(f"images_per_pass must be >= 1 or None, got {images_per_pass}")
+        self.images_per_pass = images_per_pass
         self.model = model
         self.criterion = criterion
         self.optimizer = optimizer
@@ -61,23 +67,26 @@ class OptimizerStep:
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
         # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
         # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
-        # Started before the forward; the criterion takes the value after the matching.
+        # Started before the forward; the criterion takes the value after the matching. It counts the boxes of
+        # the whole step, so that the passes' losses add up to the loss of the whole batch.
         with record_function("step.losses"):
-            num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
-        with record_function("step.forward"), self.precision.autocast():
-            outputs = self.model(images, masks)
-        with record_function("step.losses"):
-            loss_dict = self.criterion(outputs, targets, num_boxes=num_boxes)
-            parts = torch.stack([loss_dict[k].float() for k in self._names(loss_dict)])  # (K,)
-            loss = (parts * self._weight_vector(parts.device)).sum()
-
+            num_boxes = _resolved_once(self.average_num_boxes(float(sum(len(t["labels"]) for t in targets))))
+        self.optimizer.zero_grad(set_to_none=True)
+        passes = self._passes(len(targets))
+        size = len(targets) // passes
+        loss = parts = None
+        for first in range(0, len(targets), size):
+            pass_loss, pass_parts = self._forward_backward(images[first:first + size], masks[first:first + size],
+                                                           targets[first:first + size], num_boxes)
+            if passes > 1:
+                pass_parts = pass_parts * self._pass_coefficients(targets, first, size, passes, pass_parts.device)
+            loss = pass_loss if loss is None else loss + pass_loss
+            parts = pass_parts if parts is None else parts + pass_parts
         with record_function("step.backward"):
-            self.optimizer.zero_grad(set_to_none=True)
-            scaler = self.precision.scaler
-            scaler.scale(loss).backward()
             if self.sync_gradients is not None:
                 self.sync_gradients()
         with record_function("step.update"):
+            scaler = self.precision.scaler
             scaler.unscale_(self.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm).float()
             if scaler.is_enabled():
@@ -85,7 +94,38 @@ class OptimizerStep:
                 scaler.update()
             else:
                 self._step_unless_non_finite(grad_norm)
-        return torch.cat([loss.detach().reshape(1), grad_norm.reshape(1), parts.detach()])
+        return torch.cat([loss.reshape(1), grad_norm.reshape(1), parts])
+
+    def _forward_backward(self, images, masks, targets, num_boxes) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass: its weighted loss and its unweighted losses (K,), detached, its gradients added to the
+        parameters' ``.grad``."""
+        with record_function("step.forward"), self.precision.autocast():
+            outputs = self.model(images, masks)
+        with record_function("step.losses"):
+            loss_dict = self.criterion(outputs, targets, num_boxes=num_boxes)
+            parts = torch.stack([loss_dict[k].float() for k in self._names(loss_dict)])  # (K,)
+            loss = (parts * self._weight_vector(parts.device)).sum()
+        with record_function("step.backward"):
+            self.precision.scaler.scale(loss).backward()
+        return loss.detach(), parts.detach()
+
+    def _passes(self, images: int) -> int:
+        if self.images_per_pass is None or images <= self.images_per_pass:
+            return 1
+        if images % self.images_per_pass:
+            raise ValueError(f"a batch of {images} images cannot be split into passes of {self.images_per_pass}")
+        return images // self.images_per_pass
+
+    def _pass_coefficients(self, targets: list[dict], first: int, size: int, passes: int,
+                           device: torch.device) -> torch.Tensor:
+        """(K,) what one pass's values count for in the step's: the losses divided by the step's box count add
+        up; a mean over images (cardinality_error) is averaged over the equal passes; a mean over matched boxes
+        (class_error) is weighted by the pass's boxes."""
+        boxes = sum(len(t["labels"]) for t in targets)
+        in_pass = sum(len(t["labels"]) for t in targets[first:first + size])
+        share = {"sum": 1.0, "images": 1.0 / passes, "boxes": in_pass / boxes if boxes else 1.0 / passes}
+        coefficients = torch.tensor([share[combination_over_passes(k)] for k in self.loss_names])
+        return to_device_async(coefficients, device)
 
     def _step_unless_non_finite(self, grad_norm: torch.Tensor) -> None:
         if not self.skips_on_device:
@@ -119,3 +159,18 @@ class OptimizerStep:
         if self.loss_names is None:
             raise RuntimeError("value_names are known after the first step")
         return ("loss", "grad_norm", *self.loss_names)
+
+
+def _resolved_once(num_boxes: NumBoxes) -> NumBoxes:
+    """A count given as a function (the mean over processes, still being reduced) is read once, by the first
+    pass's criterion, and reused by the others."""
+    if not callable(num_boxes):
+        return num_boxes
+    value = []
+
+    def once():
+        if not value:
+            value.append(num_boxes())
+        return value[0]
+
+    return once
