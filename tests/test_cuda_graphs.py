@@ -135,6 +135,35 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
 
 
 @needs_gpu
+def test_accumulated_passes_replayed_as_cuda_graphs_add_up_their_gradients_without_a_stream_warning():
+    """A step of 4 images in 2 passes of 2: the backward replay writes into the same buffers at each pass, and the
+    gradients handed to the parameters must not be those buffers (the second pass would overwrite the first's).
+    Nothing of the recording's autograd graph, made on its own stream, is kept: PyTorch warns when a step's
+    backward meets a gradient accumulator of another stream (the warning a default GPU run printed)."""
+    import warnings
+
+    torch.manual_seed(0)
+    eager, graphed = _graphed_pair("base")
+    for step in (eager, graphed):
+        step.images_per_pass = 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for H, W in SIZES[:3]:
+            batch = [t.cuda() for t in _batch(B=4, H=H, W=W, pad_w=8)]
+            targets = [{k: v.cuda() for k, v in t.items()} for t in _targets(B=4)]
+            expected, got = eager(*batch, targets), graphed(*batch, targets)
+            torch.testing.assert_close(got, expected, rtol=5e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
+            for (name, e), g in zip(eager.model.named_parameters(), graphed.model.parameters()):
+                if e.grad is not None:
+                    error = float((g.grad - e.grad).norm())
+                    assert error <= 1e-2 * float(e.grad.norm()) + 1e-8, f"size {H}x{W}, {name}: |difference| {error}"
+            with torch.no_grad():
+                for e, g in zip(eager.model.parameters(), graphed.model.parameters()):
+                    g.copy_(e)
+    assert not [w for w in caught if "AccumulateGrad" in str(w.message)]
+
+
+@needs_gpu
 def test_losses_replayed_as_cuda_graphs_equal_eager_losses_and_gradients_for_every_number_of_targets():
     """The losses are recorded per padded number of targets (models.criterion.target_slots), the decoder's and the
     two-stage proposals' (more of them than queries) apart; batches without targets, with more targets than

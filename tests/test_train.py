@@ -80,6 +80,10 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     assert timing["compile_s"] == 0 and timing["graphs_compiled"] == 0  # the CPU runs eagerly
     assert 0 < timing["train_s"] < timing["total_s"] and 0 < timing["eval_s"] < timing["total_s"]
     assert timing["steady_step_ms"] > 0 and 0 <= timing["padding_waste"] < 0.5
+    steady = timing["steady"]  # the second half of the warm steps: what bench/throughput.py reports
+    assert steady["steps"] >= 1 and steady["images_per_s"] > 0 and 0 <= steady["data_wait_share"] < 1
+    assert steady["window"][0] < steady["window"][1] and steady["pixels_per_image"] >= 64 * 64
+    assert timing["peak_memory_gib"] is None  # on the CPU
     ckpt = load_checkpoint(run_dir / "checkpoint.pth")
     assert {"model", "optimizer", "lr_scheduler", "grad_scaler", "epoch", "step", "config", "rng"} <= set(ckpt)
     assert (ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"]) == (2, 2 * STEPS_PER_EPOCH, 0)

@@ -7,10 +7,10 @@ kernels back to back. Recording a size takes a few eager steps and about a secon
 compilation takes minutes.
 
 What is recorded, per input size (batch, height, width) and precision:
-- training: ``forward`` (backbone, transformer, heads), its forward and its backward, through
-  ``torch.cuda.make_graphed_callables``; and the losses after the matching (``SetCriterion.stacked_losses``),
-  forward and backward, per padded number of targets (models.criterion.target_slots). The Hungarian matching
-  and the optimizer stay eager: the matching reads its cost matrices on the host.
+- training: ``forward`` (backbone, transformer, heads), its forward and its backward; and the losses after the
+  matching (``SetCriterion.stacked_losses``), forward and backward, per padded number of targets
+  (models.criterion.target_slots). The Hungarian matching and the optimizer stay eager: the matching reads its
+  cost matrices on the host.
 - evaluation: ``detect`` as one forward graph.
 
 The model's graphs share one memory pool. That is safe because every replay's outputs are used up before the
@@ -23,6 +23,13 @@ own, shared by its sizes. Capture needs a model that reads nothing back from the
 host while it runs (models/deformable_attention.py keeps its level sizes on the device) and autocast without
 its weight cache (engine/runtime/precision.py): a cached cast would freeze the weights a graph saw when it was
 recorded.
+
+A training recording warms up and records on a stream of its own, then lets go of the autograd graph its
+recording built (``_TrainingRecording``): that graph held the parameters' gradient accumulators, made on the
+recording's stream, and a step's backward on the default stream met them there (PyTorch's warning that an
+AccumulateGrad node's stream does not match). The gradients a backward replay returns are copies: the replay
+writes into the same buffers each time, and a parameter may keep the tensor it is handed as its ``.grad``, which
+the next pass of an accumulated step would overwrite.
 """
 
 from __future__ import annotations
@@ -120,11 +127,10 @@ class GraphedMethod:
         return replay
 
     def _record_training(self, flat: _FlatOutputs, static: tuple):
-        graphed = torch.cuda.make_graphed_callables(flat, static, num_warmup_iters=WARMUP_CALLS,
-                                                    allow_unused_input=True, pool=self.pool)
+        recording = _TrainingRecording(flat, static, pool=self.pool)
 
         def replay(*args):
-            return tree_unflatten(list(graphed(*args)), flat.spec)
+            return tree_unflatten(list(_Replay.apply(recording, *args, *recording.params)), flat.spec)
 
         return replay
 
@@ -146,6 +152,66 @@ class GraphedMethod:
             return tree_unflatten(list(outputs), flat.spec)
 
         return replay
+
+
+class _TrainingRecording:
+    """The forward and backward graphs of ``flat`` at the size of ``static`` (its inputs, leaves), and the buffers
+    they read and write; the module docstring says why the recording keeps no autograd graph."""
+
+    def __init__(self, flat: _FlatOutputs, static: tuple, *, pool):
+        self.static = static
+        self.params = tuple(p for p in flat.parameters() if p.requires_grad)
+        surface = [a for a in static if a.requires_grad] + list(self.params)  # what gradients are taken for
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the first calls autotune and load kernels: never inside a recording
+            for _ in range(WARMUP_CALLS):
+                outputs = [o for o in flat(*static) if o.requires_grad]
+                torch.autograd.grad(outputs, surface, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                    allow_unused=True)
+                del outputs
+        torch.cuda.current_stream().wait_stream(stream)
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool, stream=stream):
+            outputs = flat(*static)
+        self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
+        with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream):
+            grads = torch.autograd.grad([o for o in outputs if o.requires_grad], surface,
+                                        grad_outputs=[g for g in self.grad_outputs if g is not None],
+                                        allow_unused=True)
+        self.outputs = tuple(o.detach() for o in outputs)  # the recording's autograd graph goes with ``outputs``
+        del outputs
+        given = iter(grads)
+        # One gradient buffer (or None) per input of _Replay after the recording: the arguments, then parameters.
+        self.grads = tuple(next(given) if a.requires_grad else None for a in static) + tuple(given)
+
+    def forward(self, args: tuple) -> tuple:
+        for into, value in zip(self.static, args):
+            if into.data_ptr() != value.data_ptr():
+                into.copy_(value)
+        self.forward_graph.replay()
+        return tuple(o.detach() for o in self.outputs)
+
+    def backward(self, grad_outputs: tuple) -> tuple:
+        for into, value in zip(self.grad_outputs, grad_outputs):
+            if into is not None and value is not None:
+                into.copy_(value)
+        self.backward_graph.replay()
+        return tuple(g.clone() if g is not None else None for g in self.grads)
+
+
+class _Replay(torch.autograd.Function):
+    """A training recording replayed inside a step's autograd graph: ``apply(recording, *args, *parameters)``."""
+
+    @staticmethod
+    def forward(ctx, recording: _TrainingRecording, *inputs):
+        ctx.recording = recording
+        return recording.forward(inputs[:len(recording.static)])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        return (None, *ctx.recording.backward(grad_outputs))
 
 
 def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Module | None = None) -> nn.Module:

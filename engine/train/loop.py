@@ -106,10 +106,11 @@ class TrainingLoop:
             masks = masks.to(device, non_blocking=True)
             targets = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
                        for t in targets]
-            step_log.begin(step=pos.step, data_ms=(time.perf_counter() - t_data) * 1e3)
+            data_s = time.perf_counter() - t_data
+            step_log.begin(step=pos.step, data_ms=data_s * 1e3)
             values = self.step(images, masks, targets)
             step_log.end(values, images=len(targets) * self.ctx.world_size)
-            compiled = self.timing.step_ended(before, size=tuple(images.shape))
+            compiled = self.timing.step_ended(before, size=tuple(images.shape), data_s=data_s)
             pos.step += 1
             pos.steps_in_epoch += 1
             if compiled.graphs or compiled.seconds >= 1.0:

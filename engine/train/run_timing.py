@@ -17,6 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from datasets.json_file import write_json
 from engine.compile.clock import CompileClock, CompileTotals
 from engine.reporting.progress import format_duration
@@ -38,7 +40,8 @@ class RunTiming:
     eval_s: float = 0.0
     checkpoint_s: float = 0.0
     steps: int = 0
-    step_walls: list[float] = field(default_factory=list)  # seconds, the warm steps that compiled nothing
+    # The warm steps that compiled nothing, in order: (wall s, loader wait s, images, pixels per image, end time)
+    warm_steps: list[tuple[float, float, int, int, float]] = field(default_factory=list)
     _last_step_end: float | None = None
     _sizes_seen: Counter = field(default_factory=Counter)
 
@@ -59,9 +62,10 @@ class RunTiming:
             self._last_step_end = now
         return self.clock.totals()
 
-    def step_ended(self, before: CompileTotals, *, size: tuple) -> CompileTotals:
+    def step_ended(self, before: CompileTotals, *, size: tuple, data_s: float = 0.0) -> CompileTotals:
         """The compilation this step did (empty when none); the rest of its wall time counts as warm-up at one of
-        the first two steps of batch ``size``, else as training."""
+        the first two steps of batch ``size`` (B, C, H, W), else as training. ``data_s``: its wait for the
+        loader."""
         now = time.perf_counter()
         compiled = self.clock.totals().since(before)
         wall = now - self._last_step_end
@@ -75,7 +79,7 @@ class RunTiming:
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
             if not compiled.graphs and compiled.seconds < 1e-3:
-                self.step_walls.append(wall)
+                self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time()))
         self.steps += 1
         return compiled
 
@@ -95,17 +99,26 @@ class RunTiming:
     def add_checkpoint(self, wall_s: float) -> None:
         self.checkpoint_s += wall_s
 
-    def steady_step_ms(self) -> float | None:
-        """Median wall time of the warm steps of the run's second half that compiled nothing."""
-        late = self.step_walls[len(self.step_walls) // 2:]
-        return statistics.median(late) * 1e3 if late else None
+    def steady(self) -> dict | None:
+        """The second half of the warm steps that compiled nothing, what a long run's steps are like: their
+        median wall time, images per second, share of the wall time spent waiting for the loader, padded pixels
+        per image, and the wall-clock window they ran in (time.time())."""
+        late = self.warm_steps[len(self.warm_steps) // 2:]
+        if not late:
+            return None
+        walls, waits, images, pixels, ends = zip(*late)
+        seconds = sum(walls)
+        return {"steps": len(late), "step_ms": statistics.median(walls) * 1e3, "images_per_s": sum(images) / seconds,
+                "data_wait_share": sum(waits) / seconds, "pixels_per_image": sum(p * n for p, n in zip(pixels, images))
+                / sum(images), "window": [ends[0] - walls[0], ends[-1]]}
 
     def record(self, **extra) -> dict:
-        compiled = self.compile
+        compiled, steady = self.compile, self.steady()
         return {"total_s": time.perf_counter() - self.started, "setup_s": self.setup_s,
                 "first_step_s": self.first_step_s, "compile_s": compiled.seconds, "warmup_s": self.warmup_s,
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
-                "steady_step_ms": self.steady_step_ms(), "graphs_compiled": compiled.graphs,
+                "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
+                "peak_memory_gib": peak_memory_gib(), "graphs_compiled": compiled.graphs,
                 "graphs_by_function": compiled.by_function, **extra}
 
     def summary(self, record: dict) -> str:
@@ -118,3 +131,10 @@ class RunTiming:
 
     def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
         return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
+
+
+def peak_memory_gib() -> float | None:
+    """The most GPU memory this process's tensors held at once (None on the CPU)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
