@@ -41,8 +41,7 @@ run_step() {  # name gpu
     tests) CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
              -n "${TEST_WORKERS:-4}" tests --durations=15 ;;
     # The measured launch table goes into this copy's msda/launch.py, so that later steps run with it.
-    msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" ${MSDA_ARGS:-} \
-            && python3 bench/apply_launch_table.py "$OUT/msda_launch_table.py" ;;
+    msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --apply-table ${MSDA_ARGS:-} ;;
     msda-targets) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --no-sweep ${MSDA_ARGS:-} ;;
     msda-host) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_host.py --out "$OUT" ;;
     msda-bounds) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_bounds.py --out "$OUT" ;;

@@ -1,47 +1,52 @@
-"""Kernel benchmark: sweep the launch configurations, then the DESIGN workloads against the grid_sample reference.
+"""Kernel benchmark: how fast are the Triton kernels against the grid_sample reference, and with which launch table?
 
-    python bench/msda.py --out DIR                 # everything below, one process tree, about 3-4 min on an H200
-    python bench/msda.py --out DIR --no-sweep      # targets only, with the table already in msda/launch.py
+    python bench/msda.py                     # on a GPU: sweep, then targets; about 3-4 min on an H200
+    python bench/msda.py --apply-table       # the same, and the swept table written into msda/launch.py
+    python bench/msda.py --no-sweep          # targets only, with the table in msda/launch.py
+    python bench/msda.py --smoke             # every code path on the CPU interpreter, tiny shapes (times meaningless)
 
 1. precompile  every candidate kernel in --jobs worker processes; they fill Triton's on-disk cache, so the
                timing process only loads binaries (the unrolled kernels take seconds each to compile).
 2. sweep       per head dim D (32: M=8; 64: M=4; 128: M=2, so M*D = 256) on encoder N2 (Lq=S) and decoder
                N4 Lq300, uniform and realistic locations, fp32 and bf16: the forward's (BLOCK_Q, BLOCK_P, warps,
-               UNROLL) and each grad_value scheme (fused, split, gather) in its candidate configurations. For every
-               table key the configuration with the least summed time over both distributions wins; the
-               winners go into this run's launch table and into msda_launch_table.py (paste into launch.py).
-3. targets     encoder N2/N4 and decoder N4 Lq300/Lq900, fp32/bf16, uniform/realistic, D=32, through the
-               public op with the picked table: forward, backward, forward+backward (triton.testing.do_bench
-               median ms) against the reference in the same run; the deterministic backward's cost, a bitwise
-               check of all gradients over 5 deterministic runs, peak memory, error against the reference;
-               decoder rows also as CUDA-graph replays (GPU time) and as eager loops (host time per call).
-Writes msda_h200.{json,md}, msda_sweep.{json,md} and msda_launch_table.py into --out (partial JSON as it goes).
+               UNROLL) and each grad_value scheme (fused, split, gather, hybrid) in its candidate configurations.
+               For every table key the configuration with the least summed time over both distributions wins;
+               the winners are this run's launch table (in the json; --apply-table: into msda/launch.py).
+3. targets     encoder N2/N4 and decoder N4 Lq300/Lq900 (the COCO workloads: 800x1333 images, levels 100x167
+               down to 13x21), fp32/bf16, uniform/realistic, D=32, through the public op with the picked table:
+               forward, backward, forward+backward (triton.testing.do_bench median ms) against the reference in
+               the same run; the deterministic backward's cost and a bitwise check of all gradients over 5
+               deterministic runs, peak memory, error against the reference; decoder rows also as CUDA-graph
+               replays (GPU time) and as eager loops (host time per call).
+Writes msda_h200.json and msda_h200.md (partial JSON in --out as it goes).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing
 import os
-import platform
+import re
 import sys
 import time
 from pathlib import Path
 
-if "--smoke" in sys.argv:  # the interpreter must be on before triton is imported (also in the workers)
+if __name__ == "__main__" and "--smoke" in sys.argv:
+    # The interpreter must be on before triton is imported; the workers inherit it through the environment.
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 import msda  # noqa: E402
-from bench.msda_report import summary_line, table_source, target_checks, write_markdown  # noqa: E402
+from bench.report import header_lines, out_dir, run_header, table, write_report  # noqa: E402
 from msda import launch  # noqa: E402
 
+NAME = "msda_h200"
 LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 S = sum(h * w for h, w in LEVELS)
 L, P, HIDDEN = len(LEVELS), 4, 256
@@ -52,33 +57,14 @@ SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 300)]
 TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 300),
                     ("decoder N4 Lq900", 4, 900)]
 DEVICE = "cuda"
-
-
-if "--smoke" in sys.argv:  # tiny levels and query counts on the CPU: every code path runs in minutes
+if launch.INTERPRET:  # --smoke: tiny levels and query counts on the CPU, so that every code path runs in minutes
     LEVELS, DEVICE, HIDDEN = ((6, 5), (3, 3), (2, 2), (1, 1)), "cpu", 64
     S = sum(h * w for h, w in LEVELS)
     SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 3)]
     TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 3),
                         ("decoder N4 Lq900", 4, 5)]
-
-
-def run_header(**extra) -> dict:
-    """What the kernel benches' result files record about their run: GPU, versions, date and command."""
-    return {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (smoke)",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "command": "python " + " ".join(sys.argv), **extra}
-
-
-def kernel_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """--out and --smoke for a kernel bench, parsed; stops without a GPU unless --smoke; makes --out."""
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--smoke", action="store_true",
-                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
-    args = parser.parse_args()
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit(f"bench/{parser.prog} needs a CUDA GPU (or --smoke)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    return args
+LAUNCH_PY = ROOT / "msda" / "launch.py"
+TUNED_BLOCK = re.compile(r"(?:# Measured on .*\n# .*\n)?TUNED: dict = \{\n(?:    .*\n)*\}\n")
 
 
 def heads(D: int) -> int:
@@ -100,8 +86,9 @@ def candidates(D: int) -> dict:
 
 # Steps of L*P / BLOCK_P samples that a kernel may unroll: the backward unrolls all of its steps, so its candidates
 # take BLOCK_P >= L*P / 4; the forward's loop is unrolled at most this many times. Triton's compile time grows much
-# faster than the unrolled code (bench/results/msda_compile.md), and a run with an empty cache pays it in its first
-# step (bench/results/msda_h200.md, 2026-12-02: 16 unrolled steps gained at most 1.4% of kernel time).
+# faster than the unrolled code (the default model's kernels: 5 s against 15 s fully unrolled, bf16, a 2-core CPU),
+# and a run with an empty cache pays it in its first step; 16 unrolled steps gained at most 1.4% of kernel time
+# (the H200 sweep of 2026-12-02).
 MAX_UNROLLED_STEPS = 4
 
 
@@ -243,7 +230,7 @@ def sweep(dims, out: Path) -> list:
                                    if r["kind"] == k) for k in candidates(D)}
                     print(f"sweep D{D} {name:<17} {dtype_name} {dist:<9} best ms: "
                           + " ".join(f"{k} {v:.3f}" for k, v in best.items()), flush=True)
-        (out / "msda_sweep.partial.json").write_text(json.dumps(records))
+        (out / f"{NAME}_sweep.partial.json").write_text(json.dumps(records))
     return records
 
 
@@ -314,8 +301,8 @@ def _graph_ms(fn) -> float:
     return median_ms(graph.replay)
 
 
-def eager_ms(fn, calls=100) -> tuple[float, float]:
-    """(host ms per call, wall ms per call) of a plain Python loop: the loop alone, then with the final sync."""
+def eager_ms(fn, calls=100) -> float:
+    """Wall ms per call of a plain Python loop, synchronized at its end: host-bound for small calls."""
     calls = calls if DEVICE == "cuda" else 1
     for _ in range(5 if DEVICE == "cuda" else 0):
         fn()
@@ -323,9 +310,8 @@ def eager_ms(fn, calls=100) -> tuple[float, float]:
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    host = time.perf_counter() - start
     sync()
-    return host / calls * 1e3, (time.perf_counter() - start) / calls * 1e3
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def time_public(impl, inputs, shapes, decoder: bool) -> dict:
@@ -343,13 +329,9 @@ def time_public(impl, inputs, shapes, decoder: bool) -> dict:
     result = {"fwd": median_ms(fwd), "bwd": median_ms(lambda: torch.autograd.grad(out, leaves, grad_out,
                                                                                    retain_graph=True)),
               "fwd_bwd": median_ms(fwd_bwd), "peak_mib": peak_extra_mib(fwd_bwd)}
-    if decoder:
+    if decoder:  # decoder-sized calls are bound by the host when called eagerly
         result["graph_fwd_bwd"] = graph_ms(fwd_bwd)
-        result["eager_fwd_host"], result["eager_fwd"] = eager_ms(fwd)
-        result["eager_fwd_bwd_host"], result["eager_fwd_bwd"] = eager_ms(fwd_bwd)
-        if impl == "triton":  # the launchers alone: what is left of the host time without validation and autograd
-            result["eager_launch_host"], result["eager_launch"] = eager_ms(lambda: launch.backward(
-                grad_out, value, LEVELS, loc, weights) and launch.forward(value, LEVELS, loc, weights))
+        result["eager_fwd_bwd"] = eager_ms(fwd_bwd)
     return result
 
 
@@ -365,24 +347,16 @@ def max_rel_err(inputs, shapes) -> float:
 
 
 def deterministic_stats(inputs) -> dict:
+    """The deterministic backward (launcher alone) against the default one, and whether 5 runs agree bitwise."""
     value, loc, weights, grad_out = inputs
 
     def det():
         return launch.backward(grad_out, value, LEVELS, loc, weights, deterministic=True)
 
-    def default():
-        return launch.backward(grad_out, value, LEVELS, loc, weights)
-
     runs = [det() for _ in range(5)]
-    bitwise = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
-    atomic_runs = [default() for _ in range(5)]
-    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(runs[0], atomic_runs[0]))
-    atomic_runs = [r[0] for r in atomic_runs]
-    return {"det_bwd": median_ms(det), "default_bwd": median_ms(default), "det_bitwise_5": bitwise,
-            "det_vs_default_err": err,
-            "default_bitwise_5": all(torch.equal(atomic_runs[0], r) for r in atomic_runs[1:]),
-            "det_peak_mib": peak_extra_mib(det), "default_peak_mib": peak_extra_mib(default),
-            "det_graph_bwd": graph_ms(det) if value.shape[0] * loc.shape[1] < 4 * S else None}
+    return {"det_bwd": median_ms(det), "default_bwd": median_ms(lambda: launch.backward(grad_out, value, LEVELS, loc,
+                                                                                         weights)),
+            "det_bitwise_5": all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))}
 
 
 def targets(out: Path) -> list:
@@ -401,40 +375,134 @@ def targets(out: Path) -> list:
                 row["pytorch"] = time_public("pytorch", inputs, shapes, decoder and dist == "uniform")
                 row.update(deterministic_stats(inputs))
                 rows.append(row)
-                print(summary_line(row), flush=True)
-                (out / "msda_h200.partial.json").write_text(json.dumps(rows))
+                t, p = row["triton"], row["pytorch"]
+                print(f"{name:<17} {dtype_name} {dist:<9} {row['scheme']:<6} fwd {t['fwd']:.3f} fwd+bwd "
+                      f"{t['fwd_bwd']:.3f} ms | ref {p['fwd']:.3f} / {p['fwd_bwd']:.3f} | x{p['fwd'] / t['fwd']:.1f} / "
+                      f"x{p['fwd_bwd'] / t['fwd_bwd']:.1f} | err {row['max_rel_err']:.1e}", flush=True)
+                (out / f"{NAME}.partial.json").write_text(json.dumps(rows))
                 del inputs
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
     return rows
 
 
-def main():
+def target_checks(rows) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for each of the kernels' design targets."""
+    def find(workload, dtype, dist="uniform"):
+        return next(r for r in rows if (r["workload"], r["dtype"], r["locations"]) == (workload, dtype, dist))
+
+    def ratio(row, key):
+        return row["pytorch"][key] / row["triton"][key]
+
+    enc = find("encoder N2", "fp32")
+    checks = [(f"encoder N2 fp32 uniform {key.replace('_', '+')} >= {target}x", f"{ratio(enc, key):.1f}x",
+               ratio(enc, key) >= target) for key, target in (("fwd_bwd", 16.5), ("fwd", 17))]
+    for dist in DISTS:
+        speed = find("encoder N2", "fp32", dist)["triton"]["fwd_bwd"] / find("encoder N2", "bf16", dist)["triton"][
+            "fwd_bwd"]
+        checks.append((f"encoder N2 bf16 fwd+bwd >= 1.3x faster than fp32 ({dist})", f"{speed:.2f}x", speed >= 1.3))
+    for workload in ("decoder N4 Lq300", "decoder N4 Lq900"):
+        for dtype in DTYPES:
+            r = find(workload, dtype)
+            eager = ratio(r, "eager_fwd_bwd")
+            checks.append((f"{workload} {dtype} eager fwd+bwd >= 7x",
+                           f"{eager:.1f}x eager loop, {ratio(r, 'fwd_bwd'):.1f}x do_bench", eager >= 7))
+    bitwise = all(r["det_bitwise_5"] for r in rows)
+    cost = max(r["det_bwd"] / r["default_bwd"] for r in rows if r["workload"].startswith("encoder"))
+    checks.append(("deterministic grad_value bitwise identical over 5 runs (all rows)", str(bitwise), bitwise))
+    checks.append(("deterministic backward <= 1.5x the default backward (worst encoder row)", f"{cost:.2f}x",
+                   cost <= 1.5))
+    return checks
+
+
+def table_source(table: dict, header: dict) -> str:
+    """The launch table as msda/launch.py holds it: the TUNED block, headed by the run it comes from."""
+    lines = [f"# Measured on {header['gpu']}, {header['date']}, torch {header['torch']}, triton {header['triton']}:",
+             f"# {header['command']}", "TUNED: dict = {"]
+    lines += [f"    {key!r}: {value!r}," for key, value in sorted(table.items(), key=lambda kv: str(kv[0]))]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def apply_table(source: str) -> None:
+    """Replace msda/launch.py's TUNED block (and the two comment lines above it) with ``source``."""
+    text = LAUNCH_PY.read_text()
+    if len(TUNED_BLOCK.findall(text)) != 1:
+        raise SystemExit(f"{LAUNCH_PY}: expected exactly one TUNED block")
+    LAUNCH_PY.write_text(TUNED_BLOCK.sub(lambda _: source, text))
+    print(f"{LAUNCH_PY}: TUNED replaced with this run's table", flush=True)
+
+
+def report_lines(record: dict) -> list[str]:
+    header, rows = record["header"], record["rows"]
+    lines = header_lines(
+        "Multi-scale deformable attention: Triton kernels against the PyTorch reference", header,
+        "Median ms (triton.testing.do_bench) through the public op, D=32 and M=8; fwd+bwd x and fwd x: the "
+        "reference's time over Triton's, same run (the reference: grid_sample, impl=pytorch, on the same inputs). det "
+        "cost: the deterministic backward over the default (atomic) one, bitwise: its gradients equal over 5 runs; "
+        "err: largest relative L2 error of the output and gradients against the fp32 reference. Decoder rows "
+        "(uniform): eager = wall ms per forward+backward of a Python loop (host-bound), graph = its CUDA-graph "
+        f"replay (GPU time). {record.get('table_note', '')}".rstrip())
+    cells = []
+    for r in rows:
+        t, p = r["triton"], r["pytorch"]
+        eager = [f"{t['eager_fwd_bwd']:.3f}", f"{p['eager_fwd_bwd']:.3f}", f"{t['graph_fwd_bwd']:.3f}"] \
+            if "eager_fwd_bwd" in t else ["", "", ""]
+        cells.append([r["workload"], r["dtype"], r["locations"], r["scheme"], f"{t['fwd']:.3f}", f"{t['fwd_bwd']:.3f}",
+                      f"{p['fwd']:.3f}", f"{p['fwd_bwd']:.3f}", f"{p['fwd'] / t['fwd']:.1f}",
+                      f"{p['fwd_bwd'] / t['fwd_bwd']:.1f}", f"{r['det_bwd'] / r['default_bwd']:.2f}",
+                      r["det_bitwise_5"], f"{r['max_rel_err']:.1e}", *eager])
+    lines += table(["workload", "dtype", "locations", "scheme", "fwd", "fwd+bwd", "ref fwd", "ref fwd+bwd", "fwd x",
+                    "fwd+bwd x", "det cost", "bitwise", "err", "eager fwd+bwd", "ref eager", "graph fwd+bwd"], cells)
+    lines += ["", *table(["target", "measured", "met"],
+                         [[name, value, "yes" if ok else "NO"] for name, value, ok in target_checks(rows)])]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; smoke: outputs/bench)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
     parser.add_argument("--no-sweep", action="store_true", help="targets only, with the table in msda/launch.py")
+    parser.add_argument("--apply-table", action="store_true",
+                        help="write the swept launch table into msda/launch.py (its TUNED block)")
     parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128], help="head dims to sweep")
-    parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)))
-    args = kernel_bench_args(parser)
+    parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
+                        help="processes that precompile the sweep's kernels")
+    return parser
+
+
+def main():
+    parser = build_parser()
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench/msda.py needs a CUDA GPU (or --smoke)")
+    if args.apply_table and (args.no_sweep or args.smoke):
+        parser.error("--apply-table writes a table measured on a GPU: not with --no-sweep or --smoke")
+    out = out_dir(args.out, args.smoke)
+    out.mkdir(parents=True, exist_ok=True)
     header = run_header()
     start = time.perf_counter()
-    records, table = [], {}
+    record = {"header": header}
     if not args.no_sweep:
         precompile(args.dims, args.jobs)
-        records = sweep(args.dims, args.out)
+        records = sweep(args.dims, out)
         table = picks(records)
-        (args.out / "msda_launch_table.py").write_text(table_source(table, header))
-        (args.out / "msda_sweep.json").write_text(json.dumps(
-            {"header": header, "records": records, "table": [[list(k), v] for k, v in table.items()]}, indent=1))
         launch.update_table(table)
+        record.update(sweep=records, table=[[list(k), v] for k, v in table.items()],
+                      table_note="The launch table is this run's sweep's (the json's table).")
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
-    rows = targets(args.out)
+        if args.apply_table:
+            apply_table(table_source(table, header))
+    else:
+        record["table_note"] = "The launch table is msda/launch.py's."
+    record["rows"] = targets(out)
     header["seconds"] = time.perf_counter() - start
-    (args.out / "msda_h200.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    write_markdown(rows, records, table, header, args.out)
-    for partial in args.out.glob("*.partial.json"):
+    json_path, md_path = write_report(NAME, record, report_lines(record), out=out)
+    for partial in out.glob(f"{NAME}*.partial.json"):
         partial.unlink()
-    print(f"\ndone in {header['seconds']:.0f} s\n")
-    for name, value, ok in target_checks(rows):
+    print(f"\ndone in {header['seconds']:.0f} s: {json_path}, {md_path}\n")
+    for name, value, ok in target_checks(record["rows"]):
         print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
 
 
