@@ -60,3 +60,25 @@ def test_the_eta_leaves_compilation_out(monkeypatch):
     now[0] += 90.0 + 10 * 0.5  # 10 steps of 0.5 s, 90 s of it compilation
     assert progress.eta_seconds(10, excluded_s=90.0) == pytest.approx(90 * 0.5)
     assert progress.eta_seconds(10) == pytest.approx(90 * 9.5)  # what counting the compilation would promise
+
+
+def test_the_eta_is_the_whole_runs_with_its_evaluations_to_come(monkeypatch, caplog):
+    """A COCO-like schedule: 10 epochs of 100 steps, an evaluation after each. Before the first evaluation its
+    time is estimated from the training rate (inference about 3 times as fast per image); after, measured."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    evaluations = tuple(range(100, 1001, 100))
+    progress = Progress(total_steps=1000, start_step=0, enabled=True, steps_per_epoch=100,
+                        evaluation_steps=evaluations, val_images=600)
+    now[0] += 20 * 0.5  # 20 steps of 0.5 s at 20 img/s: an evaluation of 600 images estimated at 10 s
+    assert progress.eta_seconds(20, evaluation_s=10.0) == pytest.approx(980 * 0.5 + 10 * 10.0)
+    with caplog.at_level(logging.INFO, logger="train"):
+        progress.report(step=20, epoch=0, epochs=10, loss=1.0, parts={}, lr=1e-4, step_ms=500, data_ms=1,
+                        images_per_s=20.0)
+        now[0] += 80 * 0.5 + 30.0 + 50 * 0.5  # the rest of the epoch, its evaluation (30 s), half the next epoch
+        progress.report(step=150, epoch=1, epochs=10, loss=1.0, parts={}, lr=1e-4, step_ms=500, data_ms=1,
+                        images_per_s=20.0, excluded_s=30.0, evaluation_s=30.0)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first.endswith("ETA 0:09:50 (run with 10 evaluations of ~0:00:10), epoch 0:00:40")
+    # 50 steps already done of epoch 2; 850 left at 0.5 s and 9 evaluations at 30 s
+    assert second.endswith("ETA 0:11:35 (run with 9 evaluations of 0:00:30), epoch 0:00:25")

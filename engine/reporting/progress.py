@@ -13,6 +13,9 @@ import math
 import time
 
 log = logging.getLogger("train")
+# Images per second of inference over those of training, for an evaluation's ETA before the first has run: no
+# backward, no matching, no update.
+INFERENCE_SPEED_UP = 3.0
 
 
 def format_duration(seconds: float) -> str:
@@ -20,38 +23,67 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Tracks steps done in this process against ``total_steps`` and reports rate and ETA.
+    """Tracks steps done in this process against ``total_steps`` and reports rate and ETA, for the whole run and
+    for the epoch.
 
-    The rate is the mean wall time per step over the steps this process has run, evaluation and
-    checkpointing included (so the ETA covers them too) and compilation and warm-up left out: a run's first
-    steps compile, and counting them would promise hours for a run that then takes minutes.
+    The rate is the mean wall time per step over the steps this process has run, checkpointing included and
+    compilation, warm-up and evaluation left out: a run's first steps compile, and counting them would promise
+    hours for a run that then takes minutes. The run's ETA adds its evaluations still to come
+    (``evaluation_steps``: the optimizer steps after which one runs), each at what the last ones took, or before
+    the first at an estimate: inference takes about a third of a training step's time per image.
     """
 
-    def __init__(self, *, total_steps: int, start_step: int, enabled: bool):
+    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, steps_per_epoch: int | None = None,
+                 evaluation_steps: tuple[int, ...] = (), val_images: int = 0):
         self.total_steps = total_steps
         self.start_step = start_step
         self.enabled = enabled
+        self.steps_per_epoch = steps_per_epoch
+        self.evaluation_steps = evaluation_steps
+        self.val_images = val_images
         self._t0 = time.perf_counter()
 
-    def eta_seconds(self, step: int, excluded_s: float = 0.0) -> float:
-        """Seconds left after ``step``, at the rate so far less ``excluded_s`` (compilation and warm-up since the
-        start)."""
+    def step_seconds(self, step: int, excluded_s: float = 0.0) -> float:
+        """Mean seconds per step so far, less ``excluded_s`` (compilation, warm-up and evaluation since the
+        start); NaN before the first step."""
         done = step - self.start_step
         if done <= 0:
             return float("nan")
-        per_step = max(0.0, time.perf_counter() - self._t0 - excluded_s) / done
-        return per_step * (self.total_steps - step)
+        return max(0.0, time.perf_counter() - self._t0 - excluded_s) / done
+
+    def eta_seconds(self, step: int, excluded_s: float = 0.0, evaluation_s: float = 0.0) -> float:
+        """Seconds left in the run after ``step``: its steps at the rate so far, and its evaluations still to come at
+        ``evaluation_s`` each."""
+        evaluations = sum(1 for s in self.evaluation_steps if s >= step)
+        return self.step_seconds(step, excluded_s) * (self.total_steps - step) + evaluations * evaluation_s
 
     def report(self, *, step: int, epoch: int, epochs: int, loss: float, parts: dict[str, float],
-               lr: float, step_ms: float, data_ms: float, images_per_s: float, excluded_s: float = 0.0) -> None:
+               lr: float, step_ms: float, data_ms: float, images_per_s: float, excluded_s: float = 0.0,
+               evaluation_s: float | None = None) -> None:
+        """One progress line. ``evaluation_s``: what one evaluation took on average so far (None: none has run
+        yet, so it is estimated from ``images_per_s``)."""
         if not self.enabled:
             return
         pct = 100.0 * step / max(1, self.total_steps)
-        eta = self.eta_seconds(step, excluded_s)
+        estimated = evaluation_s is None
+        if estimated:
+            evaluation_s = self.val_images / (INFERENCE_SPEED_UP * images_per_s) if images_per_s > 0 else 0.0
+        eta = self.eta_seconds(step, excluded_s, evaluation_s)
+        evaluations = sum(1 for s in self.evaluation_steps if s >= step)
+        with_evaluations = (f" with {evaluations} evaluation{'s' if evaluations != 1 else ''} of "
+                            f"{'~' if estimated else ''}{format_duration(evaluation_s)}") if evaluations else ""
+        epoch_eta = ""
+        if self.steps_per_epoch:
+            left = min(self.total_steps, (epoch + 1) * self.steps_per_epoch) - step
+            epoch_eta = f", epoch {_duration(self.step_seconds(step, excluded_s) * left)}"
         parts_txt = " ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in parts.items())
         log.info("epoch %d/%d step %d/%d [%3.0f%%] loss %.4f (%s) lr %.2e | step %.0f ms data %.0f ms "
-                 "%.1f img/s | ETA %s", epoch + 1, epochs, step, self.total_steps, pct, loss, parts_txt, lr,
-                 step_ms, data_ms, images_per_s, "?" if eta != eta else format_duration(eta))
+                 "%.1f img/s | ETA %s (run%s)%s", epoch + 1, epochs, step, self.total_steps, pct, loss, parts_txt,
+                 lr, step_ms, data_ms, images_per_s, _duration(eta), with_evaluations, epoch_eta)
+
+
+def _duration(seconds: float) -> str:
+    return "?" if seconds != seconds else format_duration(seconds)
 
 
 class EvaluationProgress:

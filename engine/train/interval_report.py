@@ -77,7 +77,9 @@ class IntervalReporter:
         self.writer.add("train", scalars, step)
         self.progress.report(step=step, epoch=epoch, epochs=self.epochs, loss=last["loss"], parts=weighted,
                              lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
-                             images_per_s=interval.images_per_s, excluded_s=self.timing.not_training_s)
+                             images_per_s=interval.images_per_s,
+                             excluded_s=self.timing.not_training_s + self.timing.eval_s,
+                             evaluation_s=self.timing.evaluation_s)
 
     def report_compilation(self, compiled: CompileTotals, *, what: str, step: int) -> None:
         """One line per step (or evaluation) that compiled, and the run's compile totals in TensorBoard."""

@@ -37,7 +37,7 @@ from .run_setup import (
 )
 from .run_timing import RunTiming
 from .saving import CheckpointSaver
-from .schedule import Position, planned_evaluations, planned_steps
+from .schedule import Position, evaluation_steps, planned_evaluations, planned_steps
 from .step_batch import step_batch
 from .stopping import StopControl
 
@@ -122,7 +122,8 @@ def training_loop(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Tr
                   val_loader, coco_gt, val_set, position: Position, timing: RunTiming,
                   stop: StopRequest) -> TrainingLoop:
     """The loop and the parts it delegates to, wired for this run."""
-    total_steps = planned_steps(cfg, train_loader.batch_sampler.steps_per_epoch)
+    steps_per_epoch = train_loader.batch_sampler.steps_per_epoch
+    total_steps = planned_steps(cfg, steps_per_epoch)
     plan = setup.compile_plan
     # The saver first: it finds a disk without room for a checkpoint before anything is written.
     saver = CheckpointSaver(output_dir=output_dir, is_main=ctx.is_main, model=setup.model,
@@ -134,7 +135,10 @@ def training_loop(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Tr
     writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)
     reporter = IntervalReporter(step=setup.step, optimizer=setup.optimizer, ctx=ctx, writer=writer,
                                 progress=Progress(total_steps=total_steps, start_step=position.step,
-                                                  enabled=ctx.is_main),
+                                                  enabled=ctx.is_main, steps_per_epoch=steps_per_epoch,
+                                                  evaluation_steps=evaluation_steps(cfg, total_steps=total_steps,
+                                                                                    steps_per_epoch=steps_per_epoch),
+                                                  val_images=len(val_set)),
                                 timing=timing, epochs=cfg.epochs,
                                 fp16_skips_overflows=setup.precision.scaler.is_enabled(),
                                 describe_kept=saver.describe_kept)

@@ -38,6 +38,7 @@ class RunTiming:
     train_s: float = 0.0
     warmup_s: float = 0.0
     eval_s: float = 0.0
+    evaluations: int = 0
     checkpoint_s: float = 0.0
     steps: int = 0
     # The warm steps that compiled nothing, in order: (wall s, loader wait s, images, pixels per image, end time)
@@ -95,6 +96,12 @@ class RunTiming:
 
     def add_evaluation(self, wall_s: float, compiled: CompileTotals) -> None:
         self.eval_s += max(0.0, wall_s - compiled.seconds)
+        self.evaluations += 1
+
+    @property
+    def evaluation_s(self) -> float | None:
+        """What an evaluation took on average, its compilation left out (None before the first)."""
+        return self.eval_s / self.evaluations if self.evaluations else None
 
     def add_checkpoint(self, wall_s: float) -> None:
         self.checkpoint_s += wall_s

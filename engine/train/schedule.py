@@ -22,6 +22,13 @@ def planned_steps(cfg, steps_per_epoch: int) -> int:
     return total if cfg.max_steps is None else min(total, cfg.max_steps)
 
 
+def evaluation_steps(cfg, *, total_steps: int, steps_per_epoch: int) -> tuple[int, ...]:
+    """The optimizer steps after which the run evaluates: the end of every ``eval_every``-th epoch, and its last
+    step."""
+    ends = (epoch * steps_per_epoch for epoch in range(cfg.eval_every, cfg.epochs + 1, cfg.eval_every))
+    return tuple(sorted({step for step in ends if step < total_steps} | {total_steps}))
+
+
 def planned_evaluations(cfg, *, total_steps: int, steps_per_epoch: int, start_epoch: int = 0) -> int:
     """How many evaluations this run will make (every eval_every epochs, and after the last step)."""
     last_epoch = min(cfg.epochs, math.ceil(total_steps / max(1, steps_per_epoch)))
