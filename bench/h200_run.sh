@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# One batch of GPU work in one call on a lent GPU machine: checks, then timings, logs and results under $OUT.
+# One batch of GPU work in one call on a lent GPU machine: checks, then benchmarks, their logs and reports under $OUT.
 #
 #   OUT=/tmp/out bash bench/h200_run.sh tests:1 msda:0 e2e:0      # step:GPU; steps on different GPUs run at once
 #
-# Steps: tests (the whole pytest suite on that GPU), msda (bench/msda.py, then its launch table into this copy's
-# msda/launch.py), msda-targets (bench/msda.py with the committed table), msda-host (bench/msda_host.py),
-# msda-bounds (bench/msda_bounds.py), e2e (bench/e2e.py step times and the
-# train.py run), e2e-steptime (step times only), ttr (bench/ttr.py, time to result), parity (bench/parity.py, converged
-# mAP parity), eval-time (bench/eval_time.py), export-latency (bench/export_latency.py), ddp (bench/ddp.py on every
-# GPU), ddp-ap1 (its 1-GPU synthetic runs), nccl-tests (rank parity on 2 GPUs).
-# ddp and nccl-tests use every GPU: give them a call, or a place in the queue, of their own. Extra arguments for a step come
-# from the environment: MSDA_ARGS, E2E_ARGS, TTR_ARGS, PARITY_ARGS, EVAL_TIME_ARGS, EXPORT_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf,
-# antlr4, pycocotools, faster-coco-eval) are installed from .whl/ when that folder holds their wheels.
+# Steps (bench/README.md says what each benchmark answers): tests (the whole pytest suite on that GPU), msda
+# (bench/msda.py, its launch table written into this copy's msda/launch.py for the later steps), e2e, ttr, parity,
+# export-latency, throughput (bench/<name>.py), ddp (bench/ddp.py), nccl-tests (rank parity on 2 GPUs).
+# throughput, ddp and nccl-tests see every GPU: give them a call, or a place in the queue, of their own. Extra
+# arguments for a step come from the environment: MSDA_ARGS, E2E_ARGS, TTR_ARGS, PARITY_ARGS, EXPORT_ARGS,
+# THROUGHPUT_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf, antlr4, pycocotools,
+# faster-coco-eval) are installed from .whl/ when that folder holds their wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for results}
@@ -19,8 +17,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 if compgen -G ".whl/*.whl" >/dev/null; then
   # Installed once per machine: calls of this script that run at the same time share /tmp/site.
-  [ -d /tmp/site/hydra ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  [ -d /tmp/site/hydra ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # A CXX without a shared libstdc++ (the H200 machine's /opt/gcc/bin/g++) builds AOTInductor packages that crash
 # when loaded, and export.py refuses it (engine/export/aoti.py asks the compiler): the g++ on PATH has the library.
@@ -42,18 +40,12 @@ run_step() {  # name gpu
              -n "${TEST_WORKERS:-4}" tests --durations=15 ;;
     # The measured launch table goes into this copy's msda/launch.py, so that later steps run with it.
     msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --apply-table ${MSDA_ARGS:-} ;;
-    msda-targets) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --no-sweep ${MSDA_ARGS:-} ;;
-    msda-host) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_host.py --out "$OUT" ;;
-    msda-bounds) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_bounds.py --out "$OUT" ;;
-    e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime trainpy ${E2E_ARGS:-} ;;
-    e2e-steptime) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" --parts steptime ${E2E_ARGS:-} ;;
+    e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" ${E2E_ARGS:-} ;;
     ttr) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ttr.py --out "$OUT" --work /tmp/bench_ttr ${TTR_ARGS:-} ;;
     parity) CUDA_VISIBLE_DEVICES=$gpu python3 bench/parity.py --out "$OUT" --work /tmp/bench_parity ${PARITY_ARGS:-} ;;
-    eval-time) CUDA_VISIBLE_DEVICES=$gpu python3 bench/eval_time.py --out "$OUT" --work /tmp/bench_eval_time \
-                 ${EVAL_TIME_ARGS:-} ;;
     export-latency) CUDA_VISIBLE_DEVICES=$gpu python3 bench/export_latency.py --out "$OUT" ${EXPORT_ARGS:-} ;;
+    throughput) python3 bench/throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
     ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
-    ddp-ap1) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ddp.py --out "$OUT" --parts ap --ap-gpus 1 ${DDP_ARGS:-} ;;
     nccl-tests) python3 -m pytest -q -p no:cacheprovider tests/test_rank_parity.py tests/test_distributed.py ;;
     *) echo "unknown step $name"; return 2 ;;
   esac
