@@ -1,0 +1,300 @@
+"""Throughput of the COCO recipe through train.py itself: images/s at each batch on one GPU, on JPEG files.
+
+The question: how many images per second does ``python train.py experiment=coco_gpu`` train on one GPU at each
+batch, with the real loader, size buckets and step on COCO-like JPEG files at the recipe's sizes and augmentation;
+how busy is the GPU, how long does the step wait for the loader, how much memory does it take, what share of the
+GPU's bf16 peak is that, and so how many hours does the 50-epoch recipe take?
+
+    python bench/throughput.py                               # batches 2 4 8 16 32: bench/results/throughput_h200.*
+    python bench/throughput.py --batches 32 --out /tmp/tp    # one row
+    python bench/throughput.py --smoke                       # the whole script on the CPU, tiny (checks, no figures)
+
+Each row is one ``python train.py experiment=coco_gpu dataset.root=<the set> total_batch_size=B batch_size=B
+max_steps=N ...`` with an empty compile cache (its first step is a cold start). From its timing.json: the steady
+steps (the second half of the warm steps that compiled nothing), their images/s, the share of their wall time the
+loop waited for the loader, the padded pixels per image, peak memory and the first step's time. GPU busy: the
+share of the steady window in which NVML saw a kernel running (its utilization counter, sampled every 50 ms).
+Model FLOPs per image: torch.utils.flop_counter over one forward and backward of the model at two image sizes,
+interpolated to the row's mean padded pixels (the attention's sampling is not a counted op; it adds little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report  # noqa: E402
+
+COCO_TRAIN_IMAGES = 118_287
+RECIPE_EPOCHS = 50
+# Dense bf16 peak by GPU name (the vendors' datasheets), for MFU.
+BF16_PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+# COCO-like images: the long side 640, the short one as COCO's mostly are, 70% landscape; about 7 objects over
+# COCO's 80 categories; noise on a smooth scene so that a JPEG at quality 90 weighs 100-200 kB, as a photo does.
+SHORT_SIDES = (360, 400, 427, 480, 480, 480, 512, 640)
+NOISE_SIGMA = 14.0
+TARGETS = {"img_s": 150.0, "gpu_busy": 0.90, "data_wait_share": 0.05, "first_step_s_at_32": 120.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="throughput.py", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8, 16, 32],
+                        help="total batch per optimizer step, one row each (one GPU: the whole batch in one pass)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per row (default: max(120, 800 // batch); 16 with --smoke)")
+    parser.add_argument("--val-images", type=int, default=64, help="validation images (the run's final evaluation)")
+    parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every row")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_throughput"), help="the set and the runs")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
+    parser.add_argument("--name", default="throughput_h200", help="the report's file name, without extension")
+    parser.add_argument("--smoke", action="store_true", help="the CPU, a tiny model and set: checks the script only")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ the set
+def _write_image(job: tuple) -> dict:
+    """One COCO-like JPEG and its image and annotation entries."""
+    from PIL import Image, ImageDraw
+
+    from datasets.coco_categories import COCO_CATEGORY_NAMES
+
+    folder, image_id, seed, side = job
+    rng = np.random.default_rng([seed, image_id])
+    short = round(int(rng.choice(SHORT_SIDES)) * side / 640)
+    height, width = (short, side) if rng.random() < 0.7 else (side, short)
+    scene = Image.fromarray(rng.integers(0, 256, (3, 4, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
+    texture = Image.fromarray(rng.integers(0, 256, (height // 24 + 1, width // 24 + 1, 3), dtype=np.uint8))
+    image = Image.blend(scene, texture.resize((width, height), Image.BICUBIC), 0.35)
+    draw, annotations = ImageDraw.Draw(image), []
+    categories = sorted(COCO_CATEGORY_NAMES)
+    for k in range(int(np.clip(rng.poisson(7), 1, 20))):
+        w, h = (rng.uniform(0.05, 0.5, 2) * (width, height)).astype(int) + 8
+        x, y = int(rng.integers(0, width - w)), int(rng.integers(0, height - h))
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape([x, y, x + w, y + h], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+        annotations.append({"id": image_id * 100 + k, "image_id": image_id, "iscrowd": 0, "area": float(w * h),
+                            "bbox": [x, y, int(w), int(h)], "category_id": int(rng.choice(categories))})
+    pixels = np.asarray(image, dtype=np.float32) + rng.normal(0.0, NOISE_SIGMA, (height, width, 3))
+    name = f"{image_id:012d}.jpg"
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / name, "JPEG", quality=90)
+    return {"image": {"id": image_id, "file_name": name, "width": width, "height": height},
+            "annotations": annotations}
+
+
+def write_coco_like(root: Path, *, train: int, val: int, seed: int = 0, side: int = 640) -> Path:
+    """A COCO 2017 layout of generated JPEG files under ``root`` (kept and reused when complete)."""
+    from datasets.coco_categories import COCO_CATEGORY_NAMES
+
+    done = root / "complete.json"
+    wanted = {"train": train, "val": val, "seed": seed, "side": side, "sigma": NOISE_SIGMA}
+    if done.is_file() and json.loads(done.read_text()) == wanted:
+        return root
+    (root / "annotations").mkdir(parents=True, exist_ok=True)
+    categories = [{"id": i, "name": n, "supercategory": "object"} for i, n in COCO_CATEGORY_NAMES.items()]
+    with multiprocessing.Pool(min(32, os.cpu_count() or 1)) as pool:
+        for split, count in (("train", train), ("val", val)):
+            folder = root / f"{split}2017"
+            folder.mkdir(exist_ok=True)
+            first = 1 if split == "train" else 10_000_000
+            entries = pool.map(_write_image, [(folder, first + i, seed, side) for i in range(count)], chunksize=16)
+            coco = {"images": [e["image"] for e in entries], "categories": categories,
+                    "annotations": [a for e in entries for a in e["annotations"]]}
+            (root / "annotations" / f"instances_{split}2017.json").write_text(json.dumps(coco))
+    done.write_text(json.dumps(wanted))
+    return root
+
+
+# ------------------------------------------------------------------------------------------------ GPU busy
+class BusySampler:
+    """NVML's utilization of GPU 0 (percent of time a kernel ran), sampled every 50 ms with its time.time()."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._read = lambda handle=pynvml.nvmlDeviceGetHandleByIndex(0): \
+                pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except Exception:  # noqa: BLE001 - no NVML (the CPU): no busy share
+            self._read = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "BusySampler":
+        if self._read is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append((time.time(), self._read() / 100.0))
+
+    def share(self, start: float, end: float) -> float | None:
+        inside = [u for t, u in self.samples if start <= t <= end]
+        return sum(inside) / len(inside) if inside else None
+
+
+# ------------------------------------------------------------------------------------------------ the rows
+def row_overrides(args, batch: int, run: Path, steps: int) -> list[str]:
+    common = [f"dataset.root={args.work / 'coco'}", f"total_batch_size={batch}", f"batch_size={batch}",
+              f"max_steps={steps}", "epochs=1", f"output_dir={run}", f"compile.cache_dir={run / 'cache'}",
+              "log_every=10", "eval_images=0"]
+    if args.smoke:
+        return ["dataset=coco", "model=tiny", "device=cpu", "dataset.train_scales=[128]", "dataset.max_size=160",
+                "dataset.val_size=128", "dataset.crop=false", "num_workers=2", *common, *args.overrides]
+    return ["experiment=coco_gpu", "model.pretrained=none", *common, *args.overrides]
+
+
+def run_row(args, batch: int, steps: int) -> dict:
+    run = args.work / f"batch{batch}"
+    subprocess.run(["rm", "-rf", str(run)], check=True)
+    command = [sys.executable, str(ROOT / "train.py"), *row_overrides(args, batch, run, steps)]
+    print(f"== batch {batch}: {' '.join(command[1:])}", flush=True)
+    with BusySampler() as busy:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    (args.work / f"batch{batch}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return {"batch": batch, "error": f"train.py exited {proc.returncode}"}
+    timing = json.loads((run / "timing.json").read_text())
+    steady = timing["steady"]
+    if steady is None:
+        return {"batch": batch, "error": "no steady step: every step compiled or warmed up a size (raise --steps)"}
+    return {"batch": batch, "per_gpu_batch": batch, "gpus": 1, "through": "train.py", "data": "jpeg",
+            "sizes": "coco-recipe", "img_s": steady["images_per_s"], "step_ms": steady["step_ms"],
+            "gpu_busy": busy.share(*steady["window"]), "data_wait_share": steady["data_wait_share"],
+            "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
+            "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
+            "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / steady["images_per_s"] / 3600,
+            "accumulate_grad_warnings": (proc.stdout + proc.stderr).count("AccumulateGrad node's stream")}
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def flops_per_pixel_line(args) -> tuple[float, float] | None:
+    """(FLOPs of one image's forward and backward at zero pixels, FLOPs per padded pixel), fitted through two
+    sizes; None on the CPU."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine.config.registry import register_configs
+    from models import build_model
+
+    if not torch.cuda.is_available():
+        return None
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=row_overrides(args, 2, args.work / "flops", steps=1))
+    model, criterion, _ = build_model(cfg.model)
+    model.cuda().train()
+    criterion.cuda()
+    counts = []
+    for height, width in ((512, 672), (800, 1088)):
+        images = torch.randn(1, 3, height, width, device="cuda")
+        masks = torch.zeros(1, height, width, dtype=torch.bool, device="cuda")
+        targets = [{"labels": torch.arange(1, 8, device="cuda"),
+                    "boxes": torch.rand(7, 4, device="cuda") * 0.4 + 0.2}]
+        with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
+            losses = criterion(model(images, masks), targets)
+            sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses).backward()
+        counts.append((height * width, counter.get_total_flops()))
+    (p0, f0), (p1, f1) = counts
+    per_pixel = (f1 - f0) / (p1 - p0)
+    return f0 - per_pixel * p0, per_pixel
+
+
+# ------------------------------------------------------------------------------------------------ report
+def how_to_read() -> str:
+    return ("Each row is one `python train.py experiment=coco_gpu` run on generated COCO-like JPEG files at the "
+            "recipe's sizes and augmentation, one GPU, the batch in one pass, an empty compile cache. img/s, step "
+            "and loader wait come from the run's steady steps (its timing.json); GPU busy is NVML's share of that "
+            "time with a kernel running; MFU counts the model's matmul and convolution FLOPs (forward and "
+            "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
+            "that rate; the first step is from the process's start, with Triton compiling the attention's kernels "
+            "into an empty cache.")
+
+
+def report_lines(header: dict, rows: list[dict]) -> list[str]:
+    lines = header_lines("Throughput of the COCO recipe through train.py", header, how_to_read())
+    cells = []
+    for r in rows:
+        if "error" in r:
+            cells.append([r["batch"], r["error"], *[""] * 8])
+            continue
+        cells.append([r["batch"], f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}",
+                      "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}", f"{r['data_wait_share']:.1%}",
+                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
+                      "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
+                      "-" if r.get("mfu") is None else f"{r['mfu']:.1%}", f"{r['recipe_hours']:.1f}",
+                      f"{r['first_step_s']:.0f}"])
+    lines += table(["batch", "img/s", "step ms", "GPU busy", "loader wait", "peak GiB", "GFLOPs/img", "MFU",
+                    "50 epochs (h)", "first step (s)"], cells)
+    done = [r for r in rows if "error" not in r]
+    if done:
+        best = max(done, key=lambda r: r["img_s"])
+        at_32 = next((r for r in done if r["batch"] == 32), None)
+        checks = [(f"best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",
+                   best["img_s"] >= TARGETS["img_s"]),
+                  (f"GPU busy {best['gpu_busy'] or 0:.0%} at the best batch >= {TARGETS['gpu_busy']:.0%}",
+                   (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"]),
+                  (f"loader wait {best['data_wait_share']:.1%} at the best batch <= {TARGETS['data_wait_share']:.0%}",
+                   best["data_wait_share"] <= TARGETS["data_wait_share"])]
+        if at_32:
+            checks += [(f"batch 32 fits: peak {at_32['peak_gib'] or 0:.1f} GiB", True),
+                       (f"first step at batch 32 {at_32['first_step_s']:.0f} s <= {TARGETS['first_step_s_at_32']:.0f}",
+                        at_32["first_step_s"] <= TARGETS["first_step_s_at_32"])]
+        warnings = sum(r["accumulate_grad_warnings"] for r in done)
+        checks.append((f"AccumulateGrad stream warnings in the runs' output: {warnings}", warnings == 0))
+        lines += ["", "Targets:", ""] + [f"- {'met' if ok else 'MISSED'}: {text}" for text, ok in checks]
+    return lines
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    steps = {b: args.steps or (16 if args.smoke else max(120, 800 // b)) for b in args.batches}
+    train_images = max(b * (steps[b] + 8) for b in args.batches)  # one epoch holds every row's steps
+    if args.smoke:
+        train_images, args.val_images = min(train_images, 48), min(args.val_images, 8)
+    started = time.perf_counter()
+    write_coco_like(args.work / "coco", train=train_images, val=args.val_images, side=160 if args.smoke else 640)
+    print(f"== the set: {train_images} + {args.val_images} JPEG files in {time.perf_counter() - started:.0f} s",
+          flush=True)
+    rows = [run_row(args, b, steps[b]) for b in args.batches]
+    line = flops_per_pixel_line(args)
+    import torch
+
+    peak = next((v for k, v in BF16_PEAK_FLOPS.items() if torch.cuda.is_available()
+                 and k in torch.cuda.get_device_name()), None)
+    for r in rows:
+        if "error" not in r and line is not None:
+            r["gflops_per_image"] = (line[0] + line[1] * r["pixels_per_image"]) / 1e9
+            r["mfu"] = r["img_s"] * r["gflops_per_image"] * 1e9 / peak if peak else None
+        elif "error" not in r:
+            r["gflops_per_image"] = r["mfu"] = None
+    header = run_header(train_images=train_images, val_images=args.val_images, steps=steps,
+                        bf16_peak_flops=peak, flops_per_image_line=line)
+    json_path, md_path = write_report(args.name, {**header, "rows": rows}, report_lines(header, rows), out=args.out)
+    print("\n".join(report_lines(header, rows)))
+    print(f"wrote {json_path} and {md_path}")
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
