@@ -1,8 +1,8 @@
 """Latency of an exported detector: the AOTInductor package against the compiled and the eager PyTorch model.
 
-    python bench/export_latency.py --out bench/results                  # on a GPU: batch 1 and 8 at 800 x 1333
-    python bench/export_latency.py --out /tmp/bench --quick             # CPU, tiny model, 96 x 128: a check of the script
-    python bench/export_latency.py --out DIR --checkpoint PATH --dtype bf16
+    python bench/export_latency.py                           # on a GPU: batch 1 and 8 at 800 x 1333
+    python bench/export_latency.py --quick                   # CPU, tiny model, 96 x 128: a check of the script
+    python bench/export_latency.py --checkpoint PATH --dtype bf16
 
 Ways to run the same model on the same batches, in one process, one after the other:
   eager     ``DeformableDETR.detect`` as predict.py runs it (model.msda=triton on CUDA)
@@ -20,15 +20,13 @@ multiples of 32), random, with a padding mask; the model is the default Deformab
 random weights unless --checkpoint names one: latency does not depend on the weights. Each figure is the
 median of --repeats timed calls after --warmup untimed ones, the GPU synchronized around each call. The
 outputs of the compiled model and of the package are compared with eager's (largest absolute differences).
-Writes export_latency_h200.json and .md (export_latency_quick.* with --quick) into --out, and the package's
-processes' output into export_latency_h200_aoti.log.
+Writes export_latency_h200.json and .md (--quick: into outputs/bench unless --out says otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import signal
 import statistics
@@ -39,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
 import torch
 
@@ -48,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
 from datasets.json_file import write_json  # noqa: E402
 from engine.checkpoint.trained_model import load_trained_model  # noqa: E402
 from engine.compile.plan import CompilePlan, compile_model  # noqa: E402
@@ -57,6 +55,7 @@ from engine.export.exportable import ExportableDetector, SampleShape, trace  # n
 from engine.export.samples import random_batch  # noqa: E402
 from models import build_model  # noqa: E402
 
+NAME = "export_latency_h200"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PACKAGE = "detector.pt2"  # in the run's temporary folder
 # The model timed: the COCO detector (the train config's default dataset, synthetic, would make it the tiny one).
@@ -66,9 +65,9 @@ QUICK_MODEL = ["model=tiny", "model.hidden_dim=32", "model.nheads=2", "model.enc
                "model.dim_feedforward=64", "model.num_queries=12", "model.num_feature_levels=3", "model.num_classes=4"]
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the .json and .md")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; quick: outputs/bench)")
     parser.add_argument("--quick", action="store_true", help="CPU, tiny model, 96 x 128, batches 1 and 2")
     parser.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint to time (default: random weights)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and images (default fp32)")
@@ -82,6 +81,11 @@ def parse_args(argv=None):
     # The package's child processes (measure_aoti): build it into DIR, then load and time it.
     parser.add_argument("--aoti-build", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--aoti-run", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.batches = args.batches or ([1, 2] if args.quick else [1, 8])
     args.size = args.size or ([96, 128] if args.quick else [800, 1333])
@@ -141,7 +145,8 @@ def timed_ms(call, inputs, *, warmup: int, repeats: int, device: torch.device) -
 
 
 def largest_differences(outputs, expected) -> dict[str, float]:
-    return {name: float((a.float() - b.float()).abs().max()) for name, a, b in zip(("logits", "boxes"), outputs, expected)}
+    return {name: float((a.float() - b.float()).abs().max())
+            for name, a, b in zip(("logits", "boxes"), outputs, expected)}
 
 
 def aoti_build(args, device: torch.device, workdir: Path) -> None:
@@ -178,28 +183,25 @@ def aoti_run(args, device: torch.device, workdir: Path) -> None:
         write_json(workdir / "aoti.json", record)
 
 
-def measure_aoti(argv: list[str], workdir: Path, timeout_s: float, log: Path) -> tuple[dict, str | None]:
+def measure_aoti(argv: list[str], workdir: Path, timeout_s: float) -> tuple[dict, str | None]:
     """``aoti_build``, then ``aoti_run``, each in a child process: a crash in packaging or in the package (a
     segfault) ends that process, not the measurements of the other ways, and children that run past ``timeout_s``
-    together are stopped, leaving them time. Their output is passed through as it comes and kept in ``log``
-    (faulthandler on: a crash prints the Python stack it happened in). Returns the record they wrote (whatever it
-    holds) and their failure, if any."""
+    together are stopped, leaving them time. Their output is passed through as it comes (faulthandler on: a crash
+    prints the Python stack it happened in). Returns the record they wrote (whatever it holds) and their failure."""
     deadline = time.perf_counter() + timeout_s
     error = None
-    with log.open("w") as kept:
-        for part in ("build", "run"):
-            error = run_child(argv + [f"--aoti-{part}", str(workdir)], deadline - time.perf_counter(), timeout_s,
-                              kept)
-            if error:
-                error = f"the AOTInductor {part} process {error}; its output is in {log.name}"
-                break
+    for part in ("build", "run"):
+        error = run_child(argv + [f"--aoti-{part}", str(workdir)], deadline - time.perf_counter(), timeout_s)
+        if error:
+            error = f"the AOTInductor {part} process {error} (its output is in the console log)"
+            break
     written = workdir / "aoti.json"
     return (json.loads(written.read_text()) if written.exists() else {}), error
 
 
-def run_child(argv: list[str], timeout_s: float, budget_s: float, kept: TextIO) -> str | None:
-    """This script with ``argv`` in a child process, stopped after ``timeout_s``, its output printed and written to
-    ``kept``: how it failed, or None."""
+def run_child(argv: list[str], timeout_s: float, budget_s: float) -> str | None:
+    """This script with ``argv`` in a child process, stopped after ``timeout_s``, its output printed: how it failed,
+    or None."""
     command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), *argv]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -214,7 +216,6 @@ def run_child(argv: list[str], timeout_s: float, budget_s: float, kept: TextIO) 
     try:
         for line in child.stdout:
             print(line, end="", flush=True)
-            kept.write(line)
             lines.append(line)
         returncode = child.wait()
     finally:
@@ -231,12 +232,11 @@ def run_child(argv: list[str], timeout_s: float, budget_s: float, kept: TextIO) 
     return ended + (f" after '{steps[-1]}'" if steps else " before its first step")
 
 
-def measure(args, argv: list[str], device: torch.device, workdir: Path, report: Callable[[dict], None],
-            aoti_log: Path) -> None:
+def measure(args, argv: list[str], device: torch.device, workdir: Path, report: Callable[[dict], None]) -> None:
     """Every row (module docstring), handed to ``report`` as each batch is measured, so that a run stopped
     partway keeps its report of what it measured. The package first, in its own process (its trace must not see
     the process-wide options that compile_model sets, and it is as large as the weights: written into ``workdir``)."""
-    aoti, aoti_error = measure_aoti(argv, workdir, args.aoti_timeout_s, aoti_log)
+    aoti, aoti_error = measure_aoti(argv, workdir, args.aoti_timeout_s)
     if aoti_error:
         print(f"AOTInductor: {aoti_error}", flush=True)
     model = build_detector_model(args, device)
@@ -280,68 +280,47 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         report({"rows": rows, **measured})
 
 
-def header(args, device: torch.device) -> dict:
-    import triton
-
-    return {"date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-            "torch": torch.__version__, "triton": triton.__version__, "cxx": inductor_cxx(),
-            "command": "python " + " ".join(sys.argv),
+def setup(args) -> dict:
+    """What the run timed, for its report's header."""
+    return {"cxx": inductor_cxx(), "quick": args.quick, "batches": args.batches,
             "model": "the tests' tiny model (ResNet-18, --quick)" if args.quick else "Deformable DETR, ResNet-50",
             "weights": str(args.checkpoint) if args.checkpoint else "random", "dtype": args.dtype,
             "image_size": list(args.size), "padded_size": [padded(s) for s in args.size],
-            "warmup": args.warmup, "repeats": args.repeats, "quick": args.quick, "batches": args.batches}
+            "warmup": args.warmup, "repeats": args.repeats}
 
 
-def write_report(record: dict, out: Path, name: str) -> None:
-    write_json(out / f"{name}.json", record, indent=2)  # whole: the report is rewritten after each batch
-    h, w = record["image_size"]
-    lines = [f"# Exported detector latency on {record['gpu']}", "",
-             f"{record['date']}, torch {record['torch']}, triton {record['triton']}, C++ compiler "
-             f"{record.get('cxx', 'not recorded')}: `{record['command']}`", "",
-             f"{record['model']} ({record['parameters_m']:.1f} M parameters, {record['weights']} weights), "
-             f"{record['dtype']}, {h} x {w} images padded to "
-             f"{' x '.join(map(str, record['padded_size']))}; median of {record['repeats']} calls after "
-             f"{record['warmup']} warm-up calls.", "",
-             "| batch | eager ms | torch.compile ms | AOTInductor ms | compiled / eager | AOTInductor / eager | "
-             "AOTInductor / compiled |",
-             "|---|---|---|---|---|---|---|"]
-    for row in record["rows"]:
-        aoti = row.get("aoti_ms")
-        lines.append(f"| {row['batch']} | {row['eager_ms']:.1f} | {row['compiled_ms']:.1f} | "
-                     + (f"{aoti:.1f}" if aoti else "-") + f" | {row['compiled_ms'] / row['eager_ms']:.2f} | "
-                     + (f"{aoti / row['eager_ms']:.2f} | {aoti / row['compiled_ms']:.2f} |" if aoti else "- | - |"))
-    graphed = [row for row in record["rows"] if "graphs_ms" in row]
-    if graphed:
-        lines += ["", "The eager model's CUDA graphs (compile.mode=graphs, nothing compiled), same run: "
-                  + "; ".join(f"batch {row['batch']} {row['graphs_ms']:.1f} ms ({row['graphs_ms'] / row['eager_ms']:.2f}x "
-                              f"eager)" for row in graphed) + "."]
-    seconds = record["aoti_export_s"]
-    lines += [""]
-    if record.get("aoti_error"):
-        lines.append(f"- AOTInductor: {record['aoti_error']}.")
+def report_lines(record: dict) -> list[str]:
+    h, rows = record["header"], record["rows"]
+    lines = header_lines(
+        "Exported detector latency", h,
+        f"Model: {h['model']} ({record['parameters_m']:.1f} M parameters, {h['weights']} weights), {h['dtype']}, "
+        f"{' x '.join(map(str, h['image_size']))} images padded to {' x '.join(map(str, h['padded_size']))}; median ms "
+        f"of {h['repeats']} calls after {h['warmup']} warm-up calls, the device synchronized around each. eager: "
+        f"`detect` as predict.py runs it; torch.compile: compile.mode={record['compile_mode']}, a graph per batch "
+        "shape, its first call (compilation, with the machine's Inductor cache) apart; AOTInductor: the package "
+        f"`python export.py format=aoti` writes, built once for every batch and size (C++ compiler: {h['cxx']}) and "
+        "loaded by another process; CUDA graphs: the eager model's (compile.mode=graphs, GPU only). Ratios are to "
+        "eager, same run; diff: the largest absolute difference of the logits from eager's."
+        + (" --quick: a check that the script runs (the package's wrapper built unoptimized: quick_compile, "
+           "engine/export/aoti.py); these figures say nothing about speed." if h["quick"] else ""))
+    lines += table(["batch", "eager ms", "torch.compile ms", "AOTInductor ms", "CUDA graphs ms", "compile / eager",
+                    "AOTInductor / eager", "compile first call s", "diff compile", "diff AOTInductor"],
+                   [[r["batch"], cell(r["eager_ms"]), cell(r["compiled_ms"]), cell(r.get("aoti_ms")),
+                     cell(r.get("graphs_ms")), f"{r['compiled_ms'] / r['eager_ms']:.2f}",
+                     cell(r["aoti_ms"] / r["eager_ms"] if "aoti_ms" in r else None, ".2f"),
+                     cell(r["compiled_first_call_s"]), f"{r['compiled_vs_eager']['logits']:.1e}",
+                     f"{r['aoti_vs_eager']['logits']:.1e}" if "aoti_vs_eager" in r else "-"] for r in rows])
+    seconds = record.get("aoti_export_s")
     if seconds:
-        lines.append(f"- AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in {seconds['compile']:.1f} "
-                     f"s ({record['package_mb']:.0f} MB), once for every batch and size"
-                     + (f"; loaded in {record['aoti_load_s']:.1f} s by another process." if record.get("aoti_load_s")
-                        else "."))
-    lines += [
-              "- torch.compile (compile.mode=" + record["compile_mode"] + ", a static graph per batch shape): first "
-              "call " + ", ".join(f"{r['compiled_first_call_s']:.1f} s at batch {r['batch']}" for r in record["rows"]) +
-              " (Inductor's cache as the machine had it: a second run on one machine compiles from its cache).",
-              "- Largest differences from eager: " + "; ".join(
-                  f"batch {r['batch']}: compiled logits {r['compiled_vs_eager']['logits']:.2g} boxes "
-                  f"{r['compiled_vs_eager']['boxes']:.2g}" + (
-                      f", AOTInductor logits {r['aoti_vs_eager']['logits']:.2g} boxes "
-                      f"{r['aoti_vs_eager']['boxes']:.2g}" if "aoti_vs_eager" in r else "")
-                  for r in record["rows"]) + "."]
-    missing = [batch for batch in record["batches"] if batch not in {row["batch"] for row in record["rows"]}]
+        lines += ["", f"AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in "
+                      f"{seconds['compile']:.1f} s ({record['package_mb']:.0f} MB), loaded in "
+                      f"{cell(record.get('aoti_load_s'))} s."]
+    if record.get("aoti_error"):
+        lines += ["", f"AOTInductor: {record['aoti_error']}."]
+    missing = [batch for batch in h["batches"] if batch not in {row["batch"] for row in rows}]
     if missing:
-        lines.append(f"- Not measured, the run ended first: batch {', '.join(map(str, missing))}.")
-    if record["quick"]:
-        lines.append("- --quick: a check that the script runs (a tiny model on the CPU, the package's wrapper built "
-                     "unoptimized: quick_compile, engine/export/aoti.py); these figures say nothing about speed.")
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        lines += ["", f"Not measured, the run ended first: batch {', '.join(map(str, missing))}."]
+    return lines
 
 
 def main(argv=None) -> None:
@@ -355,18 +334,16 @@ def main(argv=None) -> None:
     if args.aoti_run is not None:
         aoti_run(args, device, args.aoti_run)
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = "export_latency_quick" if args.quick else "export_latency_h200"
-    head = header(args, device)
+    out = out_dir(args.out, args.quick)
+    head = run_header(**setup(args))
 
     def report(measured: dict) -> None:
-        write_report({**head, **measured}, args.out, name)
-        print(f"wrote {args.out / (name + '.md')} and .json ({len(measured['rows'])} of {len(args.batches)} batches)",
-              flush=True)
+        record = {"header": head, **measured}
+        write_report(NAME, record, report_lines(record), out=out)
+        print(f"wrote {out / NAME}.md and .json ({len(measured['rows'])} of {len(args.batches)} batches)", flush=True)
 
     with tempfile.TemporaryDirectory() as workdir:
-        measure(args, argv if argv is not None else sys.argv[1:], device, Path(workdir), report,
-                args.out / f"{name}_aoti.log")
+        measure(args, argv if argv is not None else sys.argv[1:], device, Path(workdir), report)
 
 
 if __name__ == "__main__":
