@@ -16,7 +16,7 @@
                down to 13x21), fp32/bf16, uniform/realistic, D=32, through the public op with the picked table:
                forward, backward, forward+backward (triton.testing.do_bench median ms) against the reference in
                the same run; the deterministic backward's cost and a bitwise check of all gradients over 5
-               deterministic runs, peak memory, error against the reference; decoder rows also as CUDA-graph
+               deterministic runs, the error against the reference; decoder rows also as CUDA-graph
                replays (GPU time) and as eager loops (host time per call).
 Writes msda_h200.json and msda_h200.md (partial JSON in --out as it goes).
 """
@@ -72,18 +72,6 @@ def heads(D: int) -> int:
     return max(1, HIDDEN // D)
 
 
-def candidates(D: int) -> dict:
-    """Configurations timed per kernel. Forward: (BLOCK_Q, BLOCK_P, num_warps, UNROLL); the other query kernels:
-    (BLOCK_Q, BLOCK_P, num_warps); split uses one for both
-    of its kernels; gather: ((BLOCK_Q, BLOCK_P, warps) of the keys kernel, (lanes, warps) of the row sums);
-    hybrid: ((BLOCK_Q, BLOCK_P, warps), entries per value row from which a level is gathered)."""
-    if DEVICE == "cpu":  # --smoke: wide programs, which the interpreter runs fastest; two each for the picks
-        return {"forward": [(64, 16, 4, 1), (32, 16, 2, 1)], "fused": [(64, 16, 4), (32, 16, 2)],
-                "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
-                "hybrid": [((64, 16, 4), 8)]}
-    return _candidates(D)
-
-
 # Steps of L*P / BLOCK_P samples that a kernel may unroll: the backward unrolls all of its steps, so its candidates
 # take BLOCK_P >= L*P / 4; the forward's loop is unrolled at most this many times. Triton's compile time grows much
 # faster than the unrolled code (the default model's kernels: 5 s against 15 s fully unrolled, bf16, a 2-core CPU),
@@ -98,7 +86,15 @@ def forward_unrolled(configs: list) -> list:
     return [(*c, unroll) for c in configs for unroll in ((1, 2, MAX_UNROLLED_STEPS) if c[1] < L * P else (1,))]
 
 
-def _candidates(D: int) -> dict:
+def candidates(D: int) -> dict:
+    """Configurations timed per kernel. Forward: (BLOCK_Q, BLOCK_P, num_warps, UNROLL); the other query kernels:
+    (BLOCK_Q, BLOCK_P, num_warps); split uses one for both of its kernels; gather: ((BLOCK_Q, BLOCK_P, warps) of
+    the keys kernel, (lanes, warps) of the row sums); hybrid: ((BLOCK_Q, BLOCK_P, warps), entries per value row
+    from which a level is gathered)."""
+    if DEVICE == "cpu":  # --smoke: wide programs, which the interpreter runs fastest; two each for the picks
+        return {"forward": [(64, 16, 4, 1), (32, 16, 2, 1)], "fused": [(64, 16, 4), (32, 16, 2)],
+                "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
+                "hybrid": [((64, 16, 4), 8)]}
     if D == 32:  # (16, 1, *) is the forward's measured best: one sample per step, 16 queries
         return {"forward": forward_unrolled([(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)]),
                 "fused": [(4, 4, 4), (2, 16, 4)],
@@ -265,39 +261,24 @@ def picks(records) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # 3. targets
 # ----------------------------------------------------------------------------------------------------
-def peak_extra_mib(fn) -> float:
-    if DEVICE == "cpu":
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-
-
 def graph_ms(fn) -> float:
     """fn captured once as a CUDA graph and replayed: its GPU time without the host's share (NaN if the
     capture fails, which is itself a finding: the op must stay capturable)."""
     if DEVICE == "cpu":
         return float("nan")
     try:
-        return _graph_ms(fn)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
     except Exception as error:
         print(f"CUDA-graph capture failed: {type(error).__name__}: {error}", flush=True)
         return float("nan")
-
-
-def _graph_ms(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     return median_ms(graph.replay)
 
 
@@ -328,7 +309,7 @@ def time_public(impl, inputs, shapes, decoder: bool) -> dict:
     out = fwd()
     result = {"fwd": median_ms(fwd), "bwd": median_ms(lambda: torch.autograd.grad(out, leaves, grad_out,
                                                                                    retain_graph=True)),
-              "fwd_bwd": median_ms(fwd_bwd), "peak_mib": peak_extra_mib(fwd_bwd)}
+              "fwd_bwd": median_ms(fwd_bwd)}
     if decoder:  # decoder-sized calls are bound by the host when called eagerly
         result["graph_fwd_bwd"] = graph_ms(fwd_bwd)
         result["eager_fwd_bwd"] = eager_ms(fwd_bwd)
@@ -436,7 +417,7 @@ def report_lines(record: dict) -> list[str]:
     header, rows = record["header"], record["rows"]
     lines = header_lines(
         "Multi-scale deformable attention: Triton kernels against the PyTorch reference", header,
-        "Median ms (triton.testing.do_bench) through the public op, D=32 and M=8; fwd+bwd x and fwd x: the "
+        "Median ms (triton.testing.do_bench) through the public op, head dim 32; fwd+bwd x and fwd x: the "
         "reference's time over Triton's, same run (the reference: grid_sample, impl=pytorch, on the same inputs). det "
         "cost: the deterministic backward over the default (atomic) one, bitwise: its gradients equal over 5 runs; "
         "err: largest relative L2 error of the output and gradients against the fp32 reference. Decoder rows "
