@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="optimizer steps per row (default: max(120, 800 // batch); 16 with --smoke)")
     parser.add_argument("--val-images", type=int, default=64, help="validation images (the run's final evaluation)")
     parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every row")
+    parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take before it is stopped")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_throughput"), help="the set and the runs")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     parser.add_argument("--name", default="throughput_h200", help="the report's file name, without extension")
@@ -165,12 +166,19 @@ def run_row(args, batch: int, steps: int) -> dict:
     subprocess.run(["rm", "-rf", str(run)], check=True)
     command = [sys.executable, str(ROOT / "train.py"), *row_overrides(args, batch, run, steps)]
     print(f"== batch {batch}: {' '.join(command[1:])}", flush=True)
-    with BusySampler() as busy:
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    (args.work / f"batch{batch}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:] + proc.stderr[-3000:])
-        return {"batch": batch, "error": f"train.py exited {proc.returncode}"}
+    log = args.work / f"batch{batch}.log"
+    with BusySampler() as busy, open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=args.row_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the run and its loader workers
+            proc.wait()
+            returncode = f"stopped after --row-timeout {args.row_timeout:g} s"
+    output = log.read_text()
+    if returncode != 0:
+        print(output[-4000:])
+        return {"batch": batch, "error": f"train.py: exit {returncode}"}
     timing = json.loads((run / "timing.json").read_text())
     steady = timing["steady"]
     if steady is None:
@@ -181,7 +189,7 @@ def run_row(args, batch: int, steps: int) -> dict:
             "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
             "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
             "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / steady["images_per_s"] / 3600,
-            "accumulate_grad_warnings": (proc.stdout + proc.stderr).count("AccumulateGrad node's stream")}
+            "accumulate_grad_warnings": output.count("AccumulateGrad node's stream")}
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
