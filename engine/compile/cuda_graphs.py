@@ -51,6 +51,20 @@ MAX_SIZES = 32
 # Eager runs before recording: the first call of a size autotunes and loads kernels, which must not happen in
 # the recording.
 WARMUP_CALLS = 2
+# Another thread's CUDA calls during a recording (the loader's pin-memory thread allocating pinned memory for a
+# large batch) must not void it: only this thread's are checked.
+CAPTURE_ERROR_MODE = "thread_local"
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The one stream every recording on the current device warms up and records on. The allocator reuses a
+    memory pool's free blocks only for allocations on the stream that made them: recordings on a new stream each
+    could not share the pool's memory between sizes, and a run at a large batch ran out of it."""
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream()
+    return _capture_streams[device]
 
 
 class _FlatOutputs(nn.Module):
@@ -135,14 +149,14 @@ class GraphedMethod:
         return replay
 
     def _record_inference(self, flat: _FlatOutputs, static: tuple):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        stream = capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             for _ in range(WARMUP_CALLS):
                 flat(*static)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             outputs = flat(*static)
 
         def replay(*args):
@@ -162,7 +176,7 @@ class _TrainingRecording:
         self.static = static
         self.params = tuple(p for p in flat.parameters() if p.requires_grad)
         surface = [a for a in static if a.requires_grad] + list(self.params)  # what gradients are taken for
-        stream = torch.cuda.Stream()
+        stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # the first calls autotune and load kernels: never inside a recording
             for _ in range(WARMUP_CALLS):
@@ -172,10 +186,11 @@ class _TrainingRecording:
                 del outputs
         torch.cuda.current_stream().wait_stream(stream)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool, stream=stream):
+        with torch.cuda.graph(self.forward_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             outputs = flat(*static)
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
-        with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream):
+        with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream,
+                              capture_error_mode=CAPTURE_ERROR_MODE):
             grads = torch.autograd.grad([o for o in outputs if o.requires_grad], surface,
                                         grad_outputs=[g for g in self.grad_outputs if g is not None],
                                         allow_unused=True)
