@@ -161,12 +161,16 @@ def row_overrides(args, batch: int, run: Path, steps: int) -> list[str]:
     return ["experiment=coco_gpu", "model.pretrained=none", *common, *args.overrides]
 
 
-def run_row(args, batch: int, steps: int) -> dict:
-    run = args.work / f"batch{batch}"
+def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
+    """One train.py run at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one)."""
+    name = f"batch{batch}" + (f"_gpus{gpus}" if gpus > 1 else "")
+    run = args.work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    command = [sys.executable, str(ROOT / "train.py"), *row_overrides(args, batch, run, steps)]
-    print(f"== batch {batch}: {' '.join(command[1:])}", flush=True)
-    log = args.work / f"batch{batch}.log"
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+                                   if gpus > 1 else [])
+    command = [*launcher, str(ROOT / "train.py"), *row_overrides(args, batch, run, steps)]
+    print(f"== batch {batch} on {gpus} GPU(s): {' '.join(command[1:])}", flush=True)
+    log = args.work / f"{name}.log"
     with BusySampler() as busy, open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -183,12 +187,13 @@ def run_row(args, batch: int, steps: int) -> dict:
     steady = timing["steady"]
     if steady is None:
         return {"batch": batch, "error": "no steady step: every step compiled or warmed up a size (raise --steps)"}
-    return {"batch": batch, "per_gpu_batch": batch, "gpus": 1, "through": "train.py", "data": "jpeg",
-            "sizes": "coco-recipe", "img_s": steady["images_per_s"], "step_ms": steady["step_ms"],
+    img_s = steady["images_per_s"] * gpus  # timing.json counts rank 0's images
+    return {"batch": batch, "per_gpu_batch": batch // gpus, "gpus": gpus, "through": "train.py", "data": "jpeg",
+            "sizes": "coco-recipe", "img_s": img_s, "step_ms": steady["step_ms"],
             "gpu_busy": busy.share(*steady["window"]), "data_wait_share": steady["data_wait_share"],
             "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
             "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
-            "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / steady["images_per_s"] / 3600,
+            "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
             "accumulate_grad_warnings": output.count("AccumulateGrad node's stream")}
 
 
