@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import torch
 from torch.utils.data import DataLoader
@@ -71,6 +72,41 @@ def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, 
         train_sizes=train_sizes, plan_train=lambda size, rng: train_set.transforms.plan(size, rng)[1],
         train_limits=(max(c.train_scales), longest_long), train_can_turn=c.crop, val_outputs=val_outputs,
         batch_size=batch_size, max_buckets=c.size_buckets, multiple=c.pad_to_multiple, seed=seed)
+
+
+# The message of an error a loader worker raised, as the DataLoader re-raises it in this process: "Caught
+# ImageReadError in DataLoader worker process 0.\nOriginal Traceback (most recent call last): ... <type>: <message>"
+_WORKER_TRACEBACK = re.compile(r"^Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback", re.S)
+# What the DataLoader says when a worker process died (killed, crashed, out of memory).
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) (exited unexpectedly|is killed by signal)")
+
+
+def worker_error_message(error: BaseException) -> str:
+    """``error``'s own message, without the worker's traceback the DataLoader puts before it."""
+    text = str(error)
+    if not _WORKER_TRACEBACK.match(text):
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    return re.sub(r"^[\w.]+: ", "", last.strip())
+
+
+def is_worker_death(error: BaseException) -> bool:
+    """Whether ``error`` is the DataLoader's report that one of its worker processes died."""
+    return isinstance(error, RuntimeError) and bool(_WORKER_DIED.search(str(error)))
+
+
+def stop_workers(loader: DataLoader) -> None:
+    """End ``loader``'s worker processes now, as its iterator ends them when it is collected. A failing run must not
+    leave them to the interpreter's exit: they ignore the stop signals (engine/runtime/stop_request.py), with one of
+    which multiprocessing's exit handler ends them before it waits for them, forever."""
+    iterator, loader._iterator = getattr(loader, "_iterator", None), None
+    if iterator is None or not hasattr(iterator, "_shutdown_workers"):
+        return
+    try:
+        iterator._shutdown_workers()
+    except RuntimeError as error:  # another loader's dead worker, reported while this one waits for its own
+        if not is_worker_death(error):
+            raise
 
 
 def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: int, train: bool,

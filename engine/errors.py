@@ -30,6 +30,10 @@ class RunDirectoryInUse(UserError, RuntimeError):
     """Another process is running in this run directory; the message names it."""
 
 
+class LoaderWorkerDied(UserError, RuntimeError):
+    """A data loader worker process died (killed, out of memory); the message says where to resume from."""
+
+
 class NonFiniteLossError(UserError, RuntimeError):
     """Training produced a NaN/inf loss or gradient norm; the run stops without saving that state."""
 

@@ -12,6 +12,7 @@ prints it once.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import sys
@@ -42,20 +43,33 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
     try:
         job()
     except TrainingStopped as stopped:  # the loop has logged where to resume from
+        end_child_processes()
         sys.exit(stopped.exit_code)
     except KeyboardInterrupt:
         log.error("%s", interrupted)
+        end_child_processes()
         sys.exit(INTERRUPTED_EXIT_CODE)
     except USER_FAULTS as fault:
         log.error("%s", fault)
         log.error("the traceback of the error above:", exc_info=True, extra=FILE_ONLY)
+        end_child_processes()
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         remove_if_untouched(run_dir, dated=dated)
         sys.exit(FAULT_EXIT_CODE)
     except Exception:
         log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
+        end_child_processes()
         raise
+
+
+def end_child_processes() -> None:
+    """Kill the worker processes a failed job left running (a loader's, whose iterator a traceback still holds).
+    They ignore the stop signals, and multiprocessing's exit handler, which ends them with SIGTERM before it
+    waits for them, would wait forever."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
 
 
 def remove_if_untouched(run_dir: Path | None, *, dated: bool = False) -> None:

@@ -20,12 +20,14 @@ from pathlib import Path
 import torch
 
 from datasets import ImageReadError
+from datasets.loader import is_worker_death, stop_workers, worker_error_message
+from engine.errors import LoaderWorkerDied
 from engine.runtime.distributed import DistContext, barrier
 from engine.runtime.rng import epoch_seed, restore_rng_state, seed_all
 
 from .epoch_evaluation import EpochEvaluation
 from .interval_report import IntervalReporter
-from .resume import last_checkpoint_hint
+from .resume import last_checkpoint_hint, resume_hint
 from .run_timing import RunTiming
 from .saving import CheckpointSaver
 from .schedule import Position, planned_steps
@@ -74,10 +76,17 @@ class TrainingLoop:
                 self._close_epoch(epoch)
             self.saver.wait()
         except ImageReadError as error:  # a damaged image met while training: say where to resume from
-            self.saver.wait_quietly()  # the hint names the checkpoint being written
-            raise ImageReadError(f"{error}\n{last_checkpoint_hint(self.output_dir)}") from error
+            self._fail()  # the hint names the checkpoint being written
+            raise ImageReadError(f"{worker_error_message(error)}\n{last_checkpoint_hint(self.output_dir)}") from None
+        except RuntimeError as error:
+            self._fail()
+            if not is_worker_death(error):
+                raise
+            raise LoaderWorkerDied(f"a data loader worker process died ({worker_error_message(error)}): it was killed, "
+                                   f"or ran out of memory (fewer num_workers use less)\n"
+                                   f"{resume_hint(self.output_dir)}") from None
         except BaseException:
-            self.saver.wait_quietly()
+            self._fail()
             raise
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
@@ -87,6 +96,12 @@ class TrainingLoop:
             self.timing.write(self.output_dir, record)
             log.info("done: %s; outputs in %s", self.timing.summary(record), self.output_dir)
         return {"losses": self.reporter.losses, "eval": self.evaluation.stats, "step": pos.step, "timing": record}
+
+    def _fail(self) -> None:
+        """On the way out of a failing run: the write in flight finished, the loaders' workers ended."""
+        self.saver.wait_quietly()
+        for loader in (self.train_loader, self.val_loader):
+            stop_workers(loader)
 
     def _train_epoch(self, epoch: int) -> None:
         pos, device, step_log = self.position, self.ctx.device, self.reporter.step_log

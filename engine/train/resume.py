@@ -211,6 +211,14 @@ def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) ->
     lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
+def resume_hint(output_dir: str | os.PathLike) -> str:
+    """Where a run that stopped can go on from, for its error message."""
+    latest = Path(output_dir) / LATEST
+    if latest.is_file():
+        return f"The run's last checkpoint is {latest}: continue with resume={latest}"
+    return "No checkpoint of this run had been written yet: start it again"
+
+
 def last_checkpoint_hint(output_dir: str | os.PathLike) -> str:
     """What a run stopped by bad data can go on from, for the error message."""
     latest = Path(output_dir) / LATEST
