@@ -317,3 +317,41 @@ def test_a_fault_is_one_message_on_the_console_and_its_traceback_in_train_log(da
     child = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=-1"], cwd=tmp_path,
                            env=child_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=120)
     assert child.returncode == 1 and "Traceback" in child.stdout + child.stderr
+
+
+def signal_in_evaluation(monkeypatch, signum: int, evaluation: int) -> None:
+    """Send this process ``signum`` inside the first batch of its ``evaluation``-th evaluation (1-based)."""
+    from engine.reporting.progress import EvaluationProgress
+
+    init, seen = EvaluationProgress.__init__, {"n": 0}
+
+    def starting(self, *args, **kwargs):
+        seen["n"] += 1
+        init(self, *args, **kwargs)
+        if seen["n"] == evaluation:
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(EvaluationProgress, "__init__", starting)
+
+
+@pytest.mark.parametrize("evaluation, what", [(1, "an epoch's"), (2, "the final")])
+def test_a_stop_signal_during_an_evaluation_stops_it_and_the_resume_runs_it(uninterrupted, data_root, tmp_path,
+                                                                           monkeypatch, evaluation, what):
+    """SIGTERM during the evaluation after epoch 1 (of 2), or during the final one: the evaluation stops within a
+    batch, checkpoint.pth holds the step with the evaluation pending, and the run exits 143; resume=auto evaluates
+    first, then goes on as if never stopped."""
+    signal_in_evaluation(monkeypatch, signal.SIGTERM, evaluation)
+    with pytest.raises(TrainingStopped, match=rf"stopped by SIGTERM during the evaluation after epoch {evaluation}, at "
+                                              rf"step {evaluation * STEPS_PER_EPOCH} of 6: .*checkpoint\.pth holds "
+                                              r"that step; .*which evaluates first") as stopped:
+        trainer.train(compose_run(data_root, tmp_path))
+    assert stopped.value.exit_code == 143
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
+    assert ckpt["step"] == evaluation * STEPS_PER_EPOCH
+    assert ckpt["pending_evaluation"] == {"epoch": evaluation, "epoch_complete": True}
+    assert not (tmp_path / f"eval_epoch{evaluation:04d}.json").exists()
+    monkeypatch.undo()
+    resumed = trainer.train(compose_run(data_root, tmp_path, "resume=auto"))
+    assert (tmp_path / f"eval_epoch{evaluation:04d}.json").is_file() and resumed["step"] == 2 * STEPS_PER_EPOCH
+    assert "pending_evaluation" not in load_checkpoint(tmp_path / "checkpoint.pth")
+    assert resumed["eval"] == pytest.approx(uninterrupted["eval"], abs=1e-4)

@@ -23,6 +23,10 @@ log = logging.getLogger("train")
 PROGRESS_EVERY_S = 15.0
 
 
+class EvaluationStopped(Exception):
+    """An evaluation left between two batches, as its ``should_stop`` asked."""
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """What one pass over the validation set gives; all but ``detections`` and the timings the same on every rank.
@@ -54,7 +58,7 @@ class Evaluation:
 def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
                   precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None,
                   compiled: bool = False, backend: str = "auto",
-                  progress_every_s: float = PROGRESS_EVERY_S) -> Evaluation:
+                  progress_every_s: float = PROGRESS_EVERY_S, should_stop=None) -> Evaluation:
     """COCO bbox AP of ``model`` on ``loader``: summary, per class, the detections and timings (see Evaluation).
 
     The figures are the same on every rank; ``keep_detections`` (image ids, e.g. those drawn in TensorBoard)
@@ -64,6 +68,9 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     compiled training region compiles again without gradients. Each rank runs its share of the images; the
     evaluator gathers detections from all ranks (``ranks``) before scoring. The random generators are left as
     they were (engine.runtime.rng.rng_preserved).
+
+    ``should_stop`` (every rank gives the same answer) is asked after each batch: True stops the pass
+    (EvaluationStopped), a stop signal's request honoured within a batch rather than after the whole set.
 
     ``backend`` picks the COCOeval (datasets.cocoeval_backend: auto, faster, pycocotools). Rank 0 logs a progress
     line every ``progress_every_s`` seconds of inference, COCOeval's summary table (its other lines go to
@@ -88,6 +95,9 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
         results = postprocess(outputs, orig_sizes)
         evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})  # reads them to the host
         progress.update(len(evaluator.results))  # the distinct images done: batch-filling copies count once
+        if should_stop is not None and should_stop():
+            model.train(was_training)
+            raise EvaluationStopped(f"evaluation stopped after {len(evaluator.results)} images")
     inferred = time.perf_counter()
     try:
         stats = evaluator.summarize()  # gathers every rank's detections first

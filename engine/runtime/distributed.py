@@ -134,6 +134,13 @@ def all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return start_all_reduce_mean(t.clone(), ctx)()
 
 
+def any_process(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` is true on any rank (the same answer on every rank)."""
+    if not ctx.distributed:
+        return flag
+    return all_reduce_mean(torch.tensor([float(flag)], device=ctx.device), ctx).item() > 0
+
+
 def start_all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> Callable[[], torch.Tensor]:
     """Starts the mean of ``t`` over ranks, summing into ``t`` itself; returns a function that gives the mean.
 

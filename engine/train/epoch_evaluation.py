@@ -22,12 +22,13 @@ class EpochEvaluation:
         self.timing, self.reporter = timing, reporter
         self.stats: dict | None = None
 
-    def run(self, *, epoch: int, step: int, epoch_complete: bool) -> None:
-        """Evaluate after ``epoch`` (1-based: epochs done), at optimizer step ``step``."""
+    def run(self, *, epoch: int, step: int, epoch_complete: bool, should_stop=None) -> None:
+        """Evaluate after ``epoch`` (1-based: epochs done), at optimizer step ``step``; ``should_stop``: asked
+        after each batch (engine.evaluation.coco.EvaluationStopped)."""
         before, t0 = self.timing.clock.totals(), time.perf_counter()
         evaluation = self.validation.run(writer=self.writer, json_path=self.output_dir / f"eval_epoch{epoch:04d}.json",
                                          step=step, what=f"after epoch {epoch}, step {step}", epoch=epoch,
-                                         epoch_complete=epoch_complete)
+                                         epoch_complete=epoch_complete, should_stop=should_stop)
         compiled = self.timing.clock.totals().since(before)
         self.timing.add_evaluation(time.perf_counter() - t0, compiled)
         if compiled.graphs or compiled.seconds >= 1.0:

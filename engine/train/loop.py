@@ -22,6 +22,7 @@ import torch
 from datasets import ImageReadError
 from datasets.loader import is_worker_death, stop_workers, worker_error_message
 from engine.errors import LoaderWorkerDied
+from engine.evaluation.coco import EvaluationStopped
 from engine.runtime.distributed import DistContext, barrier
 from engine.runtime.rng import epoch_seed, restore_rng_state, seed_all
 
@@ -69,6 +70,10 @@ class TrainingLoop:
             # taken until the run ends. Its first evaluation then starts with its workers ready.
             iter(self.val_loader)
         try:
+            if pos.pending_evaluation is not None:  # a resume of a run stopped during an evaluation
+                self._evaluate(**pos.pending_evaluation)
+                pos.pending_evaluation = None
+                self._save(epoch_done=False)  # the checkpoint no longer asks for it
             for epoch in range(pos.epoch, self.cfg.epochs):
                 if pos.step >= self.total_steps:
                     break
@@ -161,6 +166,21 @@ class TrainingLoop:
         raise self.stopping.stopped(epoch=epoch, step=self.position.step, total_steps=self.total_steps,
                                     latest=self.saver.latest)
 
+    def _evaluate(self, *, epoch: int, epoch_complete: bool) -> None:
+        """The evaluation after ``epoch`` (1-based); a stop signal stops it within a batch, saves the step with the
+        evaluation to run first on resuming, and stops the run."""
+        pos = self.position
+        try:
+            self.evaluation.run(epoch=epoch, step=pos.step, epoch_complete=epoch_complete,
+                                should_stop=self.stopping.during_evaluation)
+        except EvaluationStopped:
+            pos.pending_evaluation = {"epoch": epoch, "epoch_complete": epoch_complete}
+            self._save(epoch_done=False)
+            self.saver.wait()  # the message says the file holds this step
+            raise self.stopping.stopped(epoch=epoch - 1, step=pos.step, total_steps=self.total_steps,
+                                        latest=self.saver.latest, evaluation=epoch) from None
+        self.reporter.step_log.restart_clock()
+
     def _close_epoch(self, epoch: int) -> None:
         """Checkpoint first, then evaluate: nothing trained is lost to a failure in evaluation."""
         pos = self.position
@@ -176,7 +196,6 @@ class TrainingLoop:
         self._save(epoch_done=epoch_done)
         last = pos.step >= self.total_steps or epoch + 1 == self.cfg.epochs
         if last or (epoch_done and (epoch + 1) % self.cfg.eval_every == 0):
-            self.evaluation.run(epoch=epoch + 1, step=pos.step, epoch_complete=epoch_done)
-            self.reporter.step_log.restart_clock()
+            self._evaluate(epoch=epoch + 1, epoch_complete=epoch_done)
         barrier(self.ctx)
         self.reporter.writer.flush()

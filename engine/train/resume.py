@@ -153,6 +153,8 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
         if lines:
             log.warning("resuming %s with settings that differ from the checkpoint's:\n  %s", path,
                         "\n  ".join(lines))
+    if ckpt.get("pending_evaluation"):  # stopped during an evaluation: the resume runs it, whatever is left
+        return effective
     if ckpt["epoch"] >= effective.epochs:
         raise ValueError(f"resume: checkpoint {path} has completed {ckpt['epoch']} epochs and epochs="
                          f"{effective.epochs}: nothing is left to train (raise epochs to train on; evaluate it "
@@ -168,6 +170,7 @@ class Resumed(NamedTuple):
     step: int            # optimizer steps done
     steps_in_epoch: int  # batches done in the epoch in progress
     rng: dict            # generator states at the checkpoint (engine.runtime.rng)
+    pending_evaluation: dict | None = None  # the evaluation a stop interrupted (engine/train/loop.py)
 
 
 def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -190,7 +193,7 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
     recorded = (ckpt.get("config") or {}).get("optim")
     if isinstance(recorded, dict) and any(recorded.get(k) != cfg_optim[k] for k in SCHEDULE_KEYS):
         apply_schedule(optimizer, lr_scheduler, cfg_optim)
-    return Resumed(ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"], ckpt["rng"])
+    return Resumed(ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"], ckpt["rng"], ckpt.get("pending_evaluation"))
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) -> None:

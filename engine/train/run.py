@@ -18,7 +18,14 @@ from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.progress import Progress
 from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import DistContext, Ranks, broadcast_object, init_distributed, shutdown_distributed
+from engine.runtime.distributed import (
+    DistContext,
+    Ranks,
+    any_process,
+    broadcast_object,
+    init_distributed,
+    shutdown_distributed,
+)
 from engine.runtime.stop_request import StopRequest
 
 from .build import TrainingSetup, build_training
@@ -102,10 +109,11 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
                            evaluation_batches=len(val_loader.batch_sampler) * evaluations, training_steps=total_steps)
     position = Position()
     if setup.resumed is not None:
-        epoch, step, steps_in_epoch, rng = setup.resumed
-        position = Position(epoch=epoch, step=step, steps_in_epoch=steps_in_epoch,
-                            rng=rng if ctx.world_size == 1 else None)
-        log.info("resumed from %s at epoch %d, step %d", resume_path, epoch, step)
+        resumed = setup.resumed
+        position = Position(epoch=resumed.epoch, step=resumed.step, steps_in_epoch=resumed.steps_in_epoch,
+                            rng=resumed.rng if ctx.world_size == 1 else None,
+                            pending_evaluation=resumed.pending_evaluation)
+        log.info("resumed from %s at epoch %d, step %d", resume_path, resumed.epoch, resumed.step)
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
@@ -150,7 +158,9 @@ def training_loop(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Tr
     return TrainingLoop(cfg=cfg, ctx=ctx, output_dir=output_dir, step=setup.step, lr_scheduler=setup.lr_scheduler,
                         train_loader=train_loader, val_loader=val_loader, position=position, timing=timing,
                         reporter=reporter, saver=saver, evaluation=evaluation,
-                        stopping=StopControl(stop, distributed=ctx.distributed, is_main=ctx.is_main))
+                        stopping=StopControl(stop, distributed=ctx.distributed, is_main=ctx.is_main,
+                                             any_process=(lambda flag: any_process(flag, ctx)) if ctx.distributed
+                                             else bool))
 
 
 def running_as(plan) -> str:

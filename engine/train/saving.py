@@ -45,12 +45,15 @@ class CheckpointSaver:
         return self.output_dir / LATEST
 
     def save(self, position: Position, *, epoch_done: bool) -> None:
-        """checkpoint.pth at ``position`` (and the epoch's own file when one is due)."""
+        """checkpoint.pth at ``position`` (and the epoch's own file when one is due), with the evaluation a stop
+        interrupted, if any, for the resume to run first."""
         if self.is_main:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "lr_scheduler": self.lr_scheduler.state_dict(), "grad_scaler": self.scaler.state_dict(),
                      "epoch": position.epoch, "steps_in_epoch": position.steps_in_epoch, "step": position.step,
                      "config": self.config_record, "categories": self.categories, "rng": capture_rng_state()}
+            if position.pending_evaluation is not None:
+                state["pending_evaluation"] = position.pending_evaluation
             if epoch_done and position.epoch % self.checkpoint_every == 0:
                 held = self.writer.save(state, self.output_dir / epoch_checkpoint_name(position.epoch),
                                         also_as=self.latest)

@@ -14,6 +14,8 @@ class Position:
     step: int = 0
     steps_in_epoch: int = 0
     rng: dict | None = None  # generator states to restore after skipping a resumed epoch's done batches
+    # An evaluation a stop signal interrupted, to run before anything else: {"epoch", "epoch_complete"}
+    pending_evaluation: dict | None = None
 
 
 def planned_steps(cfg, steps_per_epoch: int) -> int:

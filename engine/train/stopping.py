@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.runtime.stop_request import StopRequest, TrainingStopped
@@ -19,10 +20,12 @@ log = logging.getLogger("train")
 class StopControl:
     """Whether the run stops after the current step, and the message and exception it stops with."""
 
-    def __init__(self, request: StopRequest, *, distributed: bool, is_main: bool):
+    def __init__(self, request: StopRequest, *, distributed: bool, is_main: bool,
+                 any_process: Callable[[bool], bool] = bool):
         self.request = request
         self.distributed = distributed
         self.is_main = is_main
+        self.any_process = any_process  # whether any process says so (a collective on several)
         self.agreed = False  # every process has learnt of a stop request (at a log interval)
 
     @property
@@ -38,12 +41,21 @@ class StopControl:
         self.request.announce()
         return self.agreed or (self.request.requested and not self.distributed)
 
-    def stopped(self, *, epoch: int, step: int, total_steps: int, latest: Path) -> TrainingStopped:
-        """The exception to raise once ``latest`` holds ``step``; rank 0 logs where to go on from."""
+    def during_evaluation(self) -> bool:
+        """Asked after each evaluation batch: stop now (every process gives the same answer)."""
+        self.request.announce()
+        return self.any_process(self.request.requested)
+
+    def stopped(self, *, epoch: int, step: int, total_steps: int, latest: Path,
+                evaluation: int | None = None) -> TrainingStopped:
+        """The exception to raise once ``latest`` holds ``step`` (``evaluation``: during the evaluation after that
+        epoch, which a resume runs first); rank 0 logs where to go on from."""
         signum = self.request.signum if self.request.signum is not None else int(signal.SIGTERM)
         by = signal.Signals(signum).name if self.request.requested else "another process"
-        message = (f"stopped by {by} at epoch {epoch + 1}, step {step} of {total_steps}: {latest} holds that step; "
-                   f"continue with resume=auto (in this run directory) or resume={latest}")
+        where = (f"during the evaluation after epoch {evaluation}, at step {step} of {total_steps}"
+                 if evaluation is not None else f"at epoch {epoch + 1}, step {step} of {total_steps}")
+        message = (f"stopped by {by} {where}: {latest} holds that step; continue with resume=auto (in this run "
+                   f"directory) or resume={latest}" + (", which evaluates first" if evaluation is not None else ""))
         if self.is_main:
             log.warning(message)
         return TrainingStopped(signum, message)
