@@ -25,9 +25,11 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from engine.config.registry import register_configs  # noqa: E402
+from engine.errors import RunDirectoryInUse  # noqa: E402
 from engine.reporting.log_filter import keep_file_only_off_console  # noqa: E402
-from engine.runtime.console import run_reporting_faults  # noqa: E402
+from engine.runtime.console import FAULT_EXIT_CODE, run_reporting_faults  # noqa: E402
 from engine.runtime.distributed import argv_for_rank, env_rank  # noqa: E402
+from engine.runtime.run_lock import held_before_hydra  # noqa: E402
 from engine.train.eval_only import evaluate_checkpoint  # noqa: E402
 from engine.train.run import train  # noqa: E402
 
@@ -49,4 +51,13 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = argv_for_rank(sys.argv, env_rank())
-    main()
+    try:
+        lock = held_before_hydra(sys.argv) if env_rank() == 0 else None
+    except RunDirectoryInUse as refused:  # before Hydra writes anything into the live run's directory
+        print(refused, file=sys.stderr)
+        sys.exit(FAULT_EXIT_CODE)
+    try:
+        main()
+    finally:
+        if lock is not None:
+            lock.release()

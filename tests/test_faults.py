@@ -355,3 +355,29 @@ def test_a_stop_signal_during_an_evaluation_stops_it_and_the_resume_runs_it(unin
     assert (tmp_path / f"eval_epoch{evaluation:04d}.json").is_file() and resumed["step"] == 2 * STEPS_PER_EPOCH
     assert "pending_evaluation" not in load_checkpoint(tmp_path / "checkpoint.pth")
     assert resumed["eval"] == pytest.approx(uninterrupted["eval"], abs=1e-4)
+
+
+def test_a_run_refused_by_the_lock_leaves_the_live_runs_files_as_they_were(data_root, tmp_path):
+    """The lock is taken before Hydra writes .hydra/ and train.log: the refused command touches nothing there."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    live = {run_dir / ".hydra" / "config.yaml": "seed: 1\n", run_dir / ".hydra" / "overrides.yaml": "- seed=1\n",
+            run_dir / "train.log": "[the live run's log]\n"}
+    for path, text in live.items():
+        path.write_text(text)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (run_dir / LOCK_FILE).write_text(
+            f'{{"pid": {sleeper.pid}, "host": "{os.uname().nodename}", "started": "2026-12-01 10:00:00", '
+            f'"command": "train.py seed=1"}}')
+        before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+        child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "seed=2",
+                                f"output_dir={run_dir}"], cwd=tmp_path, env=child_env(), capture_output=True,
+                               text=True, timeout=120)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    out = child.stdout + child.stderr
+    assert child.returncode == 1 and f"is in use by process {sleeper.pid}" in out and "Traceback" not in out, out
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+    assert all(path.read_text() == text for path, text in live.items())

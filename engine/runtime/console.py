@@ -22,12 +22,14 @@ from pathlib import Path
 from engine.errors import USER_FAULTS
 from engine.reporting.log_filter import FILE_ONLY
 
+from .run_lock import LOCK_FILE
 from .stop_request import TrainingStopped
 
 FAULT_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
-# What Hydra leaves in a run directory before the job writes anything (the log is named after the script).
-HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log"}
+# What a run directory holds before the job writes anything: Hydra's record and log (named after the script),
+# and the run's lock.
+HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log", LOCK_FILE}
 
 
 def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger,

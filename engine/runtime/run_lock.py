@@ -58,6 +58,8 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
+                if self._held_by_this_process():
+                    return  # taken before Hydra started (held_before_hydra), which releases it
                 self._take_over_if_stale()
                 continue
             with os.fdopen(fd, "w") as f:
@@ -65,6 +67,13 @@ class RunLock:
             self.held = True
             return
         raise RunDirectoryInUse(f"{self.path.parent} is being locked and unlocked by another process; try again")
+
+    def _held_by_this_process(self) -> bool:
+        try:
+            owner = json.loads(self.path.read_text())
+            return int(owner["pid"]) == os.getpid() and owner["host"] == socket.gethostname()
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def _take_over_if_stale(self) -> None:
         try:
@@ -94,3 +103,23 @@ class RunLock:
             except FileNotFoundError:
                 pass
             self.held = False
+
+
+# The overrides that name a run directory before Hydra makes it (configs/train.yaml: hydra.run.dir is output_dir).
+RUN_DIRECTORY_KEYS = ("output_dir", "hydra.run.dir")
+
+
+def held_before_hydra(argv: list[str]) -> RunLock | None:
+    """The lock of the run directory the command line names (``output_dir=`` or ``hydra.run.dir=``), taken before
+    Hydra writes its .hydra/ and the log file there: a second run refused by it leaves the live run's files as
+    they were. None when the command line names none (Hydra's dated directory, new for this run)."""
+    directory = None
+    for argument in argv[1:]:
+        key, _, value = argument.lstrip("+~").partition("=")
+        if key in RUN_DIRECTORY_KEYS and value not in ("", "null"):
+            directory = value
+    if directory is None:
+        return None
+    lock = RunLock(Path(directory).expanduser())
+    lock.acquire()
+    return lock
