@@ -4,7 +4,7 @@
 Each item is (image (3, h, w) float32 normalized, info) with info = {"index", "path", "orig_size" (H, W) as
 the picture shows it, "size" (h, w) after resizing, and with ``keep_pixels`` "pixels", the picture as read
 (3, H, W) uint8, so that drawing on it does not read the file again}; an image that cannot be read gives (None,
-info with "error"), so that the reader, not a loader worker, raises it with the file's name.
+info with "error" naming the file), so that the reader, not a loader worker, decides what to do with it.
 """
 
 from __future__ import annotations
@@ -64,10 +64,3 @@ class ImageFolder(Dataset):
             info["pixels"] = image.as_subclass(torch.Tensor)  # the transforms make new tensors: this one stays as read
         image, target = self.transforms(image, target)
         return image, {**info, "orig_size": (int(height), int(width)), "size": tuple(int(s) for s in image.shape[-2:])}
-
-
-def raise_unreadable(infos: list[dict]) -> None:
-    """ImageReadError for the first item of a batch that could not be read."""
-    for info in infos:
-        if "error" in info:
-            raise ImageReadError(f"{info['error']}; remove it from the folder or replace it, then run again")

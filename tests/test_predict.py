@@ -123,8 +123,9 @@ def test_boxes_are_the_models_relative_boxes_scaled_to_the_original_image(checkp
 def test_pictures_show_the_detections(checkpoint, folder, tmp_path):
     predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", f"output_dir={tmp_path}",
                                       "score_threshold=0.1"))
-    drawn = sorted(p.relative_to(tmp_path / "images").as_posix() for p in (tmp_path / "images").rglob("*.jpg"))
-    assert drawn == ["a.jpg", "b.jpg", "sub/c.jpg", "sub/d.jpg"]
+    drawn = sorted(p.relative_to(tmp_path / "images").as_posix() for p in (tmp_path / "images").rglob("*.*"))
+    assert drawn == ["a.jpg", "b.png", "sub/c.jpg", "sub/d.png"]  # each file's own name and format
+    assert Image.open(tmp_path / "images" / "b.png").format == "PNG"
     picture = Image.open(tmp_path / "images" / "a.jpg")
     assert picture.size == (480, 360)  # 120x90 enlarged by the whole factor that brings it past 384 pixels: 4
     original = torch.from_numpy(np.asarray(_photo(0).resize(picture.size), dtype=np.float32))
@@ -162,13 +163,34 @@ def test_annotations_evaluate_the_detections_and_name_the_classes(checkpoint, fo
     assert {c["name"] for c in written.cats.values()} == {"ring", "box", "wedge"}
 
 
-def test_an_unreadable_image_is_named(checkpoint, folder, tmp_path):
+def test_an_unreadable_image_is_skipped_with_one_warning_and_the_good_ones_written(checkpoint, folder, tmp_path,
+                                                                                  caplog):
+    """The unreadable image in the first batch: the good images' detections and pictures are written all the
+    same; an image and another of the same name but another format are two pictures."""
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "good.jpg").write_bytes((folder / "a.jpg").read_bytes())
+    (broken / "good.png").write_bytes((folder / "b.png").read_bytes())
     (broken / "bad.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])  # truncated
-    with pytest.raises(ImageReadError, match=r"bad\.jpg.*remove it from the folder"):
-        predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={broken}", f"output_dir={tmp_path / 'o'}"))
+    with caplog.at_level("WARNING", logger="predict"):
+        out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={broken}", "batch_size=4",
+                                                f"output_dir={tmp_path / 'o'}", "score_threshold=0"))
+    assert out["skipped"] == [str(broken / "bad.jpg")]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("bad.jpg" in w for w in warnings) == 1 and any("1 of 3 images could not be read" in w for w in warnings)
+    written = COCO(str(tmp_path / "o" / "images.json"))
+    assert sorted(i["file_name"] for i in written.imgs.values()) == ["good.jpg", "good.png"]
+    assert {d["image_id"] for d in out["detections"]} == set(written.imgs)
+    assert sorted(p.name for p in (tmp_path / "o" / "images").iterdir()) == ["good.jpg", "good.png"]
+
+
+def test_a_folder_of_unreadable_images_is_an_error_naming_it(checkpoint, folder, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "bad.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])
+    with pytest.raises(ImageReadError, match=r"none of the 1 images of images=.*broken could be read"):
+        predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={broken}",
+                                          f"output_dir={tmp_path / 'o'}"))
 
 
 @pytest.mark.parametrize("setting,message", [

@@ -74,9 +74,11 @@ class Predictions:
         names = [f"{self.categories.get(int(c), f'class {int(c)}')} {s:.2f}" for c, s in zip(labels.tolist(),
                                                                                          scores.tolist())]
         picture = draw_detections(image, ground_truth=torch.zeros(0, 4), boxes=boxes, labels=names)
-        destination = (self.output_dir / PICTURES / self.file_name(path)).with_suffix(".jpg")
+        # The file's own name and format: x.png and x.jpg in one folder are two pictures.
+        destination = self.output_dir / PICTURES / self.file_name(path)
         destination.parent.mkdir(parents=True, exist_ok=True)
-        F.to_pil_image(picture).save(destination, quality=90)
+        jpeg = destination.suffix.lower() in (".jpg", ".jpeg")
+        F.to_pil_image(picture).save(destination, **({"quality": 90} if jpeg else {}))
 
     def write(self) -> tuple[Path, Path]:
         """detections.json and images.json, each written whole or not at all."""

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 from datasets.annotations import clean_annotations, load_annotation_file
 from datasets.coco import coco_index
 from datasets.evaluation import CocoEvaluator
-from datasets.image_folder import ImageFolder, find_images, raise_unreadable
+from datasets.image_files import ImageReadError
+from datasets.image_folder import ImageFolder, find_images
 from datasets.loader import collate_fn
 from datasets.per_class_ap import category_names
 from engine.checkpoint.trained_model import load_trained_model
@@ -69,12 +70,18 @@ def predict(cfg: DictConfig) -> dict:
                               score_threshold=cfg.score_threshold, draw=cfg.draw)
     precision = Precision(amp=cfg.amp, device=device)
     started = last_report = time.perf_counter()
-    done = 0
+    done, skipped = 0, []
     with torch.no_grad():
-        for images, masks, infos in loader:
-            raise_unreadable(infos)
+        for images, masks, infos, unreadable in loader:
+            for info in unreadable:  # one warning each; the others' detections are still written
+                log.warning("skipped %s", info["error"])
+                skipped.append(info["path"])
+            done += len(unreadable)
+            if not infos:
+                continue
             with precision.autocast():
-                outputs = trained.model.detect(images.to(device, non_blocking=True), masks.to(device, non_blocking=True))
+                outputs = trained.model.detect(images.to(device, non_blocking=True),
+                                               masks.to(device, non_blocking=True))
             outputs = {k: outputs[k].float() for k in ("pred_logits", "pred_boxes")}
             sizes = torch.tensor([info["orig_size"] for info in infos], device=device)
             for info, result in zip(infos, postprocess(outputs, sizes)):
@@ -87,11 +94,17 @@ def predict(cfg: DictConfig) -> dict:
                 log.info("%d/%d images [%3.0f%%] %.1f img/s | ETA %s", done, len(paths), 100 * done / len(paths),
                          rate, format_duration((len(paths) - done) / rate))
                 last_report = now
+    if len(skipped) == len(paths):
+        raise ImageReadError(f"none of the {len(paths)} images of images={cfg.images} could be read (each named above)")
+    if skipped:
+        log.warning("%d of %d images could not be read and were skipped (each named above); the detections of the "
+                    "others are written", len(skipped), len(paths))
     detections_json, images_json = predictions.write()
     log.info("%d detections with score >= %g in %s (images: %s)%s", len(predictions.detections), cfg.score_threshold,
              detections_json, images_json, f"; pictures in {output_dir / 'images'}" if cfg.draw else "")
     stats = evaluate_predictions(predictions, gt, output_dir=output_dir, cfg=cfg) if gt is not None else None
-    return {"output_dir": output_dir, "images": len(paths), "detections": predictions.detections, "eval": stats}
+    return {"output_dir": output_dir, "images": len(paths), "detections": predictions.detections, "eval": stats,
+            "skipped": skipped}
 
 
 def read_ground_truth(annotations: str) -> COCO:
@@ -143,9 +156,11 @@ def evaluate_predictions(predictions: Predictions, gt: COCO, *, output_dir: Path
 
 
 def _collate(batch: list):
-    """Images padded into one batch, with their infos; (None, None, infos) when one could not be read."""
-    infos = [info for _, info in batch]
-    if any("error" in info for info in infos):
-        return None, None, infos
-    images, masks, _ = collate_fn(batch, pad_to_multiple=PAD_TO_MULTIPLE)
-    return images, masks, infos
+    """(images padded into one batch, masks, their infos, the infos of the items that could not be read); images
+    and masks None when none could."""
+    good = [item for item in batch if "error" not in item[1]]
+    unreadable = [info for _, info in batch if "error" in info]
+    if not good:
+        return None, None, [], unreadable
+    images, masks, _ = collate_fn(good, pad_to_multiple=PAD_TO_MULTIPLE)
+    return images, masks, [info for _, info in good], unreadable
