@@ -41,6 +41,11 @@ def downsample_mask(mask: torch.Tensor, size) -> torch.Tensor:
     return F.interpolate(mask[:, None].float(), size=size).to(torch.bool)[:, 0]
 
 
+class PretrainedWeightsUnavailable(OSError):
+    """The ImageNet weights model.pretrained asks for could not be read or fetched; the message says from where and
+    how to run offline."""
+
+
 def _imagenet_state_dict(name: str) -> dict:
     """torchvision's IMAGENET1K_V1 weights (those the official models started from), from the hub cache.
 
@@ -51,8 +56,8 @@ def _imagenet_state_dict(name: str) -> dict:
     try:
         return weights.get_state_dict(progress=False, check_hash=True)
     except Exception as err:  # URLError, socket errors, hash mismatch: all mean "no usable file"
-        raise RuntimeError(
-            f"pretrained=imagenet needs torchvision's {IMAGENET_WEIGHTS[name]}.IMAGENET1K_V1 weights, which are "
+        raise PretrainedWeightsUnavailable(
+            f"model.pretrained=imagenet needs torchvision's {IMAGENET_WEIGHTS[name]}.IMAGENET1K_V1 weights, which are "
             f"not in the torch hub cache and could not be downloaded ({type(err).__name__}: {err}). Download "
             f"{weights.url} on a machine with network and put it at {cached} (TORCH_HOME moves the cache), "
             f"or set model.pretrained=none (random init) or model.pretrained=/path/to/resnet.pth") from err

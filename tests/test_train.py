@@ -299,3 +299,36 @@ def test_a_checkpoint_written_before_the_engine_packages_resumes_and_evaluates(d
     evaluated = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "evaluated", "eval_only=true",
                                                         f"checkpoint={checkpoint}"))
     assert set(evaluated["eval"]) == {"AP", "AP50", "AP75", "APs", "APm", "APl"}
+
+
+def test_a_resume_never_fetches_the_backbone_weights_its_checkpoint_replaces(tiny_run, data_root, tmp_path,
+                                                                             monkeypatch):
+    import models.backbone
+
+    monkeypatch.setattr(models.backbone, "_imagenet_state_dict",
+                        lambda name: pytest.fail("fetched ImageNet weights for a resumed model"))
+    epoch_one = tiny_run["output_dir"] / "checkpoint_epoch0001.pth"
+    resumed = trainer.train(compose_run(data_root, tmp_path, f"resume={epoch_one}", "model.pretrained=imagenet"))
+    assert resumed["step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_imagenet_weights_that_cannot_be_fetched_are_one_message_saying_how_to_go_offline(monkeypatch):
+    import urllib.error
+
+    import torchvision
+
+    from models.backbone import PretrainedWeightsUnavailable, build_backbone
+    from models.position_encoding import PositionEmbeddingSine
+
+    weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+
+    def offline(self, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(type(weights), "get_state_dict", offline)
+    with pytest.raises(PretrainedWeightsUnavailable,
+                       match=r"model\.pretrained=imagenet needs torchvision's .*could not be downloaded \(URLError.*"
+                             r"Download https://.* and put it at .*or set model\.pretrained=none") as error:
+        build_backbone(backbone="resnet18", train_backbone=True, num_feature_levels=1, dilation=False,
+                       pretrained="imagenet", position_encoding=PositionEmbeddingSine(num_pos_feats=16))
+    assert isinstance(error.value, OSError)  # a user fault: one message on the console

@@ -142,6 +142,8 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
             except OmegaConfBaseException as error:
                 raise CheckpointError(f"checkpoint {path} records model.{key}={value!r}, which this version does not "
                                       f"accept ({str(error).splitlines()[0]})") from error
+    # The checkpoint's weights replace the backbone's: nothing to fetch (offline, a download would only fail).
+    effective.model.pretrained = "none"
     if report:
         lines = []
         for key, old, new in setting_differences(recorded, plain_config(cfg)):
