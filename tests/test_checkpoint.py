@@ -164,3 +164,17 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
 def test_official_checkpoint_cannot_be_resumed():
     with pytest.raises(CheckpointError, match=r"official\.pth cannot be resumed: it has no optimizer.*eval_only"):
         check_training_state({"model": {}, "args": argparse.Namespace(), "epoch": 49}, path="official.pth")
+
+
+def test_a_run_directory_names_its_checkpoint_and_a_missing_one_says_which(tmp_path, state):
+    run = tmp_path / "run"
+    save_checkpoint(state, run / "checkpoint.pth")
+    assert load_checkpoint(run)["step"] == 7  # checkpoint=<run directory>, as resume= takes it
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(CheckpointError, match=r"checkpoint .*empty_run is a directory without a checkpoint\.pth"):
+        load_checkpoint(tmp_path / "empty_run")
+    with pytest.raises(CheckpointError, match=r"checkpoint .*nowhere/c\.pth does not exist, nor does its folder "
+                                              r".*nowhere \(expected"):
+        load_checkpoint(tmp_path / "nowhere" / "c.pth")
+    with pytest.raises(CheckpointError, match=r"checkpoint .*run/other\.pth does not exist \(expected"):
+        load_checkpoint(run / "other.pth")

@@ -342,3 +342,10 @@ def test_default_output_names_tell_variants_apart():
     assert default_output(checkpoint=base, format="aoti", dtype="bf16") == Path("runs/a/checkpoint_epoch0024.bf16.pt2")
     assert default_output(checkpoint=base, format="onnx", dtype="fp16", msda_node="tensorrt", postprocess=True,
                           dynamic=False) == Path("runs/a/checkpoint_epoch0024.fp16.tensorrt.postprocess.static.onnx")
+
+
+def test_a_run_directory_given_as_the_checkpoint_exports_beside_its_checkpoint(checkpoint):
+    from engine.config.export_schema import default_output, export_directory
+
+    assert default_output(checkpoint=checkpoint.parent, format="onnx") == checkpoint.with_suffix(".onnx")
+    assert export_directory(None, str(checkpoint.parent)) == str(checkpoint.parent.resolve())

@@ -220,3 +220,9 @@ def test_the_command_line_prints_one_message_for_a_fault_and_writes_a_log(checkp
     assert good.returncode == 0, good.stderr
     assert "4/4 images [100%]" in (tmp_path / "good" / "predict.log").read_text()
     assert (tmp_path / "good" / "detections.json").exists()
+
+
+def test_checkpoint_may_be_a_run_directory(checkpoint, folder, tmp_path):
+    out = predictor.predict(compose_predict(f"checkpoint={checkpoint.parent}", f"images={folder / 'a.jpg'}",
+                                            f"output_dir={tmp_path}", "draw=false"))
+    assert out["images"] == 1 and (tmp_path / "detections.json").is_file()

@@ -332,3 +332,9 @@ def test_imagenet_weights_that_cannot_be_fetched_are_one_message_saying_how_to_g
         build_backbone(backbone="resnet18", train_backbone=True, num_feature_levels=1, dilation=False,
                        pretrained="imagenet", position_encoding=PositionEmbeddingSine(num_pos_feats=16))
     assert isinstance(error.value, OSError)  # a user fault: one message on the console
+
+
+def test_eval_only_takes_a_run_directory_for_its_checkpoint(tiny_run, data_root, tmp_path):
+    result = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path, "eval_only=true",
+                                                     f"checkpoint={tiny_run['output_dir']}"))
+    assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-4)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.config.run_files import named_checkpoint
 from engine.config.train_schema import HOW_TO_RUN, role_of
 from engine.errors import CheckpointError
 
@@ -112,7 +113,7 @@ def read_recorded_config(path: str | os.PathLike) -> dict | None:
     """
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            obj = torch.load(named_checkpoint(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # any unreadable file is simply not a candidate; its name is logged by the caller
         return None
     config = obj.get("config") if isinstance(obj, dict) else None

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from engine.config.run_files import LATEST, named_checkpoint
 from engine.errors import CheckpointError, CheckpointWriteError
 
 log = logging.getLogger(__name__)
 
-LATEST = "checkpoint.pth"
 
 
 def epoch_checkpoint_name(epoch: int) -> str:
@@ -167,11 +167,15 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     Loads with ``weights_only=True`` (no arbitrary code from a downloaded file); argparse.Namespace is
     allowed because the official checkpoints record their arguments in one.
     """
-    path = Path(path)
+    given, path = Path(path), named_checkpoint(path)
     expected = ("a torch.save file holding a dict with a 'model' state_dict "
-                "(a checkpoint of this trainer or an official Deformable DETR checkpoint)")
+                "(a checkpoint of this trainer or an official Deformable DETR checkpoint), or a run directory "
+                f"holding its {LATEST}")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist (expected {expected})")
+        if path != given:
+            raise CheckpointError(f"checkpoint {given} is a directory without a {LATEST} (expected {expected})")
+        folder = "" if path.parent.is_dir() else f", nor does its folder {path.parent}"
+        raise CheckpointError(f"checkpoint {path} does not exist{folder} (expected {expected})")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)

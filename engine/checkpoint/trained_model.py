@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from datasets.coco_categories import COCO_CATEGORY_NAMES
 from datasets.transforms import COCO_MAX_SIZE, COCO_VAL_SIZE
+from engine.config.run_files import named_checkpoint
 from models import build_model
 
 from .contents import load_model_weights, model_config_for_checkpoint
@@ -59,7 +60,7 @@ def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.devic
     ``msda``: the attention implementation to run (auto | triton | pytorch), else the config's.
     ``categories``: names to use instead of the checkpoint's (e.g. from an annotation file).
     """
-    path = Path(checkpoint)
+    path = named_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
     plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
     model_config = model_config_for_checkpoint(plain, ckpt, path=path)

@@ -24,6 +24,7 @@ from omegaconf import MISSING
 from models.model_config import ModelConfig
 
 from .choices import DEVICE
+from .run_files import named_checkpoint
 
 ExportFormat = StrEnum("ExportFormat", {name: name for name in ("onnx", "aoti")})
 ExportDtype = StrEnum("ExportDtype", {name: name for name in ("fp32", "fp16", "bf16")})
@@ -115,7 +116,7 @@ def default_output(*, checkpoint: str | Path, format: str, dtype: str = "fp32", 
     """Where an export goes when ``output`` is null: beside the checkpoint, named after it, with a tag for each
     setting that differs from the default, so that variants do not overwrite each other
     (outputs/run/checkpoint.onnx, outputs/run/checkpoint.fp16.tensorrt.onnx, outputs/run/checkpoint.pt2)."""
-    path = Path(checkpoint)
+    path = named_checkpoint(checkpoint)
     tags = [tag for tag, differs in ((str(dtype), str(dtype) != "fp32"),
                                      (str(msda_node), msda_node is not None and str(msda_node) != "reference"),
                                      ("postprocess", postprocess), ("static", not dynamic)) if differs]
@@ -134,7 +135,7 @@ def export_directory(output: str | None, checkpoint: str) -> str:
     """configs/export.yaml's hydra.run.dir, where export.log goes: the exported file's folder (the checkpoint's by
     default), or, when the checkpoint's folder does not exist (the command will say so), the temporary folder,
     so that a mistyped path leaves no folder behind."""
-    folder = Path(output or checkpoint).expanduser().resolve().parent
+    folder = (Path(output).expanduser() if output else named_checkpoint(checkpoint)).resolve().parent
     if output or folder.is_dir():
         return str(folder)
     return str(Path(tempfile.gettempdir()) / "deformable_detr_export")

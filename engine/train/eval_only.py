@@ -12,6 +12,7 @@ from engine.checkpoint.contents import load_model_weights, model_config_for_chec
 from engine.checkpoint.io import load_checkpoint
 from engine.checkpoint.num_classes import resolve_num_classes
 from engine.config.registry import check_config
+from engine.config.run_files import named_checkpoint
 from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.tensorboard import ScalarWriter
@@ -53,9 +54,10 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
 
 def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     prepare_compilation(cfg)
-    ckpt = load_checkpoint(cfg.checkpoint)
+    checkpoint = named_checkpoint(cfg.checkpoint)  # a run directory names its checkpoint.pth
+    ckpt = load_checkpoint(checkpoint)
     model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
-                                            path=cfg.checkpoint)
+                                            path=checkpoint)
     val_set = build_datasets(cfg, ctx, ("val",))["val"]
     # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
     model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
@@ -68,7 +70,7 @@ def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     plan = run_model.compile_plan
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, plan, training=False)
-    load_model_weights(run_model.model, ckpt, path=cfg.checkpoint)
+    load_model_weights(run_model.model, ckpt, path=checkpoint)
     validation = Validation(model=run_model.model, postprocess=run_model.postprocess, loader=loader,
                             coco_gt=val_set.coco, precision=Precision(amp=cfg.amp, device=ctx.device),
                             ranks=Ranks(ctx), compiled=plan is not None and plan.evaluation,
@@ -77,8 +79,8 @@ def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)
     try:
         evaluation = validation.run(writer=writer, json_path=output_dir / "eval.json",
-                                    step=int(ckpt.get("step", 0) or 0), what=f"of {cfg.checkpoint}",
-                                    checkpoint=str(Path(cfg.checkpoint).resolve()))
+                                    step=int(ckpt.get("step", 0) or 0), what=f"of {checkpoint}",
+                                    checkpoint=str(checkpoint.resolve()))
     finally:
         writer.close()
     return {"output_dir": output_dir, "eval": evaluation.stats}

@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.checkpoint.contents import load_model_weights, read_recorded_config
 from engine.checkpoint.io import LATEST
 from engine.config.registry import plain_config
+from engine.config.run_files import named_checkpoint
 from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
 from engine.errors import CheckpointError
 from models.model_config import MODEL_KEYS
@@ -94,9 +95,7 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
     if not resume:
         return None
     if resume != "auto":
-        path = Path(resume)
-        if path.is_dir():
-            path = path / LATEST
+        path = named_checkpoint(resume)
         if not path.is_file():
             raise CheckpointError(f"resume={resume}: no checkpoint file at {path}")
         return path
