@@ -150,3 +150,28 @@ def test_add_image_refuses_a_non_image(tmp_path):
     with pytest.raises(ValueError, match=r"add_image\('x'\): expected a \(3, H, W\) uint8 image, got \(4, 4\)"):
         writer.add_image("x", torch.zeros(4, 4, dtype=torch.uint8), 0)
     writer.close()
+
+
+def test_class_names_are_drawn_in_a_font_that_has_their_glyphs_or_as_the_category_id():
+    """PIL's default font (what torchvision draws with) has no glyph for "â" or "猫": such a name becomes its
+    category id, never a row of boxes. The font found on the system draws at least what the default draws."""
+    from PIL import ImageFont
+
+    from engine.evaluation.label_font import LabelFont, label_font
+
+    default = LabelFont(path=None, font=ImageFont.load_default())
+    assert default.label("chateau", 3) == "chateau" and default.label("dog house", 4) == "dog house"
+    assert default.label("château", 3) == "3" and default.label("猫", 17) == "17"
+    found = label_font()
+    assert found.label("chateau", 3) == "chateau"
+    for name, category_id in (("château", 3), ("猫", 17)):
+        assert found.label(name, category_id) in (name, str(category_id))
+        assert (found.label(name, category_id) == name) == found.draws(name)
+    if found.path and any(family in found.path for family in ("DejaVu", "Noto")):
+        assert found.label("château", 3) == "château"  # fonts with Latin-1 and more
+
+
+def test_without_a_font_on_the_system_the_default_is_used():
+    from engine.evaluation.label_font import label_font
+
+    assert label_font(font_dirs=("/nonexistent/fonts",)).path is None

@@ -16,6 +16,8 @@ from torchvision.utils import draw_bounding_boxes
 
 from datasets.per_class_ap import category_names
 
+from .label_font import SIZE, label_font
+
 GROUND_TRUTH_COLOUR = (0, 230, 0)
 DETECTION_COLOUR = (255, 90, 0)
 # Pictures are scaled so their long side lies in [MIN_SIDE, MAX_SIDE]: small images (the synthetic set) get
@@ -53,8 +55,9 @@ def draw_detections(image: torch.Tensor, *, ground_truth: torch.Tensor, boxes: t
     if len(ground_truth):
         image = draw_bounding_boxes(image, ground_truth, colors=GROUND_TRUTH_COLOUR, width=2)
     if len(boxes):
+        font = label_font()
         image = draw_bounding_boxes(image, boxes, labels=labels, colors=DETECTION_COLOUR, width=2,
-                                    fill_labels=True)
+                                    fill_labels=True, font=font.path, font_size=SIZE if font.path else None)
     return image
 
 
@@ -95,10 +98,12 @@ class DetectionImages:
             image, scale = self._picture(image_id)
             anns = [a for a in self.dataset.coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
             kept = [d for d in detections.get(image_id, []) if d["score"] >= self.min_score]
+            font = label_font()
+            labels = [f"{font.label(self.names.get(d['category_id'], str(d['category_id'])), d['category_id'])} "
+                      f"{d['score']:.2f}" for d in kept]
             pictures[image_id] = draw_detections(
                 image, ground_truth=_xyxy([a["bbox"] for a in anns], scale),
-                boxes=_xyxy([d["bbox"] for d in kept], scale),
-                labels=[f"{self.names.get(d['category_id'], d['category_id'])} {d['score']:.2f}" for d in kept])
+                boxes=_xyxy([d["bbox"] for d in kept], scale), labels=labels)
         return pictures
 
     def write(self, writer, detections: dict[int, list[dict]], step: int) -> None:

@@ -22,6 +22,7 @@ from torchvision.transforms.v2 import functional as F
 from datasets.evaluation import coco_results
 from datasets.json_file import write_json
 from engine.evaluation.detection_images import display_scale, draw_detections
+from engine.evaluation.label_font import label_font
 
 PICTURES = "images"
 
@@ -71,8 +72,9 @@ class Predictions:
         if scale > 1:
             image = F.resize(image, [round(height * scale), round(width * scale)], antialias=True)
             boxes = boxes * scale
-        names = [f"{self.categories.get(int(c), f'class {int(c)}')} {s:.2f}" for c, s in zip(labels.tolist(),
-                                                                                         scores.tolist())]
+        font = label_font()
+        names = [f"{font.label(self.categories.get(c, f'class {c}'), c)} {s:.2f}"
+                 for c, s in zip(labels.tolist(), scores.tolist())]
         picture = draw_detections(image, ground_truth=torch.zeros(0, 4), boxes=boxes, labels=names)
         # The file's own name and format: x.png and x.jpg in one folder are two pictures.
         destination = self.output_dir / PICTURES / self.file_name(path)
