@@ -62,12 +62,13 @@ def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, 
         return SizeBuckets(train=(), val=val_families(val_outputs, c.pad_to_multiple), families=(),
                            multiple=c.pad_to_multiple)
     train_sizes = image_sizes(train_set)
-    # A capped long side can come out longer than max_size by up to half the image's aspect ratio (the
-    # original's rounding of the short side): the families leave that much room.
+    # A capped long side can come out longer than max_size by the whole pixels in half the image's aspect ratio
+    # (the original's rounding of the short side, datasets/transforms.py): none below an aspect of 2, so that the
+    # families, and the buckets, stay within max_size for most sets.
     aspects = [max(h, w) / min(h, w) for h, w in train_sizes]
     if c.crop:
         aspects.append(c.crop_max_size / c.crop_min_size)  # the most elongated crop window
-    longest_long = c.max_size + math.ceil(max(aspects) / 2) + 1
+    longest_long = c.max_size + math.floor(max(aspects) / 2)
     return plan_size_buckets(
         train_sizes=train_sizes, plan_train=lambda size, rng: train_set.transforms.plan(size, rng)[1],
         train_limits=(max(c.train_scales), longest_long), train_can_turn=c.crop, val_outputs=val_outputs,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +224,35 @@ def test_the_stream_prefetches_across_an_epochs_end(synthetic):
         type(loader.batch_sampler).__iter__ = iter_of
     assert len(starts) == at_start and len(batches) == 3 * loader.batch_sampler.steps_per_epoch
     del stream
+
+
+def test_buckets_stay_within_max_size_when_no_image_can_come_out_longer(tmp_path):
+    """96 x 96 images at max_size=128: no augmented size exceeds 128 (a capped long side comes out longer only for
+    aspect ratios of 2 and more), so no bucket may either (it was 96 x 160)."""
+    import json
+
+    import numpy as np
+    from hydra import compose, initialize_config_dir
+    from PIL import Image
+
+    for split, count in (("train", 24), ("val", 4)):
+        (tmp_path / split).mkdir()
+        images = [{"id": i + 1, "file_name": f"{i}.jpg", "width": 96, "height": 96} for i in range(count)]
+        for image in images:
+            Image.fromarray(np.full((96, 96, 3), 128, np.uint8)).save(tmp_path / split / image["file_name"])
+        annotations = [{"id": i["id"], "image_id": i["id"], "category_id": 1, "bbox": [10, 10, 30, 30], "area": 900,
+                        "iscrowd": 0} for i in images]
+        (tmp_path / f"{split}.json").write_text(json.dumps({"images": images, "annotations": annotations,
+                                                            "categories": [{"id": 1, "name": "thing"}]}))
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "dataset=custom", *(f"dataset.{s}_images={tmp_path / s}" for s in ("train", "val")),
+            *(f"dataset.{s}_annotations={tmp_path / s}.json" for s in ("train", "val")),
+            "dataset.max_size=128", "dataset.val_size=96", "dataset.train_scales=[64,96]"])
+    train, val = (build_dataset(split, cfg.dataset, check=False) for split in ("train", "val"))
+    buckets = build_size_buckets(train, val, cfg.dataset, batch_size=2, seed=0)
+    assert max(side for size in (*buckets.train, *buckets.val) for side in size) <= 128, buckets.describe()
+    rng = random.Random(1)
+    for _ in range(200):  # every augmented size still has its bucket
+        assert smallest_holding(train.transforms.plan((96, 96), rng)[1], buckets.train) is not None
