@@ -32,8 +32,9 @@ def load_annotation_file(path: str | Path) -> dict:
     try:
         data = json.loads(path.read_bytes())
     except json.JSONDecodeError as error:
-        raise AnnotationFileError(f"annotation file {path} is not valid JSON: {error.msg} at line {error.lineno}, "
-                                  f"column {error.colno}") from error
+        # Some of json's messages end in "at" ("Invalid control character at"): the position follows once.
+        raise AnnotationFileError(f"annotation file {path} is not valid JSON: {error.msg.removesuffix(' at')} at "
+                                  f"line {error.lineno}, column {error.colno}") from error
     except UnicodeDecodeError as error:
         raise AnnotationFileError(f"annotation file {path} is not UTF-8 JSON text ({error.reason} at byte "
                                   f"{error.start})") from error

@@ -349,3 +349,16 @@ def test_a_run_directory_given_as_the_checkpoint_exports_beside_its_checkpoint(c
 
     assert default_output(checkpoint=checkpoint.parent, format="onnx") == checkpoint.with_suffix(".onnx")
     assert export_directory(None, str(checkpoint.parent)) == str(checkpoint.parent.resolve())
+
+
+def test_a_model_trained_on_images_too_small_to_export_at_exports_at_the_least_size_that_works(tmp_path):
+    """Four feature levels need 96-pixel sides; the checkpoint's run evaluated at 64: export picks 96 itself."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    small = write_checkpoint(tmp_path / "checkpoint.pth", extra=("model.num_feature_levels=4", "dataset.val_size=64",
+                                                                 "dataset.max_size=64"))
+    result = exporter.export(compose_export(f"checkpoint={small}", "dynamic=false", "batch_size=1"))
+    dims = [d.dim_value for d in onnx.load(str(result["output"])).graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, 96, 96] and result["parity"]

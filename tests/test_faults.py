@@ -66,7 +66,7 @@ def signal_at_call(monkeypatch, signum: int, call: int) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_stopped(
-        uninterrupted, data_root, tmp_path, monkeypatch, signum):
+        uninterrupted, data_root, tmp_path, monkeypatch, signum, caplog):
     stop_at = STEPS_PER_EPOCH + 2  # inside the second epoch
     signal_at_call(monkeypatch, signum, stop_at)
     with pytest.raises(TrainingStopped, match=rf"stopped by {signal.Signals(signum).name} at epoch 2, step {stop_at}"
@@ -76,7 +76,10 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
     ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
     assert (ckpt["epoch"], ckpt["steps_in_epoch"], ckpt["step"]) == (1, 2, stop_at)
     monkeypatch.undo()
-    resumed = trainer.train(compose_run(data_root, tmp_path, "resume=auto"))
+    with caplog.at_level(logging.INFO, logger="train"):
+        resumed = trainer.train(compose_run(data_root, tmp_path, "resume=auto"))
+    # Epochs counted as the progress line and the stop message count them: this is epoch 2 of 2.
+    assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps done" in caplog.text
     assert resumed["step"] == 2 * STEPS_PER_EPOCH
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][stop_at:], rel=1e-5)
     final = load_checkpoint(tmp_path / "checkpoint.pth")["model"]

@@ -151,6 +151,7 @@ def test_a_training_set_without_annotations_is_an_error(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ('{"images": [], "annotations": [', r"val\.json is not valid JSON: Expecting value at line 1, column 32"),
+    ('{"images": "a\tb"}', r"val\.json is not valid JSON: Invalid control character at line 1, column 14$"),
     ("[1, 2]", r"val\.json holds a JSON list; expected a COCO-format object"),
     ('{"annotations": []}', r"val\.json: 'images' must be a list, found no such key"),
     ('{"images": [{"id": 1}], "annotations": []}', r"val\.json: images\[0\] has no 'file_name'"),
@@ -201,6 +202,12 @@ def test_a_category_id_beyond_num_classes_names_file_id_and_fix(tmp_path):
                                          r"model\.num_classes=13"):
         resolve_num_classes(7, data)
     assert resolve_num_classes(None, data) == 13
+    # A resumed model keeps its classes: the fix is a new run from its checkpoint, not a setting it ignores.
+    with pytest.raises(ValueError, match=r"but the model resumed from run/checkpoint\.pth \(7 classes\) covers ids "
+                                         r"0\.\.6 only: a resumed model keeps its classes: fix the data, or start a "
+                                         r"new run from that checkpoint with model\.init_from=run/checkpoint\.pth "
+                                         r"model\.num_classes=13 \(resume=null\)"):
+        resolve_num_classes(7, data, resumed_from="run/checkpoint.pth")
 
 
 def test_validation_category_ids_are_checked_too(tmp_path):

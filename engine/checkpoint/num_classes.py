@@ -28,13 +28,18 @@ def classes_in_weights(state: dict) -> int | None:
 
 
 def resolve_num_classes(num_classes: int | None, datasets: dict[str, CocoDetection], *,
-                        checkpoint_state: dict | None = None) -> int:
+                        checkpoint_state: dict | None = None, resumed_from: str | None = None) -> int:
     """``num_classes``, or when None: the class head of ``checkpoint_state`` (evaluation), else the largest
     category id of the training annotation file plus one (logged). Then every split's category ids are
-    checked against it: ValueError naming the file, the id, an annotation that has it and the fix.
+    checked against it: ValueError naming the file, the id, an annotation that has it and the fix, which for
+    a run resumed from the checkpoint ``resumed_from`` (whose model keeps its classes) is a new run from it.
     """
     source, fix = (f"model.num_classes={num_classes}", "set model.num_classes={needed} or more "
                    "(model.num_classes=null takes it from the training annotations)")
+    if resumed_from is not None and num_classes is not None:
+        source = f"the model resumed from {resumed_from} ({num_classes} classes)"
+        fix = (f"a resumed model keeps its classes: fix the data, or start a new run from that checkpoint with "
+               f"model.init_from={resumed_from} model.num_classes={{needed}} (resume=null)")
     if num_classes is None and checkpoint_state:
         num_classes = classes_in_weights(checkpoint_state)
         source, fix = (f"the checkpoint's class head ({num_classes} classes)", "this checkpoint was trained for "

@@ -50,7 +50,8 @@ def export(cfg: DictConfig) -> dict:
     dtype = DTYPES[str(cfg.dtype)]
     detector = ExportableDetector(trained.model.to(dtype),
                                   PostProcess(num_select=cfg.max_detections) if cfg.postprocess else None)
-    height, width = cfg.image_size or evaluation_size(trained.val_size, trained.max_size)
+    height, width = cfg.image_size or evaluation_size(trained.val_size, trained.max_size,
+                                                      least=SIDE_MULTIPLE * smallest_multiple(trained.model))
     shape = SampleShape(batch=cfg.batch_size, height=height, width=width)
     folder = recorded_validation_folder(read_recorded_config(cfg.checkpoint))
     sample = sample_batch(shape, folder=folder)
@@ -109,11 +110,12 @@ def attention_node(cfg: DictConfig, device: torch.device) -> MsdaNode:
     return node
 
 
-def evaluation_size(val_size: int, max_size: int) -> tuple[int, int]:
+def evaluation_size(val_size: int, max_size: int, *, least: int = SIDE_MULTIPLE) -> tuple[int, int]:
     """The sample's (height, width) by default: the checkpoint's evaluation short and long sides, each rounded up
-    to a multiple of 32 (the largest image its evaluation batches held, landscape)."""
+    to a multiple of 32 (the largest image its evaluation batches held, landscape), and at least ``least`` (the
+    side the model's smallest feature level needs: a model trained on 64-pixel images exports at 96)."""
     def up(side: int) -> int:
-        return -(-side // SIDE_MULTIPLE) * SIDE_MULTIPLE
+        return max(least, -(-side // SIDE_MULTIPLE) * SIDE_MULTIPLE)
 
     return up(val_size), up(max_size)
 

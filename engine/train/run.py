@@ -86,7 +86,8 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
         check_training_state(ckpt, path=resume_path)
         cfg = config_for_resume(cfg, ckpt, path=resume_path, report=ctx.is_main)
     # Classes from the data when model.num_classes is null; category ids checked against them.
-    cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data)
+    cfg.model.num_classes = resolve_num_classes(cfg.model.num_classes, data,
+                                                resumed_from=str(resume_path) if resume_path is not None else None)
 
     buckets = size_buckets(cfg, ctx, data["train"], data["val"], batch_size=batch.per_process)
     train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets, batch_size=batch.per_process)
@@ -113,7 +114,9 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
         position = Position(epoch=resumed.epoch, step=resumed.step, steps_in_epoch=resumed.steps_in_epoch,
                             rng=resumed.rng if ctx.world_size == 1 else None,
                             pending_evaluation=resumed.pending_evaluation)
-        log.info("resumed from %s at epoch %d, step %d", resume_path, resumed.epoch, resumed.step)
+        # Epochs counted from 1, as the progress line counts them: the one in progress, or the next.
+        log.info("resumed from %s at step %d: epoch %d/%d, %d of its %d steps done", resume_path, resumed.step,
+                 resumed.epoch + 1, cfg.epochs, resumed.steps_in_epoch, steps_per_epoch)
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
