@@ -100,6 +100,23 @@ def _graphed_pair(variant, *, amp="none"):
     return eager, graphed
 
 
+def assert_same_step(eager, graphed, batch, targets, *, gradients: bool, what: str) -> None:
+    """One step of each gives the same values (and gradients); then the graphed model takes eager's weights, in
+    place (the graphs read the parameters where they are), so that the next comparison does not depend on how
+    the two optimizers' steps diverge."""
+    expected, got = eager(*batch, targets), graphed(*batch, targets)
+    torch.testing.assert_close(got, expected, rtol=5e-3, atol=1e-4, msg=lambda m: f"{what}: {m}")
+    if gradients:
+        for (name, e), g in zip(eager.model.named_parameters(), graphed.model.parameters()):
+            assert (e.grad is None) == (g.grad is None), name
+            if e.grad is not None:
+                error = float((g.grad - e.grad).norm())
+                assert error <= 1e-2 * float(e.grad.norm()) + 1e-8, f"{what}, {name}: |difference| {error}"
+    with torch.no_grad():
+        for e, g in zip(eager.model.parameters(), graphed.model.parameters()):
+            g.copy_(e)
+
+
 @needs_gpu
 @pytest.mark.parametrize("variant", ["base", "box_refine", "two_stage"])
 def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_steps(variant):
@@ -114,18 +131,8 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
     for H, W in SIZES:
         batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
         targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
-        expected, got = eager(*batch, targets), graphed(*batch, targets)
         # [loss, gradient norm, each loss]; two-stage's top-k of the encoder's proposals may flip on a near tie
-        torch.testing.assert_close(got, expected, rtol=5e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
-        if variant != "two_stage":
-            for (name, e), g in zip(eager.model.named_parameters(), graphed.model.parameters()):
-                assert (e.grad is None) == (g.grad is None), name
-                if e.grad is not None:
-                    error = float((g.grad - e.grad).norm())
-                    assert error <= 1e-2 * float(e.grad.norm()) + 1e-8, f"size {H}x{W}, {name}: |difference| {error}"
-        with torch.no_grad():
-            for e, g in zip(eager.model.parameters(), graphed.model.parameters()):
-                g.copy_(e)
+        assert_same_step(eager, graphed, batch, targets, gradients=variant != "two_stage", what=f"size {H}x{W}")
     # One recording per size; the decoder's losses one per padded number of targets (4 here: 8 slots), and the
     # two-stage proposals' one per size too (one proposal per encoder token).
     sizes = len(set(SIZES))
@@ -151,15 +158,7 @@ def test_accumulated_passes_replayed_as_cuda_graphs_add_up_their_gradients_witho
         for H, W in SIZES[:3]:
             batch = [t.cuda() for t in _batch(B=4, H=H, W=W, pad_w=8)]
             targets = [{k: v.cuda() for k, v in t.items()} for t in _targets(B=4)]
-            expected, got = eager(*batch, targets), graphed(*batch, targets)
-            torch.testing.assert_close(got, expected, rtol=5e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
-            for (name, e), g in zip(eager.model.named_parameters(), graphed.model.parameters()):
-                if e.grad is not None:
-                    error = float((g.grad - e.grad).norm())
-                    assert error <= 1e-2 * float(e.grad.norm()) + 1e-8, f"size {H}x{W}, {name}: |difference| {error}"
-            with torch.no_grad():
-                for e, g in zip(eager.model.parameters(), graphed.model.parameters()):
-                    g.copy_(e)
+            assert_same_step(eager, graphed, batch, targets, gradients=True, what=f"size {H}x{W}")
     assert not [w for w in caught if "AccumulateGrad" in str(w.message)]
 
 

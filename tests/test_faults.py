@@ -195,14 +195,16 @@ def test_no_loader_worker_holds_a_checkpoint_file_open(data_root, tmp_path, monk
     assert held == [[], []]
 
 
-def child_pids() -> list[int]:
+def child_pids(parent: int | None = None) -> list[int]:
+    """The processes whose parent is ``parent`` (default: this one): a run's loader workers."""
+    parent = os.getpid() if parent is None else parent
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid():  # the parent's pid, after the name and the state
+        if int(fields[1]) == parent:  # the parent's pid, after the name and the state
             children.append(int(stat.parent.name))
     assert children, "the run's loader workers were not found"
     return children

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from child_process import child_env
-from test_faults import compose_run
+from test_faults import child_pids, compose_run
 from test_train import tiny_overrides
 
 from datasets import build_dataset
@@ -92,24 +92,12 @@ class Run:
         return code, "".join(self.console), time.monotonic() - (errored or time.monotonic())
 
     def kill_all(self) -> None:
-        for pid in [*children(self.process.pid), self.process.pid]:
+        for pid in [*child_pids(self.process.pid), self.process.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.process.wait()
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def assert_one_clean_exit(run_dir: Path, code, console: str, seconds: float, *, says: str) -> None:
@@ -140,7 +128,7 @@ def test_a_killed_loader_worker(data_root, tmp_path):
     run_dir = tmp_path / "run"
     run = Run(tmp_path, *tiny_overrides(data_root), *workers("epochs=200"), f"output_dir={run_dir}")
     run.wait_for("epoch 2/200")
-    for pid in children(run.process.pid):  # the loaders' workers
+    for pid in child_pids(run.process.pid):  # the loaders' workers
         os.kill(pid, signal.SIGKILL)
     code, console, seconds = run.finish()
     assert_one_clean_exit(run_dir, code, console, seconds, says="a data loader worker process died")

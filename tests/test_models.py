@@ -18,7 +18,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 import msda
 from models import build_model
-from models.backbone import Backbone
+from models.backbone import Backbone, PretrainedWeightsUnavailable
 from models.deformable_attention import MSDeformAttn
 from models.deformable_detr import build_deformable_detr
 from models.deformable_transformer import inverse_sigmoid
@@ -319,8 +319,12 @@ def test_imagenet_weights_unavailable_offline(monkeypatch, tmp_path):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(type(torchvision.models.ResNet18_Weights.IMAGENET1K_V1), "get_state_dict", offline)
-    with pytest.raises(RuntimeError, match="resnet18-f37072fd.pth.*pretrained=none"):
+    # An OSError, which the console reports as one message: what it tried to fetch, and how to go without.
+    with pytest.raises(PretrainedWeightsUnavailable, match=r"model\.pretrained=imagenet needs torchvision's .*could "
+                                                          r"not be downloaded \(URLError.*resnet18-f37072fd\.pth.*"
+                                                          r"model\.pretrained=none") as error:
         Backbone(name="resnet18", pretrained="imagenet")
+    assert isinstance(error.value, OSError)
 
 
 def test_pretrained_from_a_file(tmp_path, seeded):

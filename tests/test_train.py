@@ -312,28 +312,6 @@ def test_a_resume_never_fetches_the_backbone_weights_its_checkpoint_replaces(tin
     assert resumed["step"] == 2 * STEPS_PER_EPOCH
 
 
-def test_imagenet_weights_that_cannot_be_fetched_are_one_message_saying_how_to_go_offline(monkeypatch):
-    import urllib.error
-
-    import torchvision
-
-    from models.backbone import PretrainedWeightsUnavailable, build_backbone
-    from models.position_encoding import PositionEmbeddingSine
-
-    weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
-
-    def offline(self, *args, **kwargs):
-        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
-
-    monkeypatch.setattr(type(weights), "get_state_dict", offline)
-    with pytest.raises(PretrainedWeightsUnavailable,
-                       match=r"model\.pretrained=imagenet needs torchvision's .*could not be downloaded \(URLError.*"
-                             r"Download https://.* and put it at .*or set model\.pretrained=none") as error:
-        build_backbone(backbone="resnet18", train_backbone=True, num_feature_levels=1, dilation=False,
-                       pretrained="imagenet", position_encoding=PositionEmbeddingSine(num_pos_feats=16))
-    assert isinstance(error.value, OSError)  # a user fault: one message on the console
-
-
 def test_eval_only_takes_a_run_directory_for_its_checkpoint(tiny_run, data_root, tmp_path):
     result = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path, "eval_only=true",
                                                      f"checkpoint={tiny_run['output_dir']}"))

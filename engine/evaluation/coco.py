@@ -69,8 +69,9 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     evaluator gathers detections from all ranks (``ranks``) before scoring. The random generators are left as
     they were (engine.runtime.rng.rng_preserved).
 
-    ``should_stop`` (every rank gives the same answer) is asked after each batch: True stops the pass
-    (EvaluationStopped), a stop signal's request honoured within a batch rather than after the whole set.
+    ``should_stop(final)`` is asked after each batch (``final`` False) and once after the last (True, before the
+    detections are gathered): True stops the pass (EvaluationStopped), a stop signal's request honoured within a
+    batch rather than after COCOeval. Every rank must give the same answer to the final question.
 
     ``backend`` picks the COCOeval (datasets.cocoeval_backend: auto, faster, pycocotools). Rank 0 logs a progress
     line every ``progress_every_s`` seconds of inference, COCOeval's summary table (its other lines go to
@@ -95,9 +96,12 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
         results = postprocess(outputs, orig_sizes)
         evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})  # reads them to the host
         progress.update(len(evaluator.results))  # the distinct images done: batch-filling copies count once
-        if should_stop is not None and should_stop():
+        if should_stop is not None and should_stop(False):
             model.train(was_training)
             raise EvaluationStopped(f"evaluation stopped after {len(evaluator.results)} images")
+    if should_stop is not None and should_stop(True):
+        model.train(was_training)
+        raise EvaluationStopped("evaluation stopped before COCOeval")
     inferred = time.perf_counter()
     try:
         stats = evaluator.summarize()  # gathers every rank's detections first

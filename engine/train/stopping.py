@@ -41,9 +41,13 @@ class StopControl:
         self.request.announce()
         return self.agreed or (self.request.requested and not self.distributed)
 
-    def during_evaluation(self) -> bool:
-        """Asked after each evaluation batch: stop now (every process gives the same answer)."""
+    def during_evaluation(self, final: bool) -> bool:
+        """Asked after each evaluation batch, and (``final``) after the last: stop now. One process stops at the next
+        batch; several learn of any one's request once their passes are over, before gathering their detections
+        (their shares may run different numbers of batches, so a collective per batch could pair up wrongly)."""
         self.request.announce()
+        if self.distributed and not final:
+            return False
         return self.any_process(self.request.requested)
 
     def stopped(self, *, epoch: int, step: int, total_steps: int, latest: Path,
