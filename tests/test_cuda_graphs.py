@@ -258,3 +258,23 @@ def test_the_model_declares_what_is_recorded():
     training, evaluation = model.compile_regions(graphs=True, evaluation=True)
     assert (training.name, training.training, evaluation.name, evaluation.training) == ("forward", True, "detect", False)
     assert [r.name for r in model.compile_regions(graphs=True, evaluation=False)] == ["forward"]
+
+
+@needs_gpu
+def test_sizes_past_the_memory_share_run_eagerly_with_one_warning(monkeypatch, caplog):
+    """Each size's graphs keep their memory: once the GPU's memory is taken past GRAPH_MEMORY_SHARE, new sizes are
+    not recorded (at batch 32 a few sizes took what the step needs), and the step runs them eagerly, the same."""
+    import engine.compile.cuda_graphs as cuda_graphs
+
+    torch.manual_seed(0)
+    eager, graphed = _graphed_pair("base")
+    monkeypatch.setattr(cuda_graphs, "GRAPH_MEMORY_SHARE", 0.0)
+    clock = CompileClock.get()
+    before = clock.totals()
+    with caplog.at_level("WARNING"):
+        for H, W in SIZES[:3]:
+            batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+            targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+            assert_same_step(eager, graphed, batch, targets, gradients=True, what=f"size {H}x{W}")
+    assert "graphed_forward" not in clock.totals().since(before).by_function
+    assert sum("new sizes run eagerly" in r.getMessage() for r in caplog.records if "forward" in r.getMessage()) == 1

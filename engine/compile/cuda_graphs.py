@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # Sizes recorded per method; a size past them runs eagerly (logged once). Size buckets keep a run to a few
 # (datasets/size_buckets.py); with buckets off every image size would record graphs and keep their memory.
 MAX_SIZES = 32
+# No size is recorded once this share of the GPU's memory is taken: what is left is the eager steps' of the sizes
+# that come after.
+GRAPH_MEMORY_SHARE = 0.5
 # Eager runs before recording: the first call of a size autotunes and loads kernels, which must not happen in
 # the recording.
 WARMUP_CALLS = 2
@@ -107,14 +110,26 @@ class GraphedMethod:
                torch.get_autocast_dtype("cuda"))
         replay = self._graphs.get(key)
         if replay is None:
-            if len(self._graphs) >= MAX_SIZES:
+            full = self._full(args[0].device)
+            if full:
                 if not self._told_full:
                     self._told_full = True
-                    log.warning("%s: %d sizes recorded as CUDA graphs, the most kept; new sizes run eagerly "
-                                "(dataset.size_buckets bounds the sizes a run meets)", self.name, MAX_SIZES)
+                    log.warning("%s: %s; new sizes run eagerly (fewer dataset.size_buckets, or a smaller "
+                                "batch_size, let every size be recorded)", self.name, full)
                 return self.method(self.owner, *args)
             replay = self._graphs[key] = self._record(args)
         return replay(*args)
+
+    def _full(self, device: torch.device) -> str | None:
+        """Why no further size may be recorded, or None. Each size's graphs keep their memory for the run: at a
+        large batch a few sizes would take the memory the step itself needs."""
+        if len(self._graphs) >= MAX_SIZES:
+            return f"{MAX_SIZES} sizes recorded as CUDA graphs, the most kept"
+        total = torch.cuda.get_device_properties(device).total_memory
+        if torch.cuda.memory_reserved(device) > GRAPH_MEMORY_SHARE * total:
+            return (f"{torch.cuda.memory_reserved(device) / 2**30:.0f} of the GPU's {total / 2**30:.0f} GiB are "
+                    f"taken, more than {GRAPH_MEMORY_SHARE:.0%}")
+        return None
 
     def _applies(self, args) -> bool:
         if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):

@@ -29,7 +29,7 @@ from engine.runtime.rng import epoch_seed, restore_rng_state, seed_all
 from .epoch_evaluation import EpochEvaluation
 from .interval_report import IntervalReporter
 from .resume import last_checkpoint_hint, resume_hint
-from .run_timing import RunTiming
+from .run_timing import RunTiming, peak_memory_gib
 from .saving import CheckpointSaver
 from .schedule import Position, planned_steps
 from .step import OptimizerStep
@@ -96,7 +96,8 @@ class TrainingLoop:
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
             self.reporter.writer.close()
-        record = self.timing.record(padding_waste=self.batches.padding_waste)
+        record = self.timing.record(padding_waste=self.batches.padding_waste,
+                                    peak_memory_gib=peak_memory_gib(self.ctx.device))
         if self.ctx.is_main:
             self.timing.write(self.output_dir, record)
             log.info("done: %s; outputs in %s", self.timing.summary(record), self.output_dir)

@@ -125,7 +125,7 @@ class RunTiming:
                 "first_step_s": self.first_step_s, "compile_s": compiled.seconds, "warmup_s": self.warmup_s,
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
                 "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
-                "peak_memory_gib": peak_memory_gib(), "graphs_compiled": compiled.graphs,
+                "graphs_compiled": compiled.graphs,
                 "graphs_by_function": compiled.by_function, **extra}
 
     def summary(self, record: dict) -> str:
@@ -140,8 +140,6 @@ class RunTiming:
         return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
 
 
-def peak_memory_gib() -> float | None:
-    """The most GPU memory this process's tensors held at once (None on the CPU)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return torch.cuda.max_memory_allocated() / 2**30
+def peak_memory_gib(device: torch.device) -> float | None:
+    """The most memory of ``device`` this process's tensors held at once (None for the CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
