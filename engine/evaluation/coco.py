@@ -85,6 +85,7 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     progress = EvaluationProgress(total_images=_images_per_process(loader, world_size), every_s=progress_every_s,
                                   enabled=is_main, share_of=_num_images(loader) if world_size > 1 else None)
     started = time.perf_counter()
+    stopped = False
     for images, masks, targets in loader:
         images = images.to(device, non_blocking=True)
         masks = masks.to(device, non_blocking=True)
@@ -96,12 +97,12 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
         results = postprocess(outputs, orig_sizes)
         evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})  # reads them to the host
         progress.update(len(evaluator.results))  # the distinct images done: batch-filling copies count once
-        if should_stop is not None and should_stop(False):
-            model.train(was_training)
-            raise EvaluationStopped(f"evaluation stopped after {len(evaluator.results)} images")
-    if should_stop is not None and should_stop(True):
+        stopped = should_stop is not None and should_stop(False)
+        if stopped:
+            break
+    if should_stop is not None and (stopped or should_stop(True)):  # after a batch, or after the last
         model.train(was_training)
-        raise EvaluationStopped("evaluation stopped before COCOeval")
+        raise EvaluationStopped(f"evaluation stopped after {len(evaluator.results)} images")
     inferred = time.perf_counter()
     try:
         stats = evaluator.summarize()  # gathers every rank's detections first
