@@ -132,8 +132,18 @@ class Backbone(nn.Module):
         if dilation:
             self.strides[-1] //= 2
         self.body = IntermediateLayerGetter(resnet, return_layers=return_layers)
+        self.channels_last = False
+
+    def use_channels_last(self) -> None:
+        """Weights and input in the channels_last (NHWC) layout: a GPU's half-precision convolutions run in it,
+        and NCHW tensors are converted before and after each of them. Values and state_dict keys are unchanged:
+        a checkpoint loads into either layout."""
+        self.body.to(memory_format=torch.channels_last)
+        self.channels_last = True
 
     def forward(self, images: torch.Tensor, mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         feats = self.body(images)  # {"0": (B, C_l, H_l, W_l), ...}
         # The getter returns the layers in order ("0", "1", ...): no sort, which torch.compile cannot trace.
         return [(x, downsample_mask(mask, x.shape[-2:])) for x in feats.values()]

@@ -77,16 +77,20 @@ def test_ranks_with_different_models_are_an_error_on_every_rank(tmp_path):
 
 
 class _TwoDtypes(torch.nn.Module):
-    """A float32 and a float64 layer (two flat buffers), and a layer only rank 0's batch uses."""
+    """A float32 and a float64 layer (two flat buffers), a channels_last convolution (as a GPU run's backbone),
+    and a layer only rank 0's batch uses."""
 
     def __init__(self):
         super().__init__()
         self.fp32 = torch.nn.Linear(3, 2)
         self.fp64 = torch.nn.Linear(3, 2).double()
+        self.conv = torch.nn.Conv2d(3, 4, 2).to(memory_format=torch.channels_last)
         self.rank0_only = torch.nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
-        out = self.fp32(x).sum() + self.fp64(x.double()).float().sum()
+        pixels = x[:, :, None, None] * torch.arange(1.0, 10.0).view(3, 3)
+        pixels = pixels.contiguous(memory_format=torch.channels_last)
+        out = self.fp32(x).sum() + self.fp64(x.double()).float().sum() + self.conv(pixels).square().sum()
         return out + self.rank0_only(x).pow(2).sum() if rank == 0 else out
 
 
@@ -106,7 +110,7 @@ def _average_rank_main(rank: int, work: str) -> None:
     dist.destroy_process_group()
 
 
-def test_gradients_of_two_dtypes_are_averaged_and_an_unused_parameter_counts_as_zero(tmp_path):
+def test_gradients_of_two_dtypes_and_layouts_are_averaged_and_an_unused_parameter_counts_as_zero(tmp_path):
     mp.spawn(_average_rank_main, args=(str(tmp_path),), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, weight in ranks[0]["weights"].items():
@@ -116,5 +120,6 @@ def test_gradients_of_two_dtypes_are_averaged_and_an_unused_parameter_counts_as_
         owns = [r["own"][name] if r["own"][name] is not None else torch.zeros_like(grad) for r in ranks]
         mean = (owns[0] + owns[1]) / 2
         assert grad.dtype == ranks[0]["weights"][name].dtype, name
+        assert grad.stride() == ranks[0]["weights"][name].stride(), f"{name}: laid out unlike its parameter"
         for r in ranks:
             torch.testing.assert_close(r["synced"][name], mean, msg=f"{name}")

@@ -362,3 +362,32 @@ def test_masks_are_downsampled_as_the_original_and_export_with_any_batch_size(de
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(Downsample(), (masks[:2, :32, :48].contiguous(),), dynamic_shapes=({0: batch},))
     assert torch.equal(program.module()(masks[:, :32, :48].contiguous()), Downsample()(masks[:, :32, :48]))
+
+
+def test_channels_last_backbone_computes_the_same_with_the_same_state_dict(seeded):
+    """A GPU run puts the ResNet in channels_last (engine/train/build.py): the same function, gradients and
+    checkpoint keys, and a checkpoint of either layout loads into the other."""
+    # float64: in float32 the convolutions' other order of sums moves some gradients by a percent (sampling
+    # locations that cross a pixel), which would hide a real difference.
+    model = build_deformable_detr(tiny_cfg(backbone="resnet18", train_backbone=True)).train().double()
+    other = copy.deepcopy(model)
+    other.use_channels_last()
+    conv = other.backbone[0].body.conv1.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    images, mask = _batch(pad_w=16)
+    outputs = [m(images.double(), mask) for m in (model, other)]
+    torch.testing.assert_close(outputs[0]["pred_boxes"], outputs[1]["pred_boxes"], rtol=1e-10, atol=1e-12)
+    for out in outputs:
+        (out["pred_logits"].square().sum() + out["pred_boxes"].sum()).backward()
+    grads = dict(model.named_parameters())
+    for name, p in other.named_parameters():
+        if p.grad is not None:
+            if name.startswith("backbone.0."):
+                assert p.grad.stride() == p.stride(), name
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-8, atol=1e-10, msg=name)
+    state = other.state_dict()
+    assert list(state) == list(model.state_dict())
+    fresh = build_deformable_detr(tiny_cfg(backbone="resnet18", train_backbone=True)).double()
+    fresh.load_state_dict(state)
+    assert fresh.backbone[0].body.conv1.weight.is_contiguous()
+    torch.testing.assert_close(fresh.backbone[0].body.conv1.weight, conv, rtol=0, atol=0)

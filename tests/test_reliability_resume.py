@@ -272,3 +272,56 @@ def test_resume_auto_takes_a_checkpoint_with_the_old_compile_keys(tmp_path, base
                                                 compile_backend="inductor", compile_regions="transformer",
                                                 compile_backbone="eager"))
     assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config) == old
+
+
+class TinyConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.ModuleList([torch.nn.Conv2d(3, 4, 3)])
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone[0](x).mean((2, 3))).square().sum()
+
+
+def _steps(model, optimizer, *, steps: int, seed: int) -> None:
+    inputs = torch.randn(steps, 2, 3, 5, 5, generator=torch.Generator().manual_seed(seed))
+    for x in inputs:
+        optimizer.zero_grad()
+        model(x.contiguous(memory_format=torch.channels_last)).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("channels_last_after", [True, False])
+def test_a_resume_into_the_other_memory_layout_continues_the_same_run(channels_last_after):
+    """A GPU run's backbone is channels_last, a CPU run's is not, and each can resume the other's checkpoint: the
+    fused AdamW pairs a parameter's elements with its moments' by their place in memory, so the restored moments
+    must take the parameter's layout, or the resumed run updates each weight with another's moments."""
+    cfg_optim = compose_train().optim
+
+    def build(channels_last: bool):
+        torch.manual_seed(0)
+        model = TinyConv()
+        if channels_last:
+            model.backbone.to(memory_format=torch.channels_last)
+        optimizer = build_optimizer(model, cfg_optim)
+        return model, optimizer, build_lr_scheduler(optimizer, cfg_optim)
+
+    model, optimizer, scheduler = build(not channels_last_after)
+    _steps(model, optimizer, steps=3, seed=1)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "lr_scheduler": scheduler.state_dict(), "grad_scaler": {}, "epoch": 0, "step": 3,
+                          "steps_in_epoch": 3, "rng": {}, "config": {"optim": plain_config(cfg_optim)}})
+    _steps(model, optimizer, steps=2, seed=2)  # the uninterrupted run
+
+    resumed, resumed_optimizer, resumed_scheduler = build(channels_last_after)
+    restore_training_state(ckpt, model=resumed, optimizer=resumed_optimizer,
+                           lr_scheduler=resumed_scheduler, scaler=torch.amp.GradScaler("cuda", enabled=False),
+                           cfg_optim=cfg_optim, path="c.pth")
+    for p in resumed.parameters():
+        for key, value in resumed_optimizer.state[p].items():
+            if value.shape == p.shape:
+                assert value.stride() == p.stride(), key
+    _steps(resumed, resumed_optimizer, steps=2, seed=2)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)

@@ -241,16 +241,16 @@ class GradientAllReduce:
     def __init__(self, model: torch.nn.Module, ctx: DistContext):
         self.ctx = ctx
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        for name, p in named:  # the gradients become views of one flat buffer, laid out as contiguous tensors
-            if not p.is_contiguous():
-                raise ValueError(f"gradient_sync=allreduce needs contiguous parameters; {name} is not "
-                                 "(use gradient_sync=ddp)")
+        for name, p in named:  # the gradients become views of one flat buffer, each laid out as its parameter
+            if not _dense(p):
+                raise ValueError(f"gradient_sync=allreduce needs parameters that fill their memory (contiguous in "
+                                 f"some order of their dimensions); {name} does not (use gradient_sync=ddp)")
         self._groups = list(_by_dtype(p for _, p in named).values())
         if ctx.distributed:
             _check_same_layout(model, ctx)
             with torch.no_grad():
                 for group in _by_dtype([*model.parameters(), *model.buffers()]).values():
-                    flat = torch.cat([t.detach().reshape(-1) for t in group])
+                    flat = torch.cat([_in_memory_order(t.detach()) for t in group])
                     _collective("broadcast of the initial parameters", ctx, dist.broadcast, flat, src=0)
                     torch._foreach_copy_(group, _views(flat, group))
 
@@ -259,7 +259,7 @@ class GradientAllReduce:
         if not self.ctx.distributed:
             return
         for group in self._groups:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+            flat = torch.cat([_in_memory_order(_laid_out_as(p.grad, p)) for p in group])
             # Divided before the sum, as DDP does (no overflow in a half-precision sum); gloo has no AVG. On NCCL
             # the caller's stream waits for the sum; the host does not.
             flat.div_(self.ctx.world_size)
@@ -287,9 +287,37 @@ def _by_dtype(tensors) -> dict[torch.dtype, list[torch.Tensor]]:
     return groups
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill numel() consecutive places of its storage, in some order of its dimensions
+    (contiguous, channels_last, ...)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense ``t``'s elements as one dimension, in the order they sit in memory (a view; a copy if not dense)."""
+    if t.is_contiguous():
+        return t.reshape(-1)
+    if not _dense(t):
+        t = t.contiguous()
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _laid_out_as(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+    """``grad`` (zeros when None) with the strides of its parameter ``p``, which the flat buffer's views take."""
+    if grad is None:
+        return torch.zeros_like(p)
+    return grad if grad.stride() == p.stride() else torch.empty_like(p).copy_(grad)
+
+
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` cut into tensors shaped as ``like``'s, in order (views, no copy)."""
-    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+    """``flat`` cut into tensors shaped and laid out as ``like``'s (dense), in order (views, no copy)."""
+    return [piece.as_strided(t.shape, t.stride()) if _dense(t) else piece.view(t.shape)
+            for piece, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _no_forward_buffer_sync(ddp_class) -> dict:

@@ -58,6 +58,8 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     if init is not None:
         init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
     model.to(ctx.device)
+    if ctx.device.type == "cuda":
+        model.use_channels_last()  # before the optimizer and a resumed state take the parameters' layout
     plan = resolve_compile(cfg_compile, device=ctx.device, evaluation_batches=evaluation_batches,
                            training_steps=training_steps)
     if training:

@@ -174,6 +174,18 @@ class Resumed(NamedTuple):
     pending_evaluation: dict | None = None  # the evaluation a stop interrupted (engine/train/loop.py)
 
 
+def _state_laid_out_as_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Per-parameter state (AdamW's moments) in its parameter's memory layout. A checkpoint keeps the layout of
+    the run that wrote it (a GPU run's backbone is channels_last, a CPU run's is not), and the fused optimizer
+    pairs a parameter's elements with its state's by position in memory."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            lr_scheduler, scaler, cfg_optim, path: str | os.PathLike) -> Resumed:
     """Load weights, optimizer, scheduler and scaler from ``ckpt``; then apply a changed schedule.
@@ -185,6 +197,7 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
     load_model_weights(model, ckpt, path=path)
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
+        _state_laid_out_as_parameters(optimizer)
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
         scaler.load_state_dict(ckpt["grad_scaler"])
     except (ValueError, KeyError, TypeError) as error:
