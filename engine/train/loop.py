@@ -17,12 +17,11 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from datasets import ImageReadError
 from datasets.loader import is_worker_death, stop_workers, worker_error_message
 from engine.errors import LoaderWorkerDied
 from engine.evaluation.coco import EvaluationStopped
+from engine.runtime.device_batches import DeviceBatches
 from engine.runtime.distributed import DistContext, barrier
 from engine.runtime.rng import epoch_seed, restore_rng_state, seed_all
 
@@ -63,7 +62,7 @@ class TrainingLoop:
     def run(self) -> dict:
         pos = self.position
         self.batches.start_at(pos.epoch, pos.steps_in_epoch)
-        self._stream = iter(self.train_loader)
+        self._stream = DeviceBatches(iter(self.train_loader), self.ctx.device)
         if self.val_loader.num_workers > 0:
             # The validation loader's workers are forked now, before any checkpoint is written: forked while the
             # writer thread has the file open, they would inherit it and keep a replaced checkpoint's disk space
@@ -110,7 +109,7 @@ class TrainingLoop:
             stop_workers(loader)
 
     def _train_epoch(self, epoch: int) -> None:
-        pos, device, step_log = self.position, self.ctx.device, self.reporter.step_log
+        pos, step_log = self.position, self.reporter.step_log
         seed_all(epoch_seed(self.cfg.seed, epoch=epoch, rank=self.ctx.rank))
         if pos.steps_in_epoch and pos.rng is not None:
             # Mid-epoch resume: the stream starts at the step (its batches depend on the seed and epoch only);
@@ -123,10 +122,6 @@ class TrainingLoop:
             before = self.timing.step_started()
             t_data = time.perf_counter()
             images, masks, targets = next(self._stream)
-            images = images.to(device, non_blocking=True)
-            masks = masks.to(device, non_blocking=True)
-            targets = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
-                       for t in targets]
             data_s = time.perf_counter() - t_data
             step_log.begin(step=pos.step, data_ms=data_s * 1e3)
             values = self.step(images, masks, targets)

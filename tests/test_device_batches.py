@@ -1,0 +1,62 @@
+"""engine.runtime.device_batches.py: the loader's batches on the device, in the loader's order, none lost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.runtime.device_batches import DeviceBatches
+
+
+def _batches(count: int, *, pin: bool = False):
+    generator = torch.Generator().manual_seed(0)
+    for k in range(count):
+        images = torch.randn(2, 3, 8, 8, generator=generator)
+        masks = torch.rand(2, 8, 8, generator=generator) > 0.5
+        targets = [{"boxes": torch.rand(3, 4, generator=generator), "labels": torch.tensor([k, 1, 2]), "image_id": k}
+                   for _ in range(2)]
+        if pin:
+            images, masks = images.pin_memory(), masks.pin_memory()
+            targets = [{key: v.pin_memory() if torch.is_tensor(v) else v for key, v in t.items()} for t in targets]
+        yield images, masks, targets
+
+
+def _same(batch, expected) -> None:
+    assert torch.equal(batch[0].cpu(), expected[0]) and torch.equal(batch[1].cpu(), expected[1])
+    for got, want in zip(batch[2], expected[2]):
+        assert got["image_id"] == want["image_id"]
+        assert torch.equal(got["boxes"].cpu(), want["boxes"]) and torch.equal(got["labels"].cpu(), want["labels"])
+
+
+def _check(device: torch.device, *, pin: bool) -> None:
+    expected = list(_batches(5))
+    got = list(DeviceBatches(_batches(5, pin=pin), device))
+    assert len(got) == 5  # the last one too, although nothing follows it to be fetched ahead
+    for batch, want in zip(got, expected):
+        assert batch[0].device.type == device.type and batch[2][0]["boxes"].device.type == device.type
+        _same(batch, want)
+
+
+def test_batches_come_in_the_loaders_order_on_the_cpu():
+    _check(torch.device("cpu"), pin=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_copied_ahead_on_a_side_stream_reach_the_gpu_intact_and_in_order():
+    _check(torch.device("cuda"), pin=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_reads_its_batch_after_the_copy_even_when_the_step_before_is_long():
+    """The training stream waits for the side stream's copy: a long step in front (a large matmul queued first)
+    must not let the next batch be read before it has arrived, nor its memory be reused while it is read."""
+    batches = DeviceBatches(_batches(4, pin=True), torch.device("cuda"))
+    expected = list(_batches(4))
+    work = torch.randn(4096, 4096, device="cuda")
+    sums = []
+    for batch in batches:
+        for _ in range(4):
+            work = work @ work / 64  # keeps the training stream busy while the next copy runs
+        sums.append(batch[0].sum())
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.stack(sums).cpu(), torch.stack([b[0].sum() for b in expected]))
