@@ -26,18 +26,17 @@ def level_sizes_xy(levels, *, dtype: torch.dtype, device: torch.device) -> torch
     recorded as a read of a host buffer that is later freed. Under torch.compile it is part of the graph.
     """
     if torch.compiler.is_compiling():
-        return _made_level_sizes_xy(levels, dtype, device)
+        # Built from scalars: traced with symbolic sizes, torch.tensor becomes a call that AOTAutograd refuses to
+        # cache, and every run compiled the transformer's graph from scratch, however warm its cache.
+        return torch.stack([torch.stack([torch.scalar_tensor(w, dtype=dtype, device=device),
+                                         torch.scalar_tensor(h, dtype=dtype, device=device)]) for h, w in levels])
     return _cached_level_sizes_xy(tuple(tuple(hw) for hw in levels), dtype, device)
-
-
-def _made_level_sizes_xy(levels, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device_async(torch.tensor([[w, h] for h, w in levels], dtype=dtype), device)
 
 
 @functools.lru_cache(maxsize=256)
 def _cached_level_sizes_xy(levels: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     with torch.inference_mode(False):  # usable in training even when first made under inference_mode
-        return _made_level_sizes_xy(levels, dtype, device)
+        return to_device_async(torch.tensor([[w, h] for h, w in levels], dtype=dtype), device)
 
 
 class MSDeformAttn(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -122,6 +123,42 @@ def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(se
         graphs.append(sum(1 for g in counter.graphs if len(g.graph.nodes)))
     low, high = REGION_GRAPHS[regions]
     assert low <= graphs[0] <= high and graphs[1:] == graphs[:1] * 2, graphs  # later sizes compile nothing new
+
+
+def test_the_transformer_is_traced_once_into_graphs_its_compile_cache_can_keep(seeded):
+    """A compile cache only helps a graph AOTAutograd agrees to cache: traced with symbolic sizes, a torch.tensor of
+    the level sizes became a call it refuses, and every run compiled the transformer again, warm cache or not.
+    And the floats the model reads (dropout rates, norm epsilons) must be constants: made symbolic inputs, they
+    were specialized during the compilation, which started again and traced the whole transformer twice."""
+    autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    if not hasattr(autograd_cache, "check_cacheable"):
+        pytest.skip("this torch has no AOTAutograd cache check")
+    model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL, dropout=0.1))
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_model(model, plan(counter))
+    model(*_batch(H=136, W=136, pad_w=8))
+    assert counter.frame_count == 2  # the transformer with its heads, and the position encoding: once each
+    for graph in counter.graphs:
+        autograd_cache.check_cacheable(graph)  # raises BypassAOTAutogradCache, naming the call
+
+
+def test_the_compile_cache_goes_to_compile_cache_dir_though_torch_wrote_its_default(tmp_path, monkeypatch):
+    """Importing Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR: taken for the user's choice, it
+    kept every run's cache there whatever compile.cache_dir said. A folder the user did choose still wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from engine.compile import cache
+
+    monkeypatch.setattr(cache, "_set_here", {})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    root = cache.use_compile_cache(str(tmp_path / "cache"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
+    monkeypatch.setattr(cache, "_set_here", {})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    cache.use_compile_cache(str(tmp_path / "other"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def _trained_looking(model):

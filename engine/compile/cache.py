@@ -15,6 +15,23 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
 _set_here: dict[str, str] = {}
 
 
+def _torch_default(variable: str) -> str | None:
+    """The value torch writes into ``variable`` itself: Inductor sets TORCHINDUCTOR_CACHE_DIR to its default folder
+    when it first looks for its cache, which importing torch._inductor.config does."""
+    if variable != "TORCHINDUCTOR_CACHE_DIR":
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch: no default of its own to tell apart
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
+def _chosen_by_user(variable: str) -> bool:
+    value = os.environ.get(variable)
+    return value is not None and value not in (_set_here.get(variable), _torch_default(variable))
+
+
 def use_compile_cache(cache_dir: str) -> Path:
     """Keep Inductor's (with AOTAutograd's) and Triton's caches under ``cache_dir``; returns it resolved.
 
@@ -22,8 +39,8 @@ def use_compile_cache(cache_dir: str) -> Path:
     """
     root = Path(os.path.expanduser(cache_dir)).resolve()
     for variable, folder in CACHE_VARIABLES.items():
-        if variable in os.environ and os.environ[variable] != _set_here.get(variable):
-            continue  # the user's own choice
+        if _chosen_by_user(variable):
+            continue
         _set_here[variable] = os.environ[variable] = str(root / folder)
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -172,6 +172,10 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read when
     # a graph is compiled, at its first call; process-wide (per-layer graphs keep torch's default).
     torch.fx.experimental._config.use_duck_shape = plan.regions == "layers"
+    # The floats the model reads (dropout rates, norm epsilons, default arguments) are constants of the graph.
+    # Made symbolic inputs (Dynamo's default), they were specialized during the transformer's compilation, which
+    # then started again from the beginning: every compile of the transformer traced it twice. Process-wide.
+    torch._dynamo.config.specialize_float = True
     if plan.backbone == "static" or plan.evaluation:
         _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
     regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone == "static",
