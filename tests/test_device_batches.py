@@ -47,16 +47,36 @@ def test_batches_copied_ahead_on_a_side_stream_reach_the_gpu_intact_and_in_order
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_step_reads_its_batch_after_the_copy_even_when_the_step_before_is_long():
-    """The training stream waits for the side stream's copy: a long step in front (a large matmul queued first)
-    must not let the next batch be read before it has arrived, nor its memory be reused while it is read."""
+def test_a_step_reads_its_batch_only_once_its_slow_copy_has_arrived(monkeypatch):
+    """The training stream waits for the side stream's copy: with every copy held back on the GPU (a sleep queued
+    in front of it) and nothing in front of the step, a step that did not wait would read memory not yet written."""
     batches = DeviceBatches(_batches(4, pin=True), torch.device("cuda"))
-    expected = list(_batches(4))
-    work = torch.randn(4096, 4096, device="cuda")
-    sums = []
-    for batch in batches:
-        for _ in range(4):
-            work = work @ work / 64  # keeps the training stream busy while the next copy runs
-        sums.append(batch[0].sum())
+    copy = batches._copy
+
+    def slow_copy(batch):
+        with torch.cuda.stream(batches._copies):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of the copy stream
+        return copy(batch)
+
+    monkeypatch.setattr(batches, "_copy", slow_copy)
+    sums = [batch[0].sum() for batch in batches]  # queued on the training stream at once
     torch.cuda.synchronize()
-    torch.testing.assert_close(torch.stack(sums).cpu(), torch.stack([b[0].sum() for b in expected]))
+    torch.testing.assert_close(torch.stack(sums).cpu(), torch.stack([b[0].sum() for b in _batches(4)]))
+
+
+def _failing_at(index: int, error: Exception):
+    for k, batch in enumerate(_batches(5)):
+        if k == index:
+            raise error
+        yield batch
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_failure_fetching_ahead_is_raised_in_its_turn_not_before_the_batch_in_front(device):
+    """A damaged image in batch 3 must not stop the step of batch 2 (the last of an epoch, or of the run)."""
+    batches = DeviceBatches(_failing_at(3, OSError("damaged image")), torch.device(device))
+    for want in list(_batches(3)):
+        _same(next(batches), want)
+    with pytest.raises(OSError, match="damaged image"):
+        next(batches)

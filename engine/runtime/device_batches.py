@@ -20,13 +20,17 @@ def _to(batch, device: torch.device):
 
 
 class DeviceBatches:
-    """(images, masks, targets) batches of ``batches`` (the loader's, pinned on a GPU run) moved to ``device``.
+    """(images, masks, targets) batches of ``batches`` (the loader's, pinned on a GPU run) moved to ``device``,
+    one batch ahead.
 
     On a GPU, handing out batch k starts the copy of batch k+1 on a stream of its own, so that the copy runs
     during step k rather than in front of step k+1 (a batch of 32 COCO images is about 260 MB of float32). The
     training stream waits for a batch's copy on the GPU, not on the host, and its tensors are marked as in use
-    there, so that their memory is not reused while the step reads them. Elsewhere a batch is moved when asked
-    for. The order of the batches is the loader's: one held ahead changes nothing a run computes.
+    there, so that their memory is not reused while the step reads them. Elsewhere the batch ahead is moved on
+    the one stream there is. The order of the batches is the loader's: one held ahead changes nothing a run
+    computes. A failure while fetching ahead (a damaged image, a dead worker) is raised when the batch it
+    concerns is asked for, never before the step in front of it: an epoch still ends and saves, and a run's last
+    step still finishes.
     """
 
     def __init__(self, batches: Iterator, device: torch.device):
@@ -34,24 +38,32 @@ class DeviceBatches:
         self._device = device
         self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ahead = None
+        self._failed: Exception | None = None  # fetching the batch ahead failed: raised in its turn
 
     def __iter__(self) -> "DeviceBatches":
         return self
 
     def __next__(self):
-        if self._copies is None:
-            return _to(next(self._batches), self._device)
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         batch = self._ahead if self._ahead is not None else self._copy(next(self._batches))
         self._ahead = None
-        training = torch.cuda.current_stream(self._device)
-        training.wait_stream(self._copies)
-        for t in _tensors(batch):
-            t.record_stream(training)
-        following = next(self._batches, None)  # the last batch of a finite iterator is still handed out
-        if following is not None:
-            self._ahead = self._copy(following)
+        if self._copies is not None:
+            training = torch.cuda.current_stream(self._device)
+            training.wait_stream(self._copies)
+            for t in _tensors(batch):
+                t.record_stream(training)
+        try:
+            self._ahead = self._copy(next(self._batches))
+        except StopIteration:  # the last batch of a finite iterator is still handed out
+            pass
+        except Exception as error:  # noqa: BLE001 - not this batch's: raised when the next one is asked for
+            self._failed = error
         return batch
 
     def _copy(self, batch):
+        if self._copies is None:
+            return _to(batch, self._device)
         with torch.cuda.stream(self._copies):
             return _to(batch, self._device)
