@@ -269,9 +269,11 @@ class GradientAllReduce:
 
 
 def _check_same_layout(model: torch.nn.Module, ctx: DistContext) -> None:
-    """Every rank must hold the same parameters and buffers, in the same order, shapes and dtypes: the flat
+    """Every rank must hold the same parameters and buffers, in the same order, shapes, dtypes and layouts: the flat
     collectives would otherwise pair up unrelated values (or, on NCCL, wait forever for a longer buffer)."""
-    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    # Strides too: the flat buffers hold each tensor in its memory order.
+    layout = [(name, tuple(t.shape), str(t.dtype), t.stride())
+              for name, t in [*model.named_parameters(), *model.named_buffers()]]
     for rank, other in enumerate(all_gather_object(layout, ctx)):
         if other != layout:
             first = next((f"{mine} here, {theirs} on rank {rank}" for mine, theirs in zip(layout, other)
