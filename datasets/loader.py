@@ -112,12 +112,13 @@ def stop_workers(loader: DataLoader) -> None:
 
 def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: int, train: bool,
                       buckets: SizeBuckets | None = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                      pad_to_multiple: int = 1, worker_init_fn=None) -> DataLoader:
+                      pad_to_multiple: int = 1, worker_init_fn=None, pin_memory: bool = False) -> DataLoader:
     """DataLoader of (images, masks, targets) batches, as ``loader.batch_sampler`` (a BatchPlan) plans them.
 
     train: an endless stream of epochs (``loader.batch_sampler.steps_per_epoch`` batches each; resume with
     ``loader.batch_sampler.start_at``); else one pass over this rank's share of the images. Workers stay alive
     between passes and prefetch across an epoch's end; ``worker_init_fn`` runs in each as it starts.
+    ``pin_memory``: batches in page-locked memory, for a run on a GPU (a thread of the loader copies them there).
     """
     plan = BatchPlan(sizes=image_sizes(dataset), transform=dataset.transforms, batch_size=batch_size,
                      buckets=buckets, train=train, seed=seed, rank=rank, world_size=world_size,
@@ -127,7 +128,7 @@ def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: i
         batch_sampler=plan,
         collate_fn=collate_fn,
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed + rank),
         worker_init_fn=worker_init_fn,

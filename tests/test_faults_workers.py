@@ -7,6 +7,7 @@ its children with SIGTERM before it waits for them: a failing run that left them
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from child_process import child_env
 from test_faults import child_pids, compose_run
 from test_train import tiny_overrides
@@ -124,9 +126,14 @@ def test_a_damaged_training_image_read_by_a_worker(data_root, tmp_path):
     assert "DataLoader worker process" not in console  # the image's message, not the worker's traceback
 
 
-def test_a_killed_loader_worker(data_root, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a run on a GPU pins its batches in a thread of the loader"))])
+def test_a_killed_loader_worker(data_root, tmp_path, device):
+    # On a GPU the loader's pin-memory thread, reading from the killed worker, can die with a traceback of its
+    # own: train.log gets it, the console only the run's one message.
     run_dir = tmp_path / "run"
-    run = Run(tmp_path, *tiny_overrides(data_root), *workers("epochs=200"), f"output_dir={run_dir}")
+    run = Run(tmp_path, *tiny_overrides(data_root), *workers("epochs=200"), f"output_dir={run_dir}",
+              f"device={device}")
     run.wait_for("epoch 2/200")
     for pid in child_pids(run.process.pid):  # the loaders' workers
         os.kill(pid, signal.SIGKILL)
@@ -152,3 +159,31 @@ def test_an_evaluation_that_fails(data_root, tmp_path):
         image.write_bytes(b"")
     code, console, seconds = run.finish()
     assert_one_clean_exit(run_dir, code, console, seconds, says="cannot read image ")
+
+
+def test_the_pin_memory_threads_traceback_goes_to_the_log_and_other_threads_print_theirs(monkeypatch, caplog):
+    from torch.utils.data._utils.pin_memory import _pin_memory_loop
+
+    from engine.runtime.console import PIN_MEMORY_THREAD, loader_thread_tracebacks_to_log
+
+    assert _pin_memory_loop.__name__ == PIN_MEMORY_THREAD  # the thread is named after its target
+    printed = []  # what the hook in place before the run (Python's prints) was given
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(str(args.exc_value)))
+
+    def fail(what: str) -> None:
+        raise ConnectionResetError(what)
+
+    def run_thread(name: str) -> None:
+        thread = threading.Thread(target=fail, args=(name,), name=f"Thread-7 ({name})")
+        thread.start()
+        thread.join()
+
+    log = logging.getLogger("test_pin_thread")
+    with caplog.at_level(logging.ERROR, logger="test_pin_thread"), loader_thread_tracebacks_to_log(log):
+        run_thread(PIN_MEMORY_THREAD)
+        run_thread("another_loop")
+    assert printed == ["another_loop"]
+    [record] = caplog.records
+    assert record.file_only and record.exc_info[1].args == (PIN_MEMORY_THREAD,)
+    run_thread("after_the_run")  # the hook is gone with the run
+    assert printed == ["another_loop", "after_the_run"]

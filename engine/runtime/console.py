@@ -11,12 +11,14 @@ prints it once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.errors import USER_FAULTS
@@ -30,6 +32,8 @@ INTERRUPTED_EXIT_CODE = 130
 # What a run directory holds before the job writes anything: Hydra's record and log (named after the script),
 # and the run's lock.
 HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log", LOCK_FILE}
+# The name torch's DataLoader gives (through its target) the thread that pins batches on a GPU run.
+PIN_MEMORY_THREAD = "_pin_memory_loop"
 
 
 def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger,
@@ -43,7 +47,8 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
     interrupted  the message for a KeyboardInterrupt (a job without stop signals of its own gets it at once)
     """
     try:
-        job()
+        with loader_thread_tracebacks_to_log(log):
+            job()
     except TrainingStopped as stopped:  # the loop has logged where to resume from
         end_child_processes()
         sys.exit(stopped.exit_code)
@@ -63,6 +68,30 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
         log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
         end_child_processes()
         raise
+
+
+@contextlib.contextmanager
+def loader_thread_tracebacks_to_log(log: logging.Logger) -> Iterator[None]:
+    """While inside, an exception that ends the DataLoader's pin-memory thread goes to train.log only.
+
+    That thread dies with a traceback of its own when a worker process it reads from is killed; the main
+    thread then reports the worker's death as the run's one message (or, should the thread die alone, fails
+    with "Pin memory thread exited unexpectedly"). Other threads' exceptions are printed as before.
+    """
+    printing = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and PIN_MEMORY_THREAD in args.thread.name:
+            log.error("the data loader's pin-memory thread stopped:", extra=FILE_ONLY,
+                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+            return
+        printing(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = printing
 
 
 def end_child_processes() -> None:

@@ -74,7 +74,8 @@ def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buc
     """This process's loader of ``dataset``, ``batch_size`` images a batch."""
     return build_data_loader(dataset, batch_size=batch_size, num_workers=cfg.num_workers, train=train,
                              buckets=buckets, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
-                             pad_to_multiple=cfg.dataset.pad_to_multiple, worker_init_fn=ignore_stop_signals)
+                             pad_to_multiple=cfg.dataset.pad_to_multiple, worker_init_fn=ignore_stop_signals,
+                             pin_memory=ctx.device.type == "cuda")
 
 
 def warn_unbounded_sizes(cfg: DictConfig, buckets, plan, *, training: bool) -> None:
