@@ -10,7 +10,7 @@ encoding, the backbone (``DeformableDETR.features``, one graph per size bucket) 
 after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and graphs
 off; ``default`` compiles without CUDA graphs (also on the CPU).
 
-Why these choices (bench/results/e2e_h200.md): the step's thousands of small launches are in the
+Why these choices (bench/results/e2e_h200.md and its history): the step's thousands of small launches are in the
 transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
 AOTAutograd's wrappers, the CUDA-graph trees' input copies) while the GPU waits, so fewer, larger graphs
 make the faster step. CUDA graphs take the launches off the host. The backbone compiled per size takes the
