@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from itertools import accumulate
 
 import torch
 from torch.utils.data import DataLoader
@@ -21,15 +22,78 @@ def padded_size(sizes, pad_to_multiple: int = 1) -> tuple[int, int]:
     return tuple(round_up(max(size[d] for size in sizes), pad_to_multiple) for d in (0, 1))
 
 
-def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+class BatchTargets(list):
+    """A batch's targets: the list of per-image dicts, whose tensors are views of one tensor per key.
+
+    A loader's worker hands each batch to the run through shared memory, tensor by tensor, and a run on a GPU
+    copies it there the same way: for 32 images of 7 keys, hundreds of hand-overs and copies per batch, which the
+    run waits for. Packed, there is one per key. A key is packed when every image has it as a plain tensor of
+    one dtype: 0-d tensors are stacked, the others joined along their first dimension (an image's boxes, labels,
+    ...); other values stay per image. What crosses processes, is pinned or is copied by ``to`` is the packed
+    tensors and those other values: a value replaced in one of the dicts afterwards is not carried along.
+    """
+
+    def __init__(self, targets=()):
+        targets = list(targets)
+        keys = tuple(targets[0]) if targets else ()
+        packable = [k for k in keys if all(tuple(t) == keys and type(t[k]) is torch.Tensor
+                                           and t[k].dtype == targets[0][k].dtype for t in targets)]
+        packed, lengths = {}, {}
+        for k in packable:
+            values = [t[k] for t in targets]
+            if all(v.dim() == 0 for v in values):
+                packed[k], lengths[k] = torch.stack(values), None
+            elif all(v.dim() > 0 and v.shape[1:] == values[0].shape[1:] for v in values):
+                packed[k], lengths[k] = torch.cat(values), [len(v) for v in values]
+        loose = [{k: v for k, v in t.items() if k not in packed} for t in targets]
+        self._set(keys if all(tuple(t) == keys for t in targets) else None, packed, lengths, loose)
+
+    def _set(self, keys, packed: dict, lengths: dict, loose: list[dict]) -> None:
+        self._keys, self._packed, self._lengths, self._loose = keys, packed, lengths, loose
+        starts = {k: [0, *accumulate(n)] for k, n in lengths.items() if n is not None}
+        views = []
+        for i, rest in enumerate(loose):
+            view = {k: packed[k][i] if lengths[k] is None else packed[k][starts[k][i]:starts[k][i + 1]]
+                    for k in packed}
+            views.append({k: view[k] if k in view else rest[k] for k in self._keys} if self._keys else rest)
+        self[:] = views
+
+    @classmethod
+    def _from_parts(cls, keys, packed: dict, lengths: dict, loose: list[dict]) -> BatchTargets:
+        targets = cls.__new__(cls)
+        targets._set(keys, packed, lengths, loose)
+        return targets
+
+    def __reduce__(self):
+        return BatchTargets._from_parts, (self._keys, self._packed, self._lengths, self._loose)
+
+    def _map(self, tensor_fn) -> BatchTargets:
+        """The same targets with ``tensor_fn`` applied to every tensor (the packed ones and the others)."""
+        loose = [{k: tensor_fn(v) if torch.is_tensor(v) else v for k, v in t.items()} for t in self._loose]
+        return BatchTargets._from_parts(self._keys, {k: tensor_fn(v) for k, v in self._packed.items()},
+                                        self._lengths, loose)
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> BatchTargets:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> BatchTargets:
+        """Called by the DataLoader's pin-memory thread."""
+        return self._map(lambda t: t.pin_memory())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the targets hold memory in: the packed ones and the others."""
+        return [*self._packed.values(), *(v for t in self._loose for v in t.values() if torch.is_tensor(v))]
+
+
+def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, BatchTargets]:
     """[(image (3, h_i, w_i), target[, canvas])] -> images (B, 3, H, W), masks (B, H, W), targets.
 
     (H, W) is the items' canvas (all the same: the batch plan's bucket), or without one the largest image's
     sides rounded up to a multiple of ``pad_to_multiple``. Images are zero padded at the bottom and right
     (boxes stay relative to the unpadded image, as the model's mask tells it where the image ends); masks
-    are True on padding.
+    are True on padding. ``targets`` is the items' dicts, their tensors packed (BatchTargets).
     """
-    images, targets = [item[0] for item in batch], [item[1] for item in batch]
+    images, targets = [item[0] for item in batch], BatchTargets(item[1] for item in batch)
     canvases = {tuple(item[2]) for item in batch if len(item) > 2}
     if len(canvases) > 1:
         raise ValueError(f"a batch's images were planned for different sizes {sorted(canvases)}")

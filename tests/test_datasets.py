@@ -6,6 +6,7 @@ import contextlib
 import io
 import itertools
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from datasets import (
     make_coco_transforms,
     synthetic,
 )
+from datasets.loader import BatchTargets
 from datasets.transforms import (
     IMAGENET_MEAN,
     NormalizeAndFinalize,
@@ -399,6 +401,54 @@ def test_collate_pads_to_a_multiple_when_asked():
     assert masks[1, :, 65:].all() and masks[1, 6:].all() and (images[masks[:, None].expand_as(images)] == 0).all()
     same, _, _ = collate_fn([(a, {}), (b, {})])
     assert same.shape == (2, 3, 33, 65)  # the default pads to the largest image only, as the original
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        return self.items[index]
+
+
+def _same_target(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert type(got[key]) is type(value), key
+        if torch.is_tensor(value):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def test_a_batchs_targets_cross_from_a_worker_as_one_tensor_per_key_and_read_as_the_images_dicts():
+    generator = torch.Generator().manual_seed(7)
+    targets = []
+    for i, n in enumerate([3, 0, 5, 1]):  # an image without boxes among them
+        targets.append({"boxes": torch.rand(n, 4, generator=generator),
+                        "labels": torch.randint(0, 80, (n,), generator=generator),
+                        "image_id": torch.tensor(100 + i), "size": torch.tensor([48 + i, 64]),
+                        # per image: another dtype in one image, a subclass, not a tensor
+                        "score": torch.rand(n, dtype=torch.float64 if i == 2 else torch.float32, generator=generator),
+                        "canvas": tv_tensors.BoundingBoxes(torch.rand(1, 4, generator=generator), format="XYXY",
+                                                           canvas_size=(8, 8)),
+                        "file": f"{i}.jpg"})
+    items = [(torch.rand(3, 6, 5, generator=generator), t) for t in targets]
+    loader = torch.utils.data.DataLoader(_Items(items), batch_size=4, num_workers=1, collate_fn=collate_fn)
+    [(_, _, got)] = list(loader)
+    assert isinstance(got, BatchTargets) and len(got) == 4
+    for g, want in zip(got, targets):
+        _same_target(g, want)
+    assert len(got.tensors()) == 4 + 2 * 4  # boxes, labels, image_id, size packed; score and canvas per image
+    again = pickle.loads(pickle.dumps(got))  # what a worker sends, without the views
+    moved = got.to(torch.device("cpu"))
+    for g, h, want in zip(again, moved, targets):
+        _same_target(g, want)
+        _same_target(h, want)
+    assert BatchTargets([]) == [] and BatchTargets([{"id": 0}, {"other": 1}]) == [{"id": 0}, {"other": 1}]
 
 
 @pytest.mark.parametrize("train,batch_size,expected_batches", [(True, 4, 2), (False, 4, 2), (False, 6, 1)])

@@ -5,19 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from datasets.loader import BatchTargets
 from engine.runtime.device_batches import DeviceBatches
 
 
-def _batches(count: int, *, pin: bool = False):
+def _batches(count: int, *, pin: bool = False, packed: bool = False):
     generator = torch.Generator().manual_seed(0)
     for k in range(count):
         images = torch.randn(2, 3, 8, 8, generator=generator)
         masks = torch.rand(2, 8, 8, generator=generator) > 0.5
         targets = [{"boxes": torch.rand(3, 4, generator=generator), "labels": torch.tensor([k, 1, 2]), "image_id": k}
                    for _ in range(2)]
+        if packed:  # as the loader's collate hands them over
+            targets = BatchTargets(targets)
         if pin:
             images, masks = images.pin_memory(), masks.pin_memory()
-            targets = [{key: v.pin_memory() if torch.is_tensor(v) else v for key, v in t.items()} for t in targets]
+            targets = targets.pin_memory() if packed else \
+                [{key: v.pin_memory() if torch.is_tensor(v) else v for key, v in t.items()} for t in targets]
         yield images, masks, targets
 
 
@@ -28,22 +32,25 @@ def _same(batch, expected) -> None:
         assert torch.equal(got["boxes"].cpu(), want["boxes"]) and torch.equal(got["labels"].cpu(), want["labels"])
 
 
-def _check(device: torch.device, *, pin: bool) -> None:
+def _check(device: torch.device, *, pin: bool, packed: bool) -> None:
     expected = list(_batches(5))
-    got = list(DeviceBatches(_batches(5, pin=pin), device))
+    got = list(DeviceBatches(_batches(5, pin=pin, packed=packed), device))
     assert len(got) == 5  # the last one too, although nothing follows it to be fetched ahead
     for batch, want in zip(got, expected):
         assert batch[0].device.type == device.type and batch[2][0]["boxes"].device.type == device.type
+        assert isinstance(batch[2], BatchTargets) == packed
         _same(batch, want)
 
 
-def test_batches_come_in_the_loaders_order_on_the_cpu():
-    _check(torch.device("cpu"), pin=False)
+@pytest.mark.parametrize("packed", [False, True], ids=["dicts", "packed"])
+def test_batches_come_in_the_loaders_order_on_the_cpu(packed):
+    _check(torch.device("cpu"), pin=False, packed=packed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_batches_copied_ahead_on_a_side_stream_reach_the_gpu_intact_and_in_order():
-    _check(torch.device("cuda"), pin=True)
+@pytest.mark.parametrize("packed", [False, True], ids=["dicts", "packed"])
+def test_batches_copied_ahead_on_a_side_stream_reach_the_gpu_intact_and_in_order(packed):
+    _check(torch.device("cuda"), pin=True, packed=packed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

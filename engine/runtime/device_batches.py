@@ -6,17 +6,24 @@ from collections.abc import Iterator
 
 import torch
 
+from datasets.loader import BatchTargets
+
 
 def _tensors(batch) -> list[torch.Tensor]:
     images, masks, targets = batch
+    if isinstance(targets, BatchTargets):
+        return [images, masks, *targets.tensors()]
     return [images, masks, *(v for t in targets for v in t.values() if torch.is_tensor(v))]
 
 
 def _to(batch, device: torch.device):
     images, masks, targets = batch
-    return (images.to(device, non_blocking=True), masks.to(device, non_blocking=True),
-            [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
-             for t in targets])
+    if isinstance(targets, BatchTargets):  # the loader's: a copy per key, not per image and key
+        targets = targets.to(device, non_blocking=True)
+    else:
+        targets = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
+                   for t in targets]
+    return images.to(device, non_blocking=True), masks.to(device, non_blocking=True), targets
 
 
 class DeviceBatches:
@@ -40,7 +47,7 @@ class DeviceBatches:
         self._ahead = None
         self._failed: Exception | None = None  # fetching the batch ahead failed: raised in its turn
 
-    def __iter__(self) -> "DeviceBatches":
+    def __iter__(self) -> DeviceBatches:
         return self
 
     def __next__(self):
