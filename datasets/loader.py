@@ -85,15 +85,39 @@ class BatchTargets(list):
         return [*self._packed.values(), *(v for t in self._loose for v in t.values() if torch.is_tensor(v))]
 
 
-def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, BatchTargets]:
+def _pins_through_the_method() -> bool:
+    """Whether this torch's DataLoader pins a list subclass through its ``pin_memory`` method. Older releases look
+    for a sequence first and pin it item by item: packed targets would then reach the GPU from unpinned memory."""
+    try:
+        from torch.utils.data._utils.pin_memory import pin_memory
+    except ImportError:
+        return False
+
+    class Probe(list):
+        def pin_memory(self, *args):
+            return "method"
+
+    try:
+        return pin_memory(Probe()) == "method"
+    except Exception:  # noqa: BLE001 - any other behaviour: the per-image dicts of before
+        return False
+
+
+# Whether collate_fn packs a batch's targets (BatchTargets) or leaves them per image, as on an older torch.
+PACK_TARGETS = _pins_through_the_method()
+
+
+def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
     """[(image (3, h_i, w_i), target[, canvas])] -> images (B, 3, H, W), masks (B, H, W), targets.
 
     (H, W) is the items' canvas (all the same: the batch plan's bucket), or without one the largest image's
     sides rounded up to a multiple of ``pad_to_multiple``. Images are zero padded at the bottom and right
     (boxes stay relative to the unpadded image, as the model's mask tells it where the image ends); masks
-    are True on padding. ``targets`` is the items' dicts, their tensors packed (BatchTargets).
+    are True on padding. ``targets`` is the items' dicts, their tensors packed (BatchTargets) where PACK_TARGETS.
     """
-    images, targets = [item[0] for item in batch], BatchTargets(item[1] for item in batch)
+    images, targets = [item[0] for item in batch], [item[1] for item in batch]
+    if PACK_TARGETS:
+        targets = BatchTargets(targets)
     canvases = {tuple(item[2]) for item in batch if len(item) > 2}
     if len(canvases) > 1:
         raise ValueError(f"a batch's images were planned for different sizes {sorted(canvases)}")

@@ -24,7 +24,7 @@ from datasets import (
     make_coco_transforms,
     synthetic,
 )
-from datasets.loader import BatchTargets
+from datasets.loader import PACK_TARGETS, BatchTargets
 from datasets.transforms import (
     IMAGENET_MEAN,
     NormalizeAndFinalize,
@@ -449,6 +449,26 @@ def test_a_batchs_targets_cross_from_a_worker_as_one_tensor_per_key_and_read_as_
         _same_target(g, want)
         _same_target(h, want)
     assert BatchTargets([]) == [] and BatchTargets([{"id": 0}, {"other": 1}]) == [{"id": 0}, {"other": 1}]
+
+
+def test_this_torch_pins_packed_targets_through_their_method():
+    # Else collate_fn leaves the targets per image (a torch that pins a list item by item would unpin them).
+    assert PACK_TARGETS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+def test_a_gpu_runs_loader_pins_the_packed_targets_in_its_pin_memory_thread(synthetic_root):
+    from engine.runtime.console import PIN_MEMORY_THREAD
+
+    dataset = build_dataset("train", {"name": "coco", "root": str(synthetic_root), **SMALL_TRANSFORMS})
+    loader = build_data_loader(dataset, batch_size=4, num_workers=1, train=True, seed=0, pin_memory=True)
+    batches = iter(loader)
+    images, masks, targets = next(batches)
+    assert PIN_MEMORY_THREAD in batches._pin_memory_thread.name  # what engine.runtime.console recognizes
+    assert isinstance(targets, BatchTargets) and images.is_pinned() and masks.is_pinned()
+    assert all(t.is_pinned() for t in targets.tensors())
+    assert all(target["boxes"].is_pinned() and target["labels"].is_pinned() for target in targets)
+    batches._shutdown_workers()
 
 
 @pytest.mark.parametrize("train,batch_size,expected_batches", [(True, 4, 2), (False, 4, 2), (False, 6, 1)])

@@ -46,28 +46,29 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
              outputs/<date>/<time>, whose date and outputs folders go too when that leaves them empty
     interrupted  the message for a KeyboardInterrupt (a job without stop signals of its own gets it at once)
     """
-    try:
-        with loader_thread_tracebacks_to_log(log):
+    # Kept while the handlers below end the loader's workers too: a pin-memory thread can die of that.
+    with loader_thread_tracebacks_to_log(log):
+        try:
             job()
-    except TrainingStopped as stopped:  # the loop has logged where to resume from
-        end_child_processes()
-        sys.exit(stopped.exit_code)
-    except KeyboardInterrupt:
-        log.error("%s", interrupted)
-        end_child_processes()
-        sys.exit(INTERRUPTED_EXIT_CODE)
-    except USER_FAULTS as fault:
-        log.error("%s", fault)
-        log.error("the traceback of the error above:", exc_info=True, extra=FILE_ONLY)
-        end_child_processes()
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        except TrainingStopped as stopped:  # the loop has logged where to resume from
+            end_child_processes()
+            sys.exit(stopped.exit_code)
+        except KeyboardInterrupt:
+            log.error("%s", interrupted)
+            end_child_processes()
+            sys.exit(INTERRUPTED_EXIT_CODE)
+        except USER_FAULTS as fault:
+            log.error("%s", fault)
+            log.error("the traceback of the error above:", exc_info=True, extra=FILE_ONLY)
+            end_child_processes()
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            remove_if_untouched(run_dir, dated=dated)
+            sys.exit(FAULT_EXIT_CODE)
+        except Exception:
+            log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
+            end_child_processes()
             raise
-        remove_if_untouched(run_dir, dated=dated)
-        sys.exit(FAULT_EXIT_CODE)
-    except Exception:
-        log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
-        end_child_processes()
-        raise
 
 
 @contextlib.contextmanager
