@@ -36,17 +36,19 @@ class BatchTargets(list):
     def __init__(self, targets=()):
         targets = list(targets)
         keys = tuple(targets[0]) if targets else ()
-        packable = [k for k in keys if all(tuple(t) == keys and type(t[k]) is torch.Tensor
-                                           and t[k].dtype == targets[0][k].dtype for t in targets)]
+        if any(tuple(t) != keys for t in targets):
+            keys = None  # dicts of different keys: none packed, each kept as it came
         packed, lengths = {}, {}
-        for k in packable:
+        for k in keys or ():
             values = [t[k] for t in targets]
+            if any(type(v) is not torch.Tensor or v.dtype != values[0].dtype for v in values):
+                continue
             if all(v.dim() == 0 for v in values):
                 packed[k], lengths[k] = torch.stack(values), None
             elif all(v.dim() > 0 and v.shape[1:] == values[0].shape[1:] for v in values):
                 packed[k], lengths[k] = torch.cat(values), [len(v) for v in values]
         loose = [{k: v for k, v in t.items() if k not in packed} for t in targets]
-        self._set(keys if all(tuple(t) == keys for t in targets) else None, packed, lengths, loose)
+        self._set(keys, packed, lengths, loose)
 
     def _set(self, keys, packed: dict, lengths: dict, loose: list[dict]) -> None:
         self._keys, self._packed, self._lengths, self._loose = keys, packed, lengths, loose
