@@ -65,7 +65,7 @@ class CocoDetection(Dataset):
     ``dataset[PlannedSample]`` (datasets/batch_plan.py, what the loaders ask for) -> (image, target, canvas):
     the sample's planned augmentation applied, and the (H, W) its batch is padded to.
 
-    - image: (3, H, W) float32, normalized with the ImageNet mean/std.
+    - image: (3, H, W) uint8 RGB pixels, which the model normalizes (models/input_pixels.py).
     - target: ``labels`` (n,) int64 COCO category ids (used directly, num_classes=91 as in the
       original); ``boxes`` (n, 4) float32 normalized cxcywh in the transformed image; ``image_id``
       () int64; ``orig_size`` (2,) int64 (h, w) of the file; ``size`` (2,) int64 (h, w) after the

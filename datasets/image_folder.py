@@ -1,9 +1,9 @@
 """Images to run a detector on: a folder (searched recursively) or one file, read as the training data is read
 (EXIF orientation applied, any PIL mode converted to RGB) and resized as the checkpoint's run evaluated.
 
-Each item is (image (3, h, w) float32 normalized, info) with info = {"index", "path", "orig_size" (H, W) as
-the picture shows it, "size" (h, w) after resizing, and with ``keep_pixels`` "pixels", the picture as read
-(3, H, W) uint8, so that drawing on it does not read the file again}; an image that cannot be read gives (None,
+Each item is (image (3, h, w) uint8, which the model normalizes, info) with info = {"index", "path", "orig_size"
+(H, W) as the picture shows it, "size" (h, w) after resizing, and with ``keep_pixels`` "pixels", the picture as
+read (3, H, W) uint8, so that drawing on it does not read the file again}; an image that cannot be read gives (None,
 info with "error" naming the file), so that the reader, not a loader worker, decides what to do with it.
 """
 

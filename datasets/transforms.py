@@ -2,12 +2,12 @@
 
 Every transform is a callable ``(image, target) -> (image, target)``:
 
-- ``image``: ``tv_tensors.Image`` (3, H, W) uint8 until :class:`NormalizeAndFinalize`, which returns a
-  plain float32 tensor normalized with the ImageNet mean/std.
+- ``image``: ``tv_tensors.Image`` (3, H, W) uint8; :class:`Finalize` returns it as a plain uint8 tensor, which
+  the model normalizes on its device (models/input_pixels.py).
 - ``target``: dict with ``boxes`` (``tv_tensors.BoundingBoxes``, XYXY, absolute pixels,
   ``canvas_size`` = (H, W) of the current image), ``labels`` (n,) int64, ``area`` (n,) float32,
   ``iscrowd`` (n,) int64, ``image_id`` () int64, ``orig_size`` (2,) int64 as (h, w). After
-  :class:`NormalizeAndFinalize`, ``boxes`` is a plain (n, 4) float32 tensor in normalized cxcywh and
+  :class:`Finalize`, ``boxes`` is a plain (n, 4) float32 tensor in normalized cxcywh and
   ``size`` (2,) int64 is the (h, w) of the transformed image.
 
 torchvision's v2 kernels move and clamp the boxes together with the pixels (flip, resize, crop).
@@ -28,9 +28,6 @@ import torch
 from torchvision import tv_tensors
 from torchvision.ops import box_area
 from torchvision.transforms.v2 import functional as F
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # The published recipe (Deformable DETR, inherited from DETR).
 COCO_TRAIN_SCALES = tuple(range(480, 801, 32))  # 480, 512, ..., 800
@@ -237,12 +234,13 @@ class Compose(Planned):
         return image, target
 
 
-class NormalizeAndFinalize(Planned):
-    """Image to float32 normalized (ImageNet mean/std); boxes to normalized cxcywh plain tensors.
+class Finalize(Planned):
+    """The image as plain uint8 pixels; boxes to normalized cxcywh plain tensors.
 
-    Output: image (3, H, W) float32; target ``boxes`` (n, 4) float32 cxcywh in [0, 1] relative to
-    the transformed (H, W); ``size`` = (H, W) int64. tv_tensor subclasses are stripped so that the
-    model and criterion see ordinary tensors.
+    Output: image (3, H, W) uint8, normalized by the model where it runs (a quarter of float32's bytes between
+    the loader's processes and to the GPU); target ``boxes`` (n, 4) float32 cxcywh in [0, 1] relative to the
+    transformed (H, W); ``size`` = (H, W) int64. tv_tensor subclasses are stripped so that the model and
+    criterion see ordinary tensors.
     """
 
     def plan(self, size: Size, rng: Rng) -> tuple[None, Size]:
@@ -250,8 +248,8 @@ class NormalizeAndFinalize(Planned):
 
     def apply(self, image, target, params=None):
         height, width = image.shape[-2:]
-        image = F.to_dtype(image, torch.float32, scale=True)
-        image = F.normalize(image, mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+        if image.dtype != torch.uint8:
+            raise ValueError(f"Finalize takes uint8 pixels, got {image.dtype}")
         target = dict(target)
         boxes = F.convert_bounding_box_format(target["boxes"], new_format=tv_tensors.BoundingBoxFormat.CXCYWH)
         scale = torch.tensor([width, height, width, height], dtype=torch.float32)
@@ -276,10 +274,10 @@ def make_coco_transforms(
 
     train: flip, then either RandomResize(train_scales, max_size) or (with ``crop``, half the time)
     RandomResize(crop_scales) -> RandomSizeCrop(crop_min_size, crop_max_size) ->
-    RandomResize(train_scales, max_size); then normalize. val: RandomResize([val_size], max_size),
-    normalize. The sizes are parameters so that small synthetic images can use small scales.
+    RandomResize(train_scales, max_size); then finalize. val: RandomResize([val_size], max_size),
+    finalize. The sizes are parameters so that small synthetic images can use small scales.
     """
-    finalize = NormalizeAndFinalize()
+    finalize = Finalize()
     if not train:
         return Compose([RandomResize(sizes=[val_size], max_size=max_size), finalize])
     resize = RandomResize(sizes=train_scales, max_size=max_size)

@@ -16,6 +16,7 @@ from torch import nn
 from models.backbone import Joiner, build_backbone, downsample_mask
 from models.compiled_regions import CompiledRegions, Region
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
+from models.input_pixels import InputPixels
 from models.model_config import ModelConfig, read_model_config, resolved_num_classes
 from models.position_encoding import build_position_encoding
 
@@ -36,7 +37,8 @@ class MLP(nn.Module):
 
 
 class DeformableDETR(CompiledRegions, nn.Module):
-    """forward(images (B, 3, H, W) float, mask (B, H, W) bool True on padding) -> dict:
+    """forward(images (B, 3, H, W), mask (B, H, W) bool True on padding) -> dict. images: uint8 pixels (as the
+    loaders give them: the model normalizes them, ``input_pixels``) or float, already normalized.
 
     pred_logits (B, Q, num_classes) logits of the last decoder layer (sigmoid per class, no background),
     pred_boxes  (B, Q, 4) normalized cxcywh (sigmoid),
@@ -51,6 +53,7 @@ class DeformableDETR(CompiledRegions, nn.Module):
                  num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,
                  two_stage: bool = False):
         super().__init__()
+        self.input_pixels = InputPixels()  # uint8 images normalized on the model's device
         self.num_queries = num_queries
         self.transformer = transformer
         C = transformer.d_model
@@ -111,7 +114,8 @@ class DeformableDETR(CompiledRegions, nn.Module):
                 nn.init.constant_(box_embed.layers[-1].bias[2:], 0.0)
 
     def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
-        """images (B, 3, H, W), mask (B, H, W) bool True on padding (None: no padding) -> output dict."""
+        """images (B, 3, H, W) uint8 pixels or normalized float, mask (B, H, W) bool True on padding (None: no
+        padding) -> output dict."""
         return self.predict(*self.features(images, mask))
 
     def detect(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
@@ -163,7 +167,7 @@ class DeformableDETR(CompiledRegions, nn.Module):
         if tuple(mask.shape) != (images.shape[0], *images.shape[-2:]) or mask.dtype != torch.bool:
             raise ValueError(f"mask must be (B, H, W) bool matching images {tuple(images.shape)}, "
                              f"got {tuple(mask.shape)} {mask.dtype}")
-        features, masks, pos = self.backbone(images, mask)
+        features, masks, pos = self.backbone(self.input_pixels(images, mask), mask)
         srcs = [proj(feat) for proj, feat in zip(self.input_proj, features)]  # [(B, C, H_l, W_l)]
         masks, pos = list(masks), list(pos)
         for lvl in range(len(srcs), self.num_feature_levels):

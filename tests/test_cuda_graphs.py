@@ -129,7 +129,7 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
     clock = CompileClock.get()
     before = clock.totals()
     for H, W in SIZES:
-        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
         targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
         # [loss, gradient norm, each loss]; two-stage's top-k of the encoder's proposals may flip on a near tie
         assert_same_step(eager, graphed, batch, targets, gradients=variant != "two_stage", what=f"size {H}x{W}")
@@ -156,7 +156,7 @@ def test_accumulated_passes_replayed_as_cuda_graphs_add_up_their_gradients_witho
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for H, W in SIZES[:3]:
-            batch = [t.cuda() for t in _batch(B=4, H=H, W=W, pad_w=8)]
+            batch = [t.cuda() for t in _batch(B=4, H=H, W=W, pad_w=8, pixels=True)]
             targets = [{k: v.cuda() for k, v in t.items()} for t in _targets(B=4)]
             assert_same_step(eager, graphed, batch, targets, gradients=True, what=f"size {H}x{W}")
     assert not [w for w in caught if "AccumulateGrad" in str(w.message)]
@@ -230,7 +230,7 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
             assert_same_detections(model, graphed, postprocess, H=H, W=W, device="cuda")
         graphed.train()
         for H, W in SIZES[:3]:  # the weights move: the evaluation graphs must see the new ones
-            step(*[t.cuda() for t in _batch(H=H, W=W, pad_w=8)],
+            step(*[t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)],
                  [{k: v.cuda() for k, v in t.items()} for t in _targets()])
 
 
@@ -242,7 +242,7 @@ def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eage
     reference = copy.deepcopy(model).eval()
     compile_model(model, CompilePlan(mode="graphs", evaluation=False))
     model.eval()
-    images, mask = (t.cuda() for t in _batch(H=128, W=160, pad_w=8))
+    images, mask = (t.cuda() for t in _batch(H=128, W=160, pad_w=8, pixels=True))
     clock = CompileClock.get()
     before = clock.totals()
     with torch.no_grad():
@@ -273,7 +273,7 @@ def test_sizes_past_the_memory_share_run_eagerly_with_one_warning(monkeypatch, c
     before = clock.totals()
     with caplog.at_level("WARNING"):
         for H, W in SIZES[:3]:
-            batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
+            batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
             targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
             assert_same_step(eager, graphed, batch, targets, gradients=True, what=f"size {H}x{W}")
     assert "graphed_forward" not in clock.totals().since(before).by_function

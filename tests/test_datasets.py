@@ -26,8 +26,7 @@ from datasets import (
 )
 from datasets.loader import PACK_TARGETS, BatchTargets
 from datasets.transforms import (
-    IMAGENET_MEAN,
-    NormalizeAndFinalize,
+    Finalize,
     RandomHorizontalFlip,
     RandomResize,
     RandomSizeCrop,
@@ -171,7 +170,7 @@ def test_dataset_targets_match_annotations_without_augmentation(synthetic_root):
     for index in range(len(dataset)):
         image, target = dataset[index]
         info = coco.imgs[int(target["image_id"])]
-        assert image.dtype == torch.float32 and image.shape[0] == 3
+        assert image.dtype == torch.uint8 and image.shape[0] == 3
         assert image.shape[1:] == tuple(target["size"].tolist())
         assert target["orig_size"].tolist() == [info["height"], info["width"]]
         expected = size_with_aspect_ratio(
@@ -331,13 +330,12 @@ def test_random_size_crop_stays_inside_bounds(seed):
     assert (boxes[:, 0::2] >= 0).all() and (boxes[:, 0::2] <= width).all() and (boxes[:, 1::2] <= height).all()
 
 
-def test_normalize_gives_imagenet_standardized_pixels_and_normalized_cxcywh():
+def test_finalize_keeps_the_pixels_and_gives_normalized_cxcywh():
     image, target = make_sample(height=20, width=40, boxes=[[10.0, 5.0, 30.0, 15.0]])
-    mean_pixel = torch.tensor([round(m * 255) for m in IMAGENET_MEAN], dtype=torch.uint8)
-    image = tv_tensors.Image(mean_pixel[:, None, None].expand(3, 20, 40).clone())
-    out_image, out = NormalizeAndFinalize()(image, target)
-    assert type(out_image) is torch.Tensor and out_image.dtype == torch.float32
-    assert out_image.abs().max() < 0.01
+    image = tv_tensors.Image(torch.randint(0, 256, (3, 20, 40), dtype=torch.uint8))
+    out_image, out = Finalize()(image, target)
+    assert type(out_image) is torch.Tensor and out_image.dtype == torch.uint8
+    assert torch.equal(out_image, image.as_subclass(torch.Tensor))
     assert type(out["boxes"]) is torch.Tensor
     torch.testing.assert_close(out["boxes"], torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     assert out["size"].tolist() == [20, 40]
@@ -379,11 +377,13 @@ def test_make_coco_transforms_defaults_are_the_published_recipe():
 # ------------------------------------------------------------------------------------- collate and loader
 
 
-def test_collate_pads_with_zeros_and_masks_the_padding():
-    a = torch.rand(3, 4, 5) + 1  # strictly positive, so padding zeros are recognizable
-    b = torch.rand(3, 6, 2) + 1
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_collate_pads_with_zeros_and_masks_the_padding(dtype):
+    a = torch.randint(1, 256, (3, 4, 5)).to(dtype)  # strictly positive, so padding zeros are recognizable
+    b = torch.randint(1, 256, (3, 6, 2)).to(dtype)
     images, masks, targets = collate_fn([(a, {"id": 0}), (b, {"id": 1})])
-    assert images.shape == (2, 3, 6, 5) and masks.shape == (2, 6, 5) and masks.dtype == torch.bool
+    assert images.shape == (2, 3, 6, 5) and images.dtype == dtype
+    assert masks.shape == (2, 6, 5) and masks.dtype == torch.bool
     assert torch.equal(images[0, :, :4, :5], a) and torch.equal(images[1, :, :6, :2], b)
     expected_masks = torch.ones(2, 6, 5, dtype=torch.bool)
     expected_masks[0, :4, :5] = False
@@ -481,6 +481,7 @@ def test_data_loader_yields_padded_batches(synthetic_root, train, batch_size, ex
     seen = []
     for images, masks, targets in batches:
         assert images.shape[0] == masks.shape[0] == len(targets) <= batch_size
+        assert images.dtype == torch.uint8  # pixels: the model normalizes them
         for image_mask, target in zip(masks, targets):
             h, w = target["size"].tolist()
             assert not image_mask[:h, :w].any() and image_mask.sum() == image_mask.numel() - h * w

@@ -54,9 +54,10 @@ def seeded():
     torch.manual_seed(0)
 
 
-def _batch(B=2, H=64, W=64, pad_w=0):
-    """Images (B, 3, H, W) and masks; the last image's right ``pad_w`` columns are padding (zeros)."""
-    images = torch.randn(B, 3, H, W)
+def _batch(B=2, H=64, W=64, pad_w=0, pixels=False):
+    """Images (B, 3, H, W) and masks; the last image's right ``pad_w`` columns are padding (zeros). pixels: uint8
+    images as the loaders give them (the model normalizes them); otherwise normalized float ones."""
+    images = torch.randint(0, 256, (B, 3, H, W), dtype=torch.uint8) if pixels else torch.randn(B, 3, H, W)
     mask = torch.zeros(B, H, W, dtype=torch.bool)
     if pad_w:
         mask[-1, :, W - pad_w:] = True
@@ -391,3 +392,107 @@ def test_channels_last_backbone_computes_the_same_with_the_same_state_dict(seede
     fresh.load_state_dict(state)
     assert fresh.backbone[0].body.conv1.weight.is_contiguous()
     torch.testing.assert_close(fresh.backbone[0].body.conv1.weight, conv, rtol=0, atol=0)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# input pixels: the loaders give uint8, the model normalizes
+# ----------------------------------------------------------------------------------------------------
+def _host_normalized(pixels: torch.Tensor) -> torch.Tensor:
+    """What the loaders gave before they handed over uint8: torchvision's normalization on the host."""
+    from torchvision.transforms.v2 import functional as F
+
+    from models.input_pixels import IMAGENET_MEAN, IMAGENET_STD
+
+    return F.normalize(F.to_dtype(pixels, torch.float32, scale=True), mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD))
+
+
+def _pixel_batch(generator, B=2, H=64, W=96, pad=(0, 24)):
+    """uint8 images, zero padded as collate_fn pads them (the last image's bottom/right ``pad`` rows/columns), and
+    their masks; and the same batch as the loaders gave it before: normalized on the host, padded with 0."""
+    pixels = torch.randint(0, 256, (B, 3, H, W), dtype=torch.uint8, generator=generator)
+    mask = torch.zeros(B, H, W, dtype=torch.bool)
+    mask[-1, H - pad[0]:] = True
+    mask[-1, :, W - pad[1]:] = True
+    pixels[mask[:, None].expand_as(pixels)] = 0
+    normalized = torch.stack([_host_normalized(p) for p in pixels])
+    normalized[mask[:, None].expand_as(normalized)] = 0
+    return pixels, mask, normalized
+
+
+def test_pixels_are_normalized_as_torchvision_normalizes_them_and_padding_is_zero():
+    from models.input_pixels import InputPixels
+
+    normalizer = InputPixels()
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    pixels, mask, expected = _pixel_batch(generator, B=3, H=37, W=53, pad=(5, 11))
+    assert torch.equal(normalizer(pixels, mask), expected)
+    assert torch.equal(normalizer(pixels[0]), _host_normalized(pixels[0]))  # one image, no mask
+    unmasked = normalizer(pixels)
+    assert unmasked.dtype == torch.float32 and (unmasked[mask[:, None].expand_as(unmasked)] != 0).all()
+    assert normalizer(expected, mask) is expected  # float: already normalized
+    with pytest.raises(ValueError, match="pixels must be uint8.*float32"):
+        normalizer.normalize(expected, mask)
+    assert list(normalizer.state_dict()) == []  # constants: no key the official checkpoints lack
+
+
+def test_normalizing_makes_no_tensor_and_copies_nothing_from_the_host():
+    """Its constants are already where the pixels are: a CUDA graph records the step, and a tensor made from
+    Python numbers during it (a copy from the host) would stop the recording. Every op it dispatches works on the
+    pixels, the mask and the buffers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.input_pixels import InputPixels
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func.overloadpacket.__name__, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    normalizer = InputPixels()
+    pixels, mask, _ = _pixel_batch(torch.Generator().manual_seed(3), H=16, W=24, pad=(4, 8))
+    with Ops() as ops:
+        out = normalizer(pixels, mask)
+    assert out.shape == pixels.shape and out.dtype == torch.float32
+    assert ops.calls, "the mode saw no op"
+    for name, kwargs in ops.calls:
+        assert "device" not in kwargs, (name, kwargs)
+        assert not name.startswith(("lift_fresh", "scalar_tensor", "empty", "full", "zeros", "ones", "arange")), name
+    with pytest.raises(ValueError, match="pixels are on cpu and the model on meta"):
+        normalizer.to("meta")(pixels, mask)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_model_on_uint8_pixels_computes_what_it_did_on_host_normalized_images(variant):
+    """The same outputs and gradients, to the bit (fp32, CPU), as when the loaders normalized on the host."""
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    model = build_deformable_detr(tiny_cfg(variant, backbone="resnet18", train_backbone=True)).train()
+    pixels, mask, normalized = _pixel_batch(torch.Generator().manual_seed(1), pad=(16, 32))
+    runs = []
+    for images in (pixels, normalized):
+        model.zero_grad()
+        out = model(images, mask)
+        (out["pred_logits"].square().sum() + out["pred_boxes"].sum()).backward()
+        runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (a, grads_a), (b, grads_b) = runs
+    assert torch.equal(a["pred_logits"], b["pred_logits"]) and torch.equal(a["pred_boxes"], b["pred_boxes"])
+    assert grads_a.keys() == grads_b.keys() and "backbone.0.body.layer2.0.conv1.weight" in grads_a
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_pixels_normalized_on_the_gpu_match_the_host():
+    """Eager CUDA kernels round as the CPU's; a compiled graph (as the backbone's) may differ by an ulp."""
+    from models.input_pixels import InputPixels
+
+    normalizer = InputPixels().cuda()
+    pixels, mask, expected = _pixel_batch(torch.Generator().manual_seed(2), B=4, H=120, W=200, pad=(40, 56))
+    assert torch.equal(normalizer(pixels.cuda(), mask.cuda()).cpu(), expected)
+    compiled = torch.compile(normalizer, fullgraph=True)(pixels.cuda(), mask.cuda()).cpu()
+    torch.testing.assert_close(compiled, expected, rtol=1e-6, atol=1e-6)
+    assert (compiled[mask[:, None].expand_as(compiled)] == 0).all()

@@ -156,7 +156,7 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
 def test_model_forward_and_backward_never_sync_with_the_host(seeded, variant):
     model, _, _ = build_model(tiny_cfg(variant, msda="triton"))
     model.cuda()
-    images, mask = (t.cuda() for t in _batch(pad_w=16))
+    images, mask = (t.cuda() for t in _batch(pad_w=16, pixels=True))
     model(images, mask)  # warm-up: Triton compiles its kernels, the allocator fills
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

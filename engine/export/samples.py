@@ -19,7 +19,7 @@ from torchvision.transforms.v2 import functional as F
 
 from datasets.image_files import read_image
 from datasets.image_folder import find_images
-from datasets.transforms import IMAGENET_MEAN, IMAGENET_STD
+from models.input_pixels import InputPixels
 
 from .exportable import SampleShape
 
@@ -93,9 +93,7 @@ def fitted_image(path: Path, *, index: int, height: int, width: int) -> tuple[to
     scale = min(height / original[0], width / original[1])
     size = [min(height, max(1, round(original[0] * scale))), min(width, max(1, round(original[1] * scale)))]
     pixels = F.resize(pixels, size, antialias=True)
-    picture = F.normalize(F.to_dtype(pixels, torch.float32, scale=True), mean=list(IMAGENET_MEAN),
-                          std=list(IMAGENET_STD))
-    return picture, original
+    return InputPixels().normalize(pixels), original
 
 
 def random_batch(shape: SampleShape, *, seed: int = 0) -> SampleBatch:
