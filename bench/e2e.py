@@ -83,10 +83,10 @@ def label(row: dict) -> str:
 
 
 def random_batch(batch: int, height: int, width: int, num_classes: int, device, gen):
-    """Random images of one size (no padding), and 6 random boxes per image."""
+    """Random uint8 images of one size (no padding), as the loader hands them over, and 6 random boxes per image."""
     import torch
 
-    images = torch.randn(batch, 3, height, width, device=device, generator=gen)
+    images = torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, device=device, generator=gen)
     masks = torch.zeros(batch, height, width, dtype=torch.bool, device=device)
     targets = [{"labels": torch.randint(1, num_classes, (6,), device=device, generator=gen),
                 "boxes": torch.cat([torch.rand(6, 2, device=device, generator=gen) * 0.6 + 0.2,
