@@ -61,6 +61,7 @@ class ImageFolder(Dataset):
         target = {"boxes": tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(height, width)),
                   "labels": torch.zeros(0, dtype=torch.int64), "area": torch.zeros(0)}
         if self.keep_pixels:
-            info["pixels"] = image.as_subclass(torch.Tensor)  # the transforms make new tensors: this one stays as read
+            # As read: the transforms only read it (without a resize, the item's image is this same tensor).
+            info["pixels"] = image.as_subclass(torch.Tensor)
         image, target = self.transforms(image, target)
         return image, {**info, "orig_size": (int(height), int(width)), "size": tuple(int(s) for s in image.shape[-2:])}

@@ -116,7 +116,7 @@ def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(se
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
     graphs = []
     for H, W in ((136, 136), (128, 160), (160, 136)):  # no level of size 1, which torch.compile specializes
-        images, mask = _batch(H=H, W=W, pad_w=8)
+        images, mask = _batch(H=H, W=W, pad_w=8, pixels=True)
         out_eager, out_compiled = eager(images, mask), compiled(images, mask)
         torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
         _loss(out_compiled).backward()
@@ -183,7 +183,7 @@ def test_evaluation_compiles_one_graph_per_size_once_and_gives_the_detections_of
     compiled.eval()
     frames = []
     for H, W in ((136, 160), (160, 136), (136, 160), (160, 136)):
-        images, mask = _batch(H=H, W=W, pad_w=8)
+        images, mask = _batch(H=H, W=W, pad_w=8, pixels=True)
         sizes = torch.tensor([[H, W - 8]] * images.shape[0])
         with torch.no_grad():
             expected = postprocess(eager(images, mask), sizes)
@@ -254,7 +254,7 @@ def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_
     compile_model(twin, plan(counter, backbone="static"))  # only features() is called: nothing else traced
     assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
     for (H, W), most_graphs in zip(BACKBONE_SIZES, BACKBONE_GRAPHS):
-        images, mask = _batch(H=H, W=W, pad_w=8)
+        images, mask = _batch(H=H, W=W, pad_w=8, pixels=True)
         expected, got = eager.features(images, mask), twin.features(images, mask)
         for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
             for level, (e, g) in enumerate(zip(e_maps, g_maps)):
@@ -321,8 +321,9 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager(seeded
 
 
 def assert_same_detections(reference, model, postprocess, *, H: int, W: int, device: str) -> None:
-    """``model.detect`` gives ``reference``'s detections (its eager forward, without gradients) on one batch."""
-    images, mask = (t.to(device) for t in _batch(H=H, W=W, pad_w=8))
+    """``model.detect`` gives ``reference``'s detections (its eager forward, without gradients) on one batch of
+    uint8 pixels, as evaluation's loader gives them."""
+    images, mask = (t.to(device) for t in _batch(H=H, W=W, pad_w=8, pixels=True))
     sizes = torch.tensor([[H, W - 8]] * images.shape[0], device=device)
     with torch.no_grad():
         expected = postprocess(reference(images, mask), sizes)

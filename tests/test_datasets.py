@@ -336,6 +336,8 @@ def test_finalize_keeps_the_pixels_and_gives_normalized_cxcywh():
     out_image, out = Finalize()(image, target)
     assert type(out_image) is torch.Tensor and out_image.dtype == torch.uint8
     assert torch.equal(out_image, image.as_subclass(torch.Tensor))
+    with pytest.raises(ValueError, match="Finalize takes uint8 pixels, got torch.float32"):
+        Finalize()(tv_tensors.Image(image.float()), target)
     assert type(out["boxes"]) is torch.Tensor
     torch.testing.assert_close(out["boxes"], torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     assert out["size"].tolist() == [20, 40]

@@ -31,7 +31,7 @@ class DeviceBatches:
     one batch ahead.
 
     On a GPU, handing out batch k starts the copy of batch k+1 on a stream of its own, so that the copy runs
-    during step k rather than in front of step k+1 (a batch of 32 COCO images is about 260 MB of float32). The
+    during step k rather than in front of step k+1 (a batch of 32 COCO images is about 65 MB of uint8 pixels). The
     training stream waits for a batch's copy on the GPU, not on the host, and its tensors are marked as in use
     there, so that their memory is not reused while the step reads them. Elsewhere the batch ahead is moved on
     the one stream there is. The order of the batches is the loader's: one held ahead changes nothing a run

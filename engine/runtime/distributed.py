@@ -199,8 +199,9 @@ def distributed_data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_
     Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy of every
     gradient into its bucket after backward, which on a host-bound step is one launch per parameter.
     Buffers are synced once, when DDP is built, and not broadcast before every forward: the model's only
-    buffers are the backbone's frozen batch-norm statistics, never updated, and a broadcast would cost a
-    collective per step and void their cached affine (models.frozen_batch_norm).
+    buffers are the backbone's frozen batch-norm statistics and the input's normalization constants, never
+    updated, and a broadcast would cost a collective per step and void the former's cached affine
+    (models.frozen_batch_norm).
     """
     import torch._dynamo
     from torch.nn.parallel import DistributedDataParallel
