@@ -88,7 +88,7 @@ class IntervalReporter:
         total = self.timing.compile
         log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, describe_work(compiled),
                  compiled.seconds,
-                 f" ({describe_graphs(compiled.by_function)})" if compiled.by_function else "", total.seconds)
+                 f" ({parts})" if (parts := describe_graphs(compiled)) else "", total.seconds)
         self.writer.add("compile", {"seconds": total.seconds, "graphs": total.graphs}, step)
 
     def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:

@@ -126,7 +126,8 @@ class RunTiming:
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
                 "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
                 "graphs_compiled": compiled.graphs,
-                "graphs_by_function": compiled.by_function, **extra}
+                "graphs_by_function": compiled.by_function, "compile_s_by_function": compiled.seconds_by_function,
+                **extra}
 
     def summary(self, record: dict) -> str:
         steady = record["steady_step_ms"]
