@@ -156,7 +156,9 @@ def describe_graphs(totals: CompileTotals) -> str:
     names = sorted(set(totals.by_function) | {k for k, v in totals.seconds_by_function.items() if v >= 0.05})
     parts = []
     for name in names:
-        graphs, seconds = totals.by_function.get(name), totals.seconds_by_function.get(name, 0.0)
-        parts.append(" ".join(([str(graphs)] if graphs else []) + [name] + ([f"{seconds:.1f} s"] if seconds >= 0.05
-                                                                             else [])))
+        words = [str(totals.by_function[name]), name] if name in totals.by_function else [name]
+        seconds = totals.seconds_by_function.get(name, 0.0)
+        if seconds >= 0.05:
+            words.append(f"{seconds:.1f} s")
+        parts.append(" ".join(words))
     return ", ".join(parts)
