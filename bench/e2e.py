@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "more, which take reduce-overhead)")
     parser.add_argument("--compile-regions", nargs="+", default=["transformer"], choices=list(REGION_CHOICES),
                         help="compile.regions of the Inductor modes; several: each is measured")
-    parser.add_argument("--compile-backbone", nargs="+", default=["static"], choices=list(TRAIN_BACKBONE_CHOICES),
+    parser.add_argument("--compile-backbone", nargs="+", default=["dynamic"], choices=list(TRAIN_BACKBONE_CHOICES),
                         help="compile.backbone of the Inductor modes; several: each is measured")
     parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every configuration")
     parser.add_argument("--amp", default="bf16", choices=["bf16", "fp16", "none"])

@@ -22,9 +22,8 @@ class Region:
 
     name          a method of the model, or the dotted path of a submodule
     method        True: a method, replaced per instance; False: a submodule, compiled in place
-    static_sizes  one graph per input size (where symbolic sizes would guard on stride arithmetic anyway)
+    static_sizes  one graph per input size (compiled with its sizes fixed) instead of one with symbolic sizes
     whole         one graph with no break (fullgraph): a break would bring back the host cost it removes
-    cuda_graphs   may be replayed as CUDA graphs (False: its sizes change with every call)
     starts_step   a call is a new step of the CUDA-graph trees: the outputs of the last call are done with
     training      recorded as CUDA graphs of the eager model (engine/compile/cuda_graphs.py, ``compile_regions(graphs=
                   True)``): True, its forward and backward (a training call); False, a forward without gradients
@@ -34,7 +33,6 @@ class Region:
     method: bool = True
     static_sizes: bool = False
     whole: bool = False
-    cuda_graphs: bool = True
     starts_step: bool = False
     training: bool = False
 

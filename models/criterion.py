@@ -139,16 +139,16 @@ class SetCriterion(CompiledRegions, nn.Module):
 
     def compile_regions(self, *, graphs: bool = False) -> list[Region]:
         """``stacked_losses`` and ``stacked_proposal_losses`` (models/compiled_regions.py): hundreds of small
-        launches forward and backward, between the matching and the backward. Compiled by Inductor: symbolic
-        sizes and no CUDA graphs, one graph for every number of matched pairs. ``graphs``: recorded as CUDA graphs
-        of the eager losses (their forward and backward, engine/compile/cuda_graphs.py), one per padded number of
+        launches forward and backward, between the matching and the backward. Compiled by Inductor with symbolic
+        sizes, one graph for every number of matched pairs; ``graphs``: the eager losses recorded (their forward and
+        backward, engine/compile/cuda_graphs.py). Either way replayed as CUDA graphs, one per padded number of
         targets (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too.
         Two regions, so that the proposals' graphs, which replay between the decoder's forward and backward, are
         never the decoder's own."""
         names = ("stacked_losses", "stacked_proposal_losses")
         if graphs:
             return [Region(name, training=True) for name in names]
-        return [Region(name, cuda_graphs=False) for name in names]
+        return [Region(name) for name in names]
 
     def stacked_proposal_losses(self, *args) -> dict:
         """``stacked_losses`` of the two-stage encoder's proposals (G = 1, one proposal per encoder token)."""

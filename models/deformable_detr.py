@@ -124,7 +124,7 @@ class DeformableDETR(CompiledRegions, nn.Module):
         each compile again."""
         return DeformableDETR.predict(self, *DeformableDETR.features(self, images, mask))
 
-    def compile_regions(self, *, regions: str = "transformer", backbone: bool = True, evaluation: bool = False,
+    def compile_regions(self, *, regions: str = "transformer", backbone: str = "dynamic", evaluation: bool = False,
                         graphs: bool = False) -> list[Region]:
         """What engine/compile/plan.py compiles (models/compiled_regions.py).
 
@@ -134,9 +134,8 @@ class DeformableDETR(CompiledRegions, nn.Module):
         regions "transformer": ``predict`` (the encoder, the decoder, the glue between their layers and the
         heads) as one graph, and the position encoding; "layers": each encoder and decoder layer (layers of
         one kind share a graph) and ``heads``. ``backbone``: ``features`` (the ResNet, the input projections,
-        the masks and the position encoding), one graph per image size: its stride-2 size arithmetic would
-        make a graph with symbolic sizes guard on each size's parity. ``evaluation``: ``detect``, one graph
-        per image size.
+        the masks and the position encoding), "dynamic" as one graph of symbolic sizes, "static" as one graph
+        per image size, "eager" not compiled. ``evaluation``: ``detect``, one graph per image size.
         """
         if graphs:
             return [Region("forward", training=True)] + ([Region("detect")] if evaluation else [])
@@ -148,8 +147,10 @@ class DeformableDETR(CompiledRegions, nn.Module):
             found = [Region("predict", whole=True), Region("backbone.1", method=False)]
         else:
             raise ValueError(f"regions must be 'transformer' or 'layers', got {regions!r}")
-        if backbone:
-            found.append(Region("features", static_sizes=True))
+        if backbone not in ("dynamic", "static", "eager"):
+            raise ValueError(f"backbone must be 'dynamic', 'static' or 'eager', got {backbone!r}")
+        if backbone != "eager":
+            found.append(Region("features", static_sizes=backbone == "static"))
         if evaluation:
             found.append(Region("detect", static_sizes=True, whole=True, starts_step=True))
         return found

@@ -10,12 +10,13 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_models import _batch, _targets, tiny_cfg
+from test_models import _batch, tiny_cfg
 from test_step import SMALL, _loss, make_step
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from engine.compile.plan import (
     EVALUATION_BATCHES_TO_COMPILE,
+    LAYERS_FROM_BATCH,
     RECOMPILE_LIMIT,
     STATIC_BACKBONE_GRAPHS,
     STEPS_TO_COMPILE,
@@ -48,7 +49,7 @@ def plan(backend, **keys) -> CompilePlan:
 def test_auto_compiles_a_long_run_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu():
     assert resolve_compile(settings(), device=CPU, training_steps=STEPS_TO_COMPILE) is None
     on_gpu = resolve_compile(settings(), device=GPU, training_steps=STEPS_TO_COMPILE)
-    assert on_gpu == CompilePlan(mode="reduce-overhead", regions="transformer", backbone="static",
+    assert on_gpu == CompilePlan(mode="reduce-overhead", regions="transformer", backbone="dynamic",
                                  backend="inductor", evaluation=False)
     assert resolve_compile(settings(mode="eager"), device=GPU) is None
     compiled_cpu = resolve_compile(settings(mode="default", backbone="eager"), device=CPU)
@@ -63,6 +64,17 @@ def test_what_a_plan_builds_again_for_each_input_size():
     assert static.per_size_work(training=True) == "compiles the backbone and evaluation's graph"
     assert static.per_size_work(training=False) == "compiles evaluation's graph"
     assert CompilePlan(mode="default", backbone="eager", evaluation=False).per_size_work(training=True) is None
+    assert CompilePlan(mode="reduce-overhead", backbone="dynamic").per_size_work(training=True) is None
+
+
+def test_the_transformer_is_compiled_a_layer_at_a_time_from_a_large_pass_unless_the_regions_are_set():
+    long = dict(device=GPU, training_steps=STEPS_TO_COMPILE)
+    assert resolve_compile(settings(), pass_batch=LAYERS_FROM_BATCH - 1, **long).regions == "transformer"
+    assert resolve_compile(settings(), pass_batch=LAYERS_FROM_BATCH, **long).regions == "layers"
+    assert resolve_compile(settings(), **long).regions == "transformer"  # evaluation only: no training pass
+    chosen = settings(regions="transformer")
+    assert resolve_compile(chosen, pass_batch=LAYERS_FROM_BATCH, **long).regions == "transformer"
+    assert resolve_compile(settings(regions="layers"), pass_batch=2, **long).regions == "layers"
 
 
 def test_evaluation_is_compiled_when_the_run_evaluates_enough_batches():
@@ -92,8 +104,8 @@ def test_compile_model_refuses_an_unknown_mode_and_a_mode_without_inductor():
         compile_model(model, plan("aot_eager", mode="max-speed"))
     with pytest.raises(ValueError, match="needs the inductor backend"):
         compile_model(model, plan("aot_eager", mode="reduce-overhead"))
-    with pytest.raises(ValueError, match=r"backbone must be one of \('eager', 'static'\), got 'dynamic'"):
-        compile_model(model, plan("aot_eager", backbone="dynamic"))
+    with pytest.raises(ValueError, match=r"backbone must be one of \('dynamic', 'static', 'eager'\), got 'symbolic'"):
+        compile_model(model, plan("aot_eager", backbone="symbolic"))
     with pytest.raises(ValueError, match=r"regions must be one of \('layers', 'transformer'\), got 'model'"):
         compile_model(model, plan("aot_eager", regions="model"))
 
@@ -240,21 +252,23 @@ def test_only_declared_methods_can_be_replaced():
         model.use_compiled("class_embed", lambda *a: None)
 
 
-# Sizes fed to a compiled backbone in turn, and the graphs compiled once each has been met: one per size and
-# none for a size met before.
-BACKBONE_SIZES = ((136, 136), (128, 160), (141, 163), (128, 160))
-BACKBONE_GRAPHS = (1, 2, 3, 3)
+# (batch, height, width) fed to a compiled backbone in turn, and the graphs compiled once each has been met. Static:
+# one per size and none for a size met before. Dynamic: one for every size and batch, the padded sizes being
+# multiples of 32 (dataset.pad_to_multiple) whose quotient is odd or even, the first one square.
+BACKBONE_SIZES = {"static": (((2, 136, 136), 1), ((2, 128, 160), 2), ((2, 141, 163), 3), ((2, 128, 160), 3)),
+                  "dynamic": (((2, 128, 128), 1), ((2, 128, 160), 1), ((3, 224, 96), 1), ((2, 160, 128), 1))}
 
 
-def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded):
-    """compile.backbone=static (DeformableDETR.features, a graph per size): the maps and gradients of eager."""
+@pytest.mark.parametrize("backbone", sorted(BACKBONE_SIZES))
+def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded, backbone):
+    """compile.backbone=static|dynamic (DeformableDETR.features): the maps and gradients of eager."""
     eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
     twin = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
-    compile_model(twin, plan(counter, backbone="static"))  # only features() is called: nothing else traced
+    compile_model(twin, plan(counter, backbone=backbone))  # only features() is called: nothing else traced
     assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
-    for (H, W), most_graphs in zip(BACKBONE_SIZES, BACKBONE_GRAPHS):
-        images, mask = _batch(H=H, W=W, pad_w=8, pixels=True)
+    for (B, H, W), most_graphs in BACKBONE_SIZES[backbone]:
+        images, mask = _batch(B=B, H=H, W=W, pad_w=8, pixels=True)
         expected, got = eager.features(images, mask), twin.features(images, mask)
         for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
             for level, (e, g) in enumerate(zip(e_maps, g_maps)):
@@ -262,7 +276,7 @@ def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_
         sum(s.square().mean() for s in expected[0]).backward()
         sum(s.square().mean() for s in got[0]).backward()
         graphs = sum(1 for g in counter.graphs if len(g.graph.nodes))
-        assert graphs == most_graphs, f"{H}x{W}: {graphs} graphs"  # compiled, and not again for a known size
+        assert graphs == most_graphs, f"{B}x{H}x{W}: {graphs} graphs"  # compiled, and not again for a known size
     params = dict(twin.named_parameters())
     checked = 0
     for name, p in eager.named_parameters():
@@ -286,26 +300,39 @@ def test_a_static_backbone_compiles_past_torchs_default_limit(monkeypatch):
     assert counter.frame_count == 9
 
 
-# Inductor on the GPU: CUDA graphs for each choice of regions, with the backbone eager and compiled per size
-# (replayed as CUDA graphs too); and the default regions without CUDA graphs.
+# Inductor on the GPU: CUDA graphs for each choice of regions, with the backbone eager, compiled per size or with
+# symbolic sizes (replayed as CUDA graphs too); and the default regions without CUDA graphs.
 GPU_COMPILE_CASES = [("reduce-overhead", "layers", "eager"), ("reduce-overhead", "transformer", "eager"),
-                     ("reduce-overhead", "transformer", "static"), ("default", "transformer", "static")]
+                     ("reduce-overhead", "transformer", "static"), ("default", "transformer", "static"),
+                     ("reduce-overhead", "layers", "dynamic"), ("reduce-overhead", "transformer", "dynamic")]
+# Steps of those runs: (height, width, targets per image). A size or a padded target count (target_slots: 8, then
+# 16) is met, recorded, then replayed.
+GPU_STEPS = ((128, 160, 2), (128, 160, 2), (160, 136, 2), (128, 160, 6), (128, 160, 6), (141, 163, 2), (160, 136, 6))
+
+
+def _boxes_per_image(count: int, B: int = 2) -> list[dict]:
+    rng = torch.Generator().manual_seed(count)
+    centers = torch.rand(B, count, 2, generator=rng) * 0.6 + 0.2
+    sides = torch.rand(B, count, 2, generator=rng) * 0.2 + 0.05
+    labels = torch.randint(0, 5, (B, count), generator=rng)
+    return [{"labels": labels[b], "boxes": torch.cat([centers[b], sides[b]], 1)} for b in range(B)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 @pytest.mark.parametrize("mode,regions,backbone", GPU_COMPILE_CASES)
 def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone):
-    """Several steps and three sizes; with reduce-overhead the regions are replayed as CUDA graphs (a size is
-    run, recorded, then replayed)."""
+    """Several steps, three sizes and two padded target counts; with reduce-overhead the regions and the losses are
+    replayed as CUDA graphs."""
     eager = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)  # Inductor draws its own RNG
     graphed = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)
     graphed.model.load_state_dict(eager.model.state_dict())
-    compile_model(graphed.model, CompilePlan(mode=mode, regions=regions, backbone=backbone))
-    for H, W in ((128, 160), (128, 160), (160, 136), (128, 160), (141, 163)):
+    chosen = CompilePlan(mode=mode, regions=regions, backbone=backbone)
+    compile_model(graphed.model, chosen, criterion=graphed.criterion)
+    for H, W, count in GPU_STEPS:
         batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
-        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in _boxes_per_image(count)]
         expected, got = eager(*batch, targets), graphed(*batch, targets)
-        torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-4, msg=lambda m: f"size {H}x{W}: {m}")
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-4, msg=lambda m: f"{H}x{W}, {count} boxes: {m}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

@@ -33,8 +33,8 @@ def compose_train(*overrides):
     (["model.msda=cuda"], r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda"),
     (["compile.regions=model"], r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
                                 r"compile\.regions"),
-    (["compile.backbone=dynamic"], r"Invalid value 'dynamic', expected one of \[eager, static\]\s+full_key: "
-                                   r"compile\.backbone"),
+    (["compile.backbone=symbolic"], r"Invalid value 'symbolic', expected one of \[dynamic, static, eager\]\s+"
+                                    r"full_key: compile\.backbone"),
     (["compile.mode=fast"], r"Invalid value 'fast', expected one of \[auto, eager, graphs, default, reduce-overhead\]\s+"
                             r"full_key: compile\.mode"),
     # The settings of older versions are gone: each names its key.

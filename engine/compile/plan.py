@@ -3,29 +3,30 @@
 ``compile.mode=auto`` (the default) on a GPU replays the eager model as CUDA graphs (``graphs``,
 engine/compile/cuda_graphs.py: nothing compiled, a second or so per size) for a run of fewer than ``STEPS_TO_COMPILE``
 steps, and compiles it for a longer run or when a ``compile.regions|backbone|backend`` key asks for Inductor.
-Compiled (``reduce-overhead``), it takes the transformer with its heads as
-one graph (``DeformableDETR.predict``: the encoder, the decoder, the glue between their layers, the heads,
-the deformable attention op itself, which is a registered operator traced with no break), the position
-encoding, the backbone (``DeformableDETR.features``, one graph per size bucket) and, in training, the losses
-after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and graphs
-off; ``default`` compiles without CUDA graphs (also on the CPU).
+Compiled (``reduce-overhead``), it takes the transformer with its heads (as one graph, or a graph per layer kind:
+``compile.regions``), the position encoding, the backbone (``DeformableDETR.features``) and, in training, the
+losses after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and
+graphs off; ``default`` compiles without CUDA graphs (also on the CPU).
 
-Why these choices (bench/results/e2e_h200.md and its history): the step's thousands of small launches are in the
-transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
-AOTAutograd's wrappers, the CUDA-graph trees' input copies) while the GPU waits, so fewer, larger graphs
-make the faster step. CUDA graphs take the launches off the host. The backbone compiled per size takes the
-rest; the size buckets (datasets/size_buckets.py) bound how many sizes a run meets, training and evaluation
-together, so that it compiles few graphs. ``compile.regions=layers`` compiles each encoder and decoder layer
-(layers of one kind share a graph) and the heads apart: about a third of the first compilation, more host
-time per step.
+Why these choices (bench/results/e2e_h200.md, throughput_h200.md and their history): the step's thousands of small
+launches are in the transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
+AOTAutograd's wrappers, the CUDA-graph trees' input copies). Below ``LAYERS_FROM_BATCH`` images per pass the GPU
+waits for that host time, so the transformer is one graph (``DeformableDETR.predict``: the encoder, the decoder,
+the glue between their layers, the heads and the deformable attention op, a registered operator traced with no
+break). From that batch on the GPU's work per call hides it, and ``layers`` compiles each encoder and decoder layer
+(layers of one kind share a graph) and the heads apart: about a third of the first compilation. CUDA graphs take
+the launches off the host. The size buckets (datasets/size_buckets.py) bound how many sizes a run meets, training
+and evaluation together, and so how many CUDA graphs it records.
 
-The transformer's graph has symbolic sizes: one graph serves every bucket (``_options`` turns off the size
-thresholds of a fusion that made the second size compile it again). The losses have symbolic
-sizes too and no CUDA graphs: the padded number of matched pairs changes from batch to batch. Evaluation runs
-``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per
-evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later ones none,
-instead of every training region again without gradients. Module names and state_dict keys are unchanged:
-checkpoints of a compiled run load anywhere.
+Every training region has symbolic sizes: one graph serves every bucket and every batch. The transformer's
+(``_options``) turns off the size thresholds of a fusion that made the second size compile it again. The
+backbone's graph costs more to compile than one of fixed sizes, once: ``compile.backbone=static`` compiles a graph
+per size, which at the COCO recipe's 14 training sizes took minutes in all. The losses are padded to a few
+numbers of matched pairs (models.criterion.target_slots), so that their CUDA graphs are recorded a few times and
+replayed. Evaluation runs ``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``)
+as one graph per evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later
+ones none, instead of every training region again without gradients. Module names and state_dict keys are
+unchanged: checkpoints of a compiled run load anywhere.
 
 Compiled graphs, kernels and autotuning results are kept in ``compile.cache_dir`` (``use_compile_cache``),
 so that a second run or a resume on the same machine skips most of the compilation.
@@ -57,8 +58,11 @@ log = logging.getLogger(__name__)
 # compilation (minutes with a cold cache) costs more than its faster step saves over the eager model's CUDA
 # graphs (bench/results/ttr_h200.md has both).
 STEPS_TO_COMPILE = 35000
+# compile.regions=null compiles the transformer a layer at a time from this many images per pass (the loader's
+# batch, or its share under gradient accumulation), and as one graph below it.
+LAYERS_FROM_BATCH = 16
 # Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised
-# for the per-size graphs of the backbone and of evaluation: a run meets its buckets, a user with buckets off
+# for the per-size graphs of a static backbone and of evaluation: a run meets its buckets, a user with buckets off
 # (dataset.size_buckets=0) many more. Process-wide: the limit of the other regions rises with it.
 STATIC_BACKBONE_GRAPHS = 64
 # The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
@@ -75,7 +79,7 @@ class CompilePlan:
 
     mode: str = "reduce-overhead"   # one of COMPILE_MODES
     regions: str = DEFAULT_REGIONS  # one of REGION_CHOICES
-    backbone: str = "static"        # one of TRAIN_BACKBONE_CHOICES
+    backbone: str = "dynamic"       # one of TRAIN_BACKBONE_CHOICES
     backend: str = "inductor"       # torch.compile's backend, or a backend callable (tests)
     evaluation: bool = False        # DeformableDETR.detect compiled, one graph per evaluation size
 
@@ -102,8 +106,8 @@ class CompilePlan:
                     + (", evaluation" if self.evaluation else "") + "), recorded once per size; nothing compiled")
         parts = ["the transformer's layers and the heads" if self.regions == "layers"
                  else "the transformer with its heads", "the position encoding"]
-        if self.backbone == "static":
-            parts.append("the backbone (a graph per size)")
+        if self.backbone != "eager":
+            parts.append("the backbone (a graph per size)" if self.backbone == "static" else "the backbone")
         if losses:
             parts.append("the losses")
         if self.evaluation:
@@ -113,12 +117,13 @@ class CompilePlan:
 
 
 def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0,
-                    training_steps: int = 0) -> CompilePlan | None:
+                    training_steps: int = 0, pass_batch: int = 0) -> CompilePlan | None:
     """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager.
 
     ``evaluation_batches``: the evaluation batches this process will run in all, which decides
     ``compile.evaluation=null`` when compiling; ``training_steps``: the optimizer steps it will run, which decide
-    auto's choice on a GPU (STEPS_TO_COMPILE). Settings that cannot work on this device are refused, naming the
+    auto's choice on a GPU (STEPS_TO_COMPILE); ``pass_batch``: the images of one training pass, which decide
+    ``compile.regions=null`` (LAYERS_FROM_BATCH). Settings that cannot work on this device are refused, naming the
     keys.
     """
     mode = str(cfg_compile.mode)
@@ -143,9 +148,9 @@ def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: in
         return CompilePlan(mode=mode, evaluation=True if evaluation is None else bool(evaluation))
     if evaluation is None:
         evaluation = evaluation_batches >= EVALUATION_BATCHES_TO_COMPILE
-    return CompilePlan(mode=mode, regions=str(cfg_compile.regions or DEFAULT_REGIONS),
-                       backbone=str(cfg_compile.backbone or "static"), backend=cfg_compile.backend or "inductor",
-                       evaluation=bool(evaluation))
+    regions = cfg_compile.regions or ("layers" if pass_batch >= LAYERS_FROM_BATCH else DEFAULT_REGIONS)
+    return CompilePlan(mode=mode, regions=str(regions), backbone=str(cfg_compile.backbone or "dynamic"),
+                       backend=cfg_compile.backend or "inductor", evaluation=bool(evaluation))
 
 
 def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None):
@@ -178,15 +183,15 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     torch._dynamo.config.specialize_float = True
     if plan.backbone == "static" or plan.evaluation:
         _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
-    regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone == "static",
-                                    evaluation=plan.evaluation)
+    regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone, evaluation=plan.evaluation)
     for region in regions:
         _compile_region(model, region, plan)
     if criterion is not None:
         for region in criterion.compile_regions():
             _compile_region(criterion, region, plan)
-    log.info("%s; the first steps of each new size include its compilation",
-             plan.describe(losses=criterion is not None))
+    later = ("the first step of each new size" if plan.per_size_work(training=criterion is not None)
+             else "the first step")
+    log.info("%s; %s includes its compilation", plan.describe(losses=criterion is not None), later)
     return model
 
 
@@ -196,7 +201,7 @@ def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -
         owner.get_submodule(region.name).compile(**options)
         return
     compiled = torch.compile(getattr(owner, region.name), **options)
-    if region.starts_step and plan.cuda_graphs and region.cuda_graphs:
+    if region.starts_step and plan.cuda_graphs:
         compiled = _starting_a_step(compiled)
     owner.use_compiled(region.name, compiled)
 
@@ -211,7 +216,6 @@ def _options(region: Region, plan: CompilePlan) -> dict:
     it compiled the transformer again. The fused kernel now runs at every size, as it ran above the threshold
     (most of the COCO recipe's batches of 2)."""
     options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
-    cuda_graphs = plan.cuda_graphs and region.cuda_graphs
     inductor = {}
     triton_options = torch._inductor.config.triton
     if plan.backend == "inductor" and not region.static_sizes:
@@ -219,11 +223,11 @@ def _options(region: Region, plan: CompilePlan) -> dict:
             inductor["triton.coalesce_tiling_analysis"] = False
         if hasattr(triton_options, "mix_order_reduction_non_strict_mode"):
             inductor["triton.mix_order_reduction_non_strict_mode"] = True
-        if inductor and cuda_graphs:
+        if inductor and plan.cuda_graphs:
             inductor["triton.cudagraphs"] = True
     if inductor:
         options["options"] = inductor
-    elif cuda_graphs:
+    elif plan.cuda_graphs:
         options["mode"] = "reduce-overhead"
     return options
 

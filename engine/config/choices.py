@@ -26,8 +26,8 @@ INDUCTOR_KEYS = ("regions", "backbone", "backend")
 # What one compiled graph spans (DeformableDETR.compile_regions).
 REGION_CHOICES = ("layers", "transformer")
 DEFAULT_REGIONS = "transformer"
-# The backbone compiled per size ("static", one graph per bucket) or left eager.
-TRAIN_BACKBONE_CHOICES = ("eager", "static")
+# The backbone compiled as one graph for every size ("dynamic"), as one graph per size ("static"), or left eager.
+TRAIN_BACKBONE_CHOICES = ("dynamic", "static", "eager")
 # How gradients are averaged over processes (engine/runtime/distributed.py).
 GRADIENT_SYNCS = ("allreduce", "ddp")
 

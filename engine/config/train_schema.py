@@ -74,13 +74,14 @@ class CompileConfig:
                 recorded as CUDA graphs, nothing compiled) | default (compiled, no CUDA graphs) | reduce-overhead
                 (compiled, replayed as CUDA graphs)
     regions     what one graph spans: transformer (the whole transformer with its heads) | layers
-    backbone    static (the backbone compiled too, a graph per size bucket) | eager
+    backbone    dynamic (the backbone compiled too, one graph for every size) | static (a graph per size) | eager
     backend     torch.compile's backend (aot_eager: trace only, for debugging)
     evaluation  whether evaluation runs a compiled graph (one per evaluation size); null: when the run evaluates
                 enough batches to repay the compilation (engine.compile.plan.EVALUATION_BATCHES_TO_COMPILE)
     cache_dir   where compiled kernels and graphs are kept between runs (Inductor's, AOTAutograd's and Triton's
                 caches), so that a second run or a resume skips most of the compilation
-    regions, backbone and backend are null for "the mode's default" (transformer, static, inductor), and
+    regions, backbone and backend are null for "the mode's default" (regions by the images per pass,
+    engine.compile.plan.LAYERS_FROM_BATCH; dynamic; inductor), and
     must stay null with mode=eager.
     """
 

@@ -45,7 +45,7 @@ class RunModel:
 
 
 def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
-                    evaluation_batches: int = 0, training_steps: int = 0) -> RunModel:
+                    evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0) -> RunModel:
     """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there.
 
     training             compile the training regions and the losses too (else evaluation's graph only, when the
@@ -53,6 +53,7 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     init                 model.init_from's weights, loaded into the fresh model before it moves
     evaluation_batches   the evaluation batches this process will run, which decide compile.evaluation=null
     training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
+    pass_batch           the images of one training pass, which decide compile.regions=null
     """
     model, criterion, postprocess = build_model(cfg_model)
     if init is not None:
@@ -61,7 +62,7 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     if ctx.device.type == "cuda":
         model.use_channels_last()  # before the optimizer and a resumed state take the parameters' layout
     plan = resolve_compile(cfg_compile, device=ctx.device, evaluation_batches=evaluation_batches,
-                           training_steps=training_steps)
+                           training_steps=training_steps, pass_batch=pass_batch)
     if training:
         criterion.to(ctx.device)
         if plan is not None:
@@ -106,8 +107,10 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
     evaluation_batches, training_steps   as build_run_model takes them
     """
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
+    batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     run_model = build_run_model(cfg.model, cfg.compile, ctx=ctx, training=True, init=init,
-                                evaluation_batches=evaluation_batches, training_steps=training_steps)
+                                evaluation_batches=evaluation_batches, training_steps=training_steps,
+                                pass_batch=batch.per_pass)
     model, criterion = run_model.model, run_model.criterion
     plan = run_model.compile_plan
     if plan is not None and plan.mode == "graphs" and ctx.world_size > 1 and cfg.gradient_sync == "ddp":
@@ -128,7 +131,6 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
                                          scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
     trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
                                             find_unused_parameters=cfg.find_unused_parameters)
-    batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     step = OptimizerStep(model=trained, criterion=criterion, optimizer=optimizer, precision=precision,
                          clip_max_norm=cfg.optim.clip_max_norm,
                          average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients,
