@@ -27,6 +27,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -49,6 +50,9 @@ SHORT_SIDES = (360, 400, 427, 480, 480, 480, 512, 640)
 NOISE_SIGMA = 14.0
 # What compile.mode=auto picks for the 50-epoch recipe (at least STEPS_TO_COMPILE steps at any batch up to 32).
 RECIPE_COMPILE_MODE = "reduce-overhead"
+# The first step's compile cache, as its table cell says it: empty, or holding what the earlier rows compiled
+# (graphs that do not depend on the batch are found there; a row whose plan differs compiles its own).
+FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
 TARGETS = {"img_s": 150.0, "gpu_busy": 0.90, "data_wait_share": 0.05, "first_step_s_at_32": 120.0}
 
 
@@ -209,7 +213,16 @@ def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
             "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
             "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
             "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
-            "accumulate_grad_warnings": output.count("AccumulateGrad node's stream")}
+            "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
+            "transformer": transformer_graphs(output), "compile_s_by_function": timing.get("compile_s_by_function")}
+
+
+def transformer_graphs(output: str) -> str | None:
+    """How the row's plan compiled the transformer, from its log's plan line: "per layer" or "one graph"."""
+    plan = re.search(r"torch\.compile \([^)]*\) of (the transformer[^,]*)", output)
+    if plan is None:
+        return None
+    return "per layer" if "layers" in plan.group(1) else "one graph"
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
@@ -250,7 +263,9 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
 def how_to_read() -> str:
     return ("Each row is one `python train.py experiment=coco_gpu compile.mode=reduce-overhead` run (compiled as "
             "the 50-epoch recipe is) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one "
-            "GPU, the batch in one pass; the rows share a compile cache, empty before the first. img/s, step "
+            "GPU, the batch in one pass; the rows share a compile cache, empty before the first. transformer: "
+            "how the row's plan compiled it (compile.regions=null: a graph per layer kind from 16 images per pass, "
+            "else one graph). img/s, step "
             "and loader wait come from the run's steady steps (its timing.json); GPU busy is NVML's share of that "
             "time with a kernel running; MFU counts the model's matmul and convolution FLOPs (forward and "
             "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
@@ -263,17 +278,22 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         if "error" in r:
-            cells.append([r["batch"], r["error"], *[""] * 8])
+            cells.append([r["batch"], r["error"], *[""] * 9])
             continue
-        cells.append([r["batch"], f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}",
+        cells.append([r["batch"], r.get("transformer") or "-", f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}",
                       "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}", f"{r['data_wait_share']:.1%}",
                       "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
                       "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
                       "-" if r.get("mfu") is None else f"{r['mfu']:.1%}", f"{r['recipe_hours']:.1f}",
-                      f"{r['first_step_s']:.0f} ({r['compile_cache']})"])
-    lines += table(["batch", "img/s", "step ms", "GPU busy", "loader wait", "peak GiB", "GFLOPs/img", "MFU",
-                    "50 epochs (h)", "first step (s)"], cells)
+                      f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})"])
+    lines += table(["batch", "transformer", "img/s", "step ms", "GPU busy", "loader wait", "peak GiB", "GFLOPs/img",
+                    "MFU", "50 epochs (h)", "first step (s)"], cells)
     done = [r for r in rows if "error" not in r]
+    compiled = [r for r in done if r.get("compile_s_by_function")]
+    if compiled:
+        lines += ["", "Compilation per function in each row's run (s):", ""]
+        lines += [f"- batch {r['batch']}: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds
+                                                        in r["compile_s_by_function"].items()) for r in compiled]
     if done:
         best = max(done, key=lambda r: r["img_s"])
         at_32 = next((r for r in done if r["batch"] == 32), None)
