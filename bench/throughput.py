@@ -13,10 +13,11 @@ Each row is one ``python train.py experiment=coco_gpu dataset.root=<the set> tot
 max_steps=N compile.mode=reduce-overhead ...``: compiled as the 50-epoch recipe is (compile.mode=auto compiles a run
 of STEPS_TO_COMPILE steps or more, and a row's few hundred would get CUDA graphs of the eager model instead). The
 rows share one compile cache, empty before the first row: the first row's first step is a cold start, the later
-rows find the graphs that do not depend on the batch (those with symbolic sizes). From its timing.json: the steady
-steps (the second half of the warm steps that compiled nothing), their images/s, the share of their wall time the
-loop waited for the loader, the padded pixels per image, peak memory and the first step's time. GPU busy: the
-share of the steady window in which NVML saw a kernel running (its utilization counter, sampled every 50 ms).
+rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch). From
+its timing.json: the steady steps (the second half of the warm steps that compiled nothing), their images/s, the
+share of their wall time the loop waited for the loader, the padded pixels per image, peak memory and the first
+step's time. GPU busy: the share of the steady window in which NVML saw a kernel running (its utilization counter,
+sampled every 50 ms).
 Model FLOPs per image: torch.utils.flop_counter over one forward and backward of the model at two image sizes,
 interpolated to the row's mean padded pixels (the attention's sampling is not a counted op; it adds little).
 """
@@ -291,7 +292,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     done = [r for r in rows if "error" not in r]
     compiled = [r for r in done if r.get("compile_s_by_function")]
     if compiled:
-        lines += ["", "Compilation per function in each row's run (s):", ""]
+        lines += ["", "Compilation and CUDA-graph recording per function in each row's run (s):", ""]
         lines += [f"- batch {r['batch']}: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds
                                                         in r["compile_s_by_function"].items()) for r in compiled]
     if done:

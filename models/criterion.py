@@ -141,8 +141,9 @@ class SetCriterion(CompiledRegions, nn.Module):
         """``stacked_losses`` and ``stacked_proposal_losses`` (models/compiled_regions.py): hundreds of small
         launches forward and backward, between the matching and the backward. Compiled by Inductor with symbolic
         sizes, one graph for every number of matched pairs; ``graphs``: the eager losses recorded (their forward and
-        backward, engine/compile/cuda_graphs.py). Either way replayed as CUDA graphs, one per padded number of
-        targets (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too.
+        backward, engine/compile/cuda_graphs.py). Where the plan uses CUDA graphs (reduce-overhead, graphs), they are
+        replayed, one recording per padded number of targets (``target_slots``) and, for the two-stage proposals (one
+        per encoder token), per image size too.
         Two regions, so that the proposals' graphs, which replay between the decoder's forward and backward, are
         never the decoder's own."""
         names = ("stacked_losses", "stacked_proposal_losses")

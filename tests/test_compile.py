@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from test_models import _batch, tiny_cfg
 from test_step import SMALL, _loss, make_step
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 from engine.compile.plan import (
     EVALUATION_BATCHES_TO_COMPILE,
@@ -61,10 +62,13 @@ def test_what_a_plan_builds_again_for_each_input_size():
     assert CompilePlan(mode="graphs", evaluation=True).per_size_work(training=False) == "records CUDA graphs"
     assert CompilePlan(mode="graphs", evaluation=False).per_size_work(training=False) is None
     static = CompilePlan(mode="reduce-overhead", backbone="static", evaluation=True)
-    assert static.per_size_work(training=True) == "compiles the backbone and evaluation's graph"
-    assert static.per_size_work(training=False) == "compiles evaluation's graph"
+    assert static.per_size_work(training=True) == "compiles the backbone and evaluation's graph and records CUDA graphs"
+    assert static.per_size_work(training=False) == "compiles evaluation's graph and records CUDA graphs"
     assert CompilePlan(mode="default", backbone="eager", evaluation=False).per_size_work(training=True) is None
-    assert CompilePlan(mode="reduce-overhead", backbone="dynamic").per_size_work(training=True) is None
+    assert CompilePlan(mode="default", backbone="static").per_size_work(training=True) == "compiles the backbone"
+    dynamic = CompilePlan(mode="reduce-overhead", backbone="dynamic")
+    assert dynamic.per_size_work(training=True) == "records CUDA graphs" and not dynamic.compiled_per_size()
+    assert dynamic.per_size_work(training=False) is None  # evaluation runs eagerly
 
 
 def test_the_transformer_is_compiled_a_layer_at_a_time_from_a_large_pass_unless_the_regions_are_set():
@@ -75,6 +79,28 @@ def test_the_transformer_is_compiled_a_layer_at_a_time_from_a_large_pass_unless_
     chosen = settings(regions="transformer")
     assert resolve_compile(chosen, pass_batch=LAYERS_FROM_BATCH, **long).regions == "transformer"
     assert resolve_compile(settings(regions="layers"), pass_batch=2, **long).regions == "layers"
+
+
+def test_a_run_chooses_the_regions_by_the_images_of_one_pass_not_of_the_step(monkeypatch):
+    """build_training hands resolve_compile the images of one forward and backward pass: a step of 32 images in
+    passes of 8 (gradient accumulation) is compiled as a batch of 8 is."""
+    from hydra import compose, initialize_config_dir
+
+    import engine.train.build as build
+    from engine.config.registry import check_config
+    from engine.runtime.distributed import DistContext
+
+    resolve, passes = build.resolve_compile, []
+    monkeypatch.setattr(build, "resolve_compile", lambda *a, **k: passes.append(k["pass_batch"]) or resolve(*a, **k))
+    context = DistContext(rank=0, world_size=1, local_rank=0, device=CPU)
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs")
+    for batch_size in (8, 32):
+        with initialize_config_dir(config_dir=os.path.abspath(configs), version_base="1.3"):
+            overrides = ["model=tiny", "model.pretrained=none", "device=cpu", "total_batch_size=32",
+                         f"batch_size={batch_size}"]
+            cfg = check_config(compose(config_name="train", overrides=overrides))
+        build.build_training(cfg, ctx=context)
+    assert passes == [8, 32]
 
 
 def test_evaluation_is_compiled_when_the_run_evaluates_enough_batches():
@@ -254,20 +280,25 @@ def test_only_declared_methods_can_be_replaced():
 
 # (batch, height, width) fed to a compiled backbone in turn, and the graphs compiled once each has been met. Static:
 # one per size and none for a size met before. Dynamic: one for every size and batch, the padded sizes being
-# multiples of 32 (dataset.pad_to_multiple) whose quotient is odd or even, the first one square.
-BACKBONE_SIZES = {"static": (((2, 136, 136), 1), ((2, 128, 160), 2), ((2, 141, 163), 3), ((2, 128, 160), 3)),
-                  "dynamic": (((2, 128, 128), 1), ((2, 128, 160), 1), ((3, 224, 96), 1), ((2, 160, 128), 1))}
+# multiples of 32 (dataset.pad_to_multiple) whose quotient is odd or even, the first one square. With the
+# transformer a layer at a time, torch's duck shapes are on (engine.compile.plan): the square first size makes
+# height and width one symbol, and the first other size compiles the one graph for every size.
+BACKBONE_SIZES = {
+    ("static", "transformer"): (((2, 136, 136), 1), ((2, 128, 160), 2), ((2, 141, 163), 3), ((2, 128, 160), 3)),
+    ("dynamic", "transformer"): (((2, 128, 128), 1), ((2, 128, 160), 1), ((3, 224, 96), 1), ((2, 160, 128), 1)),
+    ("dynamic", "layers"): (((2, 128, 128), 1), ((2, 128, 160), 2), ((3, 224, 96), 2), ((2, 160, 128), 2)),
+}
 
 
-@pytest.mark.parametrize("backbone", sorted(BACKBONE_SIZES))
-def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded, backbone):
+@pytest.mark.parametrize("backbone,regions", sorted(BACKBONE_SIZES))
+def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded, backbone, regions):
     """compile.backbone=static|dynamic (DeformableDETR.features): the maps and gradients of eager."""
     eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
     twin = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
-    compile_model(twin, plan(counter, backbone=backbone))  # only features() is called: nothing else traced
+    compile_model(twin, plan(counter, backbone=backbone, regions=regions))  # only features() is called and traced
     assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
-    for (B, H, W), most_graphs in BACKBONE_SIZES[backbone]:
+    for (B, H, W), most_graphs in BACKBONE_SIZES[backbone, regions]:
         images, mask = _batch(B=B, H=H, W=W, pad_w=8, pixels=True)
         expected, got = eager.features(images, mask), twin.features(images, mask)
         for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
@@ -328,11 +359,14 @@ def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode,
     graphed.model.load_state_dict(eager.model.state_dict())
     chosen = CompilePlan(mode=mode, regions=regions, backbone=backbone)
     compile_model(graphed.model, chosen, criterion=graphed.criterion)
+    counters.clear()
     for H, W, count in GPU_STEPS:
         batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
         targets = [{k: v.cuda() for k, v in t.items()} for t in _boxes_per_image(count)]
         expected, got = eager(*batch, targets), graphed(*batch, targets)
         torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-4, msg=lambda m: f"{H}x{W}, {count} boxes: {m}")
+    # Inductor runs a graph it cannot record without CUDA graphs, and counts it: every region, losses included, replays.
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

@@ -18,10 +18,12 @@ break). From that batch on the GPU's work per call hides it, and ``layers`` comp
 the launches off the host. The size buckets (datasets/size_buckets.py) bound how many sizes a run meets, training
 and evaluation together, and so how many CUDA graphs it records.
 
-Every training region has symbolic sizes: one graph serves every bucket and every batch. The transformer's
-(``_options``) turns off the size thresholds of a fusion that made the second size compile it again. The
-backbone's graph costs more to compile than one of fixed sizes, once: ``compile.backbone=static`` compiles a graph
-per size, which at the COCO recipe's 14 training sizes took minutes in all. The losses are padded to a few
+By default every training region has symbolic sizes: one graph serves every bucket and every batch. The
+transformer's (``_options``) turns off the size thresholds of a fusion that made the second size compile it again.
+The backbone's graph costs more to compile than one of fixed sizes, once: ``compile.backbone=static`` compiles a
+graph per size, which at the COCO recipe's 14 training sizes took minutes in all. With the transformer a layer at
+a time torch's duck shapes stay on (``compile_model``): a square first batch size makes the backbone's height and
+width one symbol, and the first other size compiles its graph for every size once more. The losses are padded to a few
 numbers of matched pairs (models.criterion.target_slots), so that their CUDA graphs are recorded a few times and
 replayed. Evaluation runs ``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``)
 as one graph per evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later
@@ -96,9 +98,16 @@ class CompilePlan:
         run without them (dataset.size_buckets=0) pays for every padded size it meets."""
         if not self.inductor:
             return "records CUDA graphs" if training or self.evaluation else None
-        what = (["the backbone"] if training and self.backbone == "static" else []) + \
+        compiled = self.compiled_per_size(training=training)
+        work = [f"compiles {' and '.join(compiled)}"] if compiled else []
+        if self.cuda_graphs and (training or self.evaluation):  # the CUDA-graph trees record each size they meet
+            work.append("records CUDA graphs")
+        return " and ".join(work) or None
+
+    def compiled_per_size(self, *, training: bool = True) -> list[str]:
+        """The regions Inductor compiles again for each new input size."""
+        return (["the backbone"] if training and self.backbone == "static" else []) + \
             (["evaluation's graph"] if self.evaluation else [])
-        return f"compiles {' and '.join(what)}" if what else None
 
     def describe(self, *, losses: bool = True) -> str:
         if not self.inductor:
@@ -106,8 +115,8 @@ class CompilePlan:
                     + (", evaluation" if self.evaluation else "") + "), recorded once per size; nothing compiled")
         parts = ["the transformer's layers and the heads" if self.regions == "layers"
                  else "the transformer with its heads", "the position encoding"]
-        if self.backbone != "eager":
-            parts.append("the backbone (a graph per size)" if self.backbone == "static" else "the backbone")
+        backbone = {"dynamic": ["the backbone"], "static": ["the backbone (a graph per size)"], "eager": []}
+        parts += backbone[self.backbone]
         if losses:
             parts.append("the losses")
         if self.evaluation:
@@ -175,7 +184,8 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     # The graph of "transformer" takes every level's maps: sizes of different levels that happen to be equal
     # when it is first compiled (a square image's levels, the batch size and a small level's height) must stay
     # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read when
-    # a graph is compiled, at its first call; process-wide (per-layer graphs keep torch's default).
+    # a graph is compiled, at its first call; process-wide. Per-layer graphs keep torch's default, and so does the
+    # backbone with them: its images and mask then share their batch and size symbols, and it compiles faster.
     torch.fx.experimental._config.use_duck_shape = plan.regions == "layers"
     # The floats the model reads (dropout rates, norm epsilons, default arguments) are constants of the graph.
     # Made symbolic inputs (Dynamo's default), they were specialized during the transformer's compilation, which
@@ -189,9 +199,9 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     if criterion is not None:
         for region in criterion.compile_regions():
             _compile_region(criterion, region, plan)
-    later = ("the first step of each new size" if plan.per_size_work(training=criterion is not None)
-             else "the first step")
-    log.info("%s; %s includes its compilation", plan.describe(losses=criterion is not None), later)
+    compiling_steps = ("the first step of each new size" if plan.compiled_per_size(training=criterion is not None)
+                       else "the first step")
+    log.info("%s; %s includes its compilation", plan.describe(losses=criterion is not None), compiling_steps)
     return model
 
 
