@@ -15,9 +15,6 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-SYMBOLIC, PER_SIZE, FIRST_FIXED = "symbolic", "per_size", "first_fixed"
-REGION_SIZES = (SYMBOLIC, PER_SIZE, FIRST_FIXED)
-
 
 @dataclass(frozen=True)
 class Region:
@@ -25,10 +22,7 @@ class Region:
 
     name          a method of the model, or the dotted path of a submodule
     method        True: a method, replaced per instance; False: a submodule, compiled in place
-    sizes         SYMBOLIC: one graph with symbolic sizes; PER_SIZE: a graph per input size, its sizes fixed;
-                  FIRST_FIXED: a graph of the first call's sizes, then from the first call of other sizes one with
-                  symbolic sizes. A graph of fixed sizes compiles several times faster, and the first call waits
-                  for it; the one with symbolic sizes then serves every later size.
+    static_sizes  one graph per input size (compiled with its sizes fixed) instead of one with symbolic sizes
     whole         one graph with no break (fullgraph): a break would bring back the host cost it removes
     starts_step   a call is a new step of the CUDA-graph trees: the outputs of the last call are done with
     training      recorded as CUDA graphs of the eager model (engine/compile/cuda_graphs.py, ``compile_regions(graphs=
@@ -37,14 +31,10 @@ class Region:
 
     name: str
     method: bool = True
-    sizes: str = SYMBOLIC
+    static_sizes: bool = False
     whole: bool = False
     starts_step: bool = False
     training: bool = False
-
-    def __post_init__(self) -> None:
-        if self.sizes not in REGION_SIZES:
-            raise ValueError(f"Region {self.name!r}: sizes must be one of {REGION_SIZES}, got {self.sizes!r}")
 
 
 class CompiledRegions:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.backbone import Joiner, build_backbone, downsample_mask
-from models.compiled_regions import FIRST_FIXED, PER_SIZE, CompiledRegions, Region
+from models.compiled_regions import CompiledRegions, Region
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
 from models.input_pixels import InputPixels
 from models.model_config import ModelConfig, read_model_config, resolved_num_classes
@@ -134,17 +134,15 @@ class DeformableDETR(CompiledRegions, nn.Module):
         regions "transformer": ``predict`` (the encoder, the decoder, the glue between their layers and the
         heads) as one graph, and the position encoding; "layers": each encoder and decoder layer (layers of
         one kind share a graph) and ``heads``. ``backbone``: ``features`` (the ResNet, the input projections,
-        the masks and the position encoding), "dynamic" as a graph of the first image size and then one of
-        symbolic sizes for every other (FIRST_FIXED), "static" as one graph per image size, "eager" not
-        compiled. ``evaluation``: ``detect``, one graph per image size.
+        the masks and the position encoding), "dynamic" as one graph of symbolic sizes, "static" as one graph
+        per image size, "eager" not compiled. ``evaluation``: ``detect``, one graph per image size.
         """
         if graphs:
             return [Region("forward", training=True)] + ([Region("detect")] if evaluation else [])
         if regions == "layers":
             layers = [*self.transformer.encoder.layers, *self.transformer.decoder.layers]
             names = {id(m): n for n, m in self.named_modules()}
-            # The heads' sizes change with the batch only, not with the image size.
-            found = [Region(names[id(layer)], method=False) for layer in layers] + [Region("heads", sizes=FIRST_FIXED)]
+            found = [Region(names[id(layer)], method=False) for layer in layers] + [Region("heads")]
         elif regions == "transformer":
             found = [Region("predict", whole=True), Region("backbone.1", method=False)]
         else:
@@ -152,9 +150,9 @@ class DeformableDETR(CompiledRegions, nn.Module):
         if backbone not in ("dynamic", "static", "eager"):
             raise ValueError(f"backbone must be 'dynamic', 'static' or 'eager', got {backbone!r}")
         if backbone != "eager":
-            found.append(Region("features", sizes=PER_SIZE if backbone == "static" else FIRST_FIXED))
+            found.append(Region("features", static_sizes=backbone == "static"))
         if evaluation:
-            found.append(Region("detect", sizes=PER_SIZE, whole=True, starts_step=True))
+            found.append(Region("detect", static_sizes=True, whole=True, starts_step=True))
         return found
 
     def use_channels_last(self) -> None:

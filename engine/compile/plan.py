@@ -20,15 +20,15 @@ and evaluation together, and so how many CUDA graphs it records.
 
 By default every training region has symbolic sizes: one graph serves every bucket and every batch. The
 transformer's (``_options``) turns off the size thresholds of a fusion that made the second size compile it again.
-The backbone's graph of symbolic sizes costs several times the compilation of one of fixed sizes, and the first step
-waits for it: ``compile.backbone=dynamic`` compiles the backbone for the first batch's size, then once with symbolic
-sizes at the first other size (``Region.sizes`` FIRST_FIXED). ``static`` compiles a graph per size, which at the
-COCO recipe's 14 training sizes took minutes in all. The losses are padded to a few numbers of matched pairs
-(models.criterion.target_slots), so that their CUDA graphs are recorded a few times and replayed. Evaluation runs
-``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per evaluation
-size, so that the first evaluation compiles one graph per evaluation bucket and later ones none, instead of every
-training region again without gradients. Module names and state_dict keys are unchanged: checkpoints of a compiled
-run load anywhere.
+The backbone's graph costs more to compile than one of fixed sizes, once: ``compile.backbone=static`` compiles a
+graph per size, which at the COCO recipe's 14 training sizes took minutes in all. With the transformer a layer at
+a time torch's duck shapes stay on (``compile_model``): a square first batch size makes the backbone's height and
+width one symbol, and the first other size compiles its graph for every size once more. The losses are padded to a few
+numbers of matched pairs (models.criterion.target_slots), so that their CUDA graphs are recorded a few times and
+replayed. Evaluation runs ``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``)
+as one graph per evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later
+ones none, instead of every training region again without gradients. Module names and state_dict keys are
+unchanged: checkpoints of a compiled run load anywhere.
 
 Compiled graphs, kernels and autotuning results are kept in ``compile.cache_dir`` (``use_compile_cache``),
 so that a second run or a resume on the same machine skips most of the compilation.
@@ -52,7 +52,7 @@ from engine.config.choices import (
     REGION_CHOICES,
     TRAIN_BACKBONE_CHOICES,
 )
-from models.compiled_regions import FIRST_FIXED, PER_SIZE, SYMBOLIC, Region
+from models.compiled_regions import Region
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,7 @@ class CompilePlan:
                     + (", evaluation" if self.evaluation else "") + "), recorded once per size; nothing compiled")
         parts = ["the transformer's layers and the heads" if self.regions == "layers"
                  else "the transformer with its heads", "the position encoding"]
-        backbone = {"dynamic": ["the backbone (a graph of the first size, then one for every size)"],
-                    "static": ["the backbone (a graph per size)"], "eager": []}
+        backbone = {"dynamic": ["the backbone"], "static": ["the backbone (a graph per size)"], "eager": []}
         parts += backbone[self.backbone]
         if losses:
             parts.append("the losses")
@@ -212,8 +211,6 @@ def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -
         owner.get_submodule(region.name).compile(**options)
         return
     compiled = torch.compile(getattr(owner, region.name), **options)
-    if region.sizes == FIRST_FIXED:
-        compiled = _symbolic_after_first_sizes(compiled)
     if region.starts_step and plan.cuda_graphs:
         compiled = _starting_a_step(compiled)
     owner.use_compiled(region.name, compiled)
@@ -228,12 +225,10 @@ def _options(region: Region, plan: CompilePlan) -> dict:
     they guard on the flattened token count (2 x 256 x S >= 5 x 2^20), so the first size on the other side of
     it compiled the transformer again. The fused kernel now runs at every size, as it ran above the threshold
     (most of the COCO recipe's batches of 2)."""
-    # FIRST_FIXED: Dynamo's automatic dynamic shapes, its first graph of fixed sizes (_symbolic_after_first_sizes).
-    dynamic = {SYMBOLIC: True, PER_SIZE: False, FIRST_FIXED: None}[region.sizes]
-    options = {"backend": plan.backend, "dynamic": dynamic, "fullgraph": region.whole}
+    options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
     inductor = {}
     triton_options = torch._inductor.config.triton
-    if plan.backend == "inductor" and region.sizes != PER_SIZE:
+    if plan.backend == "inductor" and not region.static_sizes:
         if region.whole and hasattr(triton_options, "coalesce_tiling_analysis"):
             inductor["triton.coalesce_tiling_analysis"] = False
         if hasattr(triton_options, "mix_order_reduction_non_strict_mode"):
@@ -245,30 +240,6 @@ def _options(region: Region, plan: CompilePlan) -> dict:
     elif plan.cuda_graphs:
         options["mode"] = "reduce-overhead"
     return options
-
-
-def _symbolic_after_first_sizes(compiled):
-    """``compiled`` (torch.compile'd with dynamic=None) called with every size of its tensor arguments marked
-    symbolic from the first call whose sizes differ from the first call's: Dynamo then compiles the one graph of
-    symbolic sizes, as dynamic=True would, rather than only the sizes that changed. A batch that never changes
-    would otherwise stay fixed in it, and another batch would compile it again."""
-    first_sizes = None
-
-    def call(*args, **kwargs):
-        nonlocal first_sizes
-        if torch.compiler.is_compiling():  # traced into another region's graph (evaluation's): no state of its own
-            return compiled(*args, **kwargs)
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        sizes = [tuple(t.shape) for t in tensors]
-        if first_sizes is None:
-            first_sizes = sizes
-        elif sizes != first_sizes:
-            for t in tensors:
-                for dim in range(t.dim()):
-                    torch._dynamo.maybe_mark_dynamic(t, dim)
-        return compiled(*args, **kwargs)
-
-    return call
 
 
 def _starting_a_step(compiled):

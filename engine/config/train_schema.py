@@ -74,8 +74,7 @@ class CompileConfig:
                 recorded as CUDA graphs, nothing compiled) | default (compiled, no CUDA graphs) | reduce-overhead
                 (compiled, replayed as CUDA graphs)
     regions     what one graph spans: transformer (the whole transformer with its heads) | layers
-    backbone    dynamic (the backbone compiled too: a graph of the first size, then one for every size) | static
-                (a graph per size) | eager
+    backbone    dynamic (the backbone compiled too, one graph for every size) | static (a graph per size) | eager
     backend     torch.compile's backend (aot_eager: trace only, for debugging)
     evaluation  whether evaluation runs a compiled graph (one per evaluation size); null: when the run evaluates
                 enough batches to repay the compilation (engine.compile.plan.EVALUATION_BATCHES_TO_COMPILE)
