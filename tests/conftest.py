@@ -20,6 +20,12 @@ import torch.fx.experimental._config as fx_config
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Each pytest-xdist worker that compiles with Inductor would start a pool of compile processes, one per core: with
+# -n 16 on a machine of 16 cores, 256 processes importing torch. One compile thread compiles in the worker itself;
+# the workers are the parallelism.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # Tests import the project's top-level packages (msda, models, datasets, ...) from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
