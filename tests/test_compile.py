@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_criterion import rand_targets
 from test_models import _batch, tiny_cfg
 from test_step import SMALL, _loss, make_step
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
@@ -341,14 +342,6 @@ GPU_COMPILE_CASES = [("reduce-overhead", "layers", "eager"), ("reduce-overhead",
 GPU_STEPS = ((128, 160, 2), (128, 160, 2), (160, 136, 2), (128, 160, 6), (128, 160, 6), (141, 163, 2), (160, 136, 6))
 
 
-def _boxes_per_image(count: int, B: int = 2) -> list[dict]:
-    rng = torch.Generator().manual_seed(count)
-    centers = torch.rand(B, count, 2, generator=rng) * 0.6 + 0.2
-    sides = torch.rand(B, count, 2, generator=rng) * 0.2 + 0.05
-    labels = torch.randint(0, 5, (B, count), generator=rng)
-    return [{"labels": labels[b], "boxes": torch.cat([centers[b], sides[b]], 1)} for b in range(B)]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 @pytest.mark.parametrize("mode,regions,backbone", GPU_COMPILE_CASES)
 def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone):
@@ -362,7 +355,8 @@ def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode,
     counters.clear()
     for H, W, count in GPU_STEPS:
         batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
-        targets = [{k: v.cuda() for k, v in t.items()} for t in _boxes_per_image(count)]
+        drawn = rand_targets([count, count], torch.Generator().manual_seed(count))
+        targets = [{k: t[k].cuda() for k in ("labels", "boxes")} for t in drawn]
         expected, got = eager(*batch, targets), graphed(*batch, targets)
         torch.testing.assert_close(got, expected, rtol=2e-3, atol=1e-4, msg=lambda m: f"{H}x{W}, {count} boxes: {m}")
     # Inductor runs a graph it cannot record without CUDA graphs, and counts it: every region, losses included, replays.
