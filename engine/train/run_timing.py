@@ -41,7 +41,8 @@ class RunTiming:
     evaluations: int = 0
     checkpoint_s: float = 0.0
     steps: int = 0
-    # The warm steps that compiled nothing, in order: (wall s, loader wait s, images, pixels per image, end time)
+    # The warm steps that compiled nothing since the last step that compiled a graph, in order: (wall s, loader wait
+    # s, images, pixels per image, end time, step number)
     warm_steps: list[tuple[float, float, int, int, float]] = field(default_factory=list)
     _last_step_end: float | None = None
     _sizes_seen: Counter = field(default_factory=Counter)
@@ -73,6 +74,10 @@ class RunTiming:
         self._last_step_end = now
         if self.first_step_s is None:  # from the start of the process: what the user waits for a first step
             self.first_step_s = now - self.started
+        if compiled.graphs:
+            # A new graph changes what a step runs (a region compiled in the background replaces its eager
+            # method): the warm steps before it are not what the run's steps are like from now on.
+            self.warm_steps.clear()
         warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
         if warming:
@@ -80,7 +85,7 @@ class RunTiming:
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
             if not compiled.graphs and compiled.seconds < 1e-3:
-                self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time()))
+                self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time(), self.steps + 1))
         self.steps += 1
         return compiled
 
@@ -107,17 +112,18 @@ class RunTiming:
         self.checkpoint_s += wall_s
 
     def steady(self) -> dict | None:
-        """The second half of the warm steps that compiled nothing, what a long run's steps are like: their
-        median wall time, images per second, share of the wall time spent waiting for the loader, padded pixels
-        per image, and the wall-clock window they ran in (time.time())."""
+        """The second half of the warm steps that compiled nothing since the last graph compiled, what a long run's
+        steps are like: their median wall time, images per second, share of the wall time spent waiting for the
+        loader, padded pixels per image, the wall-clock window they ran in (time.time()) and the number of the first
+        of them."""
         late = self.warm_steps[len(self.warm_steps) // 2:]
         if not late:
             return None
-        walls, waits, images, pixels, ends = zip(*late)
+        walls, waits, images, pixels, ends, numbers = zip(*late)
         seconds = sum(walls)
         return {"steps": len(late), "step_ms": statistics.median(walls) * 1e3, "images_per_s": sum(images) / seconds,
                 "data_wait_share": sum(waits) / seconds, "pixels_per_image": sum(p * n for p, n in zip(pixels, images))
-                / sum(images), "window": [ends[0] - walls[0], ends[-1]]}
+                / sum(images), "window": [ends[0] - walls[0], ends[-1]], "first_step": numbers[0]}
 
     def record(self, **extra) -> dict:
         compiled, steady = self.compile, self.steady()

@@ -76,8 +76,12 @@ class OptimizerStep:
         size = len(targets) // passes
         loss = parts = None
         for first in range(0, len(targets), size):
-            pass_loss, pass_parts = self._forward_backward(images[first:first + size], masks[first:first + size],
-                                                           targets[first:first + size], num_boxes)
+            # One pass takes the batch itself, not a view of it: Dynamo traces a view through its base, and the
+            # backbone compiled in a child process (engine/compile/background.py) has to reproduce that.
+            pass_images, pass_masks = (images, masks) if passes == 1 else \
+                (images[first:first + size], masks[first:first + size])
+            pass_loss, pass_parts = self._forward_backward(pass_images, pass_masks, targets[first:first + size],
+                                                           num_boxes)
             if passes > 1:
                 pass_parts = pass_parts * self._pass_coefficients(targets, first, size, passes, pass_parts.device)
             loss = pass_loss if loss is None else loss + pass_loss
