@@ -54,6 +54,10 @@ RECIPE_COMPILE_MODE = "reduce-overhead"
 # The first step's compile cache, as its table cell says it: empty, or holding what the earlier rows compiled
 # (graphs that do not depend on the batch are found there; a row whose plan differs compiles its own).
 FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
+# Steps per row: at batch 32 the backbone's graph, compiled in a child process while the run trains with it
+# uncompiled (engine/compile/background.py), takes over after a hundred steps or more, and the steady steps are the
+# second half of those after the last graph compiled (engine/train/run_timing.py).
+ROW_STEPS = 400
 TARGETS = {"img_s": 150.0, "gpu_busy": 0.90, "data_wait_share": 0.05, "first_step_s_at_32": 120.0}
 
 
@@ -62,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 16, 8, 4, 2],
                         help="total batch per optimizer step, one row each (one GPU: the whole batch in one pass)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps per row (default: max(120, 800 // batch); 16 with --smoke)")
+                        help=f"optimizer steps per row (default: {ROW_STEPS}; 16 with --smoke)")
     parser.add_argument("--val-images", type=int, default=64, help="validation images (the run's final evaluation)")
     parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every row")
     parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take before it is stopped")
@@ -213,9 +217,23 @@ def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
             "gpu_busy": busy.share(*steady["window"]), "data_wait_share": steady["data_wait_share"],
             "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
             "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
+            "steady_from_step": steady["first_step"], "backbone_in_background": backbone_in_background(output),
             "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
             "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
             "transformer": transformer_graphs(output), "compile_s_by_function": timing.get("compile_s_by_function")}
+
+
+def backbone_in_background(output: str) -> dict | None:
+    """How the backbone compiled in a child process took over, from the run's log (engine/compile/background.py):
+    the child's seconds, the calls the run made uncompiled after it and whether its graph was found in the cache;
+    {"failed": True} where the child failed, None where no child compiled it."""
+    if "compiling the backbone in a child process failed" in output:
+        return {"failed": True}
+    found = re.search(r"backbone's graph was compiled in the background in (\d+) s; after (\d+) more calls", output)
+    if found is None:
+        return None
+    return {"child_s": int(found.group(1)), "calls_after": int(found.group(2)),
+            "cache_hit": "was not found in the compile cache" not in output}
 
 
 def transformer_graphs(output: str) -> str | None:
@@ -271,7 +289,21 @@ def how_to_read() -> str:
             "time with a kernel running; MFU counts the model's matmul and convolution FLOPs (forward and "
             "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
             "that rate; the first step is from the process's start, compilation included (cold: into the empty "
-            "cache).")
+            "cache). The backbone's graph is compiled in a child process while the run's first steps take the "
+            "backbone uncompiled: backbone says after how many seconds the child was done, whether the run then "
+            "found its graph in the cache, and from which step the steady steps were taken (the second half of the "
+            "warm steps after the last graph compiled).")
+
+
+def backbone_cell(row: dict) -> str:
+    background = row.get("backbone_in_background")
+    steady = f"steady from step {row['steady_from_step']}"
+    if background is None:
+        return f"compiled in the run; {steady}"
+    if background.get("failed"):
+        return f"child failed, compiled in the run; {steady}"
+    found = "graph from the cache" if background["cache_hit"] else "NOT in the cache, compiled again"
+    return f"child done at {background['child_s']} s, {found}; {steady}"
 
 
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
@@ -279,16 +311,16 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         if "error" in r:
-            cells.append([r["batch"], r["error"], *[""] * 9])
+            cells.append([r["batch"], r["error"], *[""] * 10])
             continue
         cells.append([r["batch"], r.get("transformer") or "-", f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}",
                       "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}", f"{r['data_wait_share']:.1%}",
                       "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
                       "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
                       "-" if r.get("mfu") is None else f"{r['mfu']:.1%}", f"{r['recipe_hours']:.1f}",
-                      f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})"])
+                      f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})", backbone_cell(r)])
     lines += table(["batch", "transformer", "img/s", "step ms", "GPU busy", "loader wait", "peak GiB", "GFLOPs/img",
-                    "MFU", "50 epochs (h)", "first step (s)"], cells)
+                    "MFU", "50 epochs (h)", "first step (s)", "backbone"], cells)
     done = [r for r in rows if "error" not in r]
     compiled = [r for r in done if r.get("compile_s_by_function")]
     if compiled:
@@ -320,7 +352,7 @@ def main() -> None:
     if args.smoke and args.out == RESULTS:  # a smoke run's figures mean nothing: never over the report
         args.out = ROOT / "outputs" / "bench"
     args.work.mkdir(parents=True, exist_ok=True)
-    steps = {b: args.steps or (16 if args.smoke else max(120, 800 // b)) for b in args.batches}
+    steps = {b: args.steps or (16 if args.smoke else ROW_STEPS) for b in args.batches}
     train_images = max(b * (steps[b] + 8) for b in args.batches)  # one epoch holds every row's steps
     if args.smoke:
         args.val_images = min(args.val_images, 8)  # the tiny set's training images are as many as the rows need
