@@ -5,8 +5,11 @@ still running when the run ends is stopped. Which runs do it (engine/train/build
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch._inductor.config as inductor_config
 from omegaconf import OmegaConf
 from test_models import _batch, tiny_cfg
 from torch._dynamo.utils import counters
+import torch._inductor.utils as inductor_utils
 
 from engine.compile import background
 from engine.compile.background import BackgroundBackbone, compile_in_background
@@ -25,6 +29,7 @@ from models import build_model
 from models.deformable_detr import DeformableDETR
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _job(cfg, tmp_path) -> BackgroundBackbone:
@@ -45,6 +50,8 @@ def test_the_child_compiles_the_backbone_and_the_run_loads_its_graph_from_the_ca
     Dynamo traces through its base: the child reproduces it."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    # Inductor's in-process caches of an earlier test's compile cache (named clear_inductor_caches in older torch)
+    (getattr(inductor_utils, "clear_caches", None) or inductor_utils.clear_inductor_caches)()
     torch.manual_seed(0)
     torch._dynamo.reset()
     cfg = tiny_cfg(backbone="resnet18")
@@ -156,3 +163,44 @@ def test_which_runs_compile_the_backbone_in_a_child(device, world_size, backbone
     if expected:
         assert job.cache_dir == "/tmp/cache" and job.channels_last
         assert job.model_config["num_classes"] == cfg.num_classes  # plain values, as JSON carries them
+
+
+@pytest.mark.parametrize("run_sets", ["pass", "matmul.allow_tf32 = False", "matmul.allow_tf32 = True"],
+                         ids=["untouched", "allow_tf32=False", "allow_tf32=True"])
+def test_the_child_takes_the_runs_matmul_settings_as_the_cache_key_holds_them(run_sets):
+    """The compiled graph's cache key holds torch.backends.cuda.matmul's settings: a fresh child process ends with
+    exactly the run's, also where the run set allow_tf32 to its default (which still changes fp32_precision), and can
+    still read allow_tf32 (Inductor does). Both sides are processes of their own: the settings are process-wide."""
+
+    def settings_after(code: str, *args: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", "import json, sys, torch; from engine.compile import background; "
+                               f"matmul = torch.backends.cuda.matmul; {code}; matmul.allow_tf32; "
+                               "print(json.dumps(background.matmul_settings()))", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    run = settings_after(run_sets)
+    child = settings_after("background.apply_matmul_settings(json.loads(sys.argv[1]))", json.dumps(run))
+    assert child == run
+    assert (settings_after("pass") == run) == (run_sets == "pass")  # the run's setting is one a fresh process lacks
+
+
+def test_the_run_takes_the_compiled_backbone_at_a_training_call_of_the_childs_size(tmp_path, monkeypatch):
+    """The child compiled a training graph (forward and backward) at the first call's size: an evaluation call
+    (no gradients) or a call of another size after it has exited still runs the eager method."""
+    monkeypatch.setattr(background, "child_command", lambda job_file: [sys.executable, "-c", "pass"])
+    eager, compiled = _Calls("features"), _Calls("compiled")
+    method = compile_in_background(eager, compiled, plan=CompilePlan(mode="default"),
+                                   job=BackgroundBackbone(model_config={}, cache_dir=str(tmp_path),
+                                                          channels_last=False))
+    first, other = torch.zeros(2, 3, 8, 8), torch.zeros(2, 3, 8, 16)
+    method(first)
+    method.wait()
+    with torch.no_grad():
+        method(first)
+    method(other)
+    assert (eager.calls, compiled.calls) == (3, 0)
+    method(first)
+    method(other)
+    assert (eager.calls, compiled.calls) == (3, 2)

@@ -1,19 +1,20 @@
 """The backbone's graph compiled in a child process, into the run's compile cache, while the run goes on without it.
 
 Cold, the backbone's graph of symbolic sizes (``DeformableDETR.features``, forward and backward) is the longest
-compilation of a run's first step: about half of it at batch 32 on an H200 (bench/results/throughput_h200.md). It
-needs nothing from the rest of the model, so a child process compiles it while the run compiles the other regions
+compilation of a run's first step at large batches (bench/results/throughput_h200.md). It needs nothing from the
+rest of the model, so a child process compiles it while the run compiles the other regions
 and takes its first steps with the eager backbone. From the first call after the child has exited, the run calls
 the compiled method, whose compilation then finds the child's graph in the cache: Dynamo traces the method again
 and loads the graph (seconds) instead of compiling it (minutes). A child that fails costs the run nothing but the
 warning that says why: the run compiles the graph itself at that call, as it would have at its first step.
 
 The child builds the graph the run would build: the same model config and compile plan, the settings the graph
-depends on as the run's first call finds them (autocast, TF32 matmuls) and inputs of the first call's sizes, dtype
-and layout. The graph is the same for every size, but Inductor chooses its kernels' launch configurations from the
-sizes it first sees: the child's are the run's. The run switches at a call of those sizes (or after
-SWITCH_WITHIN_CALLS calls of others): the cached graph holds guards on the sizes it was compiled at, which a call
-of another size may fail (on the CPU its backward's do), and then it would be compiled again.
+depends on as the run's first call finds them (autocast, the matmul precision settings, the default dtype) and
+inputs of the first call's sizes, dtype and layout. The graph is the same for every size, but Inductor chooses its
+kernels' launch configurations from the sizes it first sees: the child's are the run's. The run switches at a
+training call (gradients on: the child compiled forward and backward) of those sizes, or after SWITCH_WITHIN_CALLS
+training calls of others: the cached graph holds guards on the sizes it was compiled at, which a call of another
+size may fail (on the CPU its backward's do), and then it would be compiled again.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class _BackgroundCompile:
                 self._done = True  # a layout the child does not reproduce: the run compiles the graph itself
                 return self._compiled(images, mask)
             self._start(images, mask)
-        if self._child.poll() is None or (self._child.returncode == 0 and not self._switch_at(images)):
+        if self._child.poll() is None or not torch.is_grad_enabled() or \
+                (self._child.returncode == 0 and not self._switch_at(images)):
             return self._eager(images, mask)
         self._finish()
         hits = counters["aot_autograd"]["autograd_cache_hit"]
@@ -108,7 +110,8 @@ class _BackgroundCompile:
                 "images_base": _base_shape(images), "mask": mask is not None,
                 "mask_base": None if mask is None else _base_shape(mask),
                 "autocast_dtype": str(torch.get_autocast_dtype(device.type)) if autocast else None,
-                "allow_tf32": torch.backends.cuda.matmul.allow_tf32, "channels_last": self._job.channels_last,
+                "matmul": matmul_settings(), "default_dtype": str(torch.get_default_dtype()),
+                "channels_last": self._job.channels_last,
                 "region": self._eager.__name__}
         job_file = _temporary(".json")
         job_file.write_text(json.dumps(spec))
@@ -148,6 +151,32 @@ class _BackgroundCompile:
         for path in self._files:
             path.unlink(missing_ok=True)
         self._files = []
+
+
+# The process-wide matmul settings that a compiled graph's cache key holds, those this torch has: fp32_precision
+# ("none", "ieee" or "tf32") where it exists, else allow_tf32, which sets it.
+MATMUL_SETTINGS = ("fp32_precision", "allow_fp16_reduced_precision_reduction",
+                   "allow_bf16_reduced_precision_reduction")
+
+
+def matmul_settings() -> dict:
+    matmul = torch.backends.cuda.matmul
+    names = MATMUL_SETTINGS if hasattr(matmul, "fp32_precision") else ("allow_tf32", *MATMUL_SETTINGS[1:])
+    return {name: getattr(matmul, name) for name in names}
+
+
+def apply_matmul_settings(settings: dict) -> None:
+    """The run's settings, in the child, through the setters the run uses (torch refuses to read allow_tf32 once both
+    it and fp32_precision were set). Only those that differ are set: allow_tf32 set to its default still turns
+    fp32_precision from "none" to "ieee", and the graph would be compiled under another key than the run's."""
+    matmul = torch.backends.cuda.matmul
+    for name, value in settings.items():
+        if getattr(matmul, name) == value:
+            continue
+        if name == "fp32_precision":
+            matmul.allow_tf32 = value == "tf32"  # which sets fp32_precision to "tf32" or "ieee"
+        else:
+            setattr(matmul, name, value)
 
 
 def child_command(job_file: Path) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 
 from models import build_model
 
+from .background import apply_matmul_settings
 from .cache import use_compile_cache
 from .plan import CompilePlan, compile_model
 
@@ -24,10 +25,8 @@ def compile_region(spec: dict) -> None:
     """In the child: build the model as the run did and run its compiled region (``features``) forward and backward
     once on inputs of the run's first call, which compiles the graph into the cache."""
     use_compile_cache(spec["cache_dir"])
-    if torch.backends.cuda.matmul.allow_tf32 != spec["allow_tf32"]:
-        # Set only where it differs: setting it, even to its default, changes the precision setting that the
-        # compiled graph's cache key holds ("none" becomes "ieee"), and the run would find no graph of its own.
-        torch.backends.cuda.matmul.allow_tf32 = spec["allow_tf32"]
+    apply_matmul_settings(spec["matmul"])
+    torch.set_default_dtype(getattr(torch, spec["default_dtype"].removeprefix("torch.")))
     device = torch.device(spec["device"])
     model, _, _ = build_model({**spec["model"], "pretrained": "none"})  # the weights are inputs of the graph
     model.to(device)
