@@ -104,6 +104,29 @@ def test_a_failing_run_logs_the_write_error_instead_of_raising_it_over_its_own(t
     assert "could not write checkpoint" in caplog.text and not (tmp_path / "checkpoint.pth").exists()
 
 
+def test_a_failing_runs_wait_interrupted_by_another_error_still_waits_for_the_write(tmp_path, held_writes, caplog):
+    """A loader worker's death is raised in the main thread wherever it is, also inside the join of a failing
+    run's wait for its checkpoint: the wait goes on until the file is written, and logs nothing of the other error."""
+    started, release, _ = held_writes
+    writer = CheckpointWriter()
+    writer.save({"model": {}, "step": 3}, tmp_path / "checkpoint.pth")
+    assert started.wait(30)
+    thread, interrupted = writer._thread, []
+
+    def join_interrupted_once(timeout=None):
+        if not interrupted:
+            interrupted.append(True)
+            release.set()
+            raise RuntimeError("DataLoader worker (pid 1234) is killed by signal: Killed.")
+        return threading.Thread.join(thread, timeout)
+
+    thread.join = join_interrupted_once
+    writer.wait_quietly()
+    assert interrupted and not thread.is_alive() and not writer.writing
+    assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == 3
+    assert "killed by signal" not in caplog.text
+
+
 def test_tied_weights_are_copied_once_and_written_once(tmp_path):
     head = torch.nn.Linear(256, 256)  # 256 KB: a second copy in the file would be seen
     model = torch.nn.ModuleDict({"a": head, "b": head, "other": torch.nn.Linear(256, 256)})  # tied, as the model's heads

@@ -78,11 +78,17 @@ class CheckpointWriter:
             self.wait()
 
     def wait_quietly(self) -> None:
-        """``wait`` for a run that is already failing: a write error is logged, not raised over the first."""
-        try:
-            self.wait()
-        except Exception as error:  # noqa: BLE001 - the run's own error is the one to report
-            log.error("%s", error)
+        """``wait`` for a run that is already failing: a write error is logged, not raised over the first. An error
+        raised into the wait from elsewhere (a second loader worker's death, which torch's SIGCHLD handler raises
+        in this thread) is not the write's: the wait goes on, so that the process never ends with a write in flight."""
+        while True:
+            try:
+                self.wait()
+                return
+            except Exception as error:  # noqa: BLE001 - the run's own error is the one to report
+                if self._thread is None:  # wait() had joined the thread: the write's own error
+                    log.error("%s", error)
+                    return
 
     @property
     def writing(self) -> bool:
