@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from models import build_model
 
@@ -55,7 +56,7 @@ def compile_region(spec: dict) -> None:
     with torch.autocast(device.type, dtype=getattr(torch, autocast_dtype.removeprefix("torch.")) if autocast_dtype
                         else None, enabled=autocast_dtype is not None):
         outputs = getattr(model, spec["region"])(images, mask)
-        loss = sum(t.float().mean() for t in _tensors(outputs) if t.requires_grad)
+        loss = sum(t.float().mean() for t in tree_leaves(outputs) if torch.is_tensor(t) and t.requires_grad)
     loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -65,12 +66,6 @@ def _like_the_run(shape: list[int], base: list[int] | None, make) -> torch.Tenso
     """A tensor of ``shape`` made by ``make``, or, where the run's was the leading part of a batch of shape ``base``
     (a view, whose graph Dynamo traces through its base), the same slice of such a batch."""
     return make(shape) if base is None else make(base)[:shape[0]]
-
-
-def _tensors(outputs) -> list[torch.Tensor]:
-    if isinstance(outputs, torch.Tensor):
-        return [outputs]
-    return [t for item in outputs for t in _tensors(item)] if isinstance(outputs, (list, tuple)) else []
 
 
 def main(argv: list[str]) -> None:

@@ -12,11 +12,12 @@ import os
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from engine.checkpoint.init_from import InitFrom
 from engine.compile.background import BackgroundBackbone
 from engine.compile.plan import CompilePlan, compile_model, resolve_compile
+from engine.config.registry import plain_config
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
@@ -90,8 +91,7 @@ def _backbone_in_child(cfg_model, cfg_compile, plan: CompilePlan, ctx: DistConte
     if ctx.device.type != "cuda" or ctx.world_size > 1 or plan.backend != "inductor" or not plan.inductor \
             or plan.backbone != "dynamic":
         return None
-    config = OmegaConf.to_container(cfg_model, resolve=True, enum_to_str=True) \
-        if isinstance(cfg_model, DictConfig) else dict(cfg_model)
+    config = plain_config(cfg_model) if isinstance(cfg_model, DictConfig) else dict(cfg_model)
     return BackgroundBackbone(model_config=config, cache_dir=str(cfg_compile.cache_dir), channels_last=channels_last)
 
 

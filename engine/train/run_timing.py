@@ -43,7 +43,7 @@ class RunTiming:
     steps: int = 0
     # The warm steps that compiled nothing since the last step that compiled a graph, in order: (wall s, loader wait
     # s, images, pixels per image, end time, step number)
-    warm_steps: list[tuple[float, float, int, int, float]] = field(default_factory=list)
+    warm_steps: list[tuple[float, float, int, int, float, int]] = field(default_factory=list)
     _last_step_end: float | None = None
     _sizes_seen: Counter = field(default_factory=Counter)
 
