@@ -8,7 +8,7 @@
 # export-latency, throughput (bench/<name>.py), ddp (bench/ddp.py), nccl-tests (rank parity on 2 GPUs).
 # throughput, ddp and nccl-tests see every GPU: give them a call, or a place in the queue, of their own. Extra
 # arguments for a step come from the environment: MSDA_ARGS, E2E_ARGS, TTR_ARGS, PARITY_ARGS, EXPORT_ARGS,
-# THROUGHPUT_ARGS, DDP_ARGS. Python packages the machine lacks (hydra-core, omegaconf, antlr4, pycocotools,
+# THROUGHPUT_ARGS, DDP_ARGS, TEST_ARGS. Python packages the machine lacks (hydra-core, omegaconf, antlr4, pycocotools,
 # faster-coco-eval) are installed from .whl/ when that folder holds their wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +36,9 @@ run_step() {  # name gpu
   local name=$1 gpu=$2
   case $name in
     # Two threads per test worker: the workers share the host's cores with whatever else this call runs.
-    tests) CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider \
-             -n "${TEST_WORKERS:-4}" tests --durations=15 ;;
+    # -rfE names the failures at the end; TEST_ARGS=-v names each test as it ends (a call cut short still says which).
+    tests) CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -p no:cacheprovider \
+             -n "${TEST_WORKERS:-4}" tests --durations=15 ${TEST_ARGS:-} ;;
     # The measured launch table goes into this copy's msda/launch.py, so that later steps run with it.
     msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --apply-table ${MSDA_ARGS:-} ;;
     e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" ${E2E_ARGS:-} ;;

@@ -1,6 +1,7 @@
 """What a training step does on the GPU, from torch.profiler: kernel time, launches, host syncs, and where it idles.
 
-Shared by bench/e2e.py and bench/ddp.py; tests/test_step_profile.py checks the idle-time attribution.
+Shared by bench/e2e.py and bench/ddp.py; the analysis of a profile is engine/reporting/gpu_profile.py's, which
+train.py's profile_steps uses too.
 """
 
 from __future__ import annotations
@@ -11,63 +12,7 @@ import warnings
 
 import torch
 
-# The prefix of the training step's phases as engine.train.step and models.criterion name them for the profiler.
-STEP_PHASES = "step."
-
-
-def _on_device(event) -> bool:
-    return str(event.device_type).endswith("CUDA")
-
-
-def _device_us(event) -> float:
-    # The attribute was renamed from *cuda* to *device* across torch releases.
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(event, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
-
-
-def is_device_work(event) -> bool:
-    """Whether a profiler event (FunctionEvent or its average) is work the GPU did: a kernel, copy or memset.
-
-    Every named range on the host (record_function: the optimizer's step, DDP's forward, NCCL's calls, the
-    step's own phases) also has a GPU-side twin spanning the kernels launched inside it; it is marked as a user
-    annotation, and counting it would count those kernels again (torch's own tables leave it out too).
-    """
-    return _on_device(event) and not getattr(event, "is_user_annotation", False)
-
-
-def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
-    """Time the GPU idles while the host runs each phase: {phase name: microseconds}, summed over steps.
-
-    busy    (start, end) of every GPU activity (kernels, copies, memsets), overlapping or not
-    phases  (name, start, end) of the host's named ranges, possibly nested; an idle moment is charged to
-            the innermost range around it (the latest-starting one), and idle time outside every range is
-            not counted (before the first step, after the last)
-    """
-    if not phases:
-        return {}
-    window_start, window_end = min(p[1] for p in phases), max(p[2] for p in phases)
-    gaps, cursor = [], window_start
-    for start, end in sorted(busy):
-        if start > cursor:
-            gaps.append((cursor, min(start, window_end)))
-        cursor = max(cursor, end)
-        if cursor >= window_end:
-            break
-    if cursor < window_end:
-        gaps.append((cursor, window_end))
-    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))  # of ranges that start together, the outer first
-    idle: dict[str, float] = {}
-    for gap_start, gap_end in gaps:
-        # Cut the gap where a phase starts or ends; each piece belongs to one innermost phase (or none).
-        cuts = sorted({gap_start, gap_end, *(t for _, a, b in ordered for t in (a, b) if gap_start < t < gap_end)})
-        for a, b in zip(cuts, cuts[1:]):
-            inner = [p for p in ordered if p[1] <= (a + b) / 2 < p[2]]
-            if inner:
-                idle[inner[-1][0]] = idle.get(inner[-1][0], 0.0) + (b - a)
-    return idle
+from engine.reporting.gpu_profile import device_activity, device_us, idle_by_phase, is_device_work, step_phases
 
 
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
@@ -87,16 +32,12 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
             launches += event.count
         if not is_device_work(event):
             continue
-        us = _device_us(event)
+        us = device_us(event)
         kernel_us += us
         attention_us += us if any(name in event.key for name in attention_names) else 0.0
         nccl_us += us if "nccl" in event.key.lower() else 0.0
     events = prof.events()
-    busy = [(e.time_range.start, e.time_range.end) for e in events
-            if is_device_work(e) and e.time_range.end > e.time_range.start]
-    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
-              if e.name.startswith(STEP_PHASES) and not _on_device(e)]
-    idle = idle_by_phase(busy, phases) if cuda else {}
+    idle = idle_by_phase(device_activity(events), step_phases(events)) if cuda else {}
     return {"gpu_kernel_ms": kernel_us / steps / 1e3, "launches": launches / steps,
             "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3,
             **({"gpu_idle_ms": sum(idle.values()) / steps / 1e3,

@@ -16,8 +16,10 @@ rows share one compile cache, empty before the first row: the first row's first 
 rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch). From
 its timing.json: the steady steps (the second half of the warm steps that compiled nothing), their images/s, the
 share of their wall time the loop waited for the loader, the padded pixels per image, peak memory and the first
-step's time. GPU busy: the share of the steady window in which NVML saw a kernel running (its utilization counter,
-sampled every 50 ms).
+step's time. GPU busy: the share of the row's last PROFILED_STEPS steps' wall time in which the GPU ran a kernel,
+copy or memset, from torch.profiler (train.py's profile_steps, which also says what the host was doing while the GPU
+waited; those steps are left out of the steady figures). Beside it, NVML's utilization counter over the steady
+window, sampled every 50 ms: a coarse figure (it reads 49% and 81% in two runs of the same row at the same step time).
 Model FLOPs per image: torch.utils.flop_counter over one forward and backward of the model at two image sizes,
 interpolated to the row's mean padded pixels (the attention's sampling is not a counted op; it adds little).
 """
@@ -58,6 +60,8 @@ FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
 # uncompiled (engine/compile/background.py), takes over after a hundred steps or more, and the steady steps are the
 # second half of those after the last graph compiled (engine/train/run_timing.py).
 ROW_STEPS = 400
+# The steps at each row's end that train.py profiles (profile_steps) for the GPU's busy share: several sizes' worth.
+PROFILED_STEPS = 20
 TARGETS = {"img_s": 150.0, "gpu_busy": 0.90, "data_wait_share": 0.05, "first_step_s_at_32": 120.0}
 
 
@@ -165,10 +169,14 @@ class BusySampler:
 
 
 # ------------------------------------------------------------------------------------------------ the rows
+def profiled_steps(steps: int) -> int:
+    return min(PROFILED_STEPS, max(1, steps // 4))
+
+
 def row_overrides(args, batch: int, run: Path, steps: int) -> list[str]:
     common = [f"dataset.root={args.work / 'coco'}", f"total_batch_size={batch}", f"batch_size={batch}",
               f"max_steps={steps}", "epochs=1", f"output_dir={run}", f"compile.cache_dir={args.work / 'cache'}",
-              "log_every=10", "eval_images=0"]
+              "log_every=10", "eval_images=0", f"profile_steps=[{max(1, steps - profiled_steps(steps) + 1)},{steps}]"]
     if args.smoke:
         return ["dataset=coco", "model=tiny", "device=cpu", "dataset.train_scales=[128]", "dataset.max_size=160",
                 "dataset.val_size=128", "dataset.crop=false", "num_workers=2", *common, *args.overrides]
@@ -212,9 +220,11 @@ def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
     if steady is None:
         return {"batch": batch, "error": "no steady step: every step compiled or warmed up a size (raise --steps)"}
     img_s = steady["images_per_s"] * gpus  # timing.json counts rank 0's images
+    profile = timing.get("profile") or {}
     return {"batch": batch, "per_gpu_batch": batch // gpus, "gpus": gpus, "through": "train.py", "data": "jpeg",
             "sizes": "coco-recipe", "img_s": img_s, "step_ms": steady["step_ms"],
-            "gpu_busy": busy.share(*steady["window"]), "data_wait_share": steady["data_wait_share"],
+            "gpu_busy": profile.get("gpu_busy"), "gpu_busy_nvml": busy.share(*steady["window"]),
+            "profile": profile, "data_wait_share": steady["data_wait_share"],
             "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
             "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
             "steady_from_step": steady["first_step"], "backbone_in_background": backbone_in_background(output),
@@ -285,14 +295,20 @@ def how_to_read() -> str:
             "GPU, the batch in one pass; the rows share a compile cache, empty before the first. transformer: "
             "how the row's plan compiled it (compile.regions=null: a graph per layer kind from 16 images per pass, "
             "else one graph). img/s, step "
-            "and loader wait come from the run's steady steps (its timing.json); GPU busy is NVML's share of that "
-            "time with a kernel running; MFU counts the model's matmul and convolution FLOPs (forward and "
+            "and loader wait come from the run's steady steps (its timing.json); GPU busy is the share of the run's "
+            f"last {PROFILED_STEPS} steps' time in which the GPU ran a kernel, copy or memset (torch.profiler, "
+            "train.py's profile_steps); NVML is the GPU's utilization counter over the steady steps (coarse: "
+            "sampled); MFU counts the model's matmul and convolution FLOPs (forward and "
             "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
             "that rate; the first step is from the process's start, compilation included (cold: into the empty "
             "cache). The backbone's graph is compiled in a child process while the run's first steps take the "
             "backbone uncompiled: backbone says after how many seconds the child was done, whether the run then "
             "found its graph in the cache, and from which step the steady steps were taken (the second half of the "
             "warm steps after the last graph compiled).")
+
+
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
 
 
 def backbone_cell(row: dict) -> str:
@@ -311,17 +327,26 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         if "error" in r:
-            cells.append([r["batch"], r["error"], *[""] * 10])
+            cells.append([r["batch"], r["error"], *[""] * 11])
             continue
         cells.append([r["batch"], r.get("transformer") or "-", f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}",
-                      "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}", f"{r['data_wait_share']:.1%}",
+                      percent(r["gpu_busy"]), percent(r.get("gpu_busy_nvml")), f"{r['data_wait_share']:.1%}",
                       "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
                       "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
                       "-" if r.get("mfu") is None else f"{r['mfu']:.1%}", f"{r['recipe_hours']:.1f}",
                       f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})", backbone_cell(r)])
-    lines += table(["batch", "transformer", "img/s", "step ms", "GPU busy", "loader wait", "peak GiB", "GFLOPs/img",
-                    "MFU", "50 epochs (h)", "first step (s)", "backbone"], cells)
+    lines += table(["batch", "transformer", "img/s", "step ms", "GPU busy", "NVML", "loader wait", "peak GiB",
+                    "GFLOPs/img", "MFU", "50 epochs (h)", "first step (s)", "backbone"], cells)
     done = [r for r in rows if "error" not in r]
+    profiled = [r for r in done if r["profile"].get("gpu_idle_by_phase_ms")]
+    if profiled:
+        lines += ["", f"GPU idle per step in the last {PROFILED_STEPS} steps (ms), by what the host was doing "
+                  "(data: waiting for the loader; other: the loop between steps):", ""]
+        phases = sorted({name for r in profiled for name in r["profile"]["gpu_idle_by_phase_ms"]})
+        lines += table(["batch", "profiled step ms", "GPU work ms", *phases],
+                       [[r["batch"], f"{r['profile']['step_ms']:.0f}", f"{r['profile']['gpu_work_ms']:.0f}",
+                         *(f"{r['profile']['gpu_idle_by_phase_ms'].get(name, 0.0):.1f}" for name in phases)]
+                        for r in profiled])
     compiled = [r for r in done if r.get("compile_s_by_function")]
     if compiled:
         lines += ["", "Compilation and CUDA-graph recording per function in each row's run (s):", ""]

@@ -73,6 +73,10 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     (["dataset.pad_to_multiple=0"], r"dataset\.pad_to_multiple must be"),
     (["compile.mode=default", "compile.backend=123", "dist_timeout_s=0"], r"dist_timeout_s must be > 0 seconds, got 0\.0"),
     (["eval_images=-1"], r"eval_images must be an integer >= 0, got -1"),
+    (["profile_steps=[5,4]"], r"profile_steps must be null or \[FIRST,LAST\], optimizer steps counted from 1 with "
+                              r"FIRST <= LAST, got \[5, 4\]"),
+    (["profile_steps=[0,3]"], r"profile_steps must be null or \[FIRST,LAST\].*got \[0, 3\]"),
+    (["profile_steps=[7]"], r"profile_steps must be null or \[FIRST,LAST\].*got \[7\]"),
     (["compile.mode=reduce-overhead", "compile.backend=aot_eager"],
      r"compile\.mode=reduce-overhead replays CUDA graphs, which need compile\.backend=inductor; got "
      r"compile\.backend=aot_eager"),

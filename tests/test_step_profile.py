@@ -17,7 +17,7 @@ from test_step import make_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.step_profile import STEP_PHASES, idle_by_phase, is_device_work
+from engine.reporting.gpu_profile import STEP_PHASES, busy_time, idle_by_phase, is_device_work, summarize
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 
@@ -70,3 +70,37 @@ def test_a_training_step_names_its_phases_for_the_profiler():
         step(images, mask, _targets())
     names = {e.name for e in prof.events() if e.name.startswith(STEP_PHASES)}
     assert names == {"step.forward", "step.losses", "step.matching", "step.backward", "step.update"}
+
+
+def test_busy_time_counts_overlapping_activities_once_and_only_inside_the_window():
+    assert busy_time([(1, 5), (4, 9), (22, 30)], 0, 25) == 8 + 3
+    assert busy_time([(-5, 2), (3, 4)], 0, 10) == 2 + 1
+    assert busy_time([], 0, 10) == 0
+
+
+def _event(name, start, end, *, device=False, annotation=False):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), is_user_annotation=annotation,
+                           device_type=DeviceType.CUDA if device else DeviceType.CPU)
+
+
+def test_a_profiles_summary_gives_the_busy_share_and_the_idle_time_per_step_by_phase():
+    """Two steps of 100 us: the GPU works 60 us of each, overlapping kernels counted once and a named range's GPU
+    twin not at all; it waits for the loader, the matching, and between steps outside any phase."""
+    events = []
+    for offset in (0, 100):
+        events += [_event("step.data", offset, offset + 10), _event("step.forward", offset + 10, offset + 40),
+                   _event("step.losses", offset + 40, offset + 70), _event("step.matching", offset + 45, offset + 60),
+                   _event("kernel_a", offset + 10, offset + 40, device=True),
+                   _event("kernel_b", offset + 30, offset + 40, device=True),
+                   _event("step.forward", offset + 10, offset + 45, device=True, annotation=True),
+                   _event("kernel_c", offset + 60, offset + 90, device=True)]
+    summary = summarize(events, steps=2, cuda=True)
+    assert summary["step_ms"] == pytest.approx(190 / 2 / 1e3)  # the window: from 0 to the last kernel's end
+    assert summary["gpu_busy"] == pytest.approx(120 / 190)
+    assert summary["gpu_work_ms"] == pytest.approx(60 / 1e3)
+    idle = summary["gpu_idle_by_phase_ms"]
+    # Per step: 10 us in the loader, 5 in the losses before the matching, 15 in the matching, and 10 us between the
+    # first step's last kernel and the second step (outside every phase) over the two steps.
+    assert idle == pytest.approx({"data": 10e-3, "matching": 15e-3, "losses": 5e-3, "other": 5e-3})
+    assert list(idle)[0] == "matching"  # the largest first
+    assert summarize(events, steps=2, cuda=False)["gpu_busy"] is None

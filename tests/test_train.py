@@ -316,3 +316,34 @@ def test_eval_only_takes_a_run_directory_for_its_checkpoint(tiny_run, data_root,
     result = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path, "eval_only=true",
                                                      f"checkpoint={tiny_run['output_dir']}"))
     assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-4)
+
+
+def _profiled_run(data_root: Path, run_dir: Path, *overrides: str) -> dict:
+    result = trainer.train(compose_run(data_root, run_dir, *overrides))
+    profile = result["timing"]["profile"]
+    assert json.loads((run_dir / "timing.json").read_text())["profile"] == profile
+    trace = json.loads((run_dir / profile["trace"]).read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"step.data", "step.forward", "step.matching", "step.backward", "step.update"} <= names
+    assert profile["step_ms"] > 0
+    return profile
+
+
+def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_runs_end(data_root, tmp_path):
+    profile = _profiled_run(data_root, tmp_path, "epochs=1", "profile_steps=[2,99]")  # the run has 3 steps
+    assert profile["profiled_steps"] == [2, STEPS_PER_EPOCH] and profile["steps"] == STEPS_PER_EPOCH - 1
+    assert profile["trace"] == f"profile_steps_2-{STEPS_PER_EPOCH}.json"
+    assert profile["gpu_busy"] is None  # no GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_profile_steps_on_the_gpu_gives_its_busy_share_and_where_it_waited(data_root, tmp_path):
+    last = 2 * STEPS_PER_EPOCH
+    profile = _profiled_run(data_root, tmp_path, "device=cuda", "compile.mode=graphs", "epochs=2",
+                            f"profile_steps=[{last - 1},{last}]")
+    assert profile["profiled_steps"] == [last - 1, last]
+    assert 0 < profile["gpu_busy"] <= 1 and 0 < profile["gpu_work_ms"] <= profile["step_ms"]
+    idle = profile["gpu_idle_by_phase_ms"]
+    assert set(idle) <= {"data", "forward", "matching", "losses", "backward", "update", "other"} and idle
+    # The idle time and the work add up to the wall time.
+    assert sum(idle.values()) + profile["gpu_work_ms"] == pytest.approx(profile["step_ms"], rel=1e-3)

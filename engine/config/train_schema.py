@@ -146,6 +146,7 @@ class TrainConfig:
     gradient_sync: GradientSync = _role(HOW_TO_RUN, GradientSync.allreduce)
     find_unused_parameters: bool = _role(HOW_TO_RUN, False)
     dist_timeout_s: float = _role(HOW_TO_RUN, 1800.0)
+    profile_steps: Optional[list[int]] = _role(HOW_TO_RUN, None)
     output_dir: Optional[str] = _role(INVOCATION, None)
     resume: Optional[str] = _role(INVOCATION, None)
     eval_only: bool = _role(INVOCATION, False)
@@ -167,6 +168,10 @@ class TrainConfig:
                             f"{self.checkpoint_minutes!r}")
         if not self.dist_timeout_s > 0:
             problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
+        if self.profile_steps is not None and not (len(self.profile_steps) == 2
+                                                   and 1 <= self.profile_steps[0] <= self.profile_steps[1]):
+            problems.append(f"profile_steps must be null or [FIRST,LAST], optimizer steps counted from 1 with "
+                            f"FIRST <= LAST, got {self.profile_steps!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:

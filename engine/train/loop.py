@@ -17,10 +17,13 @@ import logging
 import time
 from pathlib import Path
 
+from torch.profiler import record_function
+
 from datasets import ImageReadError
 from datasets.loader import is_worker_death, stop_workers, worker_error_message
 from engine.errors import LoaderWorkerDied
 from engine.evaluation.coco import EvaluationStopped
+from engine.reporting.gpu_profile import StepProfiler
 from engine.runtime.device_batches import DeviceBatches
 from engine.runtime.distributed import DistContext, barrier
 from engine.runtime.rng import epoch_seed, restore_rng_state, seed_all
@@ -57,6 +60,8 @@ class TrainingLoop:
         self.batches = train_loader.batch_sampler
         self.steps_per_epoch = self.batches.steps_per_epoch
         self.total_steps = planned_steps(cfg, self.steps_per_epoch)
+        self.profiler = StepProfiler(cfg.profile_steps, output_dir=self.output_dir, device=ctx.device, rank=ctx.rank,
+                                     world_size=ctx.world_size, report=ctx.is_main)
         self._stream = None
 
     def run(self) -> dict:
@@ -95,8 +100,10 @@ class TrainingLoop:
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
             self.reporter.writer.close()
+            self.profiler.close()
         record = self.timing.record(padding_waste=self.batches.padding_waste,
-                                    peak_memory_gib=peak_memory_gib(self.ctx.device))
+                                    peak_memory_gib=peak_memory_gib(self.ctx.device),
+                                    **({"profile": self.profiler.summary} if self.profiler.summary else {}))
         if self.ctx.is_main:
             self.timing.write(self.output_dir, record)
             log.info("done: %s; outputs in %s", self.timing.summary(record), self.output_dir)
@@ -119,16 +126,22 @@ class TrainingLoop:
         self.step.criterion.train()
         self._not_a_step()
         while pos.steps_in_epoch < self.steps_per_epoch and pos.step < self.total_steps:
+            if self.profiler.before_step(pos.step + 1):
+                self._not_a_step()  # the profiler's start is not the step's time
+            profiled = self.profiler.active
             before = self.timing.step_started()
             t_data = time.perf_counter()
-            images, masks, targets = next(self._stream)
+            with record_function("step.data"):
+                images, masks, targets = next(self._stream)
             data_s = time.perf_counter() - t_data
             step_log.begin(step=pos.step, data_ms=data_s * 1e3)
             values = self.step(images, masks, targets)
             step_log.end(values, images=len(targets) * self.ctx.world_size)
-            compiled = self.timing.step_ended(before, size=tuple(images.shape), data_s=data_s)
+            compiled = self.timing.step_ended(before, size=tuple(images.shape), data_s=data_s, profiled=profiled)
             pos.step += 1
             pos.steps_in_epoch += 1
+            if self.profiler.after_step(pos.step):
+                self._not_a_step()  # nor is writing its trace
             if compiled.graphs or compiled.seconds >= 1.0:
                 self.reporter.report_compilation(compiled, step=pos.step,
                                                  what=f"step {pos.step} ({images.shape[-2]}x{images.shape[-1]})")

@@ -64,10 +64,11 @@ class RunTiming:
             self._last_step_end = now
         return self.clock.totals()
 
-    def step_ended(self, before: CompileTotals, *, size: tuple, data_s: float = 0.0) -> CompileTotals:
+    def step_ended(self, before: CompileTotals, *, size: tuple, data_s: float = 0.0,
+                   profiled: bool = False) -> CompileTotals:
         """The compilation this step did (empty when none); the rest of its wall time counts as warm-up at one of
         the first two steps of batch ``size`` (B, C, H, W), else as training. ``data_s``: its wait for the
-        loader."""
+        loader. A ``profiled`` step (profile_steps) is not one of the steady steps: the profiler slows it."""
         now = time.perf_counter()
         compiled = self.clock.totals().since(before)
         wall = now - self._last_step_end
@@ -84,7 +85,7 @@ class RunTiming:
             self.warmup_s += max(0.0, wall - compiled.seconds)
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
-            if not compiled.graphs and compiled.seconds < 1e-3:
+            if not compiled.graphs and compiled.seconds < 1e-3 and not profiled:
                 self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time(), self.steps + 1))
         self.steps += 1
         return compiled

@@ -1,0 +1,221 @@
+"""How busy the GPU is during chosen training steps, and what the host was doing while it waited: torch.profiler.
+
+``profile_steps=[FIRST,LAST]`` (configs/train.yaml) profiles those optimizer steps of a run. The trace goes to
+the run directory (open it in https://ui.perfetto.dev or chrome://tracing), and a summary goes to the log and to
+timing.json:
+    gpu_busy         the share of the profiled steps' wall time in which the GPU ran a kernel, copy or memset
+                     (overlapping ones counted once)
+    step_ms          the profiled steps' wall time per step
+    gpu_work_ms      the GPU's busy time per step
+    gpu_idle_by_phase_ms  the GPU's idle time per step, charged to what the host was doing: the innermost of the
+                     step's named ranges around it (STEP_PHASES: the loader, forward, matching, losses, backward,
+                     update); "other" is idle time outside them (the loop's logging and checkpoint checks)
+The profiler costs the profiled steps some host time, so a run's steady step times leave them out (RunTiming).
+The same analysis serves bench/e2e.py and bench/ddp.py (bench/step_profile.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# The prefix of the training step's phases as engine.train and models.criterion name them for the profiler.
+STEP_PHASES = "step."
+OTHER = "other"
+
+
+def on_device(event) -> bool:
+    return str(event.device_type).endswith("CUDA")
+
+
+def device_us(event) -> float:
+    """A profiler event's own device time in microseconds (the attribute was renamed from *cuda* to *device*)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def is_device_work(event) -> bool:
+    """Whether a profiler event (FunctionEvent or its average) is work the GPU did: a kernel, copy or memset.
+
+    Every named range on the host (record_function: the optimizer's step, DDP's forward, NCCL's calls, the
+    step's own phases) also has a GPU-side twin spanning the kernels launched inside it; it is marked as a user
+    annotation, and counting it would count those kernels again (torch's own tables leave it out too).
+    """
+    return on_device(event) and not getattr(event, "is_user_annotation", False)
+
+
+def busy_time(busy: list[tuple[float, float]], start: float, end: float) -> float:
+    """The time within [start, end] covered by at least one of the ``busy`` intervals (start, end)."""
+    covered, cursor = 0.0, start
+    for a, b in sorted(busy):
+        a, b = max(a, cursor), min(b, end)
+        if b > a:
+            covered += b - a
+            cursor = b
+    return covered
+
+
+def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Time the GPU idles while the host runs each phase: {phase name: microseconds}, summed over steps.
+
+    busy    (start, end) of every GPU activity (kernels, copies, memsets), overlapping or not
+    phases  (name, start, end) of the host's named ranges, possibly nested; an idle moment is charged to
+            the innermost range around it (the latest-starting one), and idle time outside every range is
+            not counted (before the first step, after the last)
+    """
+    if not phases:
+        return {}
+    window_start, window_end = min(p[1] for p in phases), max(p[2] for p in phases)
+    gaps, cursor = [], window_start
+    for start, end in sorted(busy):
+        if start > cursor:
+            gaps.append((cursor, min(start, window_end)))
+        cursor = max(cursor, end)
+        if cursor >= window_end:
+            break
+    if cursor < window_end:
+        gaps.append((cursor, window_end))
+    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))  # of ranges that start together, the outer first
+    idle: dict[str, float] = {}
+    for gap_start, gap_end in gaps:
+        # Cut the gap where a phase starts or ends; each piece belongs to one innermost phase (or none).
+        cuts = sorted({gap_start, gap_end, *(t for _, a, b in ordered for t in (a, b) if gap_start < t < gap_end)})
+        for a, b in zip(cuts, cuts[1:]):
+            inner = [p for p in ordered if p[1] <= (a + b) / 2 < p[2]]
+            if inner:
+                idle[inner[-1][0]] = idle.get(inner[-1][0], 0.0) + (b - a)
+    return idle
+
+
+def device_activity(events) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every GPU activity among a profile's events."""
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if is_device_work(e) and e.time_range.end > e.time_range.start]
+
+
+def step_phases(events) -> list[tuple[str, float, float]]:
+    """(name, start, end) of the host's ranges named for the step's phases."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.name.startswith(STEP_PHASES) and not on_device(e)]
+
+
+def summarize(events, *, steps: int, cuda: bool) -> dict:
+    """The profiled steps' summary (the module docstring) from a profile's events; on the CPU only the wall time."""
+    events = list(events)
+    if not events or steps < 1:
+        return {"steps": steps, "step_ms": None, "gpu_busy": None, "gpu_work_ms": None, "gpu_idle_by_phase_ms": {}}
+    start = min(e.time_range.start for e in events)
+    end = max(e.time_range.end for e in events)
+    wall = max(end - start, 1e-9)
+    summary = {"steps": steps, "step_ms": wall / steps / 1e3, "gpu_busy": None, "gpu_work_ms": None,
+               "gpu_idle_by_phase_ms": {}}
+    if cuda:
+        busy = device_activity(events)
+        work = busy_time(busy, start, end)
+        idle = idle_by_phase(busy, step_phases(events))
+        idle[OTHER] = max(0.0, (wall - work) - sum(idle.values()))
+        summary.update(gpu_busy=work / wall, gpu_work_ms=work / steps / 1e3,
+                       gpu_idle_by_phase_ms={name.removeprefix(STEP_PHASES): us / steps / 1e3
+                                             for name, us in sorted(idle.items(), key=lambda kv: -kv[1])})
+    return summary
+
+
+def describe(summary: dict) -> str:
+    """One log line's worth of a summary."""
+    first, last = summary["profiled_steps"]
+    text = f"profile of steps {first}-{last}: {summary['step_ms']:.1f} ms per step"
+    if summary["gpu_busy"] is not None:
+        idle = ", ".join(f"{name} {ms:.1f}" for name, ms in summary["gpu_idle_by_phase_ms"].items() if ms >= 0.05)
+        text += (f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work); GPU idle per "
+                 f"step by what the host was doing (ms): {idle or 'none'}")
+    return text + f"; trace {summary['trace']}"
+
+
+class StepProfiler:
+    """Profiles the optimizer steps numbered ``steps`` = (first, last), counted from 1 over the whole run (a
+    resumed run goes on counting); None profiles nothing. The loop calls ``before_step`` and ``after_step`` with
+    each step's number, and ``close`` at the end (a run that ends before ``last`` profiles up to its end).
+    A profiler that fails costs a warning, never the run."""
+
+    def __init__(self, steps: tuple[int, int] | None, *, output_dir: Path, device: torch.device, rank: int = 0,
+                 world_size: int = 1, report: bool = True):
+        self.steps = tuple(steps) if steps is not None else None
+        self.output_dir, self.device, self.report = Path(output_dir), device, report
+        self.suffix = f".rank{rank}" if world_size > 1 else ""
+        self.summary: dict | None = None
+        self._profile = None
+        self._first_profiled: int | None = None
+        self._last_profiled: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._profile is not None
+
+    def before_step(self, number: int) -> bool:
+        """Starts the profiler before step ``number`` where it is due; True when it did (the caller keeps the
+        profiler's start out of the step's time)."""
+        if self.steps is None or self.active or self.summary is not None or not \
+                self.steps[0] <= number <= self.steps[1]:
+            return False
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.synchronize(self.device)  # the steps before are not this profile's
+            self._profile = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profile.__enter__()
+        except Exception as error:  # noqa: BLE001 - a profiler that cannot start costs the run nothing
+            self._give_up(f"torch.profiler could not start: {error}")
+            return False
+        self._first_profiled = number
+        return True
+
+    def after_step(self, number: int) -> bool:
+        """Ends the profile after its last step; True when it did (the caller keeps the trace's export out of the
+        next step's time)."""
+        if not self.active:
+            return False
+        self._last_profiled = number
+        if number < self.steps[1]:
+            return False
+        self._finish()
+        return True
+
+    def close(self) -> None:
+        """The run ended (or failed) with the profile still running: it ends at the last step it saw."""
+        if self.active:
+            self._finish()
+
+    def _finish(self) -> None:
+        profile, self._profile = self._profile, None
+        first, last = self._first_profiled, self._last_profiled or self._first_profiled
+        cuda = self.device.type == "cuda"
+        trace = self.output_dir / f"profile_steps_{first}-{last}{self.suffix}.json"
+        try:
+            if cuda:
+                torch.cuda.synchronize(self.device)  # every kernel of the profiled steps inside the profile
+            profile.__exit__(None, None, None)
+            summary = summarize(profile.events(), steps=last - first + 1, cuda=cuda)
+            partial = trace.with_name(trace.name + ".partial")
+            profile.export_chrome_trace(str(partial))
+            os.replace(partial, trace)
+        except Exception as error:  # noqa: BLE001 - a failed profile costs the run nothing
+            self._give_up(f"profiling steps {first}-{last} failed: {error}")
+            return
+        self.summary = {"profiled_steps": [first, last], **summary, "trace": trace.name}
+        if self.report:
+            log.info("%s", describe(self.summary))
+
+    def _give_up(self, why: str) -> None:
+        self._profile = None
+        self.summary = {"profiled_steps": list(self.steps), "error": why}
+        log.warning("%s; the run goes on unprofiled", why)
