@@ -75,9 +75,10 @@ class RunTiming:
         self._last_step_end = now
         if self.first_step_s is None:  # from the start of the process: what the user waits for a first step
             self.first_step_s = now - self.started
-        if compiled.graphs:
+        if compiled.graphs and not profiled:
             # A new graph changes what a step runs (a region compiled in the background replaces its eager
-            # method): the warm steps before it are not what the run's steps are like from now on.
+            # method): the warm steps before it are not what the run's steps are like from now on. The profiled
+            # steps are left out of them anyway, whatever they compiled.
             self.warm_steps.clear()
         warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
