@@ -240,14 +240,14 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
         columns[1:] = np.asarray([0, queries, starts[-1]])[:, None, None]  # a padding pair's batch, query, target
         per_layer = []
         for g, per_image in enumerate(layers):
-            count = 0
-            for b, (rows, cols) in enumerate(per_image):
-                end = count + len(rows)
-                columns[1, g, count:end] = b
-                columns[2, g, count:end] = rows.numpy()
-                columns[3, g, count:end] = cols.numpy() + starts[b]
-                count = end
+            pairs = [len(rows) for rows, _ in per_image]
+            count = sum(pairs)
             per_layer.append(count)
+            if not count:
+                continue
+            columns[1, g, :count] = np.repeat(np.arange(len(per_image)), pairs)
+            columns[2, g, :count] = torch.cat([rows for rows, _ in per_image]).numpy()
+            columns[3, g, :count] = torch.cat([cols for _, cols in per_image]).numpy() + np.repeat(starts[:-1], pairs)
         arrays.extend(columns.reshape(4, -1))
         layouts.append(per_layer)
     arrays.append(np.asarray(tgt_lengths, dtype=np.int64))

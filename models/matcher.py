@@ -107,7 +107,7 @@ class HungarianMatcher(nn.Module):
         groups: [(logits (G, B, Q, K), boxes (G, B, Q, 4), targets)], e.g. the decoder layers stacked and
         the two-stage encoder proposals with their class-agnostic targets. Returns, per group, per layer,
         per image, (index_i, index_j) as int64 CPU tensors of length min(Q, n_i): prediction index_i[k]
-        is assigned to target index_j[k]. Images without targets get two empty tensors.
+        is assigned to target index_j[k], index_i increasing. Images without targets get two empty tensors.
 
         Non-finite predictions (a diverging run) are matched as if they cost the most, so that the loss,
         which they make non-finite, is what reports them.
@@ -120,7 +120,9 @@ class HungarianMatcher(nn.Module):
             sizes = [len(t["boxes"]) for t in targets]
             layouts.append((G, B, Q, sizes))
             if sum(sizes):
-                costs.append(self.image_costs(logits, boxes, targets).flatten())
+                # Each image's block is copied as (targets, queries): linear_sum_assignment solves a problem with
+                # fewer rows than columns as given, and would otherwise copy every block into that layout.
+                costs.append(self.image_costs(logits, boxes, targets).transpose(2, 3).flatten())
         worst = torch.finfo(torch.float32).max
         # linear_sum_assignment needs float64-compatible numbers on the host: one transfer for everything.
         flat = torch.cat(costs).float().nan_to_num_(nan=worst, posinf=worst).cpu() if costs else torch.empty(0)
@@ -131,14 +133,13 @@ class HungarianMatcher(nn.Module):
             if T == 0:
                 matched.append([[(empty, empty) for _ in range(B)] for _ in range(G)])
                 continue
-            C = flat[offset:offset + G * B * Q * T].view(G, B, Q, T).numpy()
-            offset += G * B * Q * T
+            C = flat[offset:offset + G * B * T * Q].view(G, B, T, Q).numpy()
+            offset += G * B * T * Q
             layers = []
             for g in range(G):
                 per_image = []
                 for b, n in enumerate(sizes):
-                    rows, cols = linear_sum_assignment(C[g, b, :, :n])
-                    per_image.append((torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(cols.astype(np.int64))))
+                    per_image.append(_assignment(C[g, b, :n]))
                 layers.append(per_image)
             matched.append(layers)
         return matched
@@ -153,6 +154,19 @@ class HungarianMatcher(nn.Module):
         """
         logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
         return self.match_groups([(logits[None], boxes[None], targets)])[0][0]
+
+
+def _assignment(cost: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query indices increasing, their target indices) of the least-cost assignment of a (targets, queries)
+    block: the pairs scipy gives for the (queries, targets) block, ties broken alike, without its copy into the
+    layout it solves, which has the fewer rows."""
+    if cost.shape[0] < cost.shape[1]:
+        target_index, query_index = linear_sum_assignment(cost)
+        by_query = np.argsort(query_index)
+        query_index, target_index = query_index[by_query], target_index[by_query]
+    else:
+        query_index, target_index = linear_sum_assignment(cost.T)
+    return torch.from_numpy(query_index.astype(np.int64)), torch.from_numpy(target_index.astype(np.int64))
 
 
 def pairwise_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

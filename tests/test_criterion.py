@@ -138,6 +138,28 @@ def test_matching_alone_equals_matching_in_batch(gen, sizes):
         assert len(rows) == sizes[b]
 
 
+@pytest.mark.parametrize("Q, sizes", [(8, [3, 0, 5]), (4, [6, 2]), (300, [1, 40, 7]), (5, [5, 5])])
+def test_matcher_gives_the_pairs_of_the_published_layout_in_query_order(gen, Q, sizes):
+    """The matcher solves each image's (targets, queries) block; its pairs are exactly those of scipy on the
+    original's (queries, targets) block, in the same order, also with more targets than queries and with ties."""
+    from scipy.optimize import linear_sum_assignment
+
+    G = 2
+    logits = torch.randn(G, len(sizes), Q, K, generator=gen)
+    boxes = rand_boxes(G * len(sizes) * Q, gen).view(G, len(sizes), Q, 4)
+    logits[1, :, 1:] = logits[1, :, :1]  # the second layer's queries cost the same: ties everywhere
+    boxes[1, :, 1:] = boxes[1, :, :1]
+    targets = rand_targets(sizes, gen)
+    matcher = HungarianMatcher()
+    costs = matcher.image_costs(logits, boxes, targets)
+    (layers,) = matcher.match_groups([(logits, boxes, targets)])
+    for g, per_image in enumerate(layers):
+        for b, (queries, target_index) in enumerate(per_image):
+            rows, cols = linear_sum_assignment(costs[g, b, :, :sizes[b]].numpy())
+            assert queries.tolist() == rows.tolist() and target_index.tolist() == cols.tolist()
+            assert queries.dtype == target_index.dtype == torch.int64
+
+
 @pytest.mark.parametrize("sizes", [[0], [0, 0, 0]])
 def test_matcher_on_batch_without_targets(gen, sizes):
     outputs = rand_outputs(len(sizes), 6, gen)
