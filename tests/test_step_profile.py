@@ -52,6 +52,27 @@ def test_nested_phases_that_start_together_charge_the_inner_one_whatever_their_o
         assert idle_by_phase([], phases) == {"step.matching": 5, "step.losses": 5}
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_idle_by_phase_equals_a_count_of_every_idle_moment(seed):
+    """Fresh random timelines (overlapping activities, nested and crossing ranges) against a brute force over unit
+    moments: each idle moment goes to the latest-starting range around it, of those starting together the shorter."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def intervals(count, span):
+        starts = torch.randint(0, 200, (count,), generator=gen).tolist()
+        return [(a, a + 1 + int(torch.randint(0, span, (1,), generator=gen))) for a in starts]
+
+    busy = intervals(30, 12)
+    phases = [(f"step.{i}", a, b) for i, (a, b) in enumerate(intervals(25, 60))]
+    expected: dict[str, float] = {}
+    for t in range(min(a for _, a, _ in phases), max(b for _, _, b in phases)):
+        around = [p for p in phases if p[1] <= t < p[2]]
+        if around and not any(a <= t < b for a, b in busy):
+            name = max(around, key=lambda p: (p[1], -p[2]))[0]
+            expected[name] = expected.get(name, 0) + 1
+    assert idle_by_phase(busy, phases) == pytest.approx(expected)
+
+
 def test_only_kernels_copies_and_memsets_count_as_gpu_work_not_the_gpu_spans_of_named_ranges():
     def event(device, annotation):
         return SimpleNamespace(device_type=device, is_user_annotation=annotation)

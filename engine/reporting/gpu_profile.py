@@ -16,6 +16,7 @@ The same analysis serves bench/e2e.py and bench/ddp.py (bench/step_profile.py).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 from pathlib import Path
@@ -71,8 +72,27 @@ def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float
             the innermost range around it (the latest-starting one), and idle time outside every range is
             not counted (before the first step, after the last)
     """
+    idle: dict[str, float] = {}
+    gaps = iter(_gaps(busy, phases))
+    gap = next(gaps, None)
+    for name, a, b in _innermost_pieces(phases):
+        while gap is not None and gap[1] <= a:
+            gap = next(gaps, None)
+        # Every gap that overlaps this piece: the pieces and the gaps are both sorted and disjoint.
+        while gap is not None and gap[0] < b:
+            overlap = min(b, gap[1]) - max(a, gap[0])
+            if overlap > 0:
+                idle[name] = idle.get(name, 0.0) + overlap
+            if gap[1] > b:
+                break  # the gap goes on into the next piece
+            gap = next(gaps, None)
+    return idle
+
+
+def _gaps(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
+    """The disjoint intervals, sorted, between the phases' first start and last end in which no activity runs."""
     if not phases:
-        return {}
+        return []
     window_start, window_end = min(p[1] for p in phases), max(p[2] for p in phases)
     gaps, cursor = [], window_start
     for start, end in sorted(busy):
@@ -83,16 +103,26 @@ def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float
             break
     if cursor < window_end:
         gaps.append((cursor, window_end))
-    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))  # of ranges that start together, the outer first
-    idle: dict[str, float] = {}
-    for gap_start, gap_end in gaps:
-        # Cut the gap where a phase starts or ends; each piece belongs to one innermost phase (or none).
-        cuts = sorted({gap_start, gap_end, *(t for _, a, b in ordered for t in (a, b) if gap_start < t < gap_end)})
-        for a, b in zip(cuts, cuts[1:]):
-            inner = [p for p in ordered if p[1] <= (a + b) / 2 < p[2]]
-            if inner:
-                idle[inner[-1][0]] = idle.get(inner[-1][0], 0.0) + (b - a)
-    return idle
+    return [(a, b) for a, b in gaps if b > a]
+
+
+def _innermost_pieces(phases: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The timeline cut at every phase's start and end, each piece with the innermost phase around it (the
+    latest-starting; of ranges that start together, the shorter): (name, start, end), sorted, disjoint; pieces
+    outside every phase are left out. One sweep: a profile holds thousands of ranges and kernels."""
+    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))
+    bounds = sorted({t for _, a, b in phases for t in (a, b)})
+    pieces, open_phases, following = [], [], 0  # open_phases: a heap of (-rank, end, name) of started phases
+    for a, b in zip(bounds, bounds[1:]):
+        while following < len(ordered) and ordered[following][1] <= a:
+            name, _, end = ordered[following]
+            heapq.heappush(open_phases, (-following, end, name))
+            following += 1
+        while open_phases and open_phases[0][1] <= a:
+            heapq.heappop(open_phases)  # the innermost has ended; an outer one may go on
+        if open_phases:
+            pieces.append((open_phases[0][2], a, b))
+    return pieces
 
 
 def device_activity(events) -> list[tuple[float, float]]:
