@@ -16,10 +16,11 @@ rows share one compile cache, empty before the first row: the first row's first 
 rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch). From
 its timing.json: the steady steps (the second half of the warm steps that compiled nothing), their images/s, the
 share of their wall time the loop waited for the loader, the padded pixels per image, peak memory and the first
-step's time. GPU busy: the share of the row's last PROFILED_STEPS steps' wall time in which the GPU ran a kernel,
-copy or memset, from torch.profiler (train.py's profile_steps, which also says what the host was doing while the GPU
-waited; those steps are left out of the steady figures). Beside it, NVML's utilization counter over the steady
-window, sampled every 50 ms: a coarse figure (it reads 49% and 81% in two runs of the same row at the same step time).
+step's time. GPU busy: the share of the row's last PROFILED_STEPS steps' (fewer in a --smoke run) wall time in
+which the GPU ran a kernel, copy or memset, from torch.profiler (train.py's profile_steps, which also says what the
+host was doing while the GPU waited; those steps are left out of the steady figures). Beside it, NVML's utilization
+counter over the steady window, sampled every 50 ms: a coarse figure (it reads 49% and 81% in two runs of the same
+row at the same step time).
 Model FLOPs per image: torch.utils.flop_counter over one forward and backward of the model at two image sizes,
 interpolated to the row's mean padded pixels (the attention's sampling is not a counted op; it adds little).
 """
@@ -296,7 +297,8 @@ def how_to_read() -> str:
             "how the row's plan compiled it (compile.regions=null: a graph per layer kind from 16 images per pass, "
             "else one graph). img/s, step "
             "and loader wait come from the run's steady steps (its timing.json); GPU busy is the share of the run's "
-            f"last {PROFILED_STEPS} steps' time in which the GPU ran a kernel, copy or memset (torch.profiler, "
+            f"last {PROFILED_STEPS} steps' (fewer in a --smoke run) time in which the GPU ran a kernel, copy or "
+            "memset (torch.profiler, "
             "train.py's profile_steps); NVML is the GPU's utilization counter over the steady steps (coarse: "
             "sampled); MFU counts the model's matmul and convolution FLOPs (forward and "
             "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
@@ -357,7 +359,8 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
         at_32 = next((r for r in done if r["batch"] == 32), None)
         checks = [(f"best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",
                    best["img_s"] >= TARGETS["img_s"]),
-                  (f"GPU busy {best['gpu_busy'] or 0:.0%} at the best batch >= {TARGETS['gpu_busy']:.0%}",
+                  (f"GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
+                   + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
                    (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"]),
                   (f"loader wait {best['data_wait_share']:.1%} at the best batch <= {TARGETS['data_wait_share']:.0%}",
                    best["data_wait_share"] <= TARGETS["data_wait_share"])]

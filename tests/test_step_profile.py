@@ -17,7 +17,8 @@ from test_step import make_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from engine.reporting.gpu_profile import STEP_PHASES, busy_time, idle_by_phase, is_device_work, summarize
+from engine.reporting.gpu_profile import (STEP_PHASES, StepProfiler, busy_time, idle_by_phase, is_device_work,
+                                          summarize)
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 
@@ -125,3 +126,43 @@ def test_a_profiles_summary_gives_the_busy_share_and_the_idle_time_per_step_by_p
     assert idle == pytest.approx({"data": 10e-3, "matching": 15e-3, "losses": 5e-3, "other": 5e-3})
     assert list(idle)[0] == "matching"  # the largest first
     assert summarize(events, steps=2, cuda=False)["gpu_busy"] is None
+
+
+def test_a_gpu_profile_without_gpu_activity_has_an_unknown_busy_share_not_zero():
+    """CUPTI may record nothing (no permission to trace): the share is unknown, never reported as 0%."""
+    host_only = [_event("step.forward", 0, 500), _event("step.backward", 500, 1000)]
+    summary = summarize(host_only, steps=1, cuda=True)
+    assert summary["step_ms"] == pytest.approx(1.0)
+    assert summary["gpu_busy"] is None and summary["gpu_work_ms"] is None and summary["gpu_idle_by_phase_ms"] == {}
+    with_kernel = summarize(host_only + [_event("kernel", 100, 400, device=True)], steps=1, cuda=True)
+    assert with_kernel["gpu_busy"] == pytest.approx(0.3)
+    assert with_kernel["gpu_idle_by_phase_ms"] == pytest.approx({"forward": 0.2, "backward": 0.5, "other": 0.0})
+
+
+@pytest.mark.parametrize("steps, first, last, warned", [
+    ((5, 9), 1, 3, "this run trains steps 1 to 3"),  # beyond the run's end
+    ((5, 9), 12, 20, "this run trains steps 12 to 20"),  # a resume after the range
+    ((5, 9), 21, 20, "this run trains no step"),  # a resume of a finished run
+    ((5, 9), 9, 20, None), ((5, 9), 1, 5, None), ((5, 9), 6, 8, None),
+])
+def test_a_range_the_run_never_reaches_is_said_at_its_start(tmp_path, caplog, steps, first, last, warned):
+    profiler = StepProfiler(steps, output_dir=tmp_path, device=torch.device("cpu"))
+    with caplog.at_level("WARNING"):
+        profiler.plan(first, last)
+    if warned is None:
+        assert not caplog.records
+    else:
+        assert f"profile_steps=[{steps[0]},{steps[1]}] will profile nothing: {warned}" in caplog.text
+
+
+def test_a_profile_that_records_no_events_costs_a_warning_not_the_run(tmp_path, caplog, monkeypatch):
+    import engine.reporting.gpu_profile as gpu_profile
+
+    monkeypatch.setattr(gpu_profile, "summarize", lambda events, steps, cuda: summarize([], steps=steps, cuda=cuda))
+    profiler = StepProfiler((1, 1), output_dir=tmp_path, device=torch.device("cpu"))
+    with caplog.at_level("WARNING"):
+        assert profiler.before_step(1)
+        torch.ones(3).sum()
+        assert profiler.after_step(1)
+    assert profiler.summary["error"] == "profiling steps 1-1 failed: torch.profiler recorded no events"
+    assert "the run goes on unprofiled" in caplog.text and not list(tmp_path.iterdir())

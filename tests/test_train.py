@@ -329,8 +329,20 @@ def _profiled_run(data_root: Path, run_dir: Path, *overrides: str) -> dict:
     return profile
 
 
-def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_runs_end(data_root, tmp_path):
-    profile = _profiled_run(data_root, tmp_path, "epochs=1", "profile_steps=[2,99]")  # the run has 3 steps
+def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_epochs_end(data_root, tmp_path,
+                                                                                       monkeypatch):
+    """A range that crosses the end of an epoch is profiled up to there: never the epoch's checkpoint and
+    evaluation, which would count as the steps' time."""
+    from engine.train.loop import TrainingLoop
+
+    close_epoch = TrainingLoop._close_epoch
+
+    def unprofiled_close(loop, epoch):
+        assert not loop.profiler.active, "the epoch's checkpoint and evaluation ran inside the profile"
+        return close_epoch(loop, epoch)
+
+    monkeypatch.setattr(TrainingLoop, "_close_epoch", unprofiled_close)
+    profile = _profiled_run(data_root, tmp_path, "epochs=2", f"profile_steps=[2,{STEPS_PER_EPOCH + 1}]")
     assert profile["profiled_steps"] == [2, STEPS_PER_EPOCH] and profile["steps"] == STEPS_PER_EPOCH - 1
     assert profile["trace"] == f"profile_steps_2-{STEPS_PER_EPOCH}.json"
     assert profile["gpu_busy"] is None  # no GPU
@@ -345,5 +357,4 @@ def test_profile_steps_on_the_gpu_gives_its_busy_share_and_where_it_waited(data_
     assert 0 < profile["gpu_busy"] <= 1 and 0 < profile["gpu_work_ms"] <= profile["step_ms"]
     idle = profile["gpu_idle_by_phase_ms"]
     assert set(idle) <= {"data", "forward", "matching", "losses", "backward", "update", "other"} and idle
-    # The idle time and the work add up to the wall time.
-    assert sum(idle.values()) + profile["gpu_work_ms"] == pytest.approx(profile["step_ms"], rel=1e-3)
+    assert idle.get("matching", 0) > 0  # nothing is queued on the GPU while the host solves the assignments

@@ -4,7 +4,8 @@
 the run directory (open it in https://ui.perfetto.dev or chrome://tracing), and a summary goes to the log and to
 timing.json:
     gpu_busy         the share of the profiled steps' wall time in which the GPU ran a kernel, copy or memset
-                     (overlapping ones counted once)
+                     (overlapping ones counted once); None on the CPU, or where the profiler recorded no GPU
+                     activity (CUPTI unavailable), with a warning
     step_ms          the profiled steps' wall time per step
     gpu_work_ms      the GPU's busy time per step
     gpu_idle_by_phase_ms  the GPU's idle time per step, charged to what the host was doing: the innermost of the
@@ -147,8 +148,8 @@ def summarize(events, *, steps: int, cuda: bool) -> dict:
     wall = max(end - start, 1e-9)
     summary = {"steps": steps, "step_ms": wall / steps / 1e3, "gpu_busy": None, "gpu_work_ms": None,
                "gpu_idle_by_phase_ms": {}}
-    if cuda:
-        busy = device_activity(events)
+    busy = device_activity(events) if cuda else []
+    if busy:  # none where CUPTI records nothing (no permission, or not for CUDA graphs): unknown, not 0%
         work = busy_time(busy, start, end)
         idle = idle_by_phase(busy, step_phases(events))
         idle[OTHER] = max(0.0, (wall - work) - sum(idle.values()))
@@ -171,8 +172,10 @@ def describe(summary: dict) -> str:
 
 class StepProfiler:
     """Profiles the optimizer steps numbered ``steps`` = (first, last), counted from 1 over the whole run (a
-    resumed run goes on counting); None profiles nothing. The loop calls ``before_step`` and ``after_step`` with
-    each step's number, and ``close`` at the end (a run that ends before ``last`` profiles up to its end).
+    resumed run goes on counting); None profiles nothing. The loop calls ``plan`` with the steps the run will
+    train, ``before_step`` and ``after_step`` with each step's number, and ``stop`` when its steps stop: at each
+    epoch's end, so that the epoch's checkpoint and evaluation are never profiled (a range that crosses an epoch's
+    end, or goes past the run's, is profiled up to there), and when the run ends or fails.
     A profiler that fails costs a warning, never the run."""
 
     def __init__(self, steps: tuple[int, int] | None, *, output_dir: Path, device: torch.device, rank: int = 0,
@@ -188,6 +191,14 @@ class StepProfiler:
     @property
     def active(self) -> bool:
         return self._profile is not None
+
+    def plan(self, first: int, last: int) -> None:
+        """The run will train steps ``first`` to ``last``: a range outside them is said now, not found missing
+        at the end."""
+        if self.steps is None or not self.report or (first <= self.steps[1] and self.steps[0] <= last):
+            return
+        trains = f"steps {first} to {last}" if first <= last else "no step"
+        log.warning("profile_steps=[%d,%d] will profile nothing: this run trains %s", *self.steps, trains)
 
     def before_step(self, number: int) -> bool:
         """Starts the profiler before step ``number`` where it is due; True when it did (the caller keeps the
@@ -220,10 +231,13 @@ class StepProfiler:
         self._finish()
         return True
 
-    def close(self) -> None:
-        """The run ended (or failed) with the profile still running: it ends at the last step it saw."""
-        if self.active:
-            self._finish()
+    def stop(self) -> bool:
+        """The steps stopped (an epoch's or the run's end, or a failure) with the profile running: it ends at the
+        last step it saw. True when it did."""
+        if not self.active:
+            return False
+        self._finish()
+        return True
 
     def _finish(self) -> None:
         profile, self._profile = self._profile, None
@@ -235,6 +249,8 @@ class StepProfiler:
                 torch.cuda.synchronize(self.device)  # every kernel of the profiled steps inside the profile
             profile.__exit__(None, None, None)
             summary = summarize(profile.events(), steps=last - first + 1, cuda=cuda)
+            if summary["step_ms"] is None:
+                raise RuntimeError("torch.profiler recorded no events")
             partial = trace.with_name(trace.name + ".partial")
             profile.export_chrome_trace(str(partial))
             os.replace(partial, trace)
@@ -244,6 +260,9 @@ class StepProfiler:
         self.summary = {"profiled_steps": [first, last], **summary, "trace": trace.name}
         if self.report:
             log.info("%s", describe(self.summary))
+            if cuda and summary["gpu_busy"] is None:
+                log.warning("torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not "
+                            "allowed to trace): the GPU's busy share is unknown", first, last)
 
     def _give_up(self, why: str) -> None:
         self._profile = None

@@ -66,6 +66,7 @@ class TrainingLoop:
 
     def run(self) -> dict:
         pos = self.position
+        self.profiler.plan(pos.step + 1, self.total_steps)
         self.batches.start_at(pos.epoch, pos.steps_in_epoch)
         self._stream = DeviceBatches(iter(self.train_loader), self.ctx.device)
         if self.val_loader.num_workers > 0:
@@ -100,7 +101,7 @@ class TrainingLoop:
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
             self.reporter.writer.close()
-            self.profiler.close()
+            self.profiler.stop()
         record = self.timing.record(padding_waste=self.batches.padding_waste,
                                     peak_memory_gib=peak_memory_gib(self.ctx.device),
                                     **({"profile": self.profiler.summary} if self.profiler.summary else {}))
@@ -152,6 +153,8 @@ class TrainingLoop:
                     self._save(epoch_done=False)
             if self.stopping.due():
                 self._stop_here(epoch)
+        if self.profiler.stop():  # the epoch's close is not a step
+            self._not_a_step()
 
     def _report(self, epoch: int) -> None:
         """The interval's losses checked and logged; a stop request learnt by every process."""
@@ -169,6 +172,7 @@ class TrainingLoop:
 
     def _stop_here(self, epoch: int) -> None:
         """Write the exact position and stop: the step that was running when the signal came has finished."""
+        self.profiler.stop()  # the checkpoint's write is not a step
         self._report(epoch)  # this interval's losses are checked before they are saved
         self._save(epoch_done=False)
         self.saver.wait()  # the message says the file holds this step

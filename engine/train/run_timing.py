@@ -77,8 +77,9 @@ class RunTiming:
             self.first_step_s = now - self.started
         if compiled.graphs and not profiled:
             # A new graph changes what a step runs (a region compiled in the background replaces its eager
-            # method): the warm steps before it are not what the run's steps are like from now on. The profiled
-            # steps are left out of them anyway, whatever they compiled.
+            # method): the warm steps before it are not what the run's steps are like from now on. Not at a
+            # profiled step, which is left out of them anyway: a graph first recorded inside the profile at a run's
+            # end (a batch size first met there) would otherwise leave the run without steady figures.
             self.warm_steps.clear()
         warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
