@@ -324,6 +324,12 @@ def backbone_cell(row: dict) -> str:
     return f"child done at {background['child_s']} s, {found}; {steady}"
 
 
+def work_share_of_steady_step(row: dict) -> float | None:
+    """The profiled steps' GPU work per step over the steady (unprofiled) step time."""
+    work = row.get("profile", {}).get("gpu_work_ms")
+    return None if work is None else work / row["step_ms"]
+
+
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
     lines = header_lines("Throughput of the COCO recipe through train.py", header, how_to_read())
     cells = []
@@ -343,10 +349,15 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     profiled = [r for r in done if r["profile"].get("gpu_idle_by_phase_ms")]
     if profiled:
         lines += ["", f"GPU idle per step in the last {PROFILED_STEPS} steps (ms), by what the host was doing "
-                  "(data: waiting for the loader; other: the loop between steps):", ""]
+                  "(data: waiting for the loader; other: the loop between steps). The profiler's own host work "
+                  "lengthens the profiled steps (profiled step ms against the steady step ms above) and adds to the "
+                  "host phases' idle time; GPU work / steady step is the busy share the profiled GPU work would give "
+                  "at the unprofiled step time, an estimate (the profiled steps are the row's last, the steady ones "
+                  "come before them, with other image sizes):", ""]
         phases = sorted({name for r in profiled for name in r["profile"]["gpu_idle_by_phase_ms"]})
-        lines += table(["batch", "profiled step ms", "GPU work ms", *phases],
+        lines += table(["batch", "profiled step ms", "GPU work ms", "GPU work / steady step", *phases],
                        [[r["batch"], f"{r['profile']['step_ms']:.0f}", f"{r['profile']['gpu_work_ms']:.0f}",
+                         percent(work_share_of_steady_step(r)),
                          *(f"{r['profile']['gpu_idle_by_phase_ms'].get(name, 0.0):.1f}" for name in phases)]
                         for r in profiled])
     compiled = [r for r in done if r.get("compile_s_by_function")]
@@ -360,7 +371,8 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
         checks = [(f"best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",
                    best["img_s"] >= TARGETS["img_s"]),
                   (f"GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
-                   + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
+                   + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else
+                      f" (its GPU work / steady step: {percent(work_share_of_steady_step(best))})"),
                    (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"]),
                   (f"loader wait {best['data_wait_share']:.1%} at the best batch <= {TARGETS['data_wait_share']:.0%}",
                    best["data_wait_share"] <= TARGETS["data_wait_share"])]
