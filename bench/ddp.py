@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_ddp"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="ddp_h200")
+    parser.add_argument("--traces", type=Path, default=None,
+                        help="also keep each row's profiler trace (rank 0's) here, gzipped")
     return parser
 
 

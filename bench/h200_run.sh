@@ -45,8 +45,9 @@ run_step() {  # name gpu
     ttr) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ttr.py --out "$OUT" --work /tmp/bench_ttr ${TTR_ARGS:-} ;;
     parity) CUDA_VISIBLE_DEVICES=$gpu python3 bench/parity.py --out "$OUT" --work /tmp/bench_parity ${PARITY_ARGS:-} ;;
     export-latency) CUDA_VISIBLE_DEVICES=$gpu python3 bench/export_latency.py --out "$OUT" ${EXPORT_ARGS:-} ;;
-    throughput) python3 bench/throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
-    ddp) python3 bench/ddp.py --out "$OUT" ${DDP_ARGS:-} ;;
+    # Each row's profiler trace (gzipped) comes back too: where the GPU waits, op by op.
+    throughput) python3 bench/throughput.py --out "$OUT" --traces "$OUT/traces" ${THROUGHPUT_ARGS:-} ;;
+    ddp) python3 bench/ddp.py --out "$OUT" --traces "$OUT/traces" ${DDP_ARGS:-} ;;
     nccl-tests) python3 -m pytest -q -p no:cacheprovider tests/test_rank_parity.py tests/test_distributed.py ;;
     *) echo "unknown step $name"; return 2 ;;
   esac

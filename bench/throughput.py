@@ -28,10 +28,12 @@ interpolated to the row's mean padded pixels (the attention's sampling is not a 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import multiprocessing
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -79,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     parser.add_argument("--name", default="throughput_h200", help="the report's file name, without extension")
     parser.add_argument("--smoke", action="store_true", help="the CPU, a tiny model and set: checks the script only")
+    parser.add_argument("--traces", type=Path, default=None,
+                        help="also keep each row's profiler trace here, gzipped (the runs' folders are --work's)")
     return parser
 
 
@@ -222,6 +226,8 @@ def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
         return {"batch": batch, "error": "no steady step: every step compiled or warmed up a size (raise --steps)"}
     img_s = steady["images_per_s"] * gpus  # timing.json counts rank 0's images
     profile = timing.get("profile") or {}
+    if args.traces is not None and profile.get("trace"):
+        keep_trace(run / profile["trace"], args.traces / f"{name}_{profile['trace']}.gz")
     return {"batch": batch, "per_gpu_batch": batch // gpus, "gpus": gpus, "through": "train.py", "data": "jpeg",
             "sizes": "coco-recipe", "img_s": img_s, "step_ms": steady["step_ms"],
             "gpu_busy": profile.get("gpu_busy"), "gpu_busy_nvml": busy.share(*steady["window"]),
@@ -232,6 +238,12 @@ def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
             "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
             "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
             "transformer": transformer_graphs(output), "compile_s_by_function": timing.get("compile_s_by_function")}
+
+
+def keep_trace(trace: Path, kept: Path) -> None:
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with open(trace, "rb") as source, gzip.open(kept, "wb") as target:
+        shutil.copyfileobj(source, target)
 
 
 def backbone_in_background(output: str) -> dict | None:
