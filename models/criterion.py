@@ -245,9 +245,10 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
             per_layer.append(count)
             if not count:
                 continue
-            columns[1, g, :count] = np.repeat(np.arange(len(per_image)), pairs)
+            image = np.repeat(np.arange(len(per_image)), pairs)
+            columns[1, g, :count] = image
             columns[2, g, :count] = torch.cat([rows for rows, _ in per_image]).numpy()
-            columns[3, g, :count] = torch.cat([cols for _, cols in per_image]).numpy() + np.repeat(starts[:-1], pairs)
+            columns[3, g, :count] = torch.cat([cols for _, cols in per_image]).numpy() + starts[image]
         arrays.extend(columns.reshape(4, -1))
         layouts.append(per_layer)
     arrays.append(np.asarray(tgt_lengths, dtype=np.int64))
