@@ -358,3 +358,32 @@ def test_profile_steps_on_the_gpu_gives_its_busy_share_and_where_it_waited(data_
     idle = profile["gpu_idle_by_phase_ms"]
     assert set(idle) <= {"data", "forward", "matching", "losses", "backward", "update", "other"} and idle
     assert idle.get("matching", 0) > 0  # nothing is queued on the GPU while the host solves the assignments
+
+
+def test_dead_workers_raising_into_the_cleanup_still_give_the_one_message(data_root, tmp_path, monkeypatch):
+    """Each dead loader worker raises its error from a signal handler wherever the main thread is: with several, the
+    second one can land in the cleanup of the first (its loaders' workers ended). The run still says what died."""
+    import engine.train.loop as loop
+    from engine.errors import LoaderWorkerDied
+    from engine.train.step import OptimizerStep
+
+    def death(pid):
+        return RuntimeError(f"DataLoader worker (pid {pid}) is killed by signal: Killed. ")
+
+    def step_meets_a_dead_worker(*args, **kwargs):
+        raise death(101)
+
+    raised_into = []
+    stop_workers = loop.stop_workers
+
+    def cleanup_meets_another(loader):
+        if not raised_into:
+            raised_into.append(loader)
+            raise death(102)
+        stop_workers(loader)
+
+    monkeypatch.setattr(OptimizerStep, "__call__", step_meets_a_dead_worker)
+    monkeypatch.setattr(loop, "stop_workers", cleanup_meets_another)
+    with pytest.raises(LoaderWorkerDied, match=r"a data loader worker process died \(.*pid 101"):
+        trainer.train(compose_run(data_root, tmp_path, "epochs=1"))
+    assert raised_into

@@ -85,18 +85,24 @@ class TrainingLoop:
                 self._train_epoch(epoch)
                 self._close_epoch(epoch)
             self.saver.wait()
-        except ImageReadError as error:  # a damaged image met while training: say where to resume from
-            self._fail()  # the hint names the checkpoint being written
-            raise ImageReadError(f"{worker_error_message(error)}\n{last_checkpoint_hint(self.output_dir)}") from None
-        except RuntimeError as error:
-            self._fail()
-            if not is_worker_death(error):
-                raise
-            raise LoaderWorkerDied(f"a data loader worker process died ({worker_error_message(error)}): it was killed, "
-                                   f"or ran out of memory (fewer num_workers use less)\n"
-                                   f"{resume_hint(self.output_dir)}") from None
-        except BaseException:
-            self._fail()
+        except BaseException as error:
+            # A dead worker's error is raised by a signal handler wherever the main thread is: with several dead
+            # workers, into this cleanup too (even as _fail is entered), which is then done again.
+            while True:
+                try:
+                    self._fail()
+                    break
+                except RuntimeError as another:
+                    if not is_worker_death(another):
+                        raise
+            if isinstance(error, ImageReadError):  # a damaged image met while training: say where to resume from
+                # The hint names the checkpoint being written.
+                raise ImageReadError(f"{worker_error_message(error)}\n{last_checkpoint_hint(self.output_dir)}") \
+                    from None
+            if is_worker_death(error):
+                raise LoaderWorkerDied(f"a data loader worker process died ({worker_error_message(error)}): it was "
+                                       f"killed, or ran out of memory (fewer num_workers use less)\n"
+                                       f"{resume_hint(self.output_dir)}") from None
             raise
         finally:
             self._stream = None  # the endless stream's iterator; its workers end with the loader
