@@ -16,9 +16,10 @@ rows share one compile cache, empty before the first row: the first row's first 
 rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch). From
 its timing.json: the steady steps (the second half of the warm steps that compiled nothing), their images/s, the
 share of their wall time the loop waited for the loader, the padded pixels per image, peak memory and the first
-step's time. GPU busy: the share of the row's last PROFILED_STEPS steps' (fewer in a --smoke run) wall time in
-which the GPU ran a kernel, copy or memset, from torch.profiler (train.py's profile_steps, which also says what the
-host was doing while the GPU waited; those steps are left out of the steady figures). Beside it, NVML's utilization
+step's time. GPU busy: the share of the first half of the row's last PROFILED_STEPS steps' (fewer in a --smoke run)
+wall time in which the GPU ran a kernel, copy or memset, from torch.profiler recording the GPU's activity alone
+(train.py's profile_steps, whose second half records the host's phases too, to say what the host was doing while
+the GPU waited; the profiled steps are left out of the steady figures). Beside it, NVML's utilization
 counter over the steady window, sampled every 50 ms: a coarse figure (it reads 49% and 81% in two runs of the same
 row at the same step time).
 Model FLOPs per image: torch.utils.flop_counter over one forward and backward of the model at two image sizes,
@@ -308,10 +309,9 @@ def how_to_read() -> str:
             "GPU, the batch in one pass; the rows share a compile cache, empty before the first. transformer: "
             "how the row's plan compiled it (compile.regions=null: a graph per layer kind from 16 images per pass, "
             "else one graph). img/s, step "
-            "and loader wait come from the run's steady steps (its timing.json); GPU busy is the share of the run's "
-            f"last {PROFILED_STEPS} steps' (fewer in a --smoke run) time in which the GPU ran a kernel, copy or "
-            "memset (torch.profiler, "
-            "train.py's profile_steps); NVML is the GPU's utilization counter over the steady steps (coarse: "
+            "and loader wait come from the run's steady steps (its timing.json); GPU busy is the share of the first "
+            f"half of the run's last {PROFILED_STEPS} steps (fewer in a --smoke run) in which the GPU ran a kernel, "
+            "copy or memset (train.py's profile_steps: torch.profiler recording the GPU's activity alone); NVML is the GPU's utilization counter over the steady steps (coarse: "
             "sampled); MFU counts the model's matmul and convolution FLOPs (forward and "
             "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
             "that rate; the first step is from the process's start, compilation included (cold: into the empty "
@@ -336,10 +336,16 @@ def backbone_cell(row: dict) -> str:
     return f"child done at {background['child_s']} s, {found}; {steady}"
 
 
-def work_share_of_steady_step(row: dict) -> float | None:
-    """The profiled steps' GPU work per step over the steady (unprofiled) step time."""
-    work = row.get("profile", {}).get("gpu_work_ms")
-    return None if work is None else work / row["step_ms"]
+def with_host_ranges(row: dict) -> dict:
+    """The profiled steps that recorded the host's phases: their step ms, GPU busy and work (train.py's
+    profile_steps; where a profile had one part, all its steps)."""
+    return row.get("profile", {}).get("with_host_ranges") or row.get("profile", {})
+
+
+def warming_cell(profile: dict) -> str:
+    if "warming_steps" not in profile:  # a profile of a train.py that did not say
+        return "-"
+    return ", ".join(map(str, profile["warming_steps"])) or "none"
 
 
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
@@ -360,16 +366,19 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     done = [r for r in rows if "error" not in r]
     profiled = [r for r in done if r["profile"].get("gpu_idle_by_phase_ms")]
     if profiled:
-        lines += ["", f"GPU idle per step in the last {PROFILED_STEPS} steps (ms), by what the host was doing "
-                  "(data: waiting for the loader; other: the loop between steps). The profiler's own host work "
-                  "lengthens the profiled steps (profiled step ms against the steady step ms above) and adds to the "
-                  "host phases' idle time; GPU work / steady step is the busy share the profiled GPU work would give "
-                  "at the unprofiled step time, an estimate (the profiled steps are the row's last, the steady ones "
-                  "come before them, with other image sizes):", ""]
+        lines += ["", f"GPU idle per step (ms) in the second half of the last {PROFILED_STEPS} steps, which recorded "
+                  "the host's phases too, by what the host was doing (data: waiting for the loader; other: the loop "
+                  "between steps). Recording the host's operations lengthens those steps (their step ms and GPU busy "
+                  "against the first half's, which recorded the GPU's activity alone) and adds to the host phases' "
+                  "idle time. warming: the profiled steps that compiled or recorded a graph, or met a new batch "
+                  "size, whose time is in these figures:", ""]
         phases = sorted({name for r in profiled for name in r["profile"]["gpu_idle_by_phase_ms"]})
-        lines += table(["batch", "profiled step ms", "GPU work ms", "GPU work / steady step", *phases],
-                       [[r["batch"], f"{r['profile']['step_ms']:.0f}", f"{r['profile']['gpu_work_ms']:.0f}",
-                         percent(work_share_of_steady_step(r)),
+        lines += table(["batch", "step ms (GPU only)", "GPU busy (GPU only)", "step ms (host too)",
+                        "GPU busy (host too)", "GPU work ms", "warming", *phases],
+                       [[r["batch"], f"{r['profile']['step_ms']:.0f}", percent(r["profile"]["gpu_busy"]),
+                         f"{with_host_ranges(r)['step_ms']:.0f}", percent(with_host_ranges(r)["gpu_busy"]),
+                         f"{with_host_ranges(r)['gpu_work_ms']:.0f}",
+                         warming_cell(r["profile"]),
                          *(f"{r['profile']['gpu_idle_by_phase_ms'].get(name, 0.0):.1f}" for name in phases)]
                         for r in profiled])
     compiled = [r for r in done if r.get("compile_s_by_function")]
@@ -384,7 +393,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                    best["img_s"] >= TARGETS["img_s"]),
                   (f"GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
                    + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else
-                      f" (its GPU work / steady step: {percent(work_share_of_steady_step(best))})"),
+                      f" (with the host's phases recorded too: {percent(with_host_ranges(best).get('gpu_busy'))})"),
                    (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"]),
                   (f"loader wait {best['data_wait_share']:.1%} at the best batch <= {TARGETS['data_wait_share']:.0%}",
                    best["data_wait_share"] <= TARGETS["data_wait_share"])]

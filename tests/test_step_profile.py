@@ -8,6 +8,7 @@ phases for the profiler.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +18,8 @@ from test_step import make_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from engine.reporting.gpu_profile import (STEP_PHASES, StepProfiler, busy_time, idle_by_phase, is_device_work,
-                                          summarize)
+from engine.reporting.gpu_profile import (GPU_ONLY, STEP_PHASES, WITH_HOST, StepProfiler, busy_time, combine_parts,
+                                          describe, idle_by_phase, is_device_work, profiled_parts, summarize)
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 
@@ -156,9 +157,7 @@ def test_a_range_the_run_never_reaches_is_said_at_its_start(tmp_path, caplog, st
 
 
 def test_a_profile_that_records_no_events_costs_a_warning_not_the_run(tmp_path, caplog, monkeypatch):
-    import engine.reporting.gpu_profile as gpu_profile
-
-    monkeypatch.setattr(gpu_profile, "summarize", lambda events, steps, cuda: summarize([], steps=steps, cuda=cuda))
+    monkeypatch.setattr(profile, "events", lambda self: [])
     profiler = StepProfiler((1, 1), output_dir=tmp_path, device=torch.device("cpu"))
     with caplog.at_level("WARNING"):
         assert profiler.before_step(1)
@@ -166,3 +165,111 @@ def test_a_profile_that_records_no_events_costs_a_warning_not_the_run(tmp_path, 
         assert profiler.after_step(1)
     assert profiler.summary["error"] == "profiling steps 1-1 failed: torch.profiler recorded no events"
     assert "the run goes on unprofiled" in caplog.text and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("steps, cuda, parts", [
+    ((3, 8), True, [(GPU_ONLY, 3, 5), (WITH_HOST, 6, 8)]),
+    ((3, 9), True, [(GPU_ONLY, 3, 5), (WITH_HOST, 6, 9)]),  # an odd count: the host's part takes the extra step
+    ((4, 5), True, [(GPU_ONLY, 4, 4), (WITH_HOST, 5, 5)]),
+    ((4, 4), True, [(WITH_HOST, 4, 4)]),  # one step: its phases, in the one trace there is
+    ((3, 8), False, [(WITH_HOST, 3, 8)]),  # no GPU to measure alone
+])
+def test_a_gpu_profile_measures_the_busy_share_before_it_records_the_host(steps, cuda, parts):
+    assert profiled_parts(steps, cuda=cuda) == parts
+
+
+def _part(first, last, *, step_ms, busy, idle):
+    return {"profiled_steps": [first, last], "steps": last - first + 1, "step_ms": step_ms, "gpu_busy": busy,
+            "gpu_work_ms": None if busy is None else busy * step_ms, "gpu_idle_by_phase_ms": idle,
+            "trace": f"profile_steps_{first}-{last}.json"}
+
+
+def test_the_busy_share_comes_from_the_gpu_only_part_and_the_idle_phases_from_the_host_part():
+    gpu = _part(1, 5, step_ms=100.0, busy=0.96, idle={"other": 4.0})
+    host = _part(6, 10, step_ms=110.0, busy=0.80, idle={"matching": 12.0, "losses": 10.0})
+    both = combine_parts({GPU_ONLY: gpu, WITH_HOST: host})
+    assert both["profiled_steps"] == [1, 10] and both["steps"] == 10
+    assert (both["step_ms"], both["gpu_busy"], both["gpu_work_ms"]) == (100.0, 0.96, 96.0)
+    assert both["gpu_idle_by_phase_ms"] == {"matching": 12.0, "losses": 10.0}
+    assert both["trace"] == "profile_steps_6-10.json"
+    assert both["with_host_ranges"] == {"profiled_steps": [6, 10], "steps": 5, "step_ms": 110.0, "gpu_busy": 0.80,
+                                        "gpu_work_ms": 88.0}
+    line = describe(both)
+    assert "110.0 ms per step, GPU busy 80.0%" in line and "GPU busy 96.0% (96.0 ms of work)" in line
+    # The first part alone (an epoch ended inside it): its figures, no phases.
+    alone = combine_parts({GPU_ONLY: gpu})
+    assert alone["gpu_busy"] == 0.96 and alone["gpu_idle_by_phase_ms"] == {} and "with_host_ranges" not in alone
+    assert alone["trace"] == "profile_steps_1-5.json"
+    # No GPU activity recorded alone (CUPTI's activity only with the host's): the host part's figures.
+    blind = combine_parts({GPU_ONLY: _part(1, 5, step_ms=100.0, busy=None, idle={}), WITH_HOST: host})
+    assert (blind["step_ms"], blind["gpu_busy"]) == (110.0, 0.80)
+
+
+class _FakeProfile:
+    """torch.profiler.profile as StepProfiler uses it, recording what each profile was asked to record."""
+
+    started: list = []
+
+    def __init__(self, activities):
+        self.activities = activities
+        _FakeProfile.started.append(activities)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def events(self):
+        kernel = _event("kernel", 0, 900, device=True)
+        phases = [_event("step.forward", 0, 500), _event("step.matching", 500, 1000)]
+        return [kernel] + (phases if ProfilerActivity.CPU in self.activities else [])
+
+    def export_chrome_trace(self, path):
+        Path(path).write_text("{}")
+
+
+@pytest.fixture
+def fake_gpu_profiler(monkeypatch, tmp_path):
+    import torch.profiler
+
+    _FakeProfile.started = []
+    monkeypatch.setattr(torch.profiler, "profile", _FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return lambda steps: StepProfiler(steps, output_dir=tmp_path, device=torch.device("cuda"))
+
+
+def _run_steps(profiler, numbers, stop_after=None, warming=()):
+    for number in numbers:
+        profiler.before_step(number)
+        profiler.after_step(number, warm=number not in warming)
+        if number == stop_after:
+            profiler.stop()
+
+
+def test_a_gpu_profile_runs_its_two_parts_and_writes_both_traces(fake_gpu_profiler, tmp_path):
+    profiler = fake_gpu_profiler((3, 8))
+    _run_steps(profiler, range(1, 12), warming=(2, 4, 7, 10))
+    assert _FakeProfile.started == [[ProfilerActivity.CUDA], [ProfilerActivity.CPU, ProfilerActivity.CUDA]]
+    summary = profiler.summary
+    assert summary["warming_steps"] == [4, 7]  # those profiled, in either part
+    assert "step(s) 4, 7 compiled, recorded a graph or met a new batch size" in describe(summary)
+    assert summary["profiled_steps"] == [3, 8] and summary["with_host_ranges"]["profiled_steps"] == [6, 8]
+    assert summary["gpu_idle_by_phase_ms"]["matching"] == pytest.approx(0.1 / 3)  # 100 us idle in 3 steps
+    assert summary["trace"] == "profile_steps_6-8.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile_steps_3-5.json", "profile_steps_6-8.json"]
+
+
+def test_an_epochs_end_inside_the_first_part_ends_the_profile_there(fake_gpu_profiler):
+    profiler = fake_gpu_profiler((3, 8))
+    _run_steps(profiler, range(1, 12), stop_after=4)
+    assert _FakeProfile.started == [[ProfilerActivity.CUDA]]  # the next epoch's steps 5-8 are not profiled
+    assert profiler.summary["profiled_steps"] == [3, 4] and profiler.summary["steps"] == 2
+    assert "with_host_ranges" not in profiler.summary and profiler.summary["gpu_busy"] is not None
+
+
+def test_a_run_resumed_inside_the_second_part_records_the_host_for_the_steps_left(fake_gpu_profiler):
+    profiler = fake_gpu_profiler((3, 8))
+    _run_steps(profiler, range(7, 12))
+    assert _FakeProfile.started == [[ProfilerActivity.CPU, ProfilerActivity.CUDA]]
+    assert profiler.summary["profiled_steps"] == [7, 8] and profiler.summary["gpu_idle_by_phase_ms"]

@@ -354,7 +354,11 @@ def test_profile_steps_on_the_gpu_gives_its_busy_share_and_where_it_waited(data_
     profile = _profiled_run(data_root, tmp_path, "device=cuda", "compile.mode=graphs", "epochs=2",
                             f"profile_steps=[{last - 1},{last}]")
     assert profile["profiled_steps"] == [last - 1, last]
+    # Step last-1 records the GPU's activity alone, for the busy share; step last the host's ranges too.
     assert 0 < profile["gpu_busy"] <= 1 and 0 < profile["gpu_work_ms"] <= profile["step_ms"]
+    host = profile["with_host_ranges"]
+    assert host["profiled_steps"] == [last, last] and 0 < host["gpu_busy"] <= 1
+    assert (tmp_path / f"profile_steps_{last - 1}-{last - 1}.json").is_file()
     idle = profile["gpu_idle_by_phase_ms"]
     assert set(idle) <= {"data", "forward", "matching", "losses", "backward", "update", "other"} and idle
     assert idle.get("matching", 0) > 0  # nothing is queued on the GPU while the host solves the assignments

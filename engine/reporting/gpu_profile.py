@@ -1,16 +1,24 @@
 """How busy the GPU is during chosen training steps, and what the host was doing while it waited: torch.profiler.
 
-``profile_steps=[FIRST,LAST]`` (configs/train.yaml) profiles those optimizer steps of a run. The trace goes to
-the run directory (open it in https://ui.perfetto.dev or chrome://tracing), and a summary goes to the log and to
-timing.json:
-    gpu_busy         the share of the profiled steps' wall time in which the GPU ran a kernel, copy or memset
+``profile_steps=[FIRST,LAST]`` (configs/train.yaml) profiles those optimizer steps of a run, on a GPU in two parts.
+Recording the host's operations costs the host time, and a GPU that waits for the host waits longer for it: the
+first half of the steps records the GPU's activity alone, for its busy share as an unprofiled run has it; the
+second half records the host's named ranges too, to say what the host was doing while the GPU waited. On the CPU
+(no GPU to measure) all the steps are one part. Each part's trace goes to the run directory (open it in
+https://ui.perfetto.dev or chrome://tracing), and a summary goes to the log and to timing.json:
+    gpu_busy         the share of the first part's wall time in which the GPU ran a kernel, copy or memset
                      (overlapping ones counted once); None on the CPU, or where the profiler recorded no GPU
                      activity (CUPTI unavailable), with a warning
-    step_ms          the profiled steps' wall time per step
-    gpu_work_ms      the GPU's busy time per step
-    gpu_idle_by_phase_ms  the GPU's idle time per step, charged to what the host was doing: the innermost of the
-                     step's named ranges around it (STEP_PHASES: the loader, forward, matching, losses, backward,
-                     update); "other" is idle time outside them (the loop's logging and checkpoint checks)
+    step_ms          the first part's wall time per step
+    gpu_work_ms      the GPU's busy time per step, in the first part
+    gpu_idle_by_phase_ms  the GPU's idle time per step in the last part, charged to what the host was doing: the
+                     innermost of the step's named ranges around it (STEP_PHASES: the loader, forward, matching,
+                     losses, backward, update); "other" is idle time outside them (the loop's logging and
+                     checkpoint checks)
+    with_host_ranges the last part's own steps, step_ms, gpu_busy and gpu_work_ms, where there were two parts
+    warming_steps    the profiled steps that compiled or recorded a graph, or met a new batch size (its first two
+                     steps): unlike the steady steps, and in these figures
+    trace            the trace file of the last part
 The profiler costs the profiled steps some host time, so a run's steady step times leave them out (RunTiming).
 The same analysis serves bench/e2e.py and bench/ddp.py (bench/step_profile.py).
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -138,14 +147,15 @@ def step_phases(events) -> list[tuple[str, float, float]]:
             if e.name.startswith(STEP_PHASES) and not on_device(e)]
 
 
-def summarize(events, *, steps: int, cuda: bool) -> dict:
-    """The profiled steps' summary (the module docstring) from a profile's events; on the CPU only the wall time."""
+def summarize(events, *, steps: int, cuda: bool, wall_us: float | None = None) -> dict:
+    """The profiled steps' summary (the module docstring) from a profile's events; on the CPU only the wall time.
+    ``wall_us``: the steps' wall time as the host's clock measured it; None takes the events' span."""
     events = list(events)
-    if not events or steps < 1:
+    if steps < 1 or (not events and wall_us is None):
         return {"steps": steps, "step_ms": None, "gpu_busy": None, "gpu_work_ms": None, "gpu_idle_by_phase_ms": {}}
-    start = min(e.time_range.start for e in events)
-    end = max(e.time_range.end for e in events)
-    wall = max(end - start, 1e-9)
+    start = min((e.time_range.start for e in events), default=0.0)
+    end = max((e.time_range.end for e in events), default=0.0)
+    wall = max(end - start if wall_us is None else wall_us, 1e-9)
     summary = {"steps": steps, "step_ms": wall / steps / 1e3, "gpu_busy": None, "gpu_work_ms": None,
                "gpu_idle_by_phase_ms": {}}
     busy = device_activity(events) if cuda else []
@@ -159,24 +169,68 @@ def summarize(events, *, steps: int, cuda: bool) -> dict:
     return summary
 
 
+# The parts of a profile: what each records (``profiled_parts``).
+GPU_ONLY, WITH_HOST = "gpu", "gpu+host"
+
+
+def profiled_parts(steps: tuple[int, int], *, cuda: bool) -> list[tuple[str, int, int]]:
+    """(what it records, first step, last step) of each part of a profile of ``steps``: on a GPU, the first half of
+    the steps with the GPU's activity alone and the rest with the host's ranges too (a single step: that one only);
+    on the CPU, one part."""
+    first, last = steps
+    if not cuda or last == first:
+        return [(WITH_HOST, first, last)]
+    middle = first + (last - first + 1) // 2
+    return [(GPU_ONLY, first, middle - 1), (WITH_HOST, middle, last)]
+
+
+def combine_parts(parts: dict[str, dict]) -> dict:
+    """One summary of the parts that ran (``profiled_parts``: either or both, each a ``summarize`` with its
+    ``profiled_steps`` and ``trace``): the busy share and step time of the part that records the GPU's activity
+    alone where it ran, the idle time by phase and the trace of the part that records the host's ranges."""
+    gpu, host = parts.get(GPU_ONLY), parts.get(WITH_HOST)
+    first, last = (gpu or host)["profiled_steps"][0], (host or gpu)["profiled_steps"][1]
+    timed = gpu if gpu is not None and gpu["gpu_busy"] is not None else host or gpu
+    combined = {"profiled_steps": [first, last], "steps": sum(part["steps"] for part in parts.values()),
+                **{key: timed[key] for key in ("step_ms", "gpu_busy", "gpu_work_ms")},
+                "gpu_idle_by_phase_ms": host["gpu_idle_by_phase_ms"] if host else {},
+                "warming_steps": sorted(step for part in parts.values() for step in part.get("warming_steps", [])),
+                "trace": (host or gpu)["trace"]}
+    if gpu is not None and host is not None:
+        combined["with_host_ranges"] = {key: host[key] for key in
+                                        ("profiled_steps", "steps", "step_ms", "gpu_busy", "gpu_work_ms")}
+    return combined
+
+
 def describe(summary: dict) -> str:
     """One log line's worth of a summary."""
     first, last = summary["profiled_steps"]
     text = f"profile of steps {first}-{last}: {summary['step_ms']:.1f} ms per step"
     if summary["gpu_busy"] is not None:
+        text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
+    host = summary.get("with_host_ranges")
+    if host is not None:
+        text += (f" (steps {first}-{host['profiled_steps'][0] - 1}, the GPU's activity alone recorded); steps "
+                 f"{host['profiled_steps'][0]}-{host['profiled_steps'][1]} with the host's ranges recorded too: "
+                 f"{host['step_ms']:.1f} ms per step")
+        if host["gpu_busy"] is not None:
+            text += f", GPU busy {host['gpu_busy']:.1%}"
+    if summary["gpu_idle_by_phase_ms"]:
         idle = ", ".join(f"{name} {ms:.1f}" for name, ms in summary["gpu_idle_by_phase_ms"].items() if ms >= 0.05)
-        text += (f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work); GPU idle per "
-                 f"step by what the host was doing (ms): {idle or 'none'}")
+        text += f"; GPU idle per step by what the host was doing (ms): {idle or 'none'}"
+    if summary.get("warming_steps"):
+        text += (f"; step(s) {', '.join(map(str, summary['warming_steps']))} compiled, recorded a graph or met a new "
+                 f"batch size: not like the steady steps, and in these figures")
     return text + f"; trace {summary['trace']}"
 
 
 class StepProfiler:
     """Profiles the optimizer steps numbered ``steps`` = (first, last), counted from 1 over the whole run (a
-    resumed run goes on counting); None profiles nothing. The loop calls ``plan`` with the steps the run will
-    train, ``before_step`` and ``after_step`` with each step's number, and ``stop`` when its steps stop: at each
-    epoch's end, so that the epoch's checkpoint and evaluation are never profiled (a range that crosses an epoch's
-    end, or goes past the run's, is profiled up to there), and when the run ends or fails.
-    A profiler that fails costs a warning, never the run."""
+    resumed run goes on counting), in the parts ``profiled_parts`` gives; None profiles nothing. The loop calls
+    ``plan`` with the steps the run will train, ``before_step`` and ``after_step`` with each step's number, and
+    ``stop`` when its steps stop: at each epoch's end, so that the epoch's checkpoint and evaluation are never
+    profiled (a range that crosses an epoch's end, or goes past the run's, is profiled up to there), and when the
+    run ends or fails. A profiler that fails costs a warning, never the run."""
 
     def __init__(self, steps: tuple[int, int] | None, *, output_dir: Path, device: torch.device, rank: int = 0,
                  world_size: int = 1, report: bool = True):
@@ -184,9 +238,15 @@ class StepProfiler:
         self.output_dir, self.device, self.report = Path(output_dir), device, report
         self.suffix = f".rank{rank}" if world_size > 1 else ""
         self.summary: dict | None = None
+        self._cuda = device.type == "cuda"
+        self._parts = profiled_parts(self.steps, cuda=self._cuda) if self.steps is not None else []
+        self._done: dict[str, dict] = {}  # the finished parts' summaries, by what they recorded
         self._profile = None
+        self._part: tuple[str, int, int] | None = None  # the part running
+        self._started = 0.0  # when it started, on the host's clock
         self._first_profiled: int | None = None
         self._last_profiled: int | None = None
+        self._warming: list[int] = []  # the running part's steps that were not warm (after_step)
 
     @property
     def active(self) -> bool:
@@ -201,66 +261,85 @@ class StepProfiler:
         log.warning("profile_steps=[%d,%d] will profile nothing: this run trains %s", *self.steps, trains)
 
     def before_step(self, number: int) -> bool:
-        """Starts the profiler before step ``number`` where it is due; True when it did (the caller keeps the
-        profiler's start out of the step's time)."""
-        if self.steps is None or self.active or self.summary is not None or not \
-                self.steps[0] <= number <= self.steps[1]:
+        """Starts a part of the profile before step ``number`` where one is due; True when it did (the caller
+        keeps the profiler's start out of the step's time)."""
+        if self.active or self.summary is not None:
+            return False
+        part = next((p for p in self._parts if p[1] <= number <= p[2] and p[0] not in self._done), None)
+        if part is None:
             return False
         from torch.profiler import ProfilerActivity, profile
 
-        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CUDA] if part[0] == GPU_ONLY else \
+            [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
         try:
-            if cuda:
+            if self._cuda:
                 torch.cuda.synchronize(self.device)  # the steps before are not this profile's
-            self._profile = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profile = profile(activities=activities)
             self._profile.__enter__()
         except Exception as error:  # noqa: BLE001 - a profiler that cannot start costs the run nothing
             self._give_up(f"torch.profiler could not start: {error}")
             return False
-        self._first_profiled = number
+        self._part, self._started = part, time.perf_counter()
+        self._first_profiled = self._last_profiled = number
+        self._warming = []
         return True
 
-    def after_step(self, number: int) -> bool:
-        """Ends the profile after its last step; True when it did (the caller keeps the trace's export out of the
-        next step's time)."""
+    def after_step(self, number: int, *, warm: bool = True) -> bool:
+        """Ends the part of the profile that ``number`` was the last step of; True when it did (the caller keeps
+        the trace's export out of the next step's time). ``warm``: the step compiled nothing and its batch size
+        was not new (RunTiming.last_step_warm); the summary names those that were not."""
         if not self.active:
             return False
         self._last_profiled = number
-        if number < self.steps[1]:
+        if not warm:
+            self._warming.append(number)
+        if number < self._part[2]:
             return False
-        self._finish()
+        self._finish_part()
+        if self.summary is None and number >= self.steps[1]:  # the last part (a resumed run may start in it)
+            self._combine()
         return True
 
     def stop(self) -> bool:
-        """The steps stopped (an epoch's or the run's end, or a failure) with the profile running: it ends at the
-        last step it saw. True when it did."""
-        if not self.active:
-            return False
-        self._finish()
-        return True
+        """The steps stopped (an epoch's or the run's end, or a failure): a part running ends at the last step it
+        saw, and the profile ends with the parts that ran. True when a part was running."""
+        running = self.active
+        if running:
+            self._finish_part()
+        if self._done and self.summary is None:
+            self._combine()
+        return running
 
-    def _finish(self) -> None:
+    def _finish_part(self) -> None:
         profile, self._profile = self._profile, None
-        first, last = self._first_profiled, self._last_profiled or self._first_profiled
-        cuda = self.device.type == "cuda"
+        recorded = self._part[0]
+        first, last = self._first_profiled, self._last_profiled
         trace = self.output_dir / f"profile_steps_{first}-{last}{self.suffix}.json"
         try:
-            if cuda:
+            if self._cuda:
                 torch.cuda.synchronize(self.device)  # every kernel of the profiled steps inside the profile
+            wall_us = (time.perf_counter() - self._started) * 1e6
             profile.__exit__(None, None, None)
-            summary = summarize(profile.events(), steps=last - first + 1, cuda=cuda)
-            if summary["step_ms"] is None:
+            events = list(profile.events())
+            if not events and recorded == WITH_HOST:  # the GPU's activity alone is none without CUPTI: not an error
                 raise RuntimeError("torch.profiler recorded no events")
+            summary = summarize(events, steps=last - first + 1, cuda=self._cuda, wall_us=wall_us)
             partial = trace.with_name(trace.name + ".partial")
             profile.export_chrome_trace(str(partial))
             os.replace(partial, trace)
         except Exception as error:  # noqa: BLE001 - a failed profile costs the run nothing
             self._give_up(f"profiling steps {first}-{last} failed: {error}")
             return
-        self.summary = {"profiled_steps": [first, last], **summary, "trace": trace.name}
+        self._done[recorded] = {"profiled_steps": [first, last], **summary, "warming_steps": self._warming,
+                                "trace": trace.name}
+
+    def _combine(self) -> None:
+        self.summary = combine_parts(self._done)
         if self.report:
             log.info("%s", describe(self.summary))
-            if cuda and summary["gpu_busy"] is None:
+            if self._cuda and self.summary["gpu_busy"] is None:
+                first, last = self.summary["profiled_steps"]
                 log.warning("torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not "
                             "allowed to trace): the GPU's busy share is unknown", first, last)
 

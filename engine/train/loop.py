@@ -147,7 +147,7 @@ class TrainingLoop:
             compiled = self.timing.step_ended(before, size=tuple(images.shape), data_s=data_s, profiled=profiled)
             pos.step += 1
             pos.steps_in_epoch += 1
-            if self.profiler.after_step(pos.step):
+            if self.profiler.after_step(pos.step, warm=self.timing.last_step_warm):
                 self._not_a_step()  # nor is writing its trace
             if compiled.graphs or compiled.seconds >= 1.0:
                 self.reporter.report_compilation(compiled, step=pos.step,

@@ -44,6 +44,9 @@ class RunTiming:
     # The warm steps that compiled nothing since the last step that compiled a graph, in order: (wall s, loader wait
     # s, images, pixels per image, end time, step number)
     warm_steps: list[tuple[float, float, int, int, float, int]] = field(default_factory=list)
+    # Whether the last step was like the run's steady ones: it compiled nothing, and its batch size was not new (not
+    # one of the first two steps of that size).
+    last_step_warm: bool = False
     _last_step_end: float | None = None
     _sizes_seen: Counter = field(default_factory=Counter)
 
@@ -83,11 +86,12 @@ class RunTiming:
             self.warm_steps.clear()
         warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
+        self.last_step_warm = not warming and not compiled.graphs and compiled.seconds < 1e-3
         if warming:
             self.warmup_s += max(0.0, wall - compiled.seconds)
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
-            if not compiled.graphs and compiled.seconds < 1e-3 and not profiled:
+            if self.last_step_warm and not profiled:
                 self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time(), self.steps + 1))
         self.steps += 1
         return compiled
