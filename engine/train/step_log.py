@@ -52,6 +52,8 @@ class StepLog:
         self._images = 0
         self._first_step = 0
         self._t_flush = time.perf_counter()
+        self._t_last_end = self._t_flush  # when the last step ended (its launches, on a GPU)
+        self._paused_wall_s = 0.0  # this interval's time before its last pause
         self._t_start = 0.0
         self._start_event = None
 
@@ -79,6 +81,7 @@ class StepLog:
             self._host_ms.append((time.perf_counter() - self._t_start) * 1e3)
         self._values.append(values)
         self._images += images
+        self._t_last_end = time.perf_counter()
 
     def flush(self, names: tuple[str, ...], average=None, *, stop: bool = False) -> Interval | None:
         """Read the interval's results (one device->host transfer); None when no step was run.
@@ -100,15 +103,19 @@ class StepLog:
         else:
             step_ms = self._host_ms
         now = time.perf_counter()
-        wall_s = now - self._t_flush
+        wall_s = self._paused_wall_s + now - self._t_flush
         interval = Interval(first_step=self._first_step, rows=[dict(zip(names, row)) for row in values],
                             step_ms=sum(step_ms) / len(step_ms), data_ms=sum(self._data_ms) / len(self._data_ms),
                             images_per_s=self._images / max(wall_s, 1e-9), wall_s=wall_s,
                             stop_requested=flag_row[0] > 0)
         self._values, self._events, self._host_ms, self._data_ms, self._images = [], [], [], [], 0
-        self._t_flush = now
+        self._t_flush, self._paused_wall_s = now, 0.0
         return interval
 
     def restart_clock(self) -> None:
-        """Exclude what happens between intervals (evaluation, checkpoints) from the next images/s."""
+        """Exclude what happened since the last step (evaluation, checkpoints, a profiler's start or export) from the
+        interval's images/s. The interval's steps before it still count, with their time up to the last one's end:
+        a pause inside an interval would otherwise leave its earlier images over the time after it alone."""
+        if self._values:
+            self._paused_wall_s += max(0.0, self._t_last_end - self._t_flush)
         self._t_flush = time.perf_counter()

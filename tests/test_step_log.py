@@ -1,0 +1,54 @@
+"""engine/train/step_log.py: the images/s a log interval reports, when something that is not a step paused it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.train.step_log as step_log
+from engine.train.step_log import StepLog
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _step(log: StepLog, clock: _Clock, *, starts: float, ends: float) -> None:
+    clock.now = starts
+    log.begin(step=0, data_ms=0.0)
+    clock.now = ends
+    log.end(torch.tensor([1.0]), images=2)
+
+
+@pytest.mark.parametrize("pauses", [[10.0], [10.0, 12.0]])
+def test_a_pause_inside_an_interval_keeps_its_earlier_steps_time(monkeypatch, pauses):
+    """Two steps of 1 s, a pause (a profiler's trace written, a checkpoint saved) that ends at 10 s or, twice, at
+    12 s, then a third step of 1 s: 6 images in 3 s of steps, not 6 images in the last step's second alone."""
+    clock = _Clock()
+    monkeypatch.setattr(step_log.time, "perf_counter", clock)
+    log = StepLog(device=torch.device("cpu"))
+    _step(log, clock, starts=0.0, ends=1.0)
+    _step(log, clock, starts=1.0, ends=2.0)
+    for pause_end in pauses:
+        clock.now = pause_end
+        log.restart_clock()
+    _step(log, clock, starts=pauses[-1], ends=pauses[-1] + 1.0)
+    interval = log.flush(("loss",))
+    assert interval.wall_s == pytest.approx(3.0) and interval.images_per_s == pytest.approx(2.0)
+
+
+def test_a_pause_between_intervals_starts_the_next_one_after_it(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(step_log.time, "perf_counter", clock)
+    log = StepLog(device=torch.device("cpu"))
+    _step(log, clock, starts=0.0, ends=1.0)
+    log.flush(("loss",))
+    clock.now = 30.0  # an evaluation
+    log.restart_clock()
+    _step(log, clock, starts=30.0, ends=31.5)
+    interval = log.flush(("loss",))
+    assert interval.wall_s == pytest.approx(1.5) and interval.images_per_s == pytest.approx(2 / 1.5)
