@@ -52,3 +52,17 @@ def test_a_pause_between_intervals_starts_the_next_one_after_it(monkeypatch):
     _step(log, clock, starts=30.0, ends=31.5)
     interval = log.flush(("loss",))
     assert interval.wall_s == pytest.approx(1.5) and interval.images_per_s == pytest.approx(2 / 1.5)
+
+
+def test_a_pause_counts_for_its_own_interval_only(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(step_log.time, "perf_counter", clock)
+    log = StepLog(device=torch.device("cpu"))
+    _step(log, clock, starts=0.0, ends=1.0)
+    clock.now = 5.0
+    log.restart_clock()
+    _step(log, clock, starts=5.0, ends=6.0)
+    assert log.flush(("loss",)).wall_s == pytest.approx(2.0)
+    _step(log, clock, starts=6.0, ends=7.0)
+    _step(log, clock, starts=7.0, ends=8.0)
+    assert log.flush(("loss",)).wall_s == pytest.approx(2.0)

@@ -167,15 +167,15 @@ def test_a_profile_that_records_no_events_costs_a_warning_not_the_run(tmp_path, 
     assert "the run goes on unprofiled" in caplog.text and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("steps, cuda, parts", [
+@pytest.mark.parametrize("steps, gpu_traced, parts", [
     ((3, 8), True, [(GPU_ONLY, 3, 5), (WITH_HOST, 6, 8)]),
     ((3, 9), True, [(GPU_ONLY, 3, 5), (WITH_HOST, 6, 9)]),  # an odd count: the host's part takes the extra step
     ((4, 5), True, [(GPU_ONLY, 4, 4), (WITH_HOST, 5, 5)]),
     ((4, 4), True, [(WITH_HOST, 4, 4)]),  # one step: its phases, in the one trace there is
     ((3, 8), False, [(WITH_HOST, 3, 8)]),  # no GPU to measure alone
 ])
-def test_a_gpu_profile_measures_the_busy_share_before_it_records_the_host(steps, cuda, parts):
-    assert profiled_parts(steps, cuda=cuda) == parts
+def test_a_gpu_profile_measures_the_busy_share_before_it_records_the_host(steps, gpu_traced, parts):
+    assert profiled_parts(steps, gpu_traced=gpu_traced) == parts
 
 
 def _part(first, last, *, step_ms, busy, idle):
@@ -206,9 +206,11 @@ def test_the_busy_share_comes_from_the_gpu_only_part_and_the_idle_phases_from_th
 
 
 class _FakeProfile:
-    """torch.profiler.profile as StepProfiler uses it, recording what each profile was asked to record."""
+    """torch.profiler.profile as StepProfiler uses it, recording what each profile was asked to record. Each part's
+    kernels span 900 us; ``gpu_alone_records``: whether a profile of the GPU's activity alone records them."""
 
     started: list = []
+    gpu_alone_records = True
 
     def __init__(self, activities):
         self.activities = activities
@@ -221,27 +223,51 @@ class _FakeProfile:
         return False
 
     def events(self):
-        kernel = _event("kernel", 0, 900, device=True)
-        phases = [_event("step.forward", 0, 500), _event("step.matching", 500, 1000)]
-        return [kernel] + (phases if ProfilerActivity.CPU in self.activities else [])
+        host = ProfilerActivity.CPU in self.activities
+        traced = ProfilerActivity.CUDA in self.activities and (host or _FakeProfile.gpu_alone_records)
+        kernel = [_event("kernel", 0, 900, device=True)] if traced else []
+        return kernel + ([_event("step.forward", 0, 500), _event("step.matching", 500, 1000)] if host else [])
 
     def export_chrome_trace(self, path):
         Path(path).write_text("{}")
+
+
+class _HostClock:
+    """time.perf_counter for engine.reporting.gpu_profile: each step takes 2 ms of the host's time."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
 
 
 @pytest.fixture
 def fake_gpu_profiler(monkeypatch, tmp_path):
     import torch.profiler
 
-    _FakeProfile.started = []
+    import engine.reporting.gpu_profile as gpu_profile
+
+    _FakeProfile.started, _FakeProfile.gpu_alone_records = [], True
+    syncs = []
     monkeypatch.setattr(torch.profiler, "profile", _FakeProfile)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    return lambda steps: StepProfiler(steps, output_dir=tmp_path, device=torch.device("cuda"))
+    monkeypatch.setattr(torch.profiler, "supported_activities", lambda: {ProfilerActivity.CPU, ProfilerActivity.CUDA})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    clock = _HostClock()
+    monkeypatch.setattr(gpu_profile.time, "perf_counter", clock)
+
+    def make(steps):
+        profiler = StepProfiler(steps, output_dir=tmp_path, device=torch.device("cuda"))
+        profiler.clock, profiler.syncs = clock, syncs
+        return profiler
+
+    return make
 
 
 def _run_steps(profiler, numbers, stop_after=None, warming=()):
     for number in numbers:
         profiler.before_step(number)
+        profiler.clock.now += 2e-3
         profiler.after_step(number, warm=number not in warming)
         if number == stop_after:
             profiler.stop()
@@ -273,3 +299,40 @@ def test_a_run_resumed_inside_the_second_part_records_the_host_for_the_steps_lef
     _run_steps(profiler, range(7, 12))
     assert _FakeProfile.started == [[ProfilerActivity.CPU, ProfilerActivity.CUDA]]
     assert profiler.summary["profiled_steps"] == [7, 8] and profiler.summary["gpu_idle_by_phase_ms"]
+
+
+def test_the_busy_share_is_over_the_host_clocks_wall_time_with_the_gpu_synced_at_each_parts_ends(fake_gpu_profiler):
+    """Each part's kernels span 900 us of its 3 steps of 2 ms: the steps' time is the host's, not the kernels' span,
+    which would leave out the time the GPU had nothing queued."""
+    profiler = fake_gpu_profiler((3, 8))
+    _run_steps(profiler, range(1, 12))
+    summary = profiler.summary
+    assert summary["step_ms"] == pytest.approx(2.0) and summary["gpu_busy"] == pytest.approx(0.9 / 6)
+    assert summary["gpu_busy_steps"] == [3, 5] and summary["with_host_ranges"]["step_ms"] == pytest.approx(2.0)
+    assert len(profiler.syncs) == 4  # before and after each part: no earlier step's kernel in it, all of its own
+
+
+def test_a_gpu_only_part_that_records_nothing_gives_way_to_the_host_parts_figures_and_says_so(fake_gpu_profiler,
+                                                                                              caplog):
+    _FakeProfile.gpu_alone_records = False
+    profiler = fake_gpu_profiler((3, 8))
+    with caplog.at_level("WARNING"):
+        _run_steps(profiler, range(1, 12))
+    summary = profiler.summary
+    assert "error" not in summary and summary["gpu_busy_steps"] == [6, 8]
+    assert summary["gpu_busy"] == pytest.approx(0.9 / 6)
+    assert "recorded no GPU activity in steps 3-5, which recorded it alone" in caplog.text
+    line = describe(summary)
+    assert "the steps before them recorded no GPU activity" in line and "activity alone recorded" not in line
+
+
+def test_a_torch_that_cannot_trace_the_gpu_profiles_the_host_in_one_part(fake_gpu_profiler, monkeypatch, caplog):
+    import torch.profiler
+
+    monkeypatch.setattr(torch.profiler, "supported_activities", lambda: {ProfilerActivity.CPU})
+    profiler = fake_gpu_profiler((3, 8))
+    with caplog.at_level("WARNING"):
+        _run_steps(profiler, range(1, 12))
+    assert _FakeProfile.started == [[ProfilerActivity.CPU]]
+    assert profiler.summary["profiled_steps"] == [3, 8] and profiler.summary["gpu_busy"] is None
+    assert "the GPU's busy share is unknown" in caplog.text

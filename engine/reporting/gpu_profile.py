@@ -2,13 +2,18 @@
 
 ``profile_steps=[FIRST,LAST]`` (configs/train.yaml) profiles those optimizer steps of a run, on a GPU in two parts.
 Recording the host's operations costs the host time, and a GPU that waits for the host waits longer for it: the
-first half of the steps records the GPU's activity alone, for its busy share as an unprofiled run has it; the
-second half records the host's named ranges too, to say what the host was doing while the GPU waited. On the CPU
-(no GPU to measure) all the steps are one part. Each part's trace goes to the run directory (open it in
-https://ui.perfetto.dev or chrome://tracing), and a summary goes to the log and to timing.json:
-    gpu_busy         the share of the first part's wall time in which the GPU ran a kernel, copy or memset
-                     (overlapping ones counted once); None on the CPU, or where the profiler recorded no GPU
-                     activity (CUPTI unavailable), with a warning
+first half of the steps records the GPU's activity alone (torch.profiler then records no operator on the host, only
+CUPTI's records of the launches, which cost it less), for its busy share as an unprofiled run has it; the second
+half records the host's named ranges too, to say what the host was doing while the GPU waited. A range of one step,
+the CPU (no GPU to measure) or a torch without GPU tracing make one part. Each part starts with the GPU's queue
+empty (a sync), so the time the host takes to queue its first step's work counts as idle: the share errs low. Each
+part's trace goes to the run directory (open it in https://ui.perfetto.dev or chrome://tracing), and a summary goes
+to the log and to timing.json:
+    gpu_busy         the share of the first part's wall time (the host's clock) in which the GPU ran a kernel, copy
+                     or memset (overlapping ones counted once); None on the CPU, or where the profiler recorded no
+                     GPU activity (CUPTI unavailable), with a warning
+    gpu_busy_steps   the steps gpu_busy, step_ms and gpu_work_ms come from: the first part's, or the last part's
+                     where the first recorded no GPU activity (with a warning: those steps were slowed)
     step_ms          the first part's wall time per step
     gpu_work_ms      the GPU's busy time per step, in the first part
     gpu_idle_by_phase_ms  the GPU's idle time per step in the last part, charged to what the host was doing: the
@@ -173,12 +178,12 @@ def summarize(events, *, steps: int, cuda: bool, wall_us: float | None = None) -
 GPU_ONLY, WITH_HOST = "gpu", "gpu+host"
 
 
-def profiled_parts(steps: tuple[int, int], *, cuda: bool) -> list[tuple[str, int, int]]:
-    """(what it records, first step, last step) of each part of a profile of ``steps``: on a GPU, the first half of
-    the steps with the GPU's activity alone and the rest with the host's ranges too (a single step: that one only);
-    on the CPU, one part."""
+def profiled_parts(steps: tuple[int, int], *, gpu_traced: bool) -> list[tuple[str, int, int]]:
+    """(what it records, first step, last step) of each part of a profile of ``steps``: where the GPU's activity
+    is traced, the first half of the steps with the GPU's activity alone and the rest with the host's ranges too
+    (a single step: that one only); elsewhere one part."""
     first, last = steps
-    if not cuda or last == first:
+    if not gpu_traced or last == first:
         return [(WITH_HOST, first, last)]
     middle = first + (last - first + 1) // 2
     return [(GPU_ONLY, first, middle - 1), (WITH_HOST, middle, last)]
@@ -193,6 +198,7 @@ def combine_parts(parts: dict[str, dict]) -> dict:
     timed = gpu if gpu is not None and gpu["gpu_busy"] is not None else host or gpu
     combined = {"profiled_steps": [first, last], "steps": sum(part["steps"] for part in parts.values()),
                 **{key: timed[key] for key in ("step_ms", "gpu_busy", "gpu_work_ms")},
+                "gpu_busy_steps": timed["profiled_steps"],
                 "gpu_idle_by_phase_ms": host["gpu_idle_by_phase_ms"] if host else {},
                 "warming_steps": sorted(step for part in parts.values() for step in part.get("warming_steps", [])),
                 "trace": (host or gpu)["trace"]}
@@ -209,12 +215,15 @@ def describe(summary: dict) -> str:
     if summary["gpu_busy"] is not None:
         text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
     host = summary.get("with_host_ranges")
-    if host is not None:
+    if host is not None and summary.get("gpu_busy_steps") != host["profiled_steps"]:
         text += (f" (steps {first}-{host['profiled_steps'][0] - 1}, the GPU's activity alone recorded); steps "
                  f"{host['profiled_steps'][0]}-{host['profiled_steps'][1]} with the host's ranges recorded too: "
                  f"{host['step_ms']:.1f} ms per step")
         if host["gpu_busy"] is not None:
             text += f", GPU busy {host['gpu_busy']:.1%}"
+    elif host is not None:
+        text += (f" (steps {host['profiled_steps'][0]}-{host['profiled_steps'][1]}, with the host's ranges "
+                 f"recorded: the steps before them recorded no GPU activity)")
     if summary["gpu_idle_by_phase_ms"]:
         idle = ", ".join(f"{name} {ms:.1f}" for name, ms in summary["gpu_idle_by_phase_ms"].items() if ms >= 0.05)
         text += f"; GPU idle per step by what the host was doing (ms): {idle or 'none'}"
@@ -239,7 +248,11 @@ class StepProfiler:
         self.suffix = f".rank{rank}" if world_size > 1 else ""
         self.summary: dict | None = None
         self._cuda = device.type == "cuda"
-        self._parts = profiled_parts(self.steps, cuda=self._cuda) if self.steps is not None else []
+        from torch.profiler import ProfilerActivity, supported_activities
+
+        # A torch built without CUPTI cannot trace the GPU: its steps are profiled on the host alone, in one part.
+        self._gpu_traced = self._cuda and ProfilerActivity.CUDA in supported_activities()
+        self._parts = profiled_parts(self.steps, gpu_traced=self._gpu_traced) if self.steps is not None else []
         self._done: dict[str, dict] = {}  # the finished parts' summaries, by what they recorded
         self._profile = None
         self._part: tuple[str, int, int] | None = None  # the part running
@@ -271,7 +284,7 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CUDA] if part[0] == GPU_ONLY else \
-            [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+            [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._gpu_traced else [])
         try:
             if self._cuda:
                 torch.cuda.synchronize(self.device)  # the steps before are not this profile's
@@ -324,7 +337,7 @@ class StepProfiler:
             events = list(profile.events())
             if not events and recorded == WITH_HOST:  # the GPU's activity alone is none without CUPTI: not an error
                 raise RuntimeError("torch.profiler recorded no events")
-            summary = summarize(events, steps=last - first + 1, cuda=self._cuda, wall_us=wall_us)
+            summary = summarize(events, steps=last - first + 1, cuda=self._gpu_traced, wall_us=wall_us)
             partial = trace.with_name(trace.name + ".partial")
             profile.export_chrome_trace(str(partial))
             os.replace(partial, trace)
@@ -338,10 +351,14 @@ class StepProfiler:
         self.summary = combine_parts(self._done)
         if self.report:
             log.info("%s", describe(self.summary))
+            first, last = self.summary["profiled_steps"]
             if self._cuda and self.summary["gpu_busy"] is None:
-                first, last = self.summary["profiled_steps"]
                 log.warning("torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not "
                             "allowed to trace): the GPU's busy share is unknown", first, last)
+            elif GPU_ONLY in self._done and self.summary["gpu_busy_steps"] != self._done[GPU_ONLY]["profiled_steps"]:
+                log.warning("torch.profiler recorded no GPU activity in steps %d-%d, which recorded it alone: the GPU's "
+                            "busy share is that of steps %d-%d, which recorded the host's operations too and were "
+                            "slowed by it", *self._done[GPU_ONLY]["profiled_steps"], *self.summary["gpu_busy_steps"])
 
     def _give_up(self, why: str) -> None:
         self._profile = None

@@ -115,7 +115,9 @@ class StepLog:
     def restart_clock(self) -> None:
         """Exclude what happened since the last step (evaluation, checkpoints, a profiler's start or export) from the
         interval's images/s. The interval's steps before it still count, with their time up to the last one's end:
-        a pause inside an interval would otherwise leave its earlier images over the time after it alone."""
+        a pause inside an interval would otherwise leave its earlier images over the time after it alone. On a GPU
+        that end is when the host had queued the step, whose work may finish during the pause: such an interval's
+        images/s can read high by up to one step's GPU time."""
         if self._values:
             self._paused_wall_s += max(0.0, self._t_last_end - self._t_flush)
         self._t_flush = time.perf_counter()
