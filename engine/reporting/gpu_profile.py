@@ -208,6 +208,13 @@ def combine_parts(parts: dict[str, dict]) -> dict:
     return combined
 
 
+def busy_from_host_part(summary: dict) -> bool:
+    """Whether a two-part summary's busy share is the part's that recorded the host too (the other recorded no GPU
+    activity)."""
+    host = summary.get("with_host_ranges")
+    return host is not None and summary["gpu_busy_steps"] == host["profiled_steps"]
+
+
 def describe(summary: dict) -> str:
     """One log line's worth of a summary."""
     first, last = summary["profiled_steps"]
@@ -215,15 +222,15 @@ def describe(summary: dict) -> str:
     if summary["gpu_busy"] is not None:
         text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
     host = summary.get("with_host_ranges")
-    if host is not None and summary.get("gpu_busy_steps") != host["profiled_steps"]:
+    if busy_from_host_part(summary):
+        text += (f" (steps {host['profiled_steps'][0]}-{host['profiled_steps'][1]}, with the host's ranges "
+                 f"recorded: the steps before them recorded no GPU activity)")
+    elif host is not None:
         text += (f" (steps {first}-{host['profiled_steps'][0] - 1}, the GPU's activity alone recorded); steps "
                  f"{host['profiled_steps'][0]}-{host['profiled_steps'][1]} with the host's ranges recorded too: "
                  f"{host['step_ms']:.1f} ms per step")
         if host["gpu_busy"] is not None:
             text += f", GPU busy {host['gpu_busy']:.1%}"
-    elif host is not None:
-        text += (f" (steps {host['profiled_steps'][0]}-{host['profiled_steps'][1]}, with the host's ranges "
-                 f"recorded: the steps before them recorded no GPU activity)")
     if summary["gpu_idle_by_phase_ms"]:
         idle = ", ".join(f"{name} {ms:.1f}" for name, ms in summary["gpu_idle_by_phase_ms"].items() if ms >= 0.05)
         text += f"; GPU idle per step by what the host was doing (ms): {idle or 'none'}"
@@ -355,10 +362,11 @@ class StepProfiler:
             if self._cuda and self.summary["gpu_busy"] is None:
                 log.warning("torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not "
                             "allowed to trace): the GPU's busy share is unknown", first, last)
-            elif GPU_ONLY in self._done and self.summary["gpu_busy_steps"] != self._done[GPU_ONLY]["profiled_steps"]:
-                log.warning("torch.profiler recorded no GPU activity in steps %d-%d, which recorded it alone: the GPU's "
-                            "busy share is that of steps %d-%d, which recorded the host's operations too and were "
-                            "slowed by it", *self._done[GPU_ONLY]["profiled_steps"], *self.summary["gpu_busy_steps"])
+            elif busy_from_host_part(self.summary):
+                log.warning("torch.profiler recorded no GPU activity in steps %d-%d, which recorded it alone: the "
+                            "GPU's busy share is that of steps %d-%d, which recorded the host's operations too and "
+                            "were slowed by it", *self._done[GPU_ONLY]["profiled_steps"],
+                            *self.summary["gpu_busy_steps"])
 
     def _give_up(self, why: str) -> None:
         self._profile = None
