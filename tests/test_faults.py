@@ -23,8 +23,9 @@ from datasets import build_dataset
 from engine.checkpoint.io import load_checkpoint, save_checkpoint
 from engine.errors import CheckpointWriteError, RunDirectoryInUse
 from engine.runtime.run_lock import LOCK_FILE
-from engine.runtime.stop_request import TrainingStopped
+from engine.runtime.stop_request import StopRequest, TrainingStopped
 from engine.train.step_log import StepLog
+from engine.train.stopping import StopControl
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
@@ -117,6 +118,36 @@ def test_every_rank_learns_of_a_stop_at_the_same_interval():
     assert interval.stop_requested and flags == [[0.0, 0.0]] and interval.rows == [{"loss": 1.0, "grad_norm": 2.0}]
     assert not log_b.flush(("loss", "grad_norm"), lambda t: t, stop=False).stop_requested
 
+
+
+class SignalInsideTheAnnouncement(StopRequest):
+    """A SIGTERM that lands just after announce() looked for one: a loaded machine can pause the main thread there."""
+
+    def announce(self) -> None:
+        super().announce()
+        if self.signum is None:
+            self.signum = int(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("decision", ["due", "during_evaluation"])
+def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_on_it(decision, caplog):
+    control = StopControl(SignalInsideTheAnnouncement(), distributed=False, is_main=True)
+    asks = {"due": control.due, "during_evaluation": lambda: control.during_evaluation(final=False)}[decision]
+    with caplog.at_level(logging.WARNING, logger="train"):
+        stops = [asks() for _ in range(2)]
+        assert stops == [False, True] and caplog.text.count("SIGTERM received: finishing this step") == 1
+        stopped = control.stopped(epoch=0, step=3, total_steps=9, latest=Path("checkpoint.pth"))
+    assert stopped.exit_code == 128 + signal.SIGTERM and "stopped by SIGTERM at epoch 1, step 3 of 9" in caplog.text
+
+
+def test_a_stop_signal_after_the_last_check_is_still_announced_before_its_stop_message(caplog):
+    request = StopRequest()
+    control = StopControl(request, distributed=True, is_main=True)
+    control.heard(True)  # another process asked; this one's own signal lands as the run stops
+    request.signum = int(signal.SIGTERM)
+    with caplog.at_level(logging.WARNING, logger="train"):
+        control.stopped(epoch=0, step=3, total_steps=9, latest=Path("checkpoint.pth"))
+    assert caplog.text.index("SIGTERM received") < caplog.text.index("stopped by SIGTERM")
 
 # ------------------------------------------------------------------------------------------------- disks
 def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root, tmp_path, monkeypatch):

@@ -38,22 +38,27 @@ class StopControl:
 
     def due(self) -> bool:
         """Stop after this step: announced once, then acted on where every process knows of it."""
+        # Read before announcing: a signal landing between the two is announced now and acted on at the next step,
+        # never acted on unannounced.
+        requested = self.request.requested
         self.request.announce()
-        return self.agreed or (self.request.requested and not self.distributed)
+        return self.agreed or (requested and not self.distributed)
 
     def during_evaluation(self, final: bool) -> bool:
         """Asked after each evaluation batch, and (``final``) after the last: stop now. One process stops at the next
         batch; several learn of any one's request once their passes are over, before gathering their detections
         (their shares may run different numbers of batches, so a collective per batch could pair up wrongly)."""
+        requested = self.request.requested  # read before announcing, as in due()
         self.request.announce()
         if self.distributed and not final:
             return False
-        return self.any_process(self.request.requested)
+        return self.any_process(requested)
 
     def stopped(self, *, epoch: int, step: int, total_steps: int, latest: Path,
                 evaluation: int | None = None) -> TrainingStopped:
         """The exception to raise once ``latest`` holds ``step`` (``evaluation``: during the evaluation after that
         epoch, which a resume runs first); rank 0 logs where to go on from."""
+        self.request.announce()  # a request of this process is announced before the stop it caused
         signum = self.request.signum if self.request.signum is not None else int(signal.SIGTERM)
         by = signal.Signals(signum).name if self.request.requested else "another process"
         where = (f"during the evaluation after epoch {evaluation}, at step {step} of {total_steps}"
