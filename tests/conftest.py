@@ -49,6 +49,20 @@ def _torch_compile_defaults():
 
 
 @pytest.fixture
+def full_fp32():
+    """Float32 matmuls and convolutions in full float32, not TF32, for the test; torch's settings are put back
+    afterwards through the same setters (torch's matmul settings are properties, not attributes that a monkeypatch
+    can restore)."""
+    settings = ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"))
+    saved = [getattr(owner, name) for owner, name in settings]
+    for owner, name in settings:
+        setattr(owner, name, False)
+    yield
+    for (owner, name), value in zip(settings, saved):
+        setattr(owner, name, value)
+
+
+@pytest.fixture
 def console_and_file(tmp_path):
     """The root logger as train.py runs with it: Hydra's console and train.log handlers, FILE_ONLY records kept off
     the console (engine/runtime/console.py). Yields (the console's text buffer, the log file's path)."""

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
-from omegaconf import OmegaConf
-from test_models import _batch, tiny_cfg
-from torch._dynamo.utils import counters
 import torch._inductor.utils as inductor_utils
+from helpers import image_batch, tiny_cfg
+from omegaconf import OmegaConf
+from torch._dynamo.utils import counters
 
 from engine.compile import background
 from engine.compile.background import BackgroundBackbone, compile_in_background
@@ -59,7 +59,7 @@ def test_the_child_compiles_the_backbone_and_the_run_loads_its_graph_from_the_ca
     plan = CompilePlan(mode="default", regions="layers", backbone="dynamic", backend="inductor")
     with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
         compile_model(model, plan, background=_job(cfg, tmp_path))
-        images, mask = _batch(B=pass_of or 2, H=96, W=128, pad_w=16, pixels=True)
+        images, mask = image_batch(B=pass_of or 2, H=96, W=128, pad_w=16, pixels=True)
         if pass_of:
             images, mask = images[:2], mask[:2]
         counters.clear()
@@ -67,7 +67,7 @@ def test_the_child_compiles_the_backbone_and_the_run_loads_its_graph_from_the_ca
         assert not counters["stats"]["unique_graphs"]
         torch.testing.assert_close(first, DeformableDETR.features(model, images, mask), rtol=0, atol=0)
         model.features.wait()
-        other = _batch(B=2, H=128, W=96, pad_w=8, pixels=True)
+        other = image_batch(B=2, H=128, W=96, pad_w=8, pixels=True)
         torch.testing.assert_close(model.features(*other), DeformableDETR.features(model, *other), rtol=0, atol=0)
         assert not counters["stats"]["unique_graphs"]  # not the child's size: still the eager method
         counters.clear()

@@ -9,10 +9,8 @@ import os
 
 import pytest
 import torch
+from helpers import SMALL, assert_same_detections, image_batch, make_step, output_loss, rand_targets, tiny_cfg
 from omegaconf import OmegaConf
-from test_criterion import rand_targets
-from test_models import _batch, tiny_cfg
-from test_step import SMALL, _loss, make_step
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
@@ -155,10 +153,10 @@ def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(se
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their names
     graphs = []
     for H, W in ((136, 136), (128, 160), (160, 136)):  # no level of size 1, which torch.compile specializes
-        images, mask = _batch(H=H, W=W, pad_w=8, pixels=True)
+        images, mask = image_batch(H=H, W=W, pad_w=8, pixels=True)
         out_eager, out_compiled = eager(images, mask), compiled(images, mask)
         torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
-        _loss(out_compiled).backward()
+        output_loss(out_compiled).backward()
         graphs.append(sum(1 for g in counter.graphs if len(g.graph.nodes)))
     low, high = REGION_GRAPHS[regions]
     assert low <= graphs[0] <= high and graphs[1:] == graphs[:1] * 2, graphs  # later sizes compile nothing new
@@ -175,7 +173,7 @@ def test_the_transformer_is_traced_once_into_graphs_its_compile_cache_can_keep(s
     model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL, dropout=0.1))
     counter = CompileCounterWithBackend("aot_eager")
     compile_model(model, plan(counter))
-    model(*_batch(H=136, W=136, pad_w=8))
+    model(*image_batch(H=136, W=136, pad_w=8))
     assert counter.frame_count == 2  # the transformer with its heads, and the position encoding: once each
     for graph in counter.graphs:
         autograd_cache.check_cacheable(graph)  # raises BypassAOTAutogradCache, naming the call
@@ -222,7 +220,7 @@ def test_evaluation_compiles_one_graph_per_size_once_and_gives_the_detections_of
     compiled.eval()
     frames = []
     for H, W in ((136, 160), (160, 136), (136, 160), (160, 136)):
-        images, mask = _batch(H=H, W=W, pad_w=8, pixels=True)
+        images, mask = image_batch(H=H, W=W, pad_w=8, pixels=True)
         sizes = torch.tensor([[H, W - 8]] * images.shape[0])
         with torch.no_grad():
             expected = postprocess(eager(images, mask), sizes)
@@ -244,7 +242,7 @@ def test_evaluation_without_its_graph_runs_eagerly_and_compiles_nothing(seeded):
     counter = CompileCounterWithBackend("aot_eager")
     compile_model(model, plan(counter, regions="layers"))
     model.eval()
-    images, mask = _batch(H=136, W=160, pad_w=8)
+    images, mask = image_batch(H=136, W=160, pad_w=8)
     with torch.no_grad(), torch._dynamo.config.patch(disable=True):
         model.detect(images, mask)
     assert counter.frame_count == 0
@@ -260,7 +258,7 @@ def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickl
     assert "detect" not in vars(twin)
     with torch.no_grad():
         twin.class_embed[-1].bias.add_(1.0)  # the copy's own weights, not the original's
-    images, mask = _batch(pad_w=8)
+    images, mask = image_batch(pad_w=8)
     model.eval()
     twin.eval()
     with torch.no_grad():
@@ -300,7 +298,7 @@ def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_
     compile_model(twin, plan(counter, backbone=backbone, regions=regions))  # only features() is called and traced
     assert "features" in vars(twin) and "features" not in vars(copy.deepcopy(twin))
     for (B, H, W), most_graphs in BACKBONE_SIZES[backbone, regions]:
-        images, mask = _batch(B=B, H=H, W=W, pad_w=8, pixels=True)
+        images, mask = image_batch(B=B, H=H, W=W, pad_w=8, pixels=True)
         expected, got = eager.features(images, mask), twin.features(images, mask)
         for name, e_maps, g_maps in zip(("srcs", "masks", "pos"), expected, got):
             for level, (e, g) in enumerate(zip(e_maps, g_maps)):
@@ -328,7 +326,7 @@ def test_a_static_backbone_compiles_past_torchs_default_limit(monkeypatch):
     assert STATIC_BACKBONE_GRAPHS > 8
     with torch.no_grad():
         for H in range(128, 128 + 9 * 8, 8):
-            model.features(*_batch(H=H, W=160, pad_w=8))
+            model.features(*image_batch(H=H, W=160, pad_w=8))
     assert counter.frame_count == 9
 
 
@@ -354,7 +352,7 @@ def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode,
     compile_model(graphed.model, chosen, criterion=graphed.criterion)
     counters.clear()
     for H, W, count in GPU_STEPS:
-        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
+        batch = [t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)]
         drawn = rand_targets([count, count], torch.Generator().manual_seed(count))
         targets = [{k: t[k].cuda() for k in ("labels", "boxes")} for t in drawn]
         expected, got = eager(*batch, targets), graphed(*batch, targets)
@@ -373,19 +371,6 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager(seeded
     compile_model(compiled, CompilePlan(mode="reduce-overhead", evaluation=True))
     for H, W in ((128, 160), (160, 136)) * 3:
         assert_same_detections(eager, compiled, postprocess, H=H, W=W, device="cuda")
-
-
-def assert_same_detections(reference, model, postprocess, *, H: int, W: int, device: str) -> None:
-    """``model.detect`` gives ``reference``'s detections (its eager forward, without gradients) on one batch of
-    uint8 pixels, as evaluation's loader gives them."""
-    images, mask = (t.to(device) for t in _batch(H=H, W=W, pad_w=8, pixels=True))
-    sizes = torch.tensor([[H, W - 8]] * images.shape[0], device=device)
-    with torch.no_grad():
-        expected = postprocess(reference(images, mask), sizes)
-        got = postprocess(model.detect(images, mask), sizes)
-    for e, g in zip(expected, got):
-        torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-3, atol=1e-4, msg=lambda m: f"{H}x{W}: {m}")
-        torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-3, atol=1e-2, msg=lambda m: f"{H}x{W}: {m}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

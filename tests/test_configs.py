@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_train
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -16,11 +16,6 @@ from engine.train.optim import build_lr_scheduler, build_optimizer
 from models import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-def compose_train(overrides=()):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def options(group: str) -> list[str]:
@@ -42,7 +37,7 @@ def test_every_group_option_is_listed():
 
 @pytest.mark.parametrize("overrides", CASES, ids=lambda o: ",".join(o))
 def test_composes_and_builds(overrides):
-    cfg = compose_train([*overrides, "model.pretrained=none"])
+    cfg = compose_train(*overrides, "model.pretrained=none")
     check_config(cfg)
     if cfg.model.num_classes is None:  # dataset=custom: the trainer takes it from the annotations
         cfg.model.num_classes = 3
@@ -63,7 +58,7 @@ def test_defaults_are_the_synthetic_cpu_run():
 
 
 def test_coco_keeps_the_published_recipe():
-    cfg = compose_train(["dataset=coco"])
+    cfg = compose_train("dataset=coco")
     m, o = cfg.model, cfg.optim
     assert (m.backbone, m.hidden_dim, m.nheads, m.enc_layers, m.dec_layers, m.num_queries) == (
         "resnet50", 256, 8, 6, 6, 300)
@@ -77,31 +72,31 @@ def test_coco_keeps_the_published_recipe():
 @pytest.mark.parametrize("experiment, refine, two_stage", [
     ("box_refine", True, False), ("two_stage", True, True), ("coco_gpu", False, False)])
 def test_experiments_select_the_variant(experiment, refine, two_stage):
-    cfg = compose_train([f"experiment={experiment}"])
+    cfg = compose_train(f"experiment={experiment}")
     assert (cfg.model.with_box_refine, cfg.model.two_stage) == (refine, two_stage)
 
 
 def test_coco_gpu_is_the_full_recipe_on_coco():
-    cfg = compose_train(["experiment=coco_gpu"])
+    cfg = compose_train("experiment=coco_gpu")
     assert cfg.dataset.name == "coco" and cfg.model.backbone == "resnet50" and cfg.model.hidden_dim == 256
     assert (cfg.epochs, cfg.optim.lr_drop, cfg.optim.lr, cfg.amp) == (50, 40, 2e-4, "bf16")
     assert cfg.total_batch_size == 32  # the original's total batch, whatever the number of GPUs
 
 
 def test_the_coco_recipe_without_the_experiment_is_the_original_per_gpu_batch():
-    cfg = compose_train(["dataset=coco"])
+    cfg = compose_train("dataset=coco")
     assert (cfg.batch_size, cfg.total_batch_size) == (2, None)
 
 
 def test_command_line_choice_wins_over_the_dataset_default():
-    assert compose_train(["model=deformable_detr"]).model.hidden_dim == 256
-    assert compose_train(["model.msda=pytorch"]).model.msda == "pytorch"
+    assert compose_train("model=deformable_detr").model.hidden_dim == 256
+    assert compose_train("model.msda=pytorch").model.msda == "pytorch"
 
 
 @pytest.mark.parametrize("overrides", [["model=nonexistent"], ["dataset=imagenet"], ["no_such_key=1"]])
 def test_bad_overrides_fail_at_compose(overrides):
     with pytest.raises((HydraException, OmegaConfBaseException)):
-        compose_train(overrides)
+        compose_train(*overrides)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -111,7 +106,7 @@ def test_bad_overrides_fail_at_compose(overrides):
     ("log_every=1.5", r"Value '1.5' of type 'float' could not be converted to Integer\s+full_key: log_every")])
 def test_bad_run_settings_fail_at_compose_naming_the_key(override, message):
     with pytest.raises(ConfigCompositionException, match=f"override {re.escape(override)}") as error:
-        compose_train([override])
+        compose_train(override)
     assert re.search(message, str(error.value.__cause__)), error.value.__cause__
 
 
@@ -120,7 +115,7 @@ def test_bad_run_settings_fail_at_compose_naming_the_key(override, message):
     ("max_steps=-3", "max_steps must be null or an integer >= 1")])
 def test_out_of_range_run_settings_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        check_config(compose_train([override]))
+        check_config(compose_train(override))
     check_config(compose_train())  # the defaults pass
 
 
@@ -131,7 +126,7 @@ def test_bad_amp_is_a_clear_error():
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_published_parameter_groups():
-    cfg = compose_train(["model.pretrained=none"])
+    cfg = compose_train("model.pretrained=none")
     model, _, _ = build_model(cfg.model)
     optimizer = build_optimizer(model, cfg.optim)
     by_group = {g["name"]: g for g in optimizer.param_groups}

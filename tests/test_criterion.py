@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import RAND_CLASSES, criterion_cfg, make_criterion, rand_boxes, rand_outputs, rand_targets
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from torchvision.ops import box_convert, generalized_box_iou
@@ -12,44 +13,12 @@ from models.criterion import SetCriterion, build_criterion, paired_generalized_b
 from models.matcher import HungarianMatcher
 from models.postprocess import PostProcess
 
-K = 5  # classes in the synthetic outputs
+K = RAND_CLASSES
 
 
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)
-
-
-def rand_boxes(n, gen):
-    """(n, 4) valid normalized cxcywh boxes."""
-    centre = 0.2 + 0.6 * torch.rand(n, 2, generator=gen)
-    size = 0.05 + 0.35 * torch.rand(n, 2, generator=gen)
-    return torch.cat([centre, size], dim=1)
-
-
-def rand_outputs(B, Q, gen, num_classes=K):
-    return {"pred_logits": torch.randn(B, Q, num_classes, generator=gen), "pred_boxes": rand_boxes(B * Q, gen).view(B, Q, 4)}
-
-
-def rand_targets(sizes, gen, num_classes=K):
-    return [
-        {"labels": torch.randint(0, num_classes, (n,), generator=gen), "boxes": rand_boxes(n, gen), "image_id": i}
-        for i, n in enumerate(sizes)
-    ]
-
-
-def model_cfg(**overrides):
-    cfg = dict(
-        num_classes=K, dec_layers=6, aux_loss=True, two_stage=False, set_cost_class=2.0, set_cost_bbox=5.0,
-        set_cost_giou=2.0, cls_loss_coef=2.0, bbox_loss_coef=5.0, giou_loss_coef=2.0, focal_alpha=0.25,
-    )
-    cfg.update(overrides)
-    return OmegaConf.create(cfg)
-
-
-def make_criterion(**overrides):
-    criterion, _ = build_criterion(model_cfg(**overrides))
-    return criterion
 
 
 # -- matcher ---------------------------------------------------------------------------------------------
@@ -455,7 +424,7 @@ def test_losses_of_all_layers_at_once_equal_each_layer_alone(gen):
     (6, True, False, 3 * 6), (6, False, False, 3), (6, True, True, 3 * 7), (1, True, False, 3), (2, False, True, 6),
 ])
 def test_weight_dict_keys(dec_layers, aux_loss, two_stage, n_keys):
-    criterion, postprocess = build_criterion(model_cfg(dec_layers=dec_layers, aux_loss=aux_loss, two_stage=two_stage))
+    criterion, postprocess = build_criterion(criterion_cfg(dec_layers=dec_layers, aux_loss=aux_loss, two_stage=two_stage))
     expected = {"loss_ce": 2.0, "loss_bbox": 5.0, "loss_giou": 2.0}
     suffixes = [f"_{i}" for i in range(dec_layers - 1)] if aux_loss else []
     suffixes += ["_enc"] if two_stage else []
@@ -478,11 +447,11 @@ def test_weight_dict_keys(dec_layers, aux_loss, two_stage, n_keys):
 ])
 def test_bad_config_raises(overrides, match):
     with pytest.raises(ValueError, match=match):
-        build_criterion(model_cfg(**overrides))
+        build_criterion(criterion_cfg(**overrides))
 
 
 def test_missing_config_key_raises():
-    cfg = OmegaConf.to_container(model_cfg())
+    cfg = OmegaConf.to_container(criterion_cfg())
     del cfg["focal_alpha"]
     with pytest.raises(MissingMandatoryValue, match=r"full_key: model\.focal_alpha"):
         build_criterion(cfg)

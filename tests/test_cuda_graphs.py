@@ -7,11 +7,18 @@ import copy
 
 import pytest
 import torch
+from helpers import (
+    SMALL,
+    assert_same_detections,
+    image_batch,
+    make_criterion,
+    make_step,
+    rand_outputs,
+    rand_targets,
+    tiny_cfg,
+    two_box_targets,
+)
 from omegaconf import OmegaConf
-from test_compile import assert_same_detections
-from test_criterion import make_criterion, rand_outputs, rand_targets
-from test_models import _batch, _targets, tiny_cfg
-from test_step import SMALL, make_step
 
 from engine.compile.clock import CompileClock, CompileTotals, describe_work
 from engine.compile.cuda_graphs import graph_regions
@@ -129,8 +136,8 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
     clock = CompileClock.get()
     before = clock.totals()
     for H, W in SIZES:
-        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
-        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        batch = [t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()]
         # [loss, gradient norm, each loss]; two-stage's top-k of the encoder's proposals may flip on a near tie
         assert_same_step(eager, graphed, batch, targets, gradients=variant != "two_stage", what=f"size {H}x{W}")
     # One recording per size; the decoder's losses one per padded number of targets (4 here: 8 slots), and the
@@ -156,8 +163,8 @@ def test_accumulated_passes_replayed_as_cuda_graphs_add_up_their_gradients_witho
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for H, W in SIZES[:3]:
-            batch = [t.cuda() for t in _batch(B=4, H=H, W=W, pad_w=8, pixels=True)]
-            targets = [{k: v.cuda() for k, v in t.items()} for t in _targets(B=4)]
+            batch = [t.cuda() for t in image_batch(B=4, H=H, W=W, pad_w=8, pixels=True)]
+            targets = [{k: v.cuda() for k, v in t.items()} for t in two_box_targets(B=4)]
             assert_same_step(eager, graphed, batch, targets, gradients=True, what=f"size {H}x{W}")
     assert not [w for w in caught if "AccumulateGrad" in str(w.message)]
 
@@ -205,8 +212,8 @@ def test_bf16_steps_replayed_as_cuda_graphs_follow_the_weights_as_they_change():
     torch.manual_seed(0)
     eager, graphed = _graphed_pair("box_refine", amp="bf16")
     for H, W in SIZES:
-        batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8)]
-        targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+        batch = [t.cuda() for t in image_batch(H=H, W=W, pad_w=8)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()]
         expected, got = eager(*batch, targets), graphed(*batch, targets)
         torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-3, msg=lambda m: f"size {H}x{W}: {m}")
 
@@ -230,8 +237,8 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
             assert_same_detections(model, graphed, postprocess, H=H, W=W, device="cuda")
         graphed.train()
         for H, W in SIZES[:3]:  # the weights move: the evaluation graphs must see the new ones
-            step(*[t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)],
-                 [{k: v.cuda() for k, v in t.items()} for t in _targets()])
+            step(*[t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)],
+                 [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()])
 
 
 @needs_gpu
@@ -242,7 +249,7 @@ def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eage
     reference = copy.deepcopy(model).eval()
     compile_model(model, CompilePlan(mode="graphs", evaluation=False))
     model.eval()
-    images, mask = (t.cuda() for t in _batch(H=128, W=160, pad_w=8, pixels=True))
+    images, mask = (t.cuda() for t in image_batch(H=128, W=160, pad_w=8, pixels=True))
     clock = CompileClock.get()
     before = clock.totals()
     with torch.no_grad():
@@ -273,8 +280,8 @@ def test_sizes_past_the_memory_share_run_eagerly_with_one_warning(monkeypatch, c
     before = clock.totals()
     with caplog.at_level("WARNING"):
         for H, W in SIZES[:3]:
-            batch = [t.cuda() for t in _batch(H=H, W=W, pad_w=8, pixels=True)]
-            targets = [{k: v.cuda() for k, v in t.items()} for t in _targets()]
+            batch = [t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)]
+            targets = [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()]
             assert_same_step(eager, graphed, batch, targets, gradients=True, what=f"size {H}x{W}")
     assert "graphed_forward" not in clock.totals().since(before).by_function
     assert sum("new sizes run eagerly" in r.getMessage() for r in caplog.records if "forward" in r.getMessage()) == 1

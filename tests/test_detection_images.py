@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from helpers import FixedDetector, compose_train
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchvision.transforms.v2 import functional as F
@@ -103,16 +104,6 @@ def test_written_to_tensorboard_under_one_tag_per_image(val_set, tmp_path):
         assert [e.step for e in events.Images(tag)] == [4, 8]
 
 
-class FixedDetector(torch.nn.Module):
-    """Two queries per image over 3 classes: a box in the top-left quarter and one in the centre."""
-
-    def detect(self, images, masks):  # what evaluation calls (DeformableDETR.detect)
-        B = images.shape[0]
-        logits = torch.tensor([[4.0, -4.0, 0.0], [-4.0, 2.0, -4.0]]).expand(B, 2, 3)  # (B, Q, K)
-        boxes = torch.tensor([[0.25, 0.25, 0.2, 0.2], [0.5, 0.5, 0.3, 0.3]]).expand(B, 2, 4)  # (B, Q, 4) cxcywh
-        return {"pred_logits": logits, "pred_boxes": boxes}
-
-
 def test_evaluation_keeps_the_detections_of_the_images_asked_for(val_set):
     loader = build_data_loader(val_set, batch_size=3, num_workers=0, train=False)
     cpu = torch.device("cpu")
@@ -130,7 +121,6 @@ def test_evaluation_keeps_the_detections_of_the_images_asked_for(val_set):
 
 
 def test_settings_are_checked_with_their_keys(val_set):
-    from test_reliability_config import compose_train
 
     from engine.config.registry import check_config
 

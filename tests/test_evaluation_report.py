@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_detection_images import FixedDetector
+from helpers import FixedDetector
 
 from datasets import build_data_loader, build_dataset
 from datasets.cocoeval_backend import faster_coco_eval_installed

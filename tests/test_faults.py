@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_process import child_env
-from hydra import compose, initialize_config_dir
-from test_reliability_checkpoint import dead_pid
-from test_train import tiny_overrides
+from helpers import child_pids, compose_run, dead_pid, tiny_overrides
 
 import train as trainer
 from datasets import build_dataset
@@ -33,10 +31,9 @@ STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
 pytestmark = pytest.mark.slow
 
 
-def compose_run(data_root: Path, output_dir: Path, *extra: str):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="train", overrides=[*tiny_overrides(data_root), f"output_dir={output_dir}",
-                                                        "eval_images=0", *extra])
+def quiet_run(data_root: Path, output_dir: Path, *extra: str):
+    """The tiny run without the detection images, which a fault's checks do not need."""
+    return compose_run(data_root, output_dir, "eval_images=0", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +44,7 @@ def data_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_root):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    return {**trainer.train(compose_run(data_root, run_dir)), "weights": load_checkpoint(run_dir / "checkpoint.pth")}
+    return {**trainer.train(quiet_run(data_root, run_dir)), "weights": load_checkpoint(run_dir / "checkpoint.pth")}
 
 
 def signal_at_call(monkeypatch, signum: int, call: int) -> None:
@@ -72,13 +69,13 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
     signal_at_call(monkeypatch, signum, stop_at)
     with pytest.raises(TrainingStopped, match=rf"stopped by {signal.Signals(signum).name} at epoch 2, step {stop_at}"
                                               r" of 6: .*checkpoint\.pth holds that step; continue with resume=auto") as stopped:
-        trainer.train(compose_run(data_root, tmp_path))
+        trainer.train(quiet_run(data_root, tmp_path))
     assert stopped.value.exit_code == 128 + signum
     ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
     assert (ckpt["epoch"], ckpt["steps_in_epoch"], ckpt["step"]) == (1, 2, stop_at)
     monkeypatch.undo()
     with caplog.at_level(logging.INFO, logger="train"):
-        resumed = trainer.train(compose_run(data_root, tmp_path, "resume=auto"))
+        resumed = trainer.train(quiet_run(data_root, tmp_path, "resume=auto"))
     # Epochs counted as the progress line and the stop message count them: this is epoch 2 of 2.
     assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps done" in caplog.text
     assert resumed["step"] == 2 * STEPS_PER_EPOCH
@@ -96,7 +93,7 @@ def test_checkpoints_are_written_mid_epoch_every_checkpoint_minutes(data_root, t
     save = engine.checkpoint.writer.save_checkpoint
     monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint",
                         lambda state, path: saved.append((state["epoch"], state["steps_in_epoch"])) or save(state, path))
-    trainer.train(compose_run(data_root, tmp_path, "epochs=1", "checkpoint_minutes=1e-6"))  # due at every log line
+    trainer.train(quiet_run(data_root, tmp_path, "epochs=1", "checkpoint_minutes=1e-6"))  # due at every log line
     assert saved == [(0, 1), (0, 2), (1, 0)]  # after steps 1 and 2, then the epoch's end
 
 
@@ -117,7 +114,6 @@ def test_every_rank_learns_of_a_stop_at_the_same_interval():
     interval = log_a.flush(("loss", "grad_norm"), mean_with_the_other_rank, stop=False)
     assert interval.stop_requested and flags == [[0.0, 0.0]] and interval.rows == [{"loss": 1.0, "grad_norm": 2.0}]
     assert not log_b.flush(("loss", "grad_norm"), lambda t: t, stop=False).stop_requested
-
 
 
 class SignalInsideTheAnnouncement(StopRequest):
@@ -159,7 +155,7 @@ def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root
     monkeypatch.setattr(engine.checkpoint.io.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
     with pytest.raises(CheckpointWriteError, match=r"has 1 MB free, and a checkpoint of this run takes about \d+ MB: "
                                                    r"free disk space or set output_dir to a disk with room"):
-        trainer.train(compose_run(data_root, tmp_path))
+        trainer.train(quiet_run(data_root, tmp_path))
     assert not (tmp_path / "checkpoint.pth").exists() and not list((tmp_path / "tensorboard").glob("*"))
 
 
@@ -199,7 +195,7 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_finishes_the_file_first(
 
     monkeypatch.setattr(engine.train.loop.TrainingLoop, "_train_epoch", fails_in_the_second_epoch)
     with pytest.raises(RuntimeError, match="a fault in the second epoch"):
-        trainer.train(compose_run(data_root, tmp_path, "epochs=2", "eval_every=5"))
+        trainer.train(quiet_run(data_root, tmp_path, "epochs=2", "eval_every=5"))
     assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == STEPS_PER_EPOCH  # whole, when train() returns
 
 
@@ -222,24 +218,8 @@ def test_no_loader_worker_holds_a_checkpoint_file_open(data_root, tmp_path, monk
         return result
 
     monkeypatch.setattr(engine.evaluation.validation, "evaluate_coco", checking)
-    trainer.train(compose_run(data_root, tmp_path, "epochs=2", "num_workers=2"))
+    trainer.train(quiet_run(data_root, tmp_path, "epochs=2", "num_workers=2"))
     assert held == [[], []]
-
-
-def child_pids(parent: int | None = None, *, expect_some: bool = True) -> list[int]:
-    """The processes whose parent is ``parent`` (default: this one): a run's loader workers (``expect_some``: at
-    least one)."""
-    parent = os.getpid() if parent is None else parent
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:  # the parent's pid, after the name and the state
-            children.append(int(stat.parent.name))
-    assert children or not expect_some, "the run's loader workers were not found"
-    return children
 
 
 def open_files(pid: int) -> list[str]:
@@ -261,7 +241,7 @@ def test_a_run_whose_checkpoint_write_fails_stops_with_that_error(data_root, tmp
 
     monkeypatch.setattr(engine.checkpoint.io.torch, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint_epoch0001\.pth"):
-        trainer.train(compose_run(data_root, tmp_path, "epochs=2"))
+        trainer.train(quiet_run(data_root, tmp_path, "epochs=2"))
     assert not list(tmp_path.glob("*.pth")) and not list(tmp_path.glob("eval_epoch0002.json"))
 
 
@@ -274,7 +254,7 @@ def test_a_second_run_in_a_directory_in_use_is_refused_naming_the_other(data_roo
             f'"command": "train.py output_dir={tmp_path}"}}')
         with pytest.raises(RunDirectoryInUse, match=rf"run directory .* is in use by process {sleeper.pid}, started "
                                                     r"2026-12-01 10:00:00 \(train\.py output_dir=.*\)\. Wait for it"):
-            trainer.train(compose_run(data_root, tmp_path))
+            trainer.train(quiet_run(data_root, tmp_path))
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -285,7 +265,7 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_warning(data_root, tmp_
     pid = dead_pid()
     (tmp_path / LOCK_FILE).write_text(f'{{"pid": {pid}, "host": "{os.uname().nodename}", "started": "x", "command": ""}}')
     with caplog.at_level(logging.WARNING, logger="train"):
-        result = trainer.train(compose_run(data_root, tmp_path, "epochs=1"))
+        result = trainer.train(quiet_run(data_root, tmp_path, "epochs=1"))
     assert result["step"] == STEPS_PER_EPOCH
     assert f"taking over the lock of process {pid}, which no longer runs" in caplog.text
     assert not (tmp_path / LOCK_FILE).exists()  # released at the end
@@ -338,7 +318,7 @@ def test_a_fault_is_one_message_on_the_console_and_its_traceback_in_train_log(da
     # A fault during training (damaged images, found as they are read): the console says which and where to go
     # on from, train.log also has the traceback.
     damaged = tmp_path / "damaged"
-    build_dataset("train", compose_run(data_root, tmp_path).dataset, check=False)  # written, whatever ran before
+    build_dataset("train", quiet_run(data_root, tmp_path).dataset, check=False)  # written, whatever ran before
     shutil.copytree(data_root, damaged)
     for image in sorted((damaged / "train2017").glob("*.jpg"))[:6]:
         image.write_bytes(image.read_bytes()[:100])
@@ -381,14 +361,14 @@ def test_a_stop_signal_during_an_evaluation_stops_it_and_the_resume_runs_it(unin
     with pytest.raises(TrainingStopped, match=rf"stopped by SIGTERM during the evaluation after epoch {evaluation}, at "
                                               rf"step {evaluation * STEPS_PER_EPOCH} of 6: .*checkpoint\.pth holds "
                                               r"that step; .*which evaluates first") as stopped:
-        trainer.train(compose_run(data_root, tmp_path))
+        trainer.train(quiet_run(data_root, tmp_path))
     assert stopped.value.exit_code == 143
     ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
     assert ckpt["step"] == evaluation * STEPS_PER_EPOCH
     assert ckpt["pending_evaluation"] == {"epoch": evaluation, "epoch_complete": True}
     assert not (tmp_path / f"eval_epoch{evaluation:04d}.json").exists()
     monkeypatch.undo()
-    resumed = trainer.train(compose_run(data_root, tmp_path, "resume=auto"))
+    resumed = trainer.train(quiet_run(data_root, tmp_path, "resume=auto"))
     assert (tmp_path / f"eval_epoch{evaluation:04d}.json").is_file() and resumed["step"] == 2 * STEPS_PER_EPOCH
     assert "pending_evaluation" not in load_checkpoint(tmp_path / "checkpoint.pth")
     assert resumed["eval"] == pytest.approx(uninterrupted["eval"], abs=1e-4)

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_process import child_env
-from test_faults import child_pids, compose_run
-from test_train import tiny_overrides
+from helpers import child_pids, compose_run, tiny_overrides
 
 from datasets import build_dataset
 
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("synthetic")
-    with_cfg = compose_run(root, tmp_path_factory.mktemp("unused"))
+    with_cfg = compose_run(root, tmp_path_factory.mktemp("unused"), "eval_images=0")
     for split in ("train", "val"):
         build_dataset(split, with_cfg.dataset, check=False)  # written once, copied by the tests that damage it
     return root

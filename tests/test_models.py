@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import VARIANTS, image_batch, model_cfg, tiny_cfg, two_box_targets
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -25,50 +26,14 @@ from models.deformable_detr import build_deformable_detr
 from models.deformable_transformer import inverse_sigmoid
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_YAML = ROOT / "configs" / "model" / "deformable_detr.yaml"
 # A copy of shared/reference/official_state_dict.tsv, kept in the repo so the check never depends on a
 # folder beside the checkout.
 OFFICIAL_TSV = ROOT / "tests" / "data" / "official_state_dict.tsv"
-
-VARIANTS = {
-    "base": {},
-    "box_refine": {"with_box_refine": True},
-    "two_stage": {"with_box_refine": True, "two_stage": True},
-}
-TINY = dict(hidden_dim=64, nheads=2, enc_layers=1, dec_layers=2, dim_feedforward=64, num_queries=8, num_classes=5,
-            pretrained="none", msda="pytorch", dropout=0.0)
-
-
-def model_cfg(**overrides):
-    """The shipped model config with ``overrides`` (pretrained weights off)."""
-    cfg = OmegaConf.load(MODEL_YAML)
-    cfg.pretrained = "none"
-    return OmegaConf.merge(cfg, overrides)
-
-
-def tiny_cfg(variant="base", **overrides):
-    return model_cfg(**{**TINY, **VARIANTS[variant], **overrides})
 
 
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)
-
-
-def _batch(B=2, H=64, W=64, pad_w=0, pixels=False):
-    """Images (B, 3, H, W) and masks; the last image's right ``pad_w`` columns are padding (zeros). pixels: uint8
-    images as the loaders give them (the model normalizes them); otherwise normalized float ones."""
-    images = torch.randint(0, 256, (B, 3, H, W), dtype=torch.uint8) if pixels else torch.randn(B, 3, H, W)
-    mask = torch.zeros(B, H, W, dtype=torch.bool)
-    if pad_w:
-        mask[-1, :, W - pad_w:] = True
-        images[-1, :, :, W - pad_w:] = 0
-    return images, mask
-
-
-def _targets(B=2):
-    return [{"labels": torch.tensor([1, 3]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.3, 0.6, 0.1, 0.1]])}
-            for _ in range(B)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -77,7 +42,7 @@ def _targets(B=2):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_output_shapes_and_keys(seeded, variant):
     model = build_deformable_detr(tiny_cfg(variant)).eval()
-    images, mask = _batch(pad_w=16)
+    images, mask = image_batch(pad_w=16)
     with torch.no_grad():
         out = model(images, mask)
     B, Q, K, S = 2, 8, 5, 8 * 8 + 4 * 4 + 2 * 2 + 1
@@ -98,7 +63,7 @@ def test_output_shapes_and_keys(seeded, variant):
 def test_no_aux_outputs_without_aux_loss(seeded):
     model = build_deformable_detr(tiny_cfg(aux_loss=False)).eval()
     with torch.no_grad():
-        out = model(*_batch(B=1))
+        out = model(*image_batch(B=1))
     assert set(out) == {"pred_logits", "pred_boxes"}
 
 
@@ -106,7 +71,7 @@ def test_single_level_and_dilation(seeded):
     """num_feature_levels=1 uses layer4 only; dilation keeps layer4 at stride 16."""
     model = build_deformable_detr(tiny_cfg(num_feature_levels=1, dilation=True)).eval()
     assert model.backbone.strides == [16]
-    srcs, masks, pos = model.features(*_batch(B=1))
+    srcs, masks, pos = model.features(*image_batch(B=1))
     assert [tuple(s.shape) for s in srcs] == [(1, 64, 4, 4)]
     assert masks[0].shape == (1, 4, 4) and pos[0].shape == (1, 64, 4, 4)
 
@@ -179,8 +144,8 @@ def test_bf16_autocast_keeps_locations_and_boxes_fp32(monkeypatch, seeded, varia
 
     monkeypatch.setattr(msda, "multi_scale_deformable_attention", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(*_batch(pad_w=16))
-        losses = criterion(out, _targets())
+        out = model(*image_batch(pad_w=16))
+        losses = criterion(out, two_box_targets())
     loss = sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses)
     loss.backward()
     assert loc_dtypes == {(torch.bfloat16, torch.float32)}
@@ -203,7 +168,7 @@ def test_save_and_reload_gives_identical_outputs(tmp_path, seeded, variant):
     torch.manual_seed(123)  # a differently initialized model, then overwritten by the file
     reloaded = build_deformable_detr(tiny_cfg(variant)).eval()
     reloaded.load_state_dict(torch.load(tmp_path / "ckpt.pth", weights_only=True)["model"], strict=True)
-    images, mask = _batch(pad_w=16)
+    images, mask = image_batch(pad_w=16)
     with torch.no_grad():
         a, b = model(images, mask), reloaded(images, mask)
     assert torch.equal(a["pred_logits"], b["pred_logits"]) and torch.equal(a["pred_boxes"], b["pred_boxes"])
@@ -213,8 +178,8 @@ def test_save_and_reload_gives_identical_outputs(tmp_path, seeded, variant):
 def test_loss_finite_and_every_trainable_parameter_gets_a_gradient(seeded, variant):
     model, criterion, postprocess = build_model(tiny_cfg(variant))
     model.train()
-    out = model(*_batch(pad_w=16))
-    losses = criterion(out, _targets())
+    out = model(*image_batch(pad_w=16))
+    losses = criterion(out, two_box_targets())
     loss = sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses)
     assert torch.isfinite(loss)
     loss.backward()
@@ -251,7 +216,7 @@ def test_padded_image_gives_the_same_detections_as_alone(seeded, variant):
     enter the top-k proposals), so it is left out.
     """
     model = build_deformable_detr(tiny_cfg(variant)).eval()
-    images, _ = _batch(B=1, H=64, W=128)
+    images, _ = image_batch(B=1, H=64, W=128)
     with torch.no_grad():
         srcs, masks, pos = model.features(images)
         alone = model.predict(srcs, masks, pos)
@@ -274,7 +239,7 @@ def test_padded_image_gives_the_same_detections_as_alone(seeded, variant):
 
 def test_backbone_masks_follow_the_padding():
     model = build_deformable_detr(tiny_cfg())
-    images, mask = _batch(B=2, H=128, W=128, pad_w=64)
+    images, mask = image_batch(B=2, H=128, W=128, pad_w=64)
     _, masks, _ = model.features(images, mask)
     for m in masks:  # 16, 8, 4, 2 wide: the right half is padding at every level
         w = m.shape[-1]
@@ -376,7 +341,7 @@ def test_channels_last_backbone_computes_the_same_with_the_same_state_dict(seede
     other.use_channels_last()
     conv = other.backbone[0].body.conv1.weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
-    images, mask = _batch(pad_w=16)
+    images, mask = image_batch(pad_w=16)
     outputs = [m(images.double(), mask) for m in (model, other)]
     torch.testing.assert_close(outputs[0]["pred_boxes"], outputs[1]["pred_boxes"], rtol=1e-10, atol=1e-12)
     for out in outputs:
@@ -393,7 +358,6 @@ def test_channels_last_backbone_computes_the_same_with_the_same_state_dict(seede
     fresh.load_state_dict(state)
     assert fresh.backbone[0].body.conv1.weight.is_contiguous()
     torch.testing.assert_close(fresh.backbone[0].body.conv1.weight, conv, rtol=0, atol=0)
-
 
 
 # ----------------------------------------------------------------------------------------------------

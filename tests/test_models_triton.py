@@ -15,25 +15,17 @@ import copy
 import os
 
 import torch
+from helpers import image_batch, output_loss, tiny_cfg
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_models import _batch, tiny_cfg  # noqa: E402
 
 from models.deformable_attention import MSDeformAttn  # noqa: E402
 from models.deformable_detr import build_deformable_detr  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _loss(out):
-    # Touch every output (and every point of the boxes) so all gradients flow through the attention.
-    loss = out["pred_logits"].sigmoid().square().sum() + out["pred_boxes"].square().sum()
-    for aux in out.get("aux_outputs", []):
-        loss = loss + aux["pred_logits"].sigmoid().square().sum() + aux["pred_boxes"].square().sum()
-    return loss
 
 
 def _with_msda(model, msda):
@@ -46,12 +38,12 @@ def _with_msda(model, msda):
 
 def _run(model, images, mask):
     out = model(images.to(next(model.parameters()).dtype), mask)
-    _loss(out).backward()
+    output_loss(out).backward()
     return out, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("variant", ["base", "box_refine", "two_stage"])  # 2-d and 4-d reference points
-def test_triton_and_pytorch_give_the_same_outputs_and_gradients(variant):
+def test_triton_and_pytorch_give_the_same_outputs_and_gradients(variant, full_fp32):
     torch.manual_seed(0)
     reference = build_deformable_detr(tiny_cfg(variant, msda="pytorch")).to(DEVICE).train()  # dropout is 0
     # Non-trivial offsets and attention weights (the init has zero weights): points fall between pixels.
@@ -60,17 +52,12 @@ def test_triton_and_pytorch_give_the_same_outputs_and_gradients(variant):
             if isinstance(m, MSDeformAttn):
                 m.sampling_offsets.weight.normal_(0, 0.05)
                 m.attention_weights.weight.normal_(0, 0.05)
-    images, mask = _batch(pad_w=16)
+    images, mask = image_batch(pad_w=16)
     images, mask = images.to(DEVICE), mask.to(DEVICE)
 
-    previous_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # plain fp32 products
-    try:
-        out_64, grads_64 = _run(_with_msda(reference, "pytorch").double(), images, mask)
-        out_ref, grads_ref = _run(_with_msda(reference, "pytorch"), images, mask)
-        out_tri, grads_tri = _run(_with_msda(reference, "triton"), images, mask)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous_tf32
+    out_64, grads_64 = _run(_with_msda(reference, "pytorch").double(), images, mask)  # plain fp32 products: full_fp32
+    out_ref, grads_ref = _run(_with_msda(reference, "pytorch"), images, mask)
+    out_tri, grads_tri = _run(_with_msda(reference, "triton"), images, mask)
 
     torch.testing.assert_close(out_tri["pred_logits"], out_ref["pred_logits"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out_tri["pred_boxes"], out_ref["pred_boxes"], atol=1e-4, rtol=1e-4)

@@ -3,37 +3,18 @@
 Forward and all three gradients are compared; inputs are drawn fresh from a seeded generator per test.
 """
 
-import os
 
 import pytest
 import torch
+from helpers import MSDA_DEVICES, ORIGINAL_LEVELS, msda_inputs, rel_err
 
 import msda
 from msda.layout import level_start_index_from_shapes
-
-# Kernels run on the CPU only under the interpreter (set by conftest.py when there is no GPU).
-DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
-    ["cuda"] if torch.cuda.is_available() else [])
-ORIGINAL_LEVELS = [(6, 4), (3, 2)]  # the original op's own test case
 
 
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
-
-
-def make_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=ORIGINAL_LEVELS, dtype=torch.float64,
-                loc_dtype=None, weight_dtype=None, loc_low=0.0, loc_high=1.0, device="cpu"):
-    """Random value / locations / softmaxed weights; locations uniform in [loc_low, loc_high)."""
-    shapes = torch.tensor(levels, dtype=torch.int64)
-    S = int(shapes.prod(1).sum())
-    L = len(levels)
-    value = torch.randn(N, S, M, D, generator=gen, dtype=torch.float64)
-    loc = torch.rand(N, Lq, M, L, P, 2, generator=gen, dtype=torch.float64) * (loc_high - loc_low) + loc_low
-    logits = torch.randn(N, Lq, M, L * P, generator=gen, dtype=torch.float64)
-    weights = logits.softmax(-1).view(N, Lq, M, L, P)
-    return (value.to(device, dtype), shapes.to(device), loc.to(device, loc_dtype or dtype),
-            weights.to(device, weight_dtype or dtype))
 
 
 def run(impl, value, shapes, loc, weights, grad_out=None):
@@ -44,11 +25,6 @@ def run(impl, value, shapes, loc, weights, grad_out=None):
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.device, out.dtype))
     return out.detach(), grads
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
 def assert_matches_reference(inputs, rtol):
@@ -84,17 +60,17 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_matches_reference(gen, device, shape, dtype, rtol):
-    assert_matches_reference(make_inputs(gen, dtype=dtype, device=device, **shape), rtol)
+    assert_matches_reference(msda_inputs(gen, dtype=dtype, device=device, **shape), rtol)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_points_on_borders_and_pixel_centres(gen, device):
     """Locations exactly on 0, 1, pixel centres and half a pixel outside: the floor/validity edge cases."""
-    value, shapes, _, weights = make_inputs(gen, Lq=8, P=4, D=8, device=device)
+    value, shapes, _, weights = msda_inputs(gen, Lq=8, P=4, D=8, device=device)
     H, W = ORIGINAL_LEVELS[0]
     edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 0.25],
                          dtype=torch.float64)
@@ -104,11 +80,11 @@ def test_points_on_borders_and_pixel_centres(gen, device):
     assert_matches_reference((value, shapes, loc, weights), 1e-10)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_a_nan_location_turns_only_its_query_and_head_nan(gen, device):
     """Triton: the head of the query with a NaN location turns NaN, nothing else is touched. The reference
     inherits grid_sample's handling, which differs by device: NaN on the CPU, a finite value on CUDA."""
-    value, shapes, loc, weights = make_inputs(gen, D=4, Lq=3, dtype=torch.float32, device=device)
+    value, shapes, loc, weights = msda_inputs(gen, D=4, Lq=3, dtype=torch.float32, device=device)
     loc[0, 1, 0, 0, 0, 0] = float("nan")
     outs = {impl: msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl=impl)
             for impl in ("triton", "pytorch")}
@@ -123,9 +99,9 @@ def test_a_nan_location_turns_only_its_query_and_head_nan(gen, device):
     torch.testing.assert_close(outs["triton"][untouched], outs["pytorch"][untouched], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_non_contiguous_inputs(gen, device):
-    value, shapes, loc, weights = make_inputs(gen, N=2, Lq=6, D=8, device=device)
+    value, shapes, loc, weights = msda_inputs(gen, N=2, Lq=6, D=8, device=device)
     value_nc = value.transpose(0, 1).contiguous().transpose(0, 1)  # same values, permuted strides
     loc_nc = torch.stack([loc, torch.zeros_like(loc)], dim=-1)[..., 0]  # every other element of a buffer
     weights_nc = weights.permute(1, 0, 2, 3, 4).contiguous().permute(1, 0, 2, 3, 4)
@@ -137,19 +113,19 @@ def test_non_contiguous_inputs(gen, device):
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_explicit_level_start_index_and_int32_shapes(gen, device):
-    value, shapes, loc, weights = make_inputs(gen, D=8, device=device)
+    value, shapes, loc, weights = msda_inputs(gen, D=8, device=device)
     start = level_start_index_from_shapes(shapes)
     out_a = msda.multi_scale_deformable_attention(value, shapes.int(), start, loc, weights, impl="triton")
     out_b = msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl="pytorch")
     assert rel_err(out_a, out_b) < 1e-10
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("N,Lq", [(0, 5), (2, 0)])
 def test_empty_batch_or_queries(gen, device, N, Lq):
-    value, shapes, loc, weights = make_inputs(gen, N=max(N, 1), Lq=max(Lq, 1), D=8, device=device)
+    value, shapes, loc, weights = msda_inputs(gen, N=max(N, 1), Lq=max(Lq, 1), D=8, device=device)
     value, loc, weights = value[:N], loc[:N, :Lq], weights[:N, :Lq]
     for impl in ("triton", "pytorch"):
         out, grads = run(impl, value, shapes, loc, weights)
@@ -161,11 +137,11 @@ def test_empty_batch_or_queries(gen, device, N, Lq):
 # ------------------------------------------------------------------------------------------------
 # reduced precision: the kernel's error (vs fp64) at most twice the reference's own error at that dtype
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("loc_fp32", [True, False], ids=["loc-fp32", "loc-same-dtype"])
 def test_reduced_precision(gen, device, dtype, loc_fp32):
-    exact = make_inputs(gen, N=2, Lq=40, D=32, M=2, dtype=torch.float64, device=device)
+    exact = msda_inputs(gen, N=2, Lq=40, D=32, M=2, dtype=torch.float64, device=device)
     value, shapes, loc, weights = exact
     loc_dtype = torch.float32 if loc_fp32 else dtype
     low = (value.to(dtype), shapes, loc.to(loc_dtype), weights.to(loc_dtype))
@@ -189,10 +165,10 @@ def test_reduced_precision(gen, device, dtype, loc_fp32):
 # ------------------------------------------------------------------------------------------------
 # gradcheck (fp64, tiny)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_gradcheck(gen, device):
     # Tiny on purpose: every input element costs two interpreted launches.
-    value, shapes, loc, weights = make_inputs(gen, N=1, M=1, D=2, Lq=2, P=2, levels=[(3, 2), (2, 2)],
+    value, shapes, loc, weights = msda_inputs(gen, N=1, M=1, D=2, Lq=2, P=2, levels=[(3, 2), (2, 2)],
                                               loc_low=-0.1, loc_high=1.1, device=device)
     inputs = [t.requires_grad_() for t in (value, loc, weights)]
 
@@ -206,7 +182,7 @@ def test_gradcheck(gen, device):
 # bad input: each raises with a message naming the argument, the expected and the actual
 # ------------------------------------------------------------------------------------------------
 def _bad(gen, **replace):
-    value, shapes, loc, weights = make_inputs(gen, D=8, dtype=torch.float32)
+    value, shapes, loc, weights = msda_inputs(gen, D=8, dtype=torch.float32)
     args = dict(value=value, spatial_shapes=shapes, level_start_index=None, sampling_locations=loc,
                 attention_weights=weights)
     args.update({k: (v(args) if callable(v) else v) for k, v in replace.items()})
@@ -301,7 +277,7 @@ def test_int64_flat_index_beyond_2_31():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 def test_level_layout_read_once_but_never_stale(gen):
     """The host copy of a CUDA spatial_shapes is reused across calls, and dropped once it is modified."""
-    value, shapes, loc, weights = make_inputs(gen, D=8, dtype=torch.float32, device="cuda")
+    value, shapes, loc, weights = msda_inputs(gen, D=8, dtype=torch.float32, device="cuda")
     first = msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl="triton")
     assert id(shapes) in msda.layout._HOST_COPIES
     again = msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl="triton")

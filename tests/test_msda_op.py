@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_msda import DEVICES, make_inputs, rel_err
+from helpers import MSDA_DEVICES, msda_inputs, rel_err
 
 import msda
 
@@ -25,12 +25,12 @@ def gen():
 
 
 def _op_args(gen, device, dtype, **shape):
-    value, shapes, loc, weights = make_inputs(gen, dtype=dtype, device=device, **shape)
+    value, shapes, loc, weights = msda_inputs(gen, dtype=dtype, device=device, **shape)
     flat_levels = [int(v) for v in shapes.flatten()]
     return value, loc, weights, flat_levels
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("shape", OPCHECK_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_opcheck_forward_and_backward(gen, device, shape, dtype):
@@ -43,7 +43,7 @@ def test_opcheck_forward_and_backward(gen, device, shape, dtype):
     torch.library.opcheck(torch.ops.msda.attention_backward.default, backward_args)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_opcheck_empty_batch(gen, device):
     value, loc, weights, flat_levels = _op_args(gen, device, torch.float32, D=4)
     args = (value[:0].requires_grad_(), loc[:0].requires_grad_(), weights[:0].requires_grad_(), flat_levels, False)
@@ -70,7 +70,7 @@ def test_compile_traces_the_op(gen, impl, layout):
     if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton needs a GPU or the interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    value, shapes, loc, weights = make_inputs(gen, D=6, Lq=7, device=device)
+    value, shapes, loc, weights = msda_inputs(gen, D=6, Lq=7, device=device)
     # A sequence of ints (what the model passes) gives one graph; a tensor's values are data, so reading
     # them is a graph break, after which the op is traced with the layout as constants.
     spatial_shapes = shapes.cpu() if layout == "tensor" else [tuple(int(v) for v in hw) for hw in shapes]
@@ -95,7 +95,7 @@ def test_dynamic_shapes_propagate_through_the_op(gen):
 
     compiled = torch.compile(fn, fullgraph=True, backend=counter, dynamic=True)
     for levels in ([(6, 4), (3, 2)], [(9, 7), (5, 4)], [(12, 10), (6, 5)]):
-        value, shapes, loc, weights = make_inputs(gen, D=4, Lq=5, levels=levels, device=device)
+        value, shapes, loc, weights = msda_inputs(gen, D=4, Lq=5, levels=levels, device=device)
         leaves = [t.requires_grad_() for t in (value, loc, weights)]
         out = compiled(*leaves, levels)
         expected = msda.multi_scale_deformable_attention(value, levels, None, loc, weights, impl="pytorch")
@@ -104,7 +104,7 @@ def test_dynamic_shapes_propagate_through_the_op(gen):
     assert counter.frame_count == 1, f"recompiled {counter.frame_count - 1} times for new level sizes"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_deterministic_follows_the_global_switch(gen, device, monkeypatch):
     """deterministic=None reads torch.are_deterministic_algorithms_enabled(); the flag reaches the backward."""
     seen = []
@@ -115,7 +115,7 @@ def test_deterministic_follows_the_global_switch(gen, device, monkeypatch):
         return real_backward(*args[:-1], False)  # the atomic kernel: only the flag's route is checked here
 
     monkeypatch.setattr(msda.ops, "_backward_impl", spy)
-    value, shapes, loc, weights = make_inputs(gen, D=4, device=device)
+    value, shapes, loc, weights = msda_inputs(gen, D=4, device=device)
     for switch, explicit in ((False, None), (True, None), (False, True), (True, False)):
         torch.use_deterministic_algorithms(switch)
         try:

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
+from helpers import tiny_model_config
 
 from engine.compile.plan import CompilePlan, compile_model
-from engine.config.registry import register_configs
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.precision import Precision
 from engine.train.step import OptimizerStep
@@ -26,13 +25,6 @@ from models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-
-
-def tiny_model_config():
-    register_configs()  # spawned ranks import this module afresh, without conftest's registration
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["model=tiny", "model.msda=pytorch"])
-    return cfg.model
 
 
 def global_batch(counts: tuple[int, ...], device="cpu"):
@@ -111,11 +103,9 @@ BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
                          ids=["1-and-4-boxes", "no-boxes-on-rank-0", "1-and-4-boxes-compiled"])
 @pytest.mark.parametrize("sync", ["allreduce", "ddp"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts, compiled, sync):
+def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts, compiled, sync, full_fp32):
     torch.manual_seed(0)
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     model, criterion, _ = build_model(tiny_model_config())
     single = DistContext(rank=0, world_size=1, local_rank=0, device=device)
     loss_single, grads_single = loss_and_grads(model.to(device), criterion, *global_batch(counts, device), single)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import dead_pid
 
 from engine.checkpoint.contents import load_model_weights, read_recorded_config
 from engine.checkpoint.io import load_checkpoint, remove_stray_temporaries, save_checkpoint
@@ -32,12 +33,6 @@ def test_weights_of_another_size_name_the_file_and_the_parameter(tmp_path):
                                               r"differ in shape \(e\.g\. weight \(91, 4\) in the checkpoint, \(7, 4\) "
                                               r"in the model.*model\.num_classes"):
         load_model_weights(small, load_checkpoint(path), path=path)
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(child.stdout)
 
 
 def test_the_next_save_removes_what_killed_saves_left(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from child_process import child_env
-from hydra import compose, initialize_config_dir
+from helpers import compose_train
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -19,11 +19,6 @@ from engine.config.registry import check_config, plain_config
 from engine.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("overrides, cause", [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_train
 
 from engine.checkpoint.io import save_checkpoint
 from engine.config.registry import plain_config
@@ -20,11 +20,6 @@ from engine.train.optim import build_lr_scheduler, build_optimizer
 from engine.train.resume import config_for_resume, find_resume_checkpoint, restore_training_state
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from test_models import _batch, _targets, tiny_cfg
+from helpers import SMALL, image_batch, make_step, optim_cfg, output_loss, tiny_cfg, two_box_targets
 
 from engine.runtime.precision import Precision
 from engine.train.optim import build_optimizer
@@ -19,29 +19,10 @@ from engine.train.step import OptimizerStep
 from models import build_model
 from models.deformable_attention import MSDeformAttn
 
-SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)  # compile traces every layer: keep it short
-
 
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)
-
-
-def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
-    model, criterion, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL, **overrides))
-    model.to(device)
-    criterion.to(device)
-    optimizer = build_optimizer(model, _optim_cfg())
-    return OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
-                     precision=Precision(amp="none", device=torch.device(device)), clip_max_norm=0.1)
-
-
-def _optim_cfg():
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create(dict(lr=1e-3, lr_backbone=1e-4, lr_linear_proj_mult=0.1, weight_decay=1e-4,
-                                 lr_backbone_names=["backbone.0"],
-                                 lr_linear_proj_names=["reference_points", "sampling_offsets"]))
 
 
 def _state(step: OptimizerStep):
@@ -64,14 +45,14 @@ def test_the_box_count_average_starts_before_the_forward_and_is_read_after_the_m
         return lambda: events.append("average read") or max(1.0, count)
 
     step.average_num_boxes = average_num_boxes
-    step(*_batch(), _targets())
+    step(*image_batch(), two_box_targets())
     assert events == ["average started", "forward", "matching", "average read"]
 
 
 def test_a_step_returns_its_losses_and_updates_the_weights(seeded):
     step = make_step()
     before, _ = _state(step)
-    values = step(*_batch(), _targets())
+    values = step(*image_batch(), two_box_targets())
     names = step.value_names
     assert names[:2] == ("loss", "grad_norm") and "loss_ce" in names and values.shape == (len(names),)
     assert values.dtype == torch.float32 and torch.isfinite(values).all()
@@ -84,45 +65,36 @@ def test_a_step_returns_its_losses_and_updates_the_weights(seeded):
 
 def test_a_non_finite_step_is_skipped_without_touching_weights_or_moments(seeded):
     step = make_step()
-    step(*_batch(), _targets())  # one good step, so that the optimizer has moments to protect
+    step(*image_batch(), two_box_targets())  # one good step, so that the optimizer has moments to protect
     before, moments_before = _state(step)
     counts_before = [s["step"].clone() for s in step.optimizer.state.values()]
-    images, mask = _batch()
+    images, mask = image_batch()
     images[0, 0, 0, 0] = float("nan")
-    values = step(images, mask, _targets())
+    values = step(images, mask, two_box_targets())
     assert not torch.isfinite(values[0]) and not torch.isfinite(values[1])
     after, moments_after = _state(step)
     assert all(torch.equal(before[n], after[n]) for n in before)
     for m_before, m_after in zip(moments_before, moments_after):
         assert all(torch.equal(m_before[k], m_after[k]) for k in m_before)
     assert all(torch.equal(c, s["step"]) for c, s in zip(counts_before, step.optimizer.state.values()))
-    assert torch.isfinite(step(*_batch(), _targets())).all()  # and training goes on
+    assert torch.isfinite(step(*image_batch(), two_box_targets())).all()  # and training goes on
 
 
 def test_the_step_needs_a_non_negative_clip_norm():
     model, criterion, _ = build_model(tiny_cfg(msda="pytorch", **SMALL))
     with pytest.raises(ValueError, match="clip_max_norm must be >= 0"):
-        OptimizerStep(model=model, criterion=criterion, optimizer=build_optimizer(model, _optim_cfg()),
+        OptimizerStep(model=model, criterion=criterion, optimizer=build_optimizer(model, optim_cfg()),
                   precision=Precision(amp="none", device=torch.device("cpu")), clip_max_norm=-1.0)
-
-
-def _loss(out):
-    loss = out["pred_logits"].sigmoid().square().sum() + out["pred_boxes"].square().sum()
-    for aux in out.get("aux_outputs", []):
-        loss = loss + aux["pred_logits"].sigmoid().square().sum() + aux["pred_boxes"].square().sum()
-    return loss
 
 
 # Tracing a whole model takes a while on a CPU: the two implementations, each on one variant (two-stage
 # covers box refinement, box reference points and the encoder proposals).
 @pytest.mark.parametrize("msda,variant", [("pytorch", "base"), ("triton", "two_stage")])
-def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, variant, monkeypatch):
+def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, variant, full_fp32):
     torch._dynamo.reset()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # triton on the CPU runs under the interpreter
     # cuDNN runs float32 convolutions in TF32 by default, and the two graphs may pick different algorithms
-    # (on the H200 one weight gradient element of 73,728 differed by 0.4%): compare in full float32.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # (one weight gradient element of 73,728 differed by 0.4% on a GPU): compare in full float32 (full_fp32).
     eager, _, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL))
     eager.to(device)
     with torch.no_grad():  # non-trivial offsets and weights, so that the attention gradients are not all zero
@@ -132,12 +104,12 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
                 m.attention_weights.weight.normal_(0, 0.05)
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin, fullgraph=True, backend="aot_eager", dynamic=True)
-    images, mask = (t.to(device) for t in _batch(pad_w=16))
+    images, mask = (t.to(device) for t in image_batch(pad_w=16))
     out_eager, out_compiled = eager(images, mask), compiled(images, mask)
     torch.testing.assert_close(out_compiled["pred_logits"], out_eager["pred_logits"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_compiled["pred_boxes"], out_eager["pred_boxes"], rtol=1e-5, atol=1e-5)
-    _loss(out_eager).backward()
-    _loss(out_compiled).backward()
+    output_loss(out_eager).backward()
+    output_loss(out_compiled).backward()
     grads = dict(twin.named_parameters())
     # On a GPU the convolutions' weight gradients and the attention backward sum with atomics, in an order
     # that changes run to run: on the H200, 2 of 294,912 elements of input_proj.3.0.weight (gradients that
@@ -156,13 +128,13 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
 def test_model_forward_and_backward_never_sync_with_the_host(seeded, variant):
     model, _, _ = build_model(tiny_cfg(variant, msda="triton"))
     model.cuda()
-    images, mask = (t.cuda() for t in _batch(pad_w=16, pixels=True))
+    images, mask = (t.cuda() for t in image_batch(pad_w=16, pixels=True))
     model(images, mask)  # warm-up: Triton compiles its kernels, the allocator fills
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(images, mask)
-        _loss(out).backward()
+        output_loss(out).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)

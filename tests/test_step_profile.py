@@ -13,13 +13,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_models import _batch, _targets
-from test_step import make_step
+from helpers import image_batch, make_step, two_box_targets
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from engine.reporting.gpu_profile import (GPU_ONLY, STEP_PHASES, WITH_HOST, StepProfiler, busy_time, combine_parts,
-                                          describe, idle_by_phase, is_device_work, profiled_parts, summarize)
+from engine.reporting.gpu_profile import (
+    GPU_ONLY,
+    STEP_PHASES,
+    WITH_HOST,
+    StepProfiler,
+    busy_time,
+    combine_parts,
+    describe,
+    idle_by_phase,
+    is_device_work,
+    profiled_parts,
+    summarize,
+)
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 
@@ -88,9 +98,9 @@ def test_only_kernels_copies_and_memsets_count_as_gpu_work_not_the_gpu_spans_of_
 def test_a_training_step_names_its_phases_for_the_profiler():
     torch.manual_seed(0)
     step = make_step("base")
-    images, mask = _batch()
+    images, mask = image_batch()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step(images, mask, _targets())
+        step(images, mask, two_box_targets())
     names = {e.name for e in prof.events() if e.name.startswith(STEP_PHASES)}
     assert names == {"step.forward", "step.losses", "step.matching", "step.backward", "step.update"}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_rank_parity import tiny_model_config
+from helpers import tiny_model_config
 
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.precision import Precision

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_process import child_env
+from helpers import compose_run, tiny_overrides
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -26,23 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_overrides(data_root: Path) -> list[str]:
-    return [
-        f"dataset.root={data_root}", "dataset.num_train=16", "dataset.num_val=8", "dataset.image_size=64",
-        "dataset.train_scales=[64]", "dataset.max_size=80", "dataset.val_size=64",
-        "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=2",
-        "model.dim_feedforward=64", "model.num_queries=10", "model.num_feature_levels=3", "model.msda=pytorch",
-        "epochs=2", "batch_size=4", "num_workers=0", "log_every=1", "eval_every=1", "checkpoint_every=1",
-        "optim.lr=1e-3", "device=cpu",
-    ]
-
-
-def compose_run(data_root: Path, output_dir: Path, *extra: str):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="train",
-                       overrides=[*tiny_overrides(data_root), f"output_dir={output_dir}", *extra])
 
 
 @pytest.fixture(scope="session")

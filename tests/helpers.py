@@ -1,0 +1,242 @@
+"""What several test modules share: tiny model configs and batches, random outputs and targets for the criterion,
+the optimizer step on a tiny model, the msda operator's random inputs, the tiny training run's overrides, and a
+few process helpers. Test modules import from here, never from one another."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_YAML = ROOT / "configs" / "model" / "deformable_detr.yaml"
+
+# -- the model -------------------------------------------------------------------------------------------------------
+
+VARIANTS = {
+    "base": {},
+    "box_refine": {"with_box_refine": True},
+    "two_stage": {"with_box_refine": True, "two_stage": True},
+}
+# hidden_dim 64, 2 heads, 1 encoder and 2 decoder layers, 8 queries, ResNet-50 without pretrained weights.
+TINY = dict(hidden_dim=64, nheads=2, enc_layers=1, dec_layers=2, dim_feedforward=64, num_queries=8, num_classes=5,
+            pretrained="none", msda="pytorch", dropout=0.0)
+# compile traces every layer: keep it short
+SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)
+
+
+def model_cfg(**overrides):
+    """The shipped model config with ``overrides`` (pretrained weights off)."""
+    cfg = OmegaConf.load(MODEL_YAML)
+    cfg.pretrained = "none"
+    return OmegaConf.merge(cfg, overrides)
+
+
+def tiny_cfg(variant="base", **overrides):
+    return model_cfg(**{**TINY, **VARIANTS[variant], **overrides})
+
+
+def tiny_model_config():
+    """configs/ composed with model=tiny (the synthetic recipe's model), attention through the reference."""
+    from engine.config.registry import register_configs
+
+    register_configs()  # spawned ranks import this module afresh, without conftest's registration
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model=tiny", "model.msda=pytorch"])
+    return cfg.model
+
+
+def image_batch(B=2, H=64, W=64, pad_w=0, pixels=False):
+    """Images (B, 3, H, W) and masks; the last image's right ``pad_w`` columns are padding (zeros). pixels: uint8
+    images as the loaders give them (the model normalizes them); otherwise normalized float ones."""
+    images = torch.randint(0, 256, (B, 3, H, W), dtype=torch.uint8) if pixels else torch.randn(B, 3, H, W)
+    mask = torch.zeros(B, H, W, dtype=torch.bool)
+    if pad_w:
+        mask[-1, :, W - pad_w:] = True
+        images[-1, :, :, W - pad_w:] = 0
+    return images, mask
+
+
+def two_box_targets(B=2):
+    """The same two boxes (classes 1 and 3) for each of ``B`` images."""
+    return [{"labels": torch.tensor([1, 3]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.3, 0.6, 0.1, 0.1]])}
+            for _ in range(B)]
+
+
+def output_loss(out):
+    """A loss that touches every output (and every coordinate of the boxes), so every gradient flows."""
+    loss = out["pred_logits"].sigmoid().square().sum() + out["pred_boxes"].square().sum()
+    for aux in out.get("aux_outputs", []):
+        loss = loss + aux["pred_logits"].sigmoid().square().sum() + aux["pred_boxes"].square().sum()
+    return loss
+
+
+def assert_same_detections(reference, model, postprocess, *, H: int, W: int, device: str) -> None:
+    """``model.detect`` gives ``reference``'s detections (its eager forward, without gradients) on one batch of
+    uint8 pixels, as evaluation's loader gives them."""
+    images, mask = (t.to(device) for t in image_batch(H=H, W=W, pad_w=8, pixels=True))
+    sizes = torch.tensor([[H, W - 8]] * images.shape[0], device=device)
+    with torch.no_grad():
+        expected = postprocess(reference(images, mask), sizes)
+        got = postprocess(model.detect(images, mask), sizes)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g["scores"], e["scores"], rtol=1e-3, atol=1e-4, msg=lambda m: f"{H}x{W}: {m}")
+        torch.testing.assert_close(g["boxes"], e["boxes"], rtol=1e-3, atol=1e-2, msg=lambda m: f"{H}x{W}: {m}")
+
+
+class FixedDetector(torch.nn.Module):
+    """Two queries per image over 3 classes: a box in the top-left quarter and one in the centre."""
+
+    def detect(self, images, masks):  # what evaluation calls (DeformableDETR.detect)
+        B = images.shape[0]
+        logits = torch.tensor([[4.0, -4.0, 0.0], [-4.0, 2.0, -4.0]]).expand(B, 2, 3)  # (B, Q, K)
+        boxes = torch.tensor([[0.25, 0.25, 0.2, 0.2], [0.5, 0.5, 0.3, 0.3]]).expand(B, 2, 4)  # (B, Q, 4) cxcywh
+        return {"pred_logits": logits, "pred_boxes": boxes}
+
+
+# -- the criterion ---------------------------------------------------------------------------------------------------
+
+RAND_CLASSES = 5  # classes of the random outputs and targets
+
+
+def rand_boxes(n, gen):
+    """(n, 4) valid normalized cxcywh boxes."""
+    centre = 0.2 + 0.6 * torch.rand(n, 2, generator=gen)
+    size = 0.05 + 0.35 * torch.rand(n, 2, generator=gen)
+    return torch.cat([centre, size], dim=1)
+
+
+def rand_outputs(B, Q, gen, num_classes=RAND_CLASSES):
+    return {"pred_logits": torch.randn(B, Q, num_classes, generator=gen),
+            "pred_boxes": rand_boxes(B * Q, gen).view(B, Q, 4)}
+
+
+def rand_targets(sizes, gen, num_classes=RAND_CLASSES):
+    return [
+        {"labels": torch.randint(0, num_classes, (n,), generator=gen), "boxes": rand_boxes(n, gen), "image_id": i}
+        for i, n in enumerate(sizes)
+    ]
+
+
+def criterion_cfg(**overrides):
+    """The keys build_criterion reads, at the published values, with ``overrides``."""
+    cfg = dict(
+        num_classes=RAND_CLASSES, dec_layers=6, aux_loss=True, two_stage=False, set_cost_class=2.0, set_cost_bbox=5.0,
+        set_cost_giou=2.0, cls_loss_coef=2.0, bbox_loss_coef=5.0, giou_loss_coef=2.0, focal_alpha=0.25,
+    )
+    cfg.update(overrides)
+    return OmegaConf.create(cfg)
+
+
+def make_criterion(**overrides):
+    from models.criterion import build_criterion
+
+    criterion, _ = build_criterion(criterion_cfg(**overrides))
+    return criterion
+
+
+# -- the step --------------------------------------------------------------------------------------------------------
+
+
+def optim_cfg():
+    return OmegaConf.create(dict(lr=1e-3, lr_backbone=1e-4, lr_linear_proj_mult=0.1, weight_decay=1e-4,
+                                 lr_backbone_names=["backbone.0"],
+                                 lr_linear_proj_names=["reference_points", "sampling_offsets"]))
+
+
+def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
+    """An OptimizerStep of the tiny SMALL model of ``variant`` on ``device``, fp32."""
+    from engine.runtime.precision import Precision
+    from engine.train.optim import build_optimizer
+    from engine.train.step import OptimizerStep
+    from models import build_model
+
+    model, criterion, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL, **overrides))
+    model.to(device)
+    criterion.to(device)
+    optimizer = build_optimizer(model, optim_cfg())
+    return OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
+                         precision=Precision(amp="none", device=torch.device(device)), clip_max_norm=0.1)
+
+
+# -- the msda operator -----------------------------------------------------------------------------------------------
+
+# Kernels run on the CPU only under the interpreter (set by conftest.py when there is no GPU).
+MSDA_DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
+    ["cuda"] if torch.cuda.is_available() else [])
+ORIGINAL_LEVELS = [(6, 4), (3, 2)]  # the original op's own test case
+
+
+def msda_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=ORIGINAL_LEVELS, dtype=torch.float64,
+                loc_dtype=None, weight_dtype=None, loc_low=0.0, loc_high=1.0, device="cpu"):
+    """Random value / spatial shapes / locations / softmaxed weights; locations uniform in [loc_low, loc_high)."""
+    shapes = torch.tensor(levels, dtype=torch.int64)
+    S = int(shapes.prod(1).sum())
+    L = len(levels)
+    value = torch.randn(N, S, M, D, generator=gen, dtype=torch.float64)
+    loc = torch.rand(N, Lq, M, L, P, 2, generator=gen, dtype=torch.float64) * (loc_high - loc_low) + loc_low
+    logits = torch.randn(N, Lq, M, L * P, generator=gen, dtype=torch.float64)
+    weights = logits.softmax(-1).view(N, Lq, M, L, P)
+    return (value.to(device, dtype), shapes.to(device), loc.to(device, loc_dtype or dtype),
+            weights.to(device, weight_dtype or dtype))
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+# -- the tiny training run -------------------------------------------------------------------------------------------
+
+
+def tiny_overrides(data_root: Path) -> list[str]:
+    """A tiny CPU run on the synthetic set at ``data_root``: 2 epochs of 3 steps of 4 images, 64-pixel images."""
+    return [
+        f"dataset.root={data_root}", "dataset.num_train=16", "dataset.num_val=8", "dataset.image_size=64",
+        "dataset.train_scales=[64]", "dataset.max_size=80", "dataset.val_size=64",
+        "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=2",
+        "model.dim_feedforward=64", "model.num_queries=10", "model.num_feature_levels=3", "model.msda=pytorch",
+        "epochs=2", "batch_size=4", "num_workers=0", "log_every=1", "eval_every=1", "checkpoint_every=1",
+        "optim.lr=1e-3", "device=cpu",
+    ]
+
+
+def compose_train(*overrides: str):
+    """configs/train.yaml composed with ``overrides``."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+# -- processes -------------------------------------------------------------------------------------------------------
+
+
+def child_pids(parent: int | None = None, *, expect_some: bool = True) -> list[int]:
+    """The processes whose parent is ``parent`` (default: this one): a run's loader workers (``expect_some``: at
+    least one)."""
+    parent = os.getpid() if parent is None else parent
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:  # the parent's pid, after the name and the state
+            children.append(int(stat.parent.name))
+    assert children or not expect_some, "the run's loader workers were not found"
+    return children
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def compose_run(data_root: Path, output_dir: Path, *extra: str):
+    """The tiny run (``tiny_overrides``) into ``output_dir``, with ``extra`` overrides."""
+    return compose_train(*tiny_overrides(data_root), f"output_dir={output_dir}", *extra)
