@@ -110,7 +110,7 @@ def measure(args, config: dict) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # peaks include warm-up: CUDA graphs take their memory there
-    training = build_training(cfg, ctx=ctx, backbone_in_child=False)  # every timed step runs the compiled model
+    training = build_training(cfg, ctx=ctx)
     training.model.train()
     step = training.step
     gen = torch.Generator(device=device).manual_seed(0)

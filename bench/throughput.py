@@ -60,9 +60,8 @@ RECIPE_COMPILE_MODE = "reduce-overhead"
 # The first step's compile cache, as its table cell says it: empty, or holding what the earlier rows compiled
 # (graphs that do not depend on the batch are found there; a row whose plan differs compiles its own).
 FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
-# Steps per row: at batch 32 the backbone's graph, compiled in a child process while the run trains with it
-# uncompiled (engine/compile/background.py), takes over after a hundred steps or more, and the steady steps are the
-# second half of those after the last graph compiled (engine/train/run_timing.py).
+# Steps per row: the steady steps are the second half of those after the last graph compiled
+# (engine/train/run_timing.py).
 ROW_STEPS = 400
 # The steps at each row's end that train.py profiles (profile_steps) for the GPU's busy share: several sizes' worth.
 PROFILED_STEPS = 20
@@ -235,29 +234,16 @@ def run_row(args, batch: int, steps: int, gpus: int = 1) -> dict:
             "profile": profile, "data_wait_share": steady["data_wait_share"],
             "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
             "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
-            "steady_from_step": steady["first_step"], "backbone_in_background": backbone_in_background(output),
+            "steady_from_step": steady["first_step"],
             "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
             "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
-            "transformer": transformer_graphs(output), "compile_s_by_function": timing.get("compile_s_by_function")}
+            "transformer": transformer_graphs(output)}
 
 
 def keep_trace(trace: Path, kept: Path) -> None:
     kept.parent.mkdir(parents=True, exist_ok=True)
     with open(trace, "rb") as source, gzip.open(kept, "wb") as target:
         shutil.copyfileobj(source, target)
-
-
-def backbone_in_background(output: str) -> dict | None:
-    """How the backbone compiled in a child process took over, from the run's log (engine/compile/background.py):
-    the child's seconds, the calls the run made uncompiled after it and whether its graph was found in the cache;
-    {"failed": True} where the child failed, None where no child compiled it."""
-    if "compiling the backbone in a child process failed" in output:
-        return {"failed": True}
-    found = re.search(r"backbone's graph was compiled in the background in (\d+) s; after (\d+) more calls", output)
-    if found is None:
-        return None
-    return {"child_s": int(found.group(1)), "calls_after": int(found.group(2)),
-            "cache_hit": "was not found in the compile cache" not in output}
 
 
 def transformer_graphs(output: str) -> str | None:
@@ -316,25 +302,12 @@ def how_to_read() -> str:
             "sampled); MFU counts the model's matmul and convolution FLOPs (forward and "
             "backward) against the GPU's dense bf16 peak; hours are the 50-epoch recipe (118,287 images x 50) at "
             "that rate; the first step is from the process's start, compilation included (cold: into the empty "
-            "cache). The backbone's graph is compiled in a child process while the run's first steps take the "
-            "backbone uncompiled: backbone says after how many seconds the child was done, whether the run then "
-            "found its graph in the cache, and from which step the steady steps were taken (the second half of the "
+            "cache). steady steps: the step from which the steady steps were taken (the second half of the "
             "warm steps after the last graph compiled).")
 
 
 def percent(share: float | None) -> str:
     return "-" if share is None else f"{share:.0%}"
-
-
-def backbone_cell(row: dict) -> str:
-    background = row.get("backbone_in_background")
-    steady = f"steady from step {row['steady_from_step']}"
-    if background is None:
-        return f"compiled in the run; {steady}"
-    if background.get("failed"):
-        return f"child failed, compiled in the run; {steady}"
-    found = "graph from the cache" if background["cache_hit"] else "NOT in the cache, compiled again"
-    return f"child done at {background['child_s']} s, {found}; {steady}"
 
 
 def with_host_ranges(row: dict) -> dict:
@@ -361,9 +334,9 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                       "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
                       "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
                       "-" if r.get("mfu") is None else f"{r['mfu']:.1%}", f"{r['recipe_hours']:.1f}",
-                      f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})", backbone_cell(r)])
+                      f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})", f"from step {r['steady_from_step']}"])
     lines += table(["batch", "transformer", "img/s", "step ms", "GPU busy", "NVML", "loader wait", "peak GiB",
-                    "GFLOPs/img", "MFU", "50 epochs (h)", "first step (s)", "backbone"], cells)
+                    "GFLOPs/img", "MFU", "50 epochs (h)", "first step (s)", "steady steps"], cells)
     done = [r for r in rows if "error" not in r]
     profiled = [r for r in done if r["profile"].get("gpu_idle_by_phase_ms")]
     if profiled:
@@ -382,11 +355,6 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                          warming_cell(r["profile"]),
                          *(f"{r['profile']['gpu_idle_by_phase_ms'].get(name, 0.0):.1f}" for name in phases)]
                         for r in profiled])
-    compiled = [r for r in done if r.get("compile_s_by_function")]
-    if compiled:
-        lines += ["", "Compilation and CUDA-graph recording per function in each row's run (s):", ""]
-        lines += [f"- batch {r['batch']}: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds
-                                                        in r["compile_s_by_function"].items()) for r in compiled]
     if done:
         best = max(done, key=lambda r: r["img_s"])
         at_32 = next((r for r in done if r["batch"] == 32), None)

@@ -25,8 +25,6 @@ class Region:
     static_sizes  one graph per input size (compiled with its sizes fixed) instead of one with symbolic sizes
     whole         one graph with no break (fullgraph): a break would bring back the host cost it removes
     starts_step   a call is a new step of the CUDA-graph trees: the outputs of the last call are done with
-    in_child      needs nothing of the other regions: its graph may be compiled in a child process while the run
-                  calls the method uncompiled (engine/compile/background.py)
     training      recorded as CUDA graphs of the eager model (engine/compile/cuda_graphs.py, ``compile_regions(graphs=
                   True)``): True, its forward and backward (a training call); False, a forward without gradients
     """
@@ -36,7 +34,6 @@ class Region:
     static_sizes: bool = False
     whole: bool = False
     starts_step: bool = False
-    in_child: bool = False
     training: bool = False
 
 

@@ -150,7 +150,7 @@ class DeformableDETR(CompiledRegions, nn.Module):
         if backbone not in ("dynamic", "static", "eager"):
             raise ValueError(f"backbone must be 'dynamic', 'static' or 'eager', got {backbone!r}")
         if backbone != "eager":
-            found.append(Region("features", static_sizes=backbone == "static", in_child=backbone == "dynamic"))
+            found.append(Region("features", static_sizes=backbone == "static"))
         if evaluation:
             found.append(Region("detect", static_sizes=True, whole=True, starts_step=True))
         return found

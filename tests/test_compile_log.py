@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine.compile.clock import UNNAMED, CompileClock, CompileTotals, describe_graphs
+from engine.compile.clock import CompileClock, CompileTotals, describe_graphs
 from engine.compile.recompile_log import log_recompiles_to_file
 from engine.reporting.log_filter import FILE_ONLY
 from engine.reporting.progress import Progress
@@ -32,13 +32,9 @@ def test_the_clock_counts_the_graphs_and_the_seconds_of_compilation():
     assert spent.seconds > 0
 
 
-def test_the_clock_charges_each_functions_compilation_to_it_its_backward_included():
+def test_the_clock_counts_a_backward_compiled_at_its_first_call():
     torch._dynamo.reset()
     clock = CompileClock.get()
-    before = clock.totals()
-
-    def light(x):
-        return (x * 3).sum()
 
     def heavy(x):
         for _ in range(40):  # a longer graph: more to trace
@@ -46,28 +42,16 @@ def test_the_clock_charges_each_functions_compilation_to_it_its_backward_include
         return x.sum()
 
     x = torch.randn(5, requires_grad=True)
-    torch.compile(light, backend="aot_eager")(x).backward()
-    after_light = clock.totals()
-    torch.compile(heavy, backend="aot_eager")(x).backward()  # the backward compiles at this first call
-    spent = clock.totals().since(before)
-    assert spent.by_function == {"light": 1, "heavy": 1}
-    assert set(spent.seconds_by_function) == {"light", "heavy"}
-    assert sum(spent.seconds_by_function.values()) == pytest.approx(spent.seconds, rel=1e-9)
-    light_s = after_light.since(before).seconds
-    assert spent.seconds_by_function["light"] == pytest.approx(light_s, rel=1e-9)
-    assert spent.seconds_by_function["heavy"] == pytest.approx(spent.seconds - light_s, rel=1e-9)
-
-    clock._start()  # a torch whose callbacks do not say what compiles
-    clock._end()
-    assert set(clock.totals().since(before).seconds_by_function) == {"light", "heavy", UNNAMED}
+    loss = torch.compile(heavy, backend="aot_eager")(x)
+    before_backward = clock.totals()
+    loss.backward()  # the backward compiles at this first call
+    spent = clock.totals().since(before_backward)
+    assert spent.seconds > 0 and spent.graphs == 0
 
 
-def test_a_steps_compile_line_gives_each_functions_graphs_and_seconds():
-    totals = CompileTotals(seconds=118.6, graphs=2, by_function={"features": 1, "predict": 1},
-                           seconds_by_function={"features": 21.34, "predict": 96.0, "stacked_losses": 0.02,
-                                                UNNAMED: 1.2})
-    assert describe_graphs(totals) == "1 features 21.3 s, other 1.2 s, 1 predict 96.0 s"
-    assert describe_graphs(CompileTotals(seconds=1.1, seconds_by_function={"predict": 1.1})) == "predict 1.1 s"
+def test_a_steps_compile_line_gives_each_functions_graphs():
+    totals = CompileTotals(seconds=118.6, graphs=3, by_function={"predict": 1, "features": 2})
+    assert describe_graphs(totals) == "2 features, 1 predict"
     assert describe_graphs(CompileTotals()) == ""
 
 

@@ -21,9 +21,7 @@ and evaluation together, and so how many CUDA graphs it records.
 By default every training region has symbolic sizes: one graph serves every bucket and every batch. The
 transformer's (``_options``) turns off the size thresholds of a fusion that made the second size compile it again.
 The backbone's graph costs more to compile than one of fixed sizes, once: ``compile.backbone=static`` compiles a
-graph per size, which at the COCO recipe's 14 training sizes took minutes in all. A run of one process on a GPU
-compiles that graph in a child process while its first steps take the backbone uncompiled
-(engine/compile/background.py), so that its first step waits for the other regions' compilation only. With the transformer a layer at
+graph per size, which at the COCO recipe's 14 training sizes took minutes in all. With the transformer a layer at
 a time torch's duck shapes stay on (``compile_model``): a square first batch size makes the backbone's height and
 width one symbol, and the first other size compiles its graph for every size once more. The losses are padded to a few
 numbers of matched pairs (models.criterion.target_slots), so that their CUDA graphs are recorded a few times and
@@ -56,7 +54,6 @@ from engine.config.choices import (
 )
 from models.compiled_regions import Region
 
-from .background import BackgroundBackbone, compile_in_background
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +163,9 @@ def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: in
                        backend=cfg_compile.backend or "inductor", evaluation=bool(evaluation))
 
 
-def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None,
-                  background: BackgroundBackbone | None = None):
+def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None):
     """Compile, in place, the regions ``model`` (a DeformableDETR) declares for ``plan``, and the criterion's
-    (training); returns the model. ``background``: the regions that may (``Region.in_child``) are compiled in a
-    child process while the run calls them uncompiled (engine/compile/background.py)."""
+    (training); returns the model."""
     if plan.mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {plan.mode!r}")
     if plan.mode == "graphs":
@@ -201,7 +196,7 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
         _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
     regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone, evaluation=plan.evaluation)
     for region in regions:
-        _compile_region(model, region, plan, background=background)
+        _compile_region(model, region, plan)
     if criterion is not None:
         for region in criterion.compile_regions():
             _compile_region(criterion, region, plan)
@@ -211,18 +206,14 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     return model
 
 
-def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan, *,
-                    background: BackgroundBackbone | None = None) -> None:
+def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -> None:
     options = _options(region, plan)
     if not region.method:
         owner.get_submodule(region.name).compile(**options)
         return
-    eager = getattr(owner, region.name)
-    compiled = torch.compile(eager, **options)
+    compiled = torch.compile(getattr(owner, region.name), **options)
     if region.starts_step and plan.cuda_graphs:
         compiled = _starting_a_step(compiled)
-    if background is not None and region.in_child:
-        compiled = compile_in_background(eager, compiled, plan=plan, job=background)
     owner.use_compiled(region.name, compiled)
 
 

@@ -12,12 +12,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
 from engine.checkpoint.init_from import InitFrom
-from engine.compile.background import BackgroundBackbone
 from engine.compile.plan import CompilePlan, compile_model, resolve_compile
-from engine.config.registry import plain_config
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
@@ -48,8 +45,7 @@ class RunModel:
 
 
 def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
-                    evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0,
-                    backbone_in_child: bool = True) -> RunModel:
+                    evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0) -> RunModel:
     """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there.
 
     training             compile the training regions and the losses too (else evaluation's graph only, when the
@@ -58,9 +54,6 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     evaluation_batches   the evaluation batches this process will run, which decide compile.evaluation=null
     training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
     pass_batch           the images of one training pass, which decide compile.regions=null
-    backbone_in_child    a single-process GPU run compiles the backbone's graph of symbolic sizes in a child
-                         process while its first steps take it uncompiled (engine/compile/background.py); False
-                         compiles it at the first step (benchmarks that time the compiled step from the start)
     """
     model, criterion, postprocess = build_model(cfg_model)
     if init is not None:
@@ -74,25 +67,11 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     if training:
         criterion.to(ctx.device)
         if plan is not None:
-            background = _backbone_in_child(cfg_model, cfg_compile, plan, ctx, channels_last=channels_last) \
-                if backbone_in_child else None
-            compile_model(model, plan, criterion=criterion, background=background)  # in place: training and evaluation
+            compile_model(model, plan, criterion=criterion)  # in place: training and evaluation
     elif plan is not None and plan.evaluation:
         # The training regions are wrapped too but never called here: only the evaluation graph compiles.
         compile_model(model, plan)
     return RunModel(model=model, criterion=criterion, postprocess=postprocess, compile_plan=plan)
-
-
-def _backbone_in_child(cfg_model, cfg_compile, plan: CompilePlan, ctx: DistContext, *,
-                       channels_last: bool) -> BackgroundBackbone | None:
-    """What a child process needs to compile the backbone for this run, or None where it does not: only a run of
-    one process on a GPU (ranks of a larger run would each wait for their own child, at different steps), whose
-    plan compiles the backbone with Inductor as one graph of symbolic sizes."""
-    if ctx.device.type != "cuda" or ctx.world_size > 1 or plan.backend != "inductor" or not plan.inductor \
-            or plan.backbone != "dynamic":
-        return None
-    config = plain_config(cfg_model) if isinstance(cfg_model, DictConfig) else dict(cfg_model)
-    return BackgroundBackbone(model_config=config, cache_dir=str(cfg_compile.cache_dir), channels_last=channels_last)
 
 
 @dataclass
@@ -121,18 +100,18 @@ class TrainingSetup:
 
 def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt: dict | None = None,
                    ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0,
-                   training_steps: int = 0, backbone_in_child: bool = True) -> TrainingSetup:
+                   training_steps: int = 0) -> TrainingSetup:
     """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes.
 
     init                 model.init_from's weights, loaded into the fresh model (a new run)
     ckpt, ckpt_path      a checkpoint to resume: weights, optimizer, schedule and scaler restored (engine.train.resume)
-    evaluation_batches, training_steps, backbone_in_child   as build_run_model takes them
+    evaluation_batches, training_steps   as build_run_model takes them
     """
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
     batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     run_model = build_run_model(cfg.model, cfg.compile, ctx=ctx, training=True, init=init,
                                 evaluation_batches=evaluation_batches, training_steps=training_steps,
-                                pass_batch=batch.per_pass, backbone_in_child=backbone_in_child)
+                                pass_batch=batch.per_pass)
     model, criterion = run_model.model, run_model.criterion
     plan = run_model.compile_plan
     if plan is not None and plan.mode == "graphs" and ctx.world_size > 1 and cfg.gradient_sync == "ddp":

@@ -79,8 +79,8 @@ class RunTiming:
         if self.first_step_s is None:  # from the start of the process: what the user waits for a first step
             self.first_step_s = now - self.started
         if compiled.graphs and not profiled:
-            # A new graph changes what a step runs (a region compiled in the background replaces its eager
-            # method): the warm steps before it are not what the run's steps are like from now on. Not at a
+            # A new graph changes what a step runs: the warm steps before it are not what the run's steps are like
+            # from now on. Not at a
             # profiled step, which is left out of them anyway: a graph first recorded inside the profile at a run's
             # end (a batch size first met there) would otherwise leave the run without steady figures.
             self.warm_steps.clear()
@@ -139,7 +139,7 @@ class RunTiming:
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
                 "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
                 "graphs_compiled": compiled.graphs,
-                "graphs_by_function": compiled.by_function, "compile_s_by_function": compiled.seconds_by_function,
+                "graphs_by_function": compiled.by_function,
                 **extra}
 
     def summary(self, record: dict) -> str:

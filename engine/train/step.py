@@ -76,8 +76,7 @@ class OptimizerStep:
         size = len(targets) // passes
         loss = parts = None
         for first in range(0, len(targets), size):
-            # One pass takes the batch itself, not a view of it: Dynamo traces a view through its base, and the
-            # backbone compiled in a child process (engine/compile/background.py) has to reproduce that.
+            # One pass takes the batch itself, not a view of it: Dynamo traces a view through its base.
             pass_images, pass_masks = (images, masks) if passes == 1 else \
                 (images[first:first + size], masks[first:first + size])
             pass_loss, pass_parts = self._forward_backward(pass_images, pass_masks, targets[first:first + size],
