@@ -1,18 +1,98 @@
 """What a training step does on the GPU, from torch.profiler: kernel time, launches, host syncs, and where it idles.
 
-Shared by bench/e2e.py and bench/ddp.py; the analysis of a profile is engine/reporting/gpu_profile.py's, which
-train.py's profile_steps uses too.
+Shared by bench/e2e.py, bench/ddp.py and bench/throughput.py. train.py's profile_steps (engine/train/hooks/profiling.py)
+gives a run's busy share and trace; the analysis of where the GPU idles is here.
 """
 
 from __future__ import annotations
 
+import heapq
 import statistics
 import time
 import warnings
 
 import torch
 
-from engine.reporting.gpu_profile import device_activity, device_us, idle_by_phase, is_device_work, step_phases
+from engine.train.hooks.profiling import device_activity, is_device_work
+
+# The prefix of the training step's phases as engine.train and models.criterion name them for the profiler.
+STEP_PHASES = "step."
+
+
+def device_us(event) -> float:
+    """A profiler event's own device time in microseconds (the attribute was renamed from *cuda* to *device*)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def step_phases(events) -> list[tuple[str, float, float]]:
+    """(name, start, end) of the host's ranges named for the step's phases."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.name.startswith(STEP_PHASES) and not str(e.device_type).endswith("CUDA")]
+
+
+def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Time the GPU idles while the host runs each phase: {phase name: microseconds}, summed over steps.
+
+    busy    (start, end) of every GPU activity (kernels, copies, memsets), overlapping or not
+    phases  (name, start, end) of the host's named ranges, possibly nested; an idle moment is charged to
+            the innermost range around it (the latest-starting one), and idle time outside every range is
+            not counted (before the first step, after the last)
+    """
+    idle: dict[str, float] = {}
+    gaps = iter(_gaps(busy, phases))
+    gap = next(gaps, None)
+    for name, a, b in _innermost_pieces(phases):
+        while gap is not None and gap[1] <= a:
+            gap = next(gaps, None)
+        # Every gap that overlaps this piece: the pieces and the gaps are both sorted and disjoint.
+        while gap is not None and gap[0] < b:
+            overlap = min(b, gap[1]) - max(a, gap[0])
+            if overlap > 0:
+                idle[name] = idle.get(name, 0.0) + overlap
+            if gap[1] > b:
+                break  # the gap goes on into the next piece
+            gap = next(gaps, None)
+    return idle
+
+
+def _gaps(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
+    """The disjoint intervals, sorted, between the phases' first start and last end in which no activity runs."""
+    if not phases:
+        return []
+    window_start, window_end = min(p[1] for p in phases), max(p[2] for p in phases)
+    gaps, cursor = [], window_start
+    for start, end in sorted(busy):
+        if start > cursor:
+            gaps.append((cursor, min(start, window_end)))
+        cursor = max(cursor, end)
+        if cursor >= window_end:
+            break
+    if cursor < window_end:
+        gaps.append((cursor, window_end))
+    return [(a, b) for a, b in gaps if b > a]
+
+
+def _innermost_pieces(phases: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The timeline cut at every phase's start and end, each piece with the innermost phase around it (the
+    latest-starting; of ranges that start together, the shorter): (name, start, end), sorted, disjoint; pieces
+    outside every phase are left out. One sweep: a profile holds thousands of ranges and kernels."""
+    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))
+    bounds = sorted({t for _, a, b in phases for t in (a, b)})
+    pieces, open_phases, following = [], [], 0  # open_phases: a heap of (-rank, end, name) of started phases
+    for a, b in zip(bounds, bounds[1:]):
+        while following < len(ordered) and ordered[following][1] <= a:
+            name, _, end = ordered[following]
+            heapq.heappush(open_phases, (-following, end, name))
+            following += 1
+        while open_phases and open_phases[0][1] <= a:
+            heapq.heappop(open_phases)  # the innermost has ended; an outer one may go on
+        if open_phases:
+            pieces.append((open_phases[0][2], a, b))
+    return pieces
 
 
 def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:

@@ -61,7 +61,7 @@ RECIPE_COMPILE_MODE = "reduce-overhead"
 # (graphs that do not depend on the batch are found there; a row whose plan differs compiles its own).
 FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
 # Steps per row: the steady steps are the second half of those after the last graph compiled
-# (engine/train/run_timing.py).
+# (engine/train/hooks/timing.py).
 ROW_STEPS = 400
 # The steps at each row's end that train.py profiles (profile_steps) for the GPU's busy share: several sizes' worth.
 PROFILED_STEPS = 20

@@ -18,7 +18,7 @@ in a process of its own, with compile.mode and model.msda as named:
 the one the row's cold run filled. Before the first row one process imports what train.py imports, so that the
 checkout's byte-compilation falls on no row. total is the wall time from the process's start until its evaluation
 json is written; the split (setup, compile, warm-up, train, eval), the first step, the steady step and the graphs
-come from the run's own timing.json (engine/train/run_timing.py). Writes ttr_h200.json and .md after each row.
+come from the run's own timing.json (engine/train/hooks/timing.py). Writes ttr_h200.json and .md after each row.
 """
 
 from __future__ import annotations

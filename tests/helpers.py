@@ -231,6 +231,21 @@ def child_pids(parent: int | None = None, *, expect_some: bool = True) -> list[i
     return children
 
 
+def signal_at_call(monkeypatch, signum: int, call: int) -> None:
+    """Send this process ``signum`` from inside the ``call``-th training step, as a scheduler would."""
+    from engine.train.step import OptimizerStep
+
+    step_call, calls = OptimizerStep.__call__, {"n": 0}
+
+    def stepping(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.kill(os.getpid(), signum)
+        return step_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(OptimizerStep, "__call__", stepping)
+
+
 def dead_pid() -> int:
     """The pid of a process that has exited (and been reaped)."""
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_process import child_env
-from helpers import child_pids, compose_run, dead_pid, tiny_overrides
+from helpers import child_pids, compose_run, dead_pid, signal_at_call, tiny_overrides
 
 import train as trainer
 from datasets import build_dataset
@@ -22,8 +22,9 @@ from engine.checkpoint.io import load_checkpoint, save_checkpoint
 from engine.errors import CheckpointWriteError, RunDirectoryInUse
 from engine.runtime.run_lock import LOCK_FILE
 from engine.runtime.stop_request import StopRequest, TrainingStopped
-from engine.train.step_log import StepLog
-from engine.train.stopping import StopControl
+from engine.train.hooks.base import ComputeSpan, StepDone
+from engine.train.hooks.interval_report import StepLog
+from engine.train.hooks.stopping import StopControl
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
@@ -47,21 +48,6 @@ def uninterrupted(tmp_path_factory, data_root):
     return {**trainer.train(quiet_run(data_root, run_dir)), "weights": load_checkpoint(run_dir / "checkpoint.pth")}
 
 
-def signal_at_call(monkeypatch, signum: int, call: int) -> None:
-    """Send this process ``signum`` from inside the ``call``-th training step, as a scheduler would."""
-    from engine.train.step import OptimizerStep
-
-    step_call, calls = OptimizerStep.__call__, {"n": 0}
-
-    def stepping(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            os.kill(os.getpid(), signum)
-        return step_call(self, *args, **kwargs)
-
-    monkeypatch.setattr(OptimizerStep, "__call__", stepping)
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_stopped(
         uninterrupted, data_root, tmp_path, monkeypatch, signum, caplog):
@@ -74,7 +60,7 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
     ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
     assert (ckpt["epoch"], ckpt["steps_in_epoch"], ckpt["step"]) == (1, 2, stop_at)
     monkeypatch.undo()
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         resumed = trainer.train(quiet_run(data_root, tmp_path, "resume=auto"))
     # Epochs counted as the progress line and the stop message count them: this is epoch 2 of 2.
     assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps done" in caplog.text
@@ -99,10 +85,10 @@ def test_checkpoints_are_written_mid_epoch_every_checkpoint_minutes(data_root, t
 
 def test_every_rank_learns_of_a_stop_at_the_same_interval():
     """The request travels in the log interval's all-reduce: a rank that got no signal learns of the other's."""
-    log_a, log_b = StepLog(device=torch.device("cpu")), StepLog(device=torch.device("cpu"))
+    log_a, log_b = StepLog(), StepLog()
     for log in (log_a, log_b):
-        log.begin(step=0, data_ms=0.0)
-        log.end(torch.tensor([1.0, 2.0]), images=2)
+        log.add(StepDone(number=1, epoch=0, values=torch.tensor([1.0, 2.0]), size=(2, 3, 8, 8), images=2, data_s=0.0,
+                         compute=ComputeSpan(torch.device("cpu")).end()))
     flags = []
 
     def mean_with_the_other_rank(t):  # the other rank asked to stop: its flag row is 1
@@ -129,7 +115,7 @@ class SignalInsideTheAnnouncement(StopRequest):
 def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_on_it(decision, caplog):
     control = StopControl(SignalInsideTheAnnouncement(), distributed=False, is_main=True)
     asks = {"due": control.due, "during_evaluation": lambda: control.during_evaluation(final=False)}[decision]
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING, logger="engine"):
         stops = [asks() for _ in range(2)]
         assert stops == [False, True] and caplog.text.count("SIGTERM received: finishing this step") == 1
         stopped = control.stopped(epoch=0, step=3, total_steps=9, latest=Path("checkpoint.pth"))
@@ -141,7 +127,7 @@ def test_a_stop_signal_after_the_last_check_is_still_announced_before_its_stop_m
     control = StopControl(request, distributed=True, is_main=True)
     control.heard(True)  # another process asked; this one's own signal lands as the run stops
     request.signum = int(signal.SIGTERM)
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING, logger="engine"):
         control.stopped(epoch=0, step=3, total_steps=9, latest=Path("checkpoint.pth"))
     assert caplog.text.index("SIGTERM received") < caplog.text.index("stopped by SIGTERM")
 
@@ -264,7 +250,7 @@ def test_a_second_run_in_a_directory_in_use_is_refused_naming_the_other(data_roo
 def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_warning(data_root, tmp_path, caplog):
     pid = dead_pid()
     (tmp_path / LOCK_FILE).write_text(f'{{"pid": {pid}, "host": "{os.uname().nodename}", "started": "x", "command": ""}}')
-    with caplog.at_level(logging.WARNING, logger="train"):
+    with caplog.at_level(logging.WARNING, logger="engine"):
         result = trainer.train(quiet_run(data_root, tmp_path, "epochs=1"))
     assert result["step"] == STEPS_PER_EPOCH
     assert f"taking over the lock of process {pid}, which no longer runs" in caplog.text

@@ -167,7 +167,10 @@ def test_an_evaluation_that_fails(data_root, tmp_path):
 def test_the_pin_memory_threads_traceback_goes_to_the_log_and_other_threads_print_theirs(monkeypatch, caplog):
     from torch.utils.data._utils.pin_memory import _pin_memory_loop
 
-    from engine.runtime.console import PIN_MEMORY_THREAD, loader_thread_tracebacks_to_log
+    from engine.runtime.console import (
+        PIN_MEMORY_THREAD,
+        loader_thread_tracebacks_to_log,
+    )
 
     assert _pin_memory_loop.__name__ == PIN_MEMORY_THREAD  # the thread is named after its target
     printed = []  # what the hook in place before the run (Python's prints) was given

@@ -1,4 +1,4 @@
-"""The step's batch (engine/train/step_batch.py) and its exactness: one process at batch 8, four processes at
+"""The step's batch (engine/train/run_plan.py) and its exactness: one process at batch 8, four processes at
 batch 2 (gloo, averaged as train.py averages them) and one process accumulating 4 passes of 2 compute the same
 losses and the same gradients, to 1e-5 relative, in fp32 on the CPU.
 
@@ -15,8 +15,8 @@ from helpers import tiny_model_config
 
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.precision import Precision
+from engine.train.run_plan import StepBatch, step_batch
 from engine.train.step import OptimizerStep
-from engine.train.step_batch import StepBatch, step_batch
 from models import build_model
 
 BOXES = (3, 0, 5, 1, 2, 4, 1, 2)  # per image of the step
@@ -95,7 +95,7 @@ def _process_main(rank: int, work: str) -> None:
         share = slice(2 * rank, 2 * rank + 2)
         values, grads, _ = run_step(trained, criterion, images[share], masks[share], targets[share], ctx,
                                     sync_gradients=sync_gradients)
-        dist.all_reduce(values)  # the log interval's mean over processes (engine/train/step_log.py)
+        dist.all_reduce(values)  # the log interval's mean over processes (engine/train/hooks/interval_report.py)
         torch.save({"values": values / PROCESSES, "grads": grads}, f"{work}/process{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
-"""A detector ready for inference from a checkpoint: ours (any run of train.py) or an official Deformable DETR one.
+"""A detector from a checkpoint: ours (any run of train.py) or an official Deformable DETR one.
 
-What predict.py and export.py share with ``python train.py eval_only=true``: the architecture comes from the
-checkpoint where it records it (engine.checkpoint.contents.model_config_for_checkpoint), the number of classes from its
-class head, and the weights are loaded strictly. The class names and the inference size come from the
+The one path from a checkpoint to a model, which ``python train.py eval_only=true``, predict.py and export.py all
+take (``checkpoint_model``): the architecture comes from the checkpoint where it records it
+(engine.checkpoint.contents.model_config_for_checkpoint), the number of classes from its class head, and the weights
+are loaded strictly. For inference (``load_trained_model``) the class names and the inference size come from the
 checkpoint too when it records them; an official checkpoint (COCO, 91 rows) gets COCO's names and sizes.
 """
 
@@ -25,6 +26,44 @@ from .io import load_checkpoint
 from .num_classes import classes_in_weights
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointModel:
+    """What a checkpoint says its detector is.
+
+    path          the file
+    ckpt          its contents
+    model_config  the model settings to build it with (a plain dict): the config's, the checkpoint's architecture
+                  and class count put in
+    """
+
+    path: Path
+    ckpt: dict
+    model_config: dict
+
+    @property
+    def step(self) -> int:
+        """The training step the checkpoint was saved at (0 where it does not record one)."""
+        return int(self.ckpt.get("step", 0) or 0)
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """The checkpoint's weights into ``model`` (built from ``model_config``), strictly."""
+        load_model_weights(model, self.ckpt, path=self.path)
+
+
+def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = None) -> CheckpointModel:
+    """The detector ``checkpoint`` (a file, or a run directory's checkpoint.pth) holds, described from ``cfg_model`` (a
+    model config: DictConfig or dict) with what the checkpoint records put in; ``msda`` (auto | triton | pytorch): the
+    attention implementation to run, else the config's."""
+    path = named_checkpoint(checkpoint)
+    ckpt = load_checkpoint(path)
+    plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
+    model_config = model_config_for_checkpoint(plain, ckpt, path=path)
+    model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
+    if msda is not None:
+        model_config["msda"] = msda
+    return CheckpointModel(path=path, ckpt=ckpt, model_config=model_config)
 
 
 @dataclass
@@ -60,21 +99,16 @@ def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.devic
     ``msda``: the attention implementation to run (auto | triton | pytorch), else the config's.
     ``categories``: names to use instead of the checkpoint's (e.g. from an annotation file).
     """
-    path = named_checkpoint(checkpoint)
-    ckpt = load_checkpoint(path)
-    plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
-    model_config = model_config_for_checkpoint(plain, ckpt, path=path)
-    model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
-    if msda is not None:
-        model_config["msda"] = msda
-    model, _, postprocess = build_model(OmegaConf.create(model_config))
-    load_model_weights(model, ckpt, path=path)
+    source = checkpoint_model(checkpoint, cfg_model, msda=msda)
+    model, _, postprocess = build_model(source.model_config)
+    source.load_into(model)
     model.to(device).eval()
-    val_size, max_size = recorded_sizes(ckpt)
-    names = categories if categories is not None else recorded_categories(ckpt, model_config["num_classes"])
-    return TrainedModel(model=model, postprocess=postprocess.to(device), model_config=model_config,
-                        categories=names, val_size=val_size, max_size=max_size, checkpoint=path,
-                        step=int(ckpt.get("step", 0) or 0))
+    val_size, max_size = recorded_sizes(source.ckpt)
+    names = categories if categories is not None else recorded_categories(source.ckpt,
+                                                                           source.model_config["num_classes"])
+    return TrainedModel(model=model, postprocess=postprocess.to(device), model_config=source.model_config,
+                        categories=names, val_size=val_size, max_size=max_size, checkpoint=source.path,
+                        step=source.step)
 
 
 def recorded_sizes(ckpt: dict) -> tuple[int, int]:

@@ -21,9 +21,9 @@ from engine.runtime.rng import seed_all
 from models import build_model
 
 from .optim import build_lr_scheduler, build_optimizer
-from .resume import Resumed, restore_training_state
+from .resume import restore_training_state
+from .run_plan import step_batch
 from .step import OptimizerStep
-from .step_batch import step_batch
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,6 @@ class TrainingSetup:
     """What ``build_training`` assembles: the run's model, its optimizer and schedule, precision and step.
 
     step         OptimizerStep over the module to train (DDP-wrapped under torchrun with gradient_sync=ddp)
-    resumed      the position restored from a checkpoint, or None
     """
 
     run_model: RunModel
@@ -87,7 +86,6 @@ class TrainingSetup:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
     step: OptimizerStep
-    resumed: Resumed | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -126,9 +124,8 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
         # a location is not rounded to 8 bits) run on TF32 tensor cores: rounding their inputs to 10 bits moves a
         # location by a thousandth of its offset. Process-wide; a run with amp=none stays in full float32.
         torch.backends.cuda.matmul.allow_tf32 = True
-    resumed = None
     if ckpt is not None:  # before data_parallel, which starts every rank from rank 0's weights
-        resumed = restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                          scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
     trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
                                             find_unused_parameters=cfg.find_unused_parameters)
@@ -137,4 +134,4 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
                          average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients,
                          images_per_pass=batch.per_pass if batch.passes > 1 else None)
     return TrainingSetup(run_model=run_model, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
-                         step=step, resumed=resumed)
+                         step=step)

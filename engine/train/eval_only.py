@@ -6,13 +6,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from engine.checkpoint.contents import load_model_weights, model_config_for_checkpoint
-from engine.checkpoint.io import load_checkpoint
 from engine.checkpoint.num_classes import resolve_num_classes
+from engine.checkpoint.trained_model import checkpoint_model
 from engine.config.registry import check_config
-from engine.config.run_files import named_checkpoint
 from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.tensorboard import ScalarWriter
@@ -30,7 +28,7 @@ from .run_setup import (
     warn_unbounded_sizes,
 )
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> dict:
@@ -54,23 +52,19 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
 
 def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     prepare_compilation(cfg)
-    checkpoint = named_checkpoint(cfg.checkpoint)  # a run directory names its checkpoint.pth
-    ckpt = load_checkpoint(checkpoint)
-    model_cfg = model_config_for_checkpoint(OmegaConf.to_container(cfg.model, resolve=True), ckpt,
-                                            path=checkpoint)
+    source = checkpoint_model(cfg.checkpoint, cfg.model)
     val_set = build_datasets(cfg, ctx, ("val",))["val"]
-    # Classes of the checkpoint when model.num_classes is null, checked against the category ids.
-    model_cfg["num_classes"] = resolve_num_classes(model_cfg["num_classes"], {"val": val_set},
-                                                   checkpoint_state=ckpt["model"])
+    # The checkpoint's classes, checked against the category ids.
+    resolve_num_classes(source.model_config["num_classes"], {"val": val_set}, checkpoint_state=source.ckpt["model"])
     # batch_size: the most images one pass takes; evaluation needs less memory than training's passes.
     buckets = size_buckets(cfg, ctx, None, val_set, batch_size=cfg.batch_size)
     loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets, batch_size=cfg.batch_size)
-    run_model = build_run_model(OmegaConf.create(model_cfg), cfg.compile, ctx=ctx, training=False,
+    run_model = build_run_model(source.model_config, cfg.compile, ctx=ctx, training=False,
                                 evaluation_batches=len(loader.batch_sampler))
     plan = run_model.compile_plan
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, plan, training=False)
-    load_model_weights(run_model.model, ckpt, path=checkpoint)
+    source.load_into(run_model.model)
     validation = Validation(model=run_model.model, postprocess=run_model.postprocess, loader=loader,
                             coco_gt=val_set.coco, precision=Precision(amp=cfg.amp, device=ctx.device),
                             ranks=Ranks(ctx), compiled=plan is not None and plan.evaluation,
@@ -78,9 +72,8 @@ def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
                             detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main))
     writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)
     try:
-        evaluation = validation.run(writer=writer, json_path=output_dir / "eval.json",
-                                    step=int(ckpt.get("step", 0) or 0), what=f"of {checkpoint}",
-                                    checkpoint=str(checkpoint.resolve()))
+        evaluation = validation.run(writer=writer, json_path=output_dir / "eval.json", step=source.step,
+                                    what=f"of {source.path}", checkpoint=str(source.path.resolve()))
     finally:
         writer.close()
     return {"output_dir": output_dir, "eval": evaluation.stats}

@@ -66,3 +66,4 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg_optim) -> torch.opt
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Current lr per named group, for logging."""
     return {g.get("name", str(i)): g["lr"] for i, g in enumerate(optimizer.param_groups)}
+

@@ -1,6 +1,6 @@
 """Resuming a run: which checkpoint, which settings win, and putting the training state back.
 
-The rule (README, "Outputs"), applied by ``config_for_resume`` and ``restore_training_state``:
+The rule (docs/resume-and-faults.md), applied by ``config_for_resume`` and ``restore_training_state``:
 
 - The model is the checkpoint's. Every ``model.*`` key the checkpoint records is kept (the weights and the
   optimizer state fix the architecture, the classes and the loss), except ``model.msda`` and
@@ -26,18 +26,20 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from datasets import ImageReadError
+from datasets.loader import is_worker_death, worker_error_message
 from engine.checkpoint.contents import load_model_weights, read_recorded_config
 from engine.checkpoint.io import LATEST
 from engine.config.registry import plain_config
 from engine.config.run_files import named_checkpoint
 from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, LoaderWorkerDied
 from models.model_config import MODEL_KEYS
 
 from .optim import group_base_lrs
@@ -166,14 +168,6 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
     return effective
 
 
-class Resumed(NamedTuple):
-    epoch: int           # epochs completed
-    step: int            # optimizer steps done
-    steps_in_epoch: int  # batches done in the epoch in progress
-    rng: dict            # generator states at the checkpoint (engine.runtime.rng)
-    pending_evaluation: dict | None = None  # the evaluation a stop interrupted (engine/train/loop.py)
-
-
 def _state_laid_out_as_parameters(optimizer: torch.optim.Optimizer) -> None:
     """Per-parameter state (AdamW's moments) in its parameter's memory layout. A checkpoint keeps the layout of
     the run that wrote it (a GPU run's backbone is channels_last, a CPU run's is not), and the fused optimizer
@@ -187,7 +181,7 @@ def _state_laid_out_as_parameters(optimizer: torch.optim.Optimizer) -> None:
 
 
 def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           lr_scheduler, scaler, cfg_optim, path: str | os.PathLike) -> Resumed:
+                           lr_scheduler, scaler, cfg_optim, path: str | os.PathLike) -> None:
     """Load weights, optimizer, scheduler and scaler from ``ckpt``; then apply a changed schedule.
 
     ``model`` is the unwrapped module. Errors name the file. When the command line's schedule settings
@@ -207,7 +201,6 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
     recorded = (ckpt.get("config") or {}).get("optim")
     if isinstance(recorded, dict) and any(recorded.get(k) != cfg_optim[k] for k in SCHEDULE_KEYS):
         apply_schedule(optimizer, lr_scheduler, cfg_optim)
-    return Resumed(ckpt["epoch"], ckpt["step"], ckpt["steps_in_epoch"], ckpt["rng"], ckpt.get("pending_evaluation"))
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) -> None:
@@ -244,3 +237,14 @@ def last_checkpoint_hint(output_dir: str | os.PathLike) -> str:
                 f"continue with resume={latest}")
     return ("No checkpoint of this run has been written yet: fix or remove the file (and its annotations) and "
             "start again")
+
+
+def explained_failure(error: BaseException, output_dir: str | os.PathLike) -> BaseException | None:
+    """A training run's failure in the user's words where the data caused it (a damaged image, a dead loader worker),
+    with where to go on from; None for any other error."""
+    if isinstance(error, ImageReadError):  # a damaged image met while training
+        return ImageReadError(f"{worker_error_message(error)}\n{last_checkpoint_hint(output_dir)}")
+    if is_worker_death(error):
+        return LoaderWorkerDied(f"a data loader worker process died ({worker_error_message(error)}): it was killed, or "
+                                f"ran out of memory (fewer num_workers use less)\n{resume_hint(output_dir)}")
+    return None

@@ -18,7 +18,7 @@ from engine.runtime.distributed import DistContext, barrier, broadcast_object
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:

@@ -5,7 +5,7 @@ than one pass may take: the gradients add up) -> gradient clipping -> AdamW.
 
 The step reads nothing back from the GPU except the cost matrices for the matching (one copy, see
 models.matcher): the losses, the gradient norm and whether the update was skipped stay on the device
-as one vector per step, which engine/train/step_log.py reads once per log interval. A step whose gradient
+as one vector per step, which engine/train/hooks/interval_report.py reads once per log interval. A step whose gradient
 norm is not finite (a NaN/inf loss gives NaN gradients) is skipped on the device, as GradScaler skips
 fp16 overflows: the fused AdamW is handed a ``found_inf`` flag and leaves weights, moments and its
 step count untouched. On several processes the gradients are averaged before the norm, so the norm
@@ -38,7 +38,7 @@ class OptimizerStep:
                      to a function giving it that the criterion calls after the matching: the mean over
                      processes, at least 1 (engine.runtime.distributed.average_over_processes; the default is this
                      process's count, at least 1)
-    images_per_pass  the most images one forward and backward pass takes (engine/train/step_batch.py): a larger
+    images_per_pass  the most images one forward and backward pass takes (engine/train/run_plan.py): a larger
                      batch is split into equal passes whose gradients add up before the update; None: one pass
     """
 

@@ -1,7 +1,7 @@
 """When a stop signal stops training: every process at the same step, after that step is saved.
 
 The signal handler only sets a flag (engine/runtime/stop_request.py). One process acts on its own flag at once;
-several processes learn of any process's request in the log interval's all-reduce (engine/train/step_log.py),
+several processes learn of any process's request in the log interval's all-reduce (engine/train/hooks/interval_report.py),
 so that every rank stops at the same step without a sync of its own.
 """
 
@@ -14,15 +14,22 @@ from pathlib import Path
 
 from engine.runtime.stop_request import StopRequest, TrainingStopped
 
-log = logging.getLogger("train")
+from ..run_plan import Position
+from .base import Ending, Hook, StepDone, StopRequested
+
+log = logging.getLogger(__name__)
 
 
-class StopControl:
-    """Whether the run stops after the current step, and the message and exception it stops with."""
+class StopControl(Hook):
+    """Whether the run stops after the current step, and the message and exception it stops with: after a step it
+    asks the loop to stop (StopRequested), and it ends the run's STOPPED close with TrainingStopped, once the hooks
+    before it have saved ``position`` into ``latest``."""
 
     def __init__(self, request: StopRequest, *, distributed: bool, is_main: bool,
-                 any_process: Callable[[bool], bool] = bool):
+                 any_process: Callable[[bool], bool] = bool, position: Position | None = None, total_steps: int = 0,
+                 latest: Path | None = None):
         self.request = request
+        self.position, self.total_steps, self.latest = position, total_steps, latest
         self.distributed = distributed
         self.is_main = is_main
         self.any_process = any_process  # whether any process says so (a collective on several)
@@ -35,6 +42,17 @@ class StopControl:
     def heard(self, any_process_requested: bool) -> None:
         """A log interval's verdict: some process was asked to stop."""
         self.agreed = self.agreed or any_process_requested
+
+    def after_step(self, done: StepDone) -> None:
+        if self.due():
+            raise StopRequested
+
+    def close(self, ending: Ending) -> None:
+        if ending is Ending.STOPPED:
+            pos = self.position
+            pending = pos.pending_evaluation
+            raise self.stopped(epoch=pos.epoch, step=pos.step, total_steps=self.total_steps, latest=self.latest,
+                               evaluation=pending["epoch"] if pending else None)
 
     def due(self) -> bool:
         """Stop after this step: announced once, then acted on where every process knows of it."""

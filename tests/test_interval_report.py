@@ -1,12 +1,13 @@
-"""engine/train/step_log.py: the images/s a log interval reports, when something that is not a step paused it."""
+"""engine/train/hooks/interval_report.py: the images/s a log interval reports, when something that is not a step paused it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import engine.train.step_log as step_log
-from engine.train.step_log import StepLog
+import engine.train.hooks.interval_report as interval_report
+from engine.train.hooks.base import ComputeSpan, StepDone
+from engine.train.hooks.interval_report import StepLog
 
 
 class _Clock:
@@ -19,9 +20,10 @@ class _Clock:
 
 def _step(log: StepLog, clock: _Clock, *, starts: float, ends: float) -> None:
     clock.now = starts
-    log.begin(step=0, data_ms=0.0)
+    span = ComputeSpan(torch.device("cpu"))
     clock.now = ends
-    log.end(torch.tensor([1.0]), images=2)
+    log.add(StepDone(number=1, epoch=0, values=torch.tensor([1.0]), size=(2, 3, 8, 8), images=2, data_s=0.0,
+                     compute=span.end()))
 
 
 @pytest.mark.parametrize("pauses", [[10.0], [10.0, 12.0]])
@@ -29,8 +31,8 @@ def test_a_pause_inside_an_interval_keeps_its_earlier_steps_time(monkeypatch, pa
     """Two steps of 1 s, a pause (a profiler's trace written, a checkpoint saved) that ends at 10 s or, twice, at
     12 s, then a third step of 1 s: 6 images in 3 s of steps, not 6 images in the last step's second alone."""
     clock = _Clock()
-    monkeypatch.setattr(step_log.time, "perf_counter", clock)
-    log = StepLog(device=torch.device("cpu"))
+    monkeypatch.setattr(interval_report.time, "perf_counter", clock)
+    log = StepLog()
     _step(log, clock, starts=0.0, ends=1.0)
     _step(log, clock, starts=1.0, ends=2.0)
     for pause_end in pauses:
@@ -43,8 +45,8 @@ def test_a_pause_inside_an_interval_keeps_its_earlier_steps_time(monkeypatch, pa
 
 def test_a_pause_between_intervals_starts_the_next_one_after_it(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(step_log.time, "perf_counter", clock)
-    log = StepLog(device=torch.device("cpu"))
+    monkeypatch.setattr(interval_report.time, "perf_counter", clock)
+    log = StepLog()
     _step(log, clock, starts=0.0, ends=1.0)
     log.flush(("loss",))
     clock.now = 30.0  # an evaluation
@@ -56,8 +58,8 @@ def test_a_pause_between_intervals_starts_the_next_one_after_it(monkeypatch):
 
 def test_a_pause_counts_for_its_own_interval_only(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(step_log.time, "perf_counter", clock)
-    log = StepLog(device=torch.device("cpu"))
+    monkeypatch.setattr(interval_report.time, "perf_counter", clock)
+    log = StepLog()
     _step(log, clock, starts=0.0, ends=1.0)
     clock.now = 5.0
     log.restart_clock()

@@ -10,6 +10,7 @@ log line; bench/ttr.py reads the file.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -20,18 +21,28 @@ from pathlib import Path
 import torch
 
 from datasets.json_file import write_json
-from engine.compile.clock import CompileClock, CompileTotals
+from engine.compile.clock import CompileClock, CompileTotals, describe_graphs, describe_work
 from engine.reporting.progress import format_duration
+from engine.reporting.tensorboard import ScalarWriter
+
+from .base import Hook, StepDone
 
 TIMING_FILE = "timing.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunTiming:
-    """Accumulates a run's times (seconds). ``started`` is the process's start on time.perf_counter's clock."""
+class RunTiming(Hook):
+    """Accumulates a run's times (seconds). ``started`` is the process's start on time.perf_counter's clock. As a
+    hook it times each step and logs (``report``) and writes to ``writer`` a line for each step that compiled;
+    ``profiling`` is set while profile_steps profiles (engine/train/hooks/profiling.py): those steps are not steady ones."""
 
     started: float
     clock: CompileClock = field(default_factory=CompileClock.get)
+    writer: ScalarWriter | None = None
+    report: bool = False
+    profiling: bool = False
+    profile: dict | None = None  # profile_steps' summary, once the profile has ended
     compile_at_start: CompileTotals = field(init=False)
     setup_s: float | None = None
     first_step_s: float | None = None
@@ -44,14 +55,37 @@ class RunTiming:
     # The warm steps that compiled nothing since the last step that compiled a graph, in order: (wall s, loader wait
     # s, images, pixels per image, end time, step number)
     warm_steps: list[tuple[float, float, int, int, float, int]] = field(default_factory=list)
-    # Whether the last step was like the run's steady ones: it compiled nothing, and its batch size was not new (not
-    # one of the first two steps of that size).
-    last_step_warm: bool = False
     _last_step_end: float | None = None
+    _before: CompileTotals | None = None
+    _step_profiled: bool = False
     _sizes_seen: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.compile_at_start = self.clock.totals()
+
+    def before_step(self, number: int) -> None:
+        self._before, self._step_profiled = self.step_started(), self.profiling
+
+    def after_step(self, done: StepDone) -> None:
+        compiled = self.step_ended(self._before, size=done.size, data_s=done.data_s, profiled=self._step_profiled)
+        if compiled.graphs or compiled.seconds >= 1.0:
+            self.report_compilation(compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})",
+                                    step=done.number)
+
+    def pause(self) -> None:
+        """Between steps, what is not a step (evaluation, checkpoints) is timed apart: the next step's wall time
+        starts now."""
+        self._last_step_end = time.perf_counter()
+
+    def report_compilation(self, compiled: CompileTotals, *, what: str, step: int) -> None:
+        """One line per step (or evaluation) that compiled, and the run's compile totals in TensorBoard."""
+        if not self.report:
+            return
+        total = self.compile
+        log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, describe_work(compiled),
+                 compiled.seconds, f" ({parts})" if (parts := describe_graphs(compiled)) else "", total.seconds)
+        if self.writer is not None:
+            self.writer.add("compile", {"seconds": total.seconds, "graphs": total.graphs}, step)
 
     @property
     def compile(self) -> CompileTotals:
@@ -86,12 +120,12 @@ class RunTiming:
             self.warm_steps.clear()
         warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
-        self.last_step_warm = not warming and not compiled.graphs and compiled.seconds < 1e-3
+        warm = not warming and not compiled.graphs and compiled.seconds < 1e-3
         if warming:
             self.warmup_s += max(0.0, wall - compiled.seconds)
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
-            if self.last_step_warm and not profiled:
+            if warm and not profiled:
                 self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time(), self.steps + 1))
         self.steps += 1
         return compiled
@@ -100,11 +134,6 @@ class RunTiming:
     def not_training_s(self) -> float:
         """Compilation and warm-up so far: what the ETA leaves out."""
         return self.compile.seconds + self.warmup_s
-
-    def pause(self) -> None:
-        """Between steps, what is not a step (evaluation, checkpoints) is timed apart: the next step's wall
-        time starts when it is asked for."""
-        self._last_step_end = None
 
     def add_evaluation(self, wall_s: float, compiled: CompileTotals) -> None:
         self.eval_s += max(0.0, wall_s - compiled.seconds)
@@ -139,7 +168,7 @@ class RunTiming:
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
                 "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
                 "graphs_compiled": compiled.graphs,
-                "graphs_by_function": compiled.by_function,
+                "graphs_by_function": compiled.by_function, **({"profile": self.profile} if self.profile else {}),
                 **extra}
 
     def summary(self, record: dict) -> str:

@@ -16,42 +16,72 @@ from engine.checkpoint.io import LATEST, check_free_space, checkpoint_bytes, epo
 from engine.checkpoint.writer import CheckpointWriter
 from engine.runtime.rng import capture_rng_state
 
-from .run_timing import RunTiming
-from .schedule import Position
+from ..run_plan import Position, RunPlan
+from .base import Ending, EpochEnd, Hook, StepDone
+from .timing import RunTiming
 
 
-class CheckpointSaver:
-    """Writes the training's state (rank 0 only); every method may be called on every rank.
+class CheckpointSaver(Hook):
+    """Writes the training's state (rank 0 only); every method may be called on every rank. As a hook: mid-epoch at a
+    log interval's end once ``checkpoint_minutes`` have passed, at each epoch's end, and at a stop.
 
     config_record  the composed config as a plain dict, stored in every checkpoint
     categories     category id -> name, recorded so that predict.py and export.py name the classes
+    extra_state    more of the training's state, saved under its key and restored by resume: an object with
+                   ``state_dict()`` per key (model EMA)
     """
 
     def __init__(self, *, output_dir: Path, is_main: bool, model: torch.nn.Module, optimizer, lr_scheduler, scaler,
                  config_record: dict, categories: dict, checkpoint_every: int, checkpoint_minutes: float | None,
-                 timing: RunTiming):
+                 timing: RunTiming, position: Position, plan: RunPlan, extra_state: dict | None = None):
         self.output_dir, self.is_main = Path(output_dir), is_main
         self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
         self.config_record, self.categories = config_record, categories
         self.checkpoint_every, self.checkpoint_minutes = checkpoint_every, checkpoint_minutes
-        self.timing = timing
+        self.timing, self.position, self.plan = timing, position, plan
+        self.extra_state = extra_state or {}
         if is_main:  # a full disk is found now, not at the end of an epoch of training
-            check_free_space(self.output_dir, checkpoint_bytes(model))
+            check_free_space(self.output_dir, checkpoint_bytes(model) * (1 + len(self.extra_state)))
         self.writer = CheckpointWriter()
         self._last_save = time.monotonic()
+
+    def after_step(self, done: StepDone) -> bool:
+        """At a log interval's end (its losses checked: a checkpoint holds no step with a non-finite loss)."""
+        if not self.plan.due_for_log(done.number):
+            return False
+        self.check()
+        if not self.due():
+            return False
+        self.save(epoch_done=False)
+        return True
+
+    def epoch_end(self, end: EpochEnd) -> bool:
+        self.save(epoch_done=end.complete)
+        return True
+
+    def close(self, ending: Ending) -> None:
+        if ending is Ending.STOPPED:
+            self.save(epoch_done=False)
+            self.wait()  # the stop's message says the file holds this step
+        elif ending is Ending.DONE:
+            self.wait()
+        else:
+            self.wait_quietly()
 
     @property
     def latest(self) -> Path:
         return self.output_dir / LATEST
 
-    def save(self, position: Position, *, epoch_done: bool) -> None:
-        """checkpoint.pth at ``position`` (and the epoch's own file when one is due), with the evaluation a stop
+    def save(self, *, epoch_done: bool) -> None:
+        """checkpoint.pth at the position (and the epoch's own file when one is due), with the evaluation a stop
         interrupted, if any, for the resume to run first."""
+        position = self.position
         if self.is_main:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "lr_scheduler": self.lr_scheduler.state_dict(), "grad_scaler": self.scaler.state_dict(),
                      "epoch": position.epoch, "steps_in_epoch": position.steps_in_epoch, "step": position.step,
-                     "config": self.config_record, "categories": self.categories, "rng": capture_rng_state()}
+                     "config": self.config_record, "categories": self.categories, "rng": capture_rng_state(),
+                     **{key: part.state_dict() for key, part in self.extra_state.items()}}
             if position.pending_evaluation is not None:
                 state["pending_evaluation"] = position.pending_evaluation
             if epoch_done and position.epoch % self.checkpoint_every == 0:
@@ -62,12 +92,12 @@ class CheckpointSaver:
             self.timing.add_checkpoint(held)
         self._last_save = time.monotonic()
 
-    def due(self, position: Position, *, steps_per_epoch: int) -> bool:
+    def due(self) -> bool:
         """Mid-epoch: ``checkpoint_minutes`` have passed since the last save (rank 0 alone: it writes, no
         collective)."""
         minutes = self.checkpoint_minutes
         return (self.is_main and minutes is not None and time.monotonic() - self._last_save >= 60 * minutes
-                and position.steps_in_epoch < steps_per_epoch)
+                and self.position.steps_in_epoch < self.plan.steps_per_epoch)
 
     def wait(self) -> None:
         """Until the write in flight is on disk (its error raised); the time counts as the checkpoint's."""

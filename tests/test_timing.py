@@ -1,11 +1,11 @@
-"""engine/train/run_timing.py: which steps the steady figures (bench/throughput.py's rows) are taken from."""
+"""engine/train/hooks/timing.py: which steps the steady figures (bench/throughput.py's rows) are taken from."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.compile.clock import CompileTotals
-from engine.train.run_timing import RunTiming
+from engine.train.hooks.timing import RunTiming
 
 
 class _Clock:
@@ -62,18 +62,3 @@ def test_profiled_steps_are_left_out_of_the_steady_steps_whatever_they_compiled(
     steady = timing.steady()
     # Warm steps 3 to 16 (the profiled 17 to 20 left out): the second half is 10 to 16.
     assert (steady["first_step"], steady["steps"]) == (10, 7)
-
-
-def test_a_step_is_warm_once_its_size_was_met_twice_and_when_it_compiles_nothing():
-    """What profile_steps says of each profiled step (RunTiming.last_step_warm): the first two steps of a size warm
-    it up, a step that compiles a graph is not like the others."""
-    clock = _Clock()
-    timing = RunTiming(started=0.0, clock=clock)
-    warm = []
-    for number, size in enumerate([(4, 3, 64, 96)] * 4 + [(4, 3, 96, 64)] * 3 + [(4, 3, 64, 96)] * 2, start=1):
-        before = timing.step_started()
-        if number == 8:
-            clock.compile(seconds=0.5, graphs=1)
-        timing.step_ended(before, size=size)
-        warm.append(timing.last_step_warm)
-    assert warm == [False, False, True, True, False, False, True, False, True]

@@ -1,0 +1,1 @@
+"""The parts of a training run that are not the step: each a hook the loop calls (base.py says when)."""

@@ -1,0 +1,83 @@
+"""Evaluation during training, as a hook: after every ``eval_every`` epochs and after the last step, its time kept apart
+from training's and its compilation (the first evaluation of a size records or compiles its graph) reported.
+
+A stop signal during an evaluation stops it within a batch; the checkpoint then asks the resumed run to run that
+evaluation first (``Position.pending_evaluation``), which ``start`` does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from datasets.loader import stop_workers
+from engine.evaluation.coco import EvaluationStopped
+from engine.evaluation.validation import Validation
+from engine.reporting.tensorboard import ScalarWriter
+from engine.runtime.distributed import DistContext, barrier
+
+from ..run_plan import Position, RunPlan
+from .base import Ending, EpochEnd, Hook, StopRequested
+from .saving import CheckpointSaver
+from .stopping import StopControl
+from .timing import RunTiming
+
+
+class EpochEvaluation(Hook):
+    """Runs the run's Validation at the epochs' ends the plan says; ``stats`` holds the last figures (None before any).
+
+    saver     rewrites the checkpoint once a resumed run's pending evaluation has run
+    stopping  asked after each evaluation batch whether to stop
+    """
+
+    def __init__(self, validation: Validation, *, output_dir: Path, writer: ScalarWriter, timing: RunTiming,
+                 ctx: DistContext, position: Position, plan: RunPlan, saver: CheckpointSaver, stopping: StopControl):
+        self.validation, self.output_dir, self.writer = validation, Path(output_dir), writer
+        self.timing, self.ctx, self.position, self.plan = timing, ctx, position, plan
+        self.saver, self.stopping = saver, stopping
+        self.stats: dict | None = None
+
+    def start(self) -> bool:
+        if self.validation.loader.num_workers > 0:
+            # The validation loader's workers are forked now, before any checkpoint is written: forked while the
+            # writer thread has the file open, they would inherit it and keep a replaced checkpoint's disk space
+            # taken until the run ends. Its first evaluation then starts with its workers ready.
+            iter(self.validation.loader)
+        pending = self.position.pending_evaluation
+        if pending is None:
+            return False
+        self.evaluate(epoch=pending["epoch"], complete=pending["epoch_complete"])
+        self.position.pending_evaluation = None
+        self.saver.save(epoch_done=False)  # the checkpoint no longer asks for it
+        return True
+
+    def epoch_end(self, end: EpochEnd) -> bool:
+        evaluates = self.plan.evaluates_after(end.epoch, complete=end.complete, step=self.position.step)
+        if evaluates:
+            self.evaluate(epoch=end.epoch + 1, complete=end.complete)
+        barrier(self.ctx)
+        self.writer.flush()
+        return evaluates
+
+    def close(self, ending: Ending) -> None:
+        if ending is Ending.FAILED:
+            stop_workers(self.validation.loader)
+
+    def evaluate(self, *, epoch: int, complete: bool) -> None:
+        """Evaluate after ``epoch`` (1-based: epochs done). Stopped by a signal, it records itself as the checkpoint's
+        pending evaluation and asks the run to stop."""
+        step = self.position.step
+        before, t0 = self.timing.clock.totals(), time.perf_counter()
+        try:
+            evaluation = self.validation.run(writer=self.writer,
+                                             json_path=self.output_dir / f"eval_epoch{epoch:04d}.json", step=step,
+                                             what=f"after epoch {epoch}, step {step}", epoch=epoch,
+                                             epoch_complete=complete, should_stop=self.stopping.during_evaluation)
+        except EvaluationStopped:
+            self.position.pending_evaluation = {"epoch": epoch, "epoch_complete": complete}
+            raise StopRequested from None
+        compiled = self.timing.clock.totals().since(before)
+        self.timing.add_evaluation(time.perf_counter() - t0, compiled)
+        if compiled.graphs or compiled.seconds >= 1.0:
+            self.timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step)
+        self.stats = evaluation.stats

@@ -1,0 +1,201 @@
+"""What the loop reports once per log interval: losses checked for NaN/inf, then the progress line and
+TensorBoard.
+
+Each step leaves its result vector (engine.train.step.OptimizerStep) on the device and, on CUDA, a pair of CUDA
+events around its work (engine.train.hooks.base.ComputeSpan). ``StepLog.flush`` makes the one transfer of the interval:
+it stacks the vectors, averages them over processes, reads them to the host and reads the events' elapsed times.
+The step time it reports is the mean over the interval of the GPU stream's time from a step's first to its last
+operation, so it covers the step's work and any gap in it (the matching on the host), and not the data loading. A
+non-finite loss found there stops the run before the next checkpoint, so checkpoint.pth stays the last good state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import NonFiniteLossError
+from engine.reporting.progress import Progress
+from engine.reporting.tensorboard import ScalarWriter
+from engine.runtime.distributed import DistContext, all_reduce_mean
+from models.criterion import AUX_SUFFIX
+
+from ..optim import group_lrs
+from ..run_plan import RunPlan
+from ..step import OptimizerStep
+from .base import ComputeSpan, Ending, EpochEnd, Hook, StepDone
+from .stopping import StopControl
+from .timing import RunTiming
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Interval:
+    """Host values of the steps since the last flush."""
+
+    first_step: int                 # global index (0-based) of the first step in the interval
+    rows: list[dict[str, float]]    # one per step: name -> value (averaged over processes)
+    step_ms: float                  # mean time of a step's compute (CUDA events, or the host clock on CPU)
+    data_ms: float                  # mean host time waiting for a batch
+    images_per_s: float             # all processes' images over the interval's wall time
+    wall_s: float
+    stop_requested: bool = False    # some process was asked to stop (engine/runtime/stop_request.py)
+
+    @property
+    def last(self) -> dict[str, float]:
+        return self.rows[-1]
+
+    def first_non_finite(self, names: tuple[str, ...]) -> tuple[int, dict[str, float]] | None:
+        """(global step index, row) of the first step where one of ``names`` is NaN/inf, else None."""
+        for i, row in enumerate(self.rows):
+            if not all(math.isfinite(row[n]) for n in names):
+                return self.first_step + i, row
+        return None
+
+
+class StepLog:
+    """Collects step results on the device; ``flush(names, average)`` returns an Interval."""
+
+    def __init__(self) -> None:
+        self._values: list[torch.Tensor] = []
+        self._spans: list[ComputeSpan] = []
+        self._data_ms: list[float] = []
+        self._images = 0
+        self._first_step = 0
+        self._t_flush = time.perf_counter()
+        self._t_last_end = self._t_flush  # when the last step ended (its launches, on a GPU)
+        self._paused_wall_s = 0.0  # this interval's time before its last pause
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def add(self, done: StepDone) -> None:
+        """A step's result (engine.train.hooks.base.StepDone)."""
+        if not self._values:
+            self._first_step = done.number - 1
+        self._values.append(done.values)
+        self._spans.append(done.compute)
+        self._data_ms.append(done.data_s * 1e3)
+        self._images += done.images
+        self._t_last_end = time.perf_counter()
+
+    def flush(self, names: tuple[str, ...], average=None, *, stop: bool = False) -> Interval | None:
+        """Read the interval's results (one device->host transfer); None when no step was run.
+
+        ``average`` maps a device tensor to its mean over processes (engine.runtime.distributed), so that every
+        rank sees the same values and takes the same decisions. ``stop`` (this process was asked to stop)
+        travels in the same tensor, as one more row: every process learns at the same step whether any was.
+        """
+        if not self._values:
+            return None
+        stacked = torch.stack(self._values)  # (steps, len(names))
+        flag = torch.full_like(stacked[:1], float(stop))  # (1, len(names))
+        stacked = torch.cat([stacked, flag])  # (steps + 1, len(names))
+        if average is not None:
+            stacked = average(stacked)
+        *values, flag_row = stacked.tolist()  # the interval's one sync
+        step_ms = [span.ms() for span in self._spans]
+        now = time.perf_counter()
+        wall_s = self._paused_wall_s + now - self._t_flush
+        interval = Interval(first_step=self._first_step, rows=[dict(zip(names, row)) for row in values],
+                            step_ms=sum(step_ms) / len(step_ms), data_ms=sum(self._data_ms) / len(self._data_ms),
+                            images_per_s=self._images / max(wall_s, 1e-9), wall_s=wall_s,
+                            stop_requested=flag_row[0] > 0)
+        self._values, self._spans, self._data_ms, self._images = [], [], [], 0
+        self._t_flush, self._paused_wall_s = now, 0.0
+        return interval
+
+    def restart_clock(self) -> None:
+        """Exclude what happened since the last step (evaluation, checkpoints, a profiler's start or export) from the
+        interval's images/s. The interval's steps before it still count, with their time up to the last one's end:
+        a pause inside an interval would otherwise leave its earlier images over the time after it alone. On a GPU
+        that end is when the host had queued the step, whose work may finish during the pause: such an interval's
+        images/s can read high by up to one step's GPU time."""
+        if self._values:
+            self._paused_wall_s += max(0.0, self._t_last_end - self._t_flush)
+        self._t_flush = time.perf_counter()
+
+class IntervalReporter(Hook):
+    """The steps of each log interval, read and reported at its end, at an epoch's end and at a stop; whether any
+    process was asked to stop travels in the same read (``stopping``).
+
+    describe_kept   what a run that stops without saving keeps (engine/train/hooks/saving.py), for its message
+    """
+
+    def __init__(self, *, step: OptimizerStep, ctx: DistContext, writer: ScalarWriter, progress: Progress,
+                 timing: RunTiming, plan: RunPlan, stopping: StopControl, fp16_skips_overflows: bool,
+                 describe_kept: Callable[[], str]):
+        self.step, self.optimizer, self.ctx = step, step.optimizer, ctx
+        self.writer, self.progress, self.timing, self.plan, self.stopping = writer, progress, timing, plan, stopping
+        # fp16's GradScaler skips overflowing steps itself: only the loss is checked then.
+        self.checked = ("loss",) if fp16_skips_overflows else ("loss", "grad_norm")
+        self.describe_kept = describe_kept
+        self.step_log = StepLog()
+        self.losses: list[float] = []
+        self._step, self._epoch = plan.start_step, 0  # the last step added, and its epoch
+
+    def after_step(self, done: StepDone) -> None:
+        self.step_log.add(done)
+        self._step, self._epoch = done.number, done.epoch
+        if self.plan.due_for_log(done.number):
+            self.report(epoch=done.epoch)
+
+    def epoch_end(self, end: EpochEnd) -> None:
+        self.report(epoch=end.epoch)  # a non-finite loss stops the run here, before anything is saved
+
+    def pause(self) -> None:
+        self.step_log.restart_clock()
+
+    def close(self, ending: Ending) -> None:
+        if ending is Ending.STOPPED:
+            self.report(epoch=self._epoch)  # the interval's losses are checked before they are saved
+
+    def report(self, *, epoch: int) -> None:
+        """Read the interval's results (the one sync of the interval), stop on a non-finite loss, log, and tell the
+        stop control whether any process was asked to stop. Nothing when no step ran since the last report."""
+        if not len(self.step_log):
+            return
+        average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
+        interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.requested_here)
+        bad = interval.first_non_finite(self.checked)
+        if bad is not None:
+            index, row = bad
+            what = "loss" if not math.isfinite(row["loss"]) else "gradient norm"
+            raise NonFiniteLossError(self._non_finite_message(what, row, epoch=epoch, step=index))
+        self.losses.extend(r["loss"] for r in interval.rows)
+        if self.ctx.is_main:
+            self._log_interval(interval, epoch=epoch, step=self._step)
+        self.stopping.heard(interval.stop_requested)
+
+    def _log_interval(self, interval: Interval, *, epoch: int, step: int) -> None:
+        weights = self.step.criterion.weight_dict
+        last = interval.last
+        lrs = group_lrs(self.optimizer)
+        weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_SUFFIX.search(k)}
+        scalars = {"loss": last["loss"], **weighted, **{f"{k}_unscaled": last[k] for k in weighted},
+                   "lr": lrs.get("rest", next(iter(lrs.values()))), "step_time_ms": interval.step_ms,
+                   "data_time_ms": interval.data_ms, "images_per_s": interval.images_per_s,
+                   "grad_norm": last["grad_norm"]}
+        if "backbone" in lrs:
+            scalars["lr_backbone"] = lrs["backbone"]
+        if self.ctx.device.type == "cuda":
+            scalars["max_memory_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
+        self.writer.add("train", scalars, step)
+        self.progress.report(step=step, epoch=epoch, epochs=self.plan.epochs, loss=last["loss"], parts=weighted,
+                             lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
+                             images_per_s=interval.images_per_s,
+                             excluded_s=self.timing.not_training_s + self.timing.eval_s,
+                             evaluation_s=self.timing.evaluation_s)
+
+    def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:
+        kept = self.describe_kept()  # the last good checkpoint may still be being written
+        losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_SUFFIX.search(k))
+        return (f"non-finite {what} ({row['loss'] if what == 'loss' else row['grad_norm']}) at epoch {epoch + 1}, "
+                f"step {step + 1} ({losses}); that update was skipped and the run stops without saving: {kept}. "
+                f"Try a lower optim.lr, amp=none, or check the data")

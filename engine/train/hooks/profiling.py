@@ -1,0 +1,162 @@
+"""``profile_steps=[FIRST,LAST]``: torch.profiler over those optimizer steps, its trace in the run directory and the
+share of their time the GPU was busy in the log and in timing.json.
+
+On a GPU the profiler records the GPU's activity alone (kernels, copies, memsets): recording the host's operations
+too would slow the host, and a GPU that waits for the host would look idler than it is in an unprofiled run. The
+busy share is the time in which at least one GPU activity ran over the steps' wall time on the host's clock, the
+GPU's queue empty at both ends. On the CPU the trace records the host's operations and there is no busy share. A
+range that crosses an epoch's end is profiled up to there (never the epoch's checkpoint and evaluation); one that
+goes past the run's end, up to its end. The profiled steps are left out of the run's steady step figures. A
+profiler that fails costs a warning, never the run. bench/step_profile.py analyses such traces further.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.compile.clock import CompileClock
+
+from .base import Ending, EpochEnd, Hook, StepDone
+from .timing import RunTiming
+
+log = logging.getLogger(__name__)
+
+
+def is_device_work(event) -> bool:
+    """Whether a profiler event is work the GPU did: a kernel, copy or memset. Every named range on the host also has
+    a GPU-side twin spanning the kernels launched inside it, marked as a user annotation: counting it would count
+    those kernels again."""
+    return str(event.device_type).endswith("CUDA") and not getattr(event, "is_user_annotation", False)
+
+
+def device_activity(events) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every GPU activity among a profile's events."""
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if is_device_work(e) and e.time_range.end > e.time_range.start]
+
+
+def busy_time(busy: list[tuple[float, float]], start: float, end: float) -> float:
+    """The time within [start, end] covered by at least one of the ``busy`` intervals (start, end)."""
+    covered, cursor = 0.0, start
+    for a, b in sorted(busy):
+        a, b = max(a, cursor), min(b, end)
+        if b > a:
+            covered += b - a
+            cursor = b
+    return covered
+
+
+class StepProfiler(Hook):
+    """Profiles the optimizer steps numbered ``steps`` = (first, last), counted from 1 over the whole run (a resumed run
+    goes on counting), or nothing for None. ``summary`` holds the figures once the profile has ended; they also go
+    to ``timing.profile`` (timing.json), and ``timing.profiling`` is set while a profile records."""
+
+    def __init__(self, steps: tuple[int, int] | None, *, output_dir: Path, device: torch.device, timing: RunTiming,
+                 trains: tuple[int, int], rank: int = 0, world_size: int = 1, report: bool = True):
+        self.steps = tuple(steps) if steps is not None else None
+        self.output_dir, self.device, self.timing, self.report = Path(output_dir), device, timing, report
+        self.suffix = f".rank{rank}" if world_size > 1 else ""
+        self.summary: dict | None = None
+        self._cuda = device.type == "cuda"
+        self._profile = None
+        self._first = self._last = 0
+        self._started = 0.0
+        self._compiled_before = None
+        first, last = trains
+        if self.steps is not None and report and not (first <= self.steps[1] and self.steps[0] <= last):
+            trained = f"steps {first} to {last}" if first <= last else "no step"
+            log.warning("profile_steps=[%d,%d] will profile nothing: this run trains %s", *self.steps, trained)
+
+    def before_step(self, number: int) -> bool:
+        if self._profile is not None or self.summary is not None or self.steps is None \
+                or not self.steps[0] <= number <= self.steps[1]:
+            return False
+        from torch.profiler import ProfilerActivity, profile
+
+        activity = ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU
+        try:
+            if self._cuda:
+                torch.cuda.synchronize(self.device)  # the steps before are not this profile's
+            self._profile = profile(activities=[activity])
+            self._profile.__enter__()
+        except Exception as error:  # noqa: BLE001 - a profiler that cannot start costs the run nothing
+            self._give_up(f"torch.profiler could not start: {error}")
+            return False
+        self._first = self._last = number
+        self._started, self._compiled_before = time.perf_counter(), CompileClock.get().totals()
+        self.timing.profiling = True
+        return True
+
+    def after_step(self, done: StepDone) -> bool:
+        if self._profile is None:
+            return False
+        self._last = done.number
+        if done.number < self.steps[1]:
+            return False
+        self._finish()
+        return True
+
+    def epoch_end(self, end: EpochEnd) -> bool:
+        if self._profile is None:
+            return False
+        self._finish()
+        return True
+
+    def close(self, ending: Ending) -> None:
+        if self._profile is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        profile, self._profile = self._profile, None
+        self.timing.profiling = False
+        first, last = self._first, self._last
+        trace = self.output_dir / f"profile_steps_{first}-{last}{self.suffix}.json"
+        try:
+            if self._cuda:
+                torch.cuda.synchronize(self.device)  # every kernel of the profiled steps inside the profile
+            wall_us = (time.perf_counter() - self._started) * 1e6
+            profile.__exit__(None, None, None)
+            events = list(profile.events())
+            partial = trace.with_name(trace.name + ".partial")
+            profile.export_chrome_trace(str(partial))
+            os.replace(partial, trace)
+        except Exception as error:  # noqa: BLE001 - a failed profile costs the run nothing
+            self._give_up(f"profiling steps {first}-{last} failed: {error}")
+            return
+        steps = last - first + 1
+        busy = device_activity(events) if self._cuda else []
+        work_us = busy_time(busy, min(a for a, _ in busy), max(b for _, b in busy)) if busy else None
+        self.summary = {"profiled_steps": [first, last], "steps": steps, "step_ms": wall_us / steps / 1e3,
+                        "gpu_busy": None if work_us is None else min(1.0, work_us / wall_us),
+                        "gpu_work_ms": None if work_us is None else work_us / steps / 1e3,
+                        "graphs_compiled": CompileClock.get().totals().since(self._compiled_before).graphs,
+                        "trace": trace.name}
+        self.timing.profile = self.summary
+        if self.report:
+            self._log()
+
+    def _log(self) -> None:
+        summary = self.summary
+        first, last = summary["profiled_steps"]
+        text = f"profile of steps {first}-{last}: {summary['step_ms']:.1f} ms per step"
+        if summary["gpu_busy"] is not None:
+            text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
+        if summary["graphs_compiled"]:
+            text += (f"; {summary['graphs_compiled']} graphs compiled or recorded in these steps: not like the "
+                     "steady steps, and in these figures")
+        log.info("%s; trace %s", text, summary["trace"])
+        if self._cuda and summary["gpu_busy"] is None:
+            log.warning("torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not allowed to "
+                        "trace): the GPU's busy share is unknown", first, last)
+
+    def _give_up(self, why: str) -> None:
+        self._profile = None
+        self.timing.profiling = False
+        self.summary = {"profiled_steps": list(self.steps), "error": why}
+        self.timing.profile = self.summary
+        log.warning("%s; the run goes on unprofiled", why)
