@@ -95,7 +95,7 @@ def test_the_eta_is_the_whole_runs_with_its_evaluations_to_come(monkeypatch, cap
                         evaluation_steps=evaluations, val_images=600)
     now[0] += 20 * 0.5  # 20 steps of 0.5 s at 20 img/s: an evaluation of 600 images estimated at 10 s
     assert progress.eta_seconds(20, evaluation_s=10.0) == pytest.approx(980 * 0.5 + 10 * 10.0)
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         progress.report(step=20, epoch=0, epochs=10, loss=1.0, parts={}, lr=1e-4, step_ms=500, data_ms=1,
                         images_per_s=20.0)
         now[0] += 80 * 0.5 + 30.0 + 50 * 0.5  # the rest of the epoch, its evaluation (30 s), half the next epoch

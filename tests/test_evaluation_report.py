@@ -90,7 +90,7 @@ def test_rate_and_eta_leave_the_first_batch_out(monkeypatch, caplog):
     now = [50.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     progress = EvaluationProgress(total_images=20, every_s=2.5, enabled=True)
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         now[0] += 10.0  # the first batch of 2 images: 10 s of warm-up
         progress.update(2)
         for batch in range(2, 6):  # then a batch of 2 images per second
@@ -109,7 +109,7 @@ def test_progress_is_silent_where_disabled_and_names_the_share_of_several_proces
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     quiet = EvaluationProgress(total_images=10, every_s=0, enabled=False)
     shared = EvaluationProgress(total_images=5, every_s=0, enabled=True, share_of=10)
-    with caplog.at_level(logging.INFO, logger="train"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         for images in (1, 2):
             now[0] += 1.0
             quiet.update(images)

@@ -172,7 +172,7 @@ def test_an_unreadable_image_is_skipped_with_one_warning_and_the_good_ones_writt
     (broken / "good.jpg").write_bytes((folder / "a.jpg").read_bytes())
     (broken / "good.png").write_bytes((folder / "b.png").read_bytes())
     (broken / "bad.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])  # truncated
-    with caplog.at_level("WARNING", logger="predict"):
+    with caplog.at_level("WARNING", logger="engine"):
         out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={broken}", "batch_size=4",
                                                 f"output_dir={tmp_path / 'o'}", "score_threshold=0"))
     assert out["skipped"] == [str(broken / "bad.jpg")]

@@ -8,30 +8,19 @@ Compiled (``reduce-overhead``), it takes the transformer with its heads (as one 
 losses after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and
 graphs off; ``default`` compiles without CUDA graphs (also on the CPU).
 
-Why these choices (bench/results/e2e_h200.md, throughput_h200.md and their history): the step's thousands of small
-launches are in the transformer, and each compiled call costs the host a few hundred microseconds (Dynamo's guards,
-AOTAutograd's wrappers, the CUDA-graph trees' input copies). Below ``LAYERS_FROM_BATCH`` images per pass the GPU
-waits for that host time, so the transformer is one graph (``DeformableDETR.predict``: the encoder, the decoder,
-the glue between their layers, the heads and the deformable attention op, a registered operator traced with no
-break). From that batch on the GPU's work per call hides it, and ``layers`` compiles each encoder and decoder layer
-(layers of one kind share a graph) and the heads apart: about a third of the first compilation. CUDA graphs take
-the launches off the host. The size buckets (datasets/size_buckets.py) bound how many sizes a run meets, training
-and evaluation together, and so how many CUDA graphs it records.
+Why: the step's thousands of small launches are in the transformer, and each compiled call costs the host a few
+hundred microseconds (guards, wrappers, the CUDA-graph trees' input copies). Below ``LAYERS_FROM_BATCH`` images per
+pass the GPU waits for that host time, so the transformer is one graph (``DeformableDETR.predict``, the attention
+op traced as a registered operator with no break); from that batch on the GPU's work per call hides it, and
+``layers`` compiles each kind of layer once, which compiles faster. The size buckets (datasets/size_buckets.py)
+bound how many sizes a run meets, and so how many CUDA graphs it records.
 
-By default every training region has symbolic sizes: one graph serves every bucket and every batch. The
-transformer's (``_options``) turns off the size thresholds of a fusion that made the second size compile it again.
-The backbone's graph costs more to compile than one of fixed sizes, once: ``compile.backbone=static`` compiles a
-graph per size, which at the COCO recipe's 14 training sizes took minutes in all. With the transformer a layer at
-a time torch's duck shapes stay on (``compile_model``): a square first batch size makes the backbone's height and
-width one symbol, and the first other size compiles its graph for every size once more. The losses are padded to a few
-numbers of matched pairs (models.criterion.target_slots), so that their CUDA graphs are recorded a few times and
-replayed. Evaluation runs ``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``)
-as one graph per evaluation size, so that the first evaluation compiles one graph per evaluation bucket and later
-ones none, instead of every training region again without gradients. Module names and state_dict keys are
-unchanged: checkpoints of a compiled run load anywhere.
-
-Compiled graphs, kernels and autotuning results are kept in ``compile.cache_dir`` (``use_compile_cache``),
-so that a second run or a resume on the same machine skips most of the compilation.
+Every training region has symbolic sizes: one graph serves every bucket and every batch (``compile.backbone=static``
+compiles the backbone per size instead). The losses are padded to a few numbers of matched pairs
+(models.criterion.target_slots), so that their CUDA graphs are recorded a few times and replayed. Evaluation runs
+``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per evaluation
+size. Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere. Compiled graphs,
+kernels and autotuning results are kept in ``compile.cache_dir`` for the next run and for resumes.
 """
 
 from __future__ import annotations
@@ -53,7 +42,6 @@ from engine.config.choices import (
     TRAIN_BACKBONE_CHOICES,
 )
 from models.compiled_regions import Region
-
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +207,11 @@ def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -
 
 def _options(region: Region, plan: CompilePlan) -> dict:
     """torch.compile's arguments for one region. Inductor takes a mode or options, not both: reduce-overhead
-    is its CUDA-graph option. For a whole graph with symbolic sizes, Inductor's tiling coalescing analysis
-    is off: meant for static shapes, it failed an assertion comparing two size hints of one fused node of the
-    transformer's graph (torch 2.11), and the compile died. For any graph with symbolic sizes, the fusion of
-    two reductions along different axes of one tensor (a layer norm's backward) skips its size thresholds:
-    they guard on the flattened token count (2 x 256 x S >= 5 x 2^20), so the first size on the other side of
-    it compiled the transformer again. The fused kernel now runs at every size, as it ran above the threshold
-    (most of the COCO recipe's batches of 2)."""
+    is its CUDA-graph option. For a whole graph with symbolic sizes, Inductor's tiling coalescing analysis is off
+    (meant for static shapes, it can fail an assertion on this graph's size hints and end the compile). For any
+    graph with symbolic sizes, the fusion of two reductions along different axes of one tensor (a layer norm's
+    backward) skips its size thresholds, which guard on the token count: otherwise the first size on the other side
+    of a threshold compiles the graph again."""
     options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
     inductor = {}
     triton_options = torch._inductor.config.triton

@@ -8,7 +8,7 @@ import torch
 
 from engine.reporting.log_filter import FILE_ONLY
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 class _OneLine(logging.Handler):

@@ -18,7 +18,7 @@ from engine.runtime.distributed import Ranks
 from engine.runtime.precision import Precision
 from engine.runtime.rng import rng_preserved
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 # Seconds between evaluation progress lines: a COCO val pass (5000 images) logs a few, a synthetic one none.
 PROGRESS_EVERY_S = 15.0
 

@@ -16,7 +16,7 @@ from .coco import Evaluation, evaluate_coco
 from .detection_images import DetectionImages
 from .record import record_evaluation
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 
 @dataclass

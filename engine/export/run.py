@@ -27,7 +27,7 @@ from .exportable import ExportableDetector, SampleShape, smallest_multiple, trac
 from .parity import ParityReport, check_parity, tolerance_for
 from .samples import recorded_validation_folder, sample_batch
 
-log = logging.getLogger("export")
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # model.msda to build the model with, per msda_node: the reference traces as grid_sample ops; triton as one

@@ -37,7 +37,7 @@ from models.postprocess import PostProcess
 
 from .predictions import Predictions
 
-log = logging.getLogger("predict")
+log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0
 # Batches padded to multiples of the backbone's largest stride: no partial cells at the edges.
 PAD_TO_MULTIPLE = 32

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 # Images per second of inference over those of training, for an evaluation's ETA before the first has run: no
 # backward, no matching, no update.
 INFERENCE_SPEED_UP = 3.0

@@ -3,7 +3,7 @@
 ``run_reporting_faults`` runs a job the way train.py's users meet it. A fault the user can fix (a setting, a
 path, a data file, a checkpoint, a full disk, another run in the directory: engine.errors.USER_FAULTS) is one
 message on the console, without a traceback or the internal exceptions behind it; the traceback goes to
-train.log (and to the console too with HYDRA_FULL_ERROR=1). The exit codes (README, "Exit codes"): 0 done;
+train.log (and to the console too with HYDRA_FULL_ERROR=1). The exit codes (docs/resume-and-faults.md): 0 done;
 1 a fault; 128 + N stopped by signal N after saving its step (143 SIGTERM, 130 SIGINT, 138 SIGUSR1); 130 also
 for a second Ctrl-C, which stops at once. Anything else is a bug: its traceback goes to train.log and Hydra
 prints it once.

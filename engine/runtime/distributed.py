@@ -206,14 +206,10 @@ def distributed_data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_
     import torch._dynamo
     from torch.nn.parallel import DistributedDataParallel
 
-    # Inside DDP, Dynamo cuts each compiled graph where DDP's buckets would end (a 1 MiB first bucket, then
-    # 25 MiB ones), so that a piece's all-reduce can start during the graph's backward. With
-    # compile_regions=layers, engine.compile's graphs are single layers of 3-4 MiB of parameters: the cuts made
-    # two graphs of each, twice the CUDA-graph replays and their host cost per step (208 against 104 in 4 steps
-    # on 2 H200s), while DDP's hooks already start each bucket's all-reduce between layers. With
-    # compile_regions=transformer the transformer's gradients all arrive at the end of one graph's backward, so
-    # their all-reduce overlaps only the backbone's backward (not measured; gradient_sync=allreduce, the
-    # default, overlaps nothing anyway). Read when a graph is compiled, at the first step.
+    # Inside DDP, Dynamo cuts each compiled graph where DDP's buckets would end, so that a piece's all-reduce can
+    # start during the graph's backward. engine.compile's per-layer graphs are smaller than a bucket: the cuts would
+    # double the CUDA-graph replays and their host cost, while DDP's hooks already start each bucket's all-reduce
+    # between layers. Read when a graph is compiled, at the first step.
     torch._dynamo.config.optimize_ddp = False
 
     return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,

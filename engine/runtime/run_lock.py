@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.errors import RunDirectoryInUse
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 LOCK_FILE = ".run.lock"
 

@@ -16,7 +16,7 @@ import logging
 import signal
 import threading
 
-log = logging.getLogger("train")
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGUSR1")) if s is not None)
 STOPPED_EXIT_CODE = {int(s): 128 + int(s) for s in STOP_SIGNALS}
