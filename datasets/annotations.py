@@ -67,7 +67,7 @@ def load_annotation_file(path: str | Path) -> dict:
     return data
 
 
-# What every annotation must have (COCO's format; README, "Your own data"). Their values are checked apart.
+# What every annotation must have (COCO's format; docs/own-data.md). Their values are checked apart.
 ANNOTATION_FIELDS = ("id", "image_id", "category_id", "bbox")
 
 

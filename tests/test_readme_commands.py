@@ -1,4 +1,5 @@
-"""README commands that cannot rot: every command of README.md's (and bench/README.md's) code blocks is checked.
+"""Documented commands that cannot rot: every command in the code blocks of README.md, bench/README.md and docs/*.md
+is checked.
 
 - `python train.py|predict.py|export.py ...` (also under torchrun, after environment variables such as
   `CXX=g++`, over `\\` continuations, before a `# comment`): its overrides are composed with hydra.compose from
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = (ROOT / "README.md", ROOT / "bench" / "README.md")
+DOCUMENTS = (ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 ENTRY_POINTS = {"train.py": "train", "predict.py": "predict", "export.py": "export"}
 PLACEHOLDERS = {"...", "[overrides]"}
 OPERATORS = {"&&", "||", ";", "|"}
@@ -175,16 +176,17 @@ def test_the_extraction_reads_continuations_comments_environment_and_torchrun():
     assert problems(text, "x.md") == []
 
 
-def test_a_bad_key_and_an_unknown_bench_flag_fail_naming_their_line():
-    text = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("document", ["README.md", "docs/compile.md"])
+def test_a_bad_key_and_an_unknown_bench_flag_fail_naming_their_line(document):
+    text = (ROOT / document).read_text()
     lines = text.splitlines()
     bad = lines + ["", "```bash", "python train.py optim.lrr=1e-4", "python bench/e2e.py --no-such-flag",
                    "python predict.py checkpoint=PATH images=photos/ score_threshold=2", "```"]
-    found = problems("\n".join(bad))
+    found = problems("\n".join(bad), document)
     first = len(lines) + 3
     assert len(found) == 3, found
-    assert found[0].startswith(f"README.md:{first}: `python train.py optim.lrr=1e-4`: ")
+    assert found[0].startswith(f"{document}:{first}: `python train.py optim.lrr=1e-4`: ")
     assert "optim.lrr" in found[0].split("`: ")[1]
-    assert found[1] == f"README.md:{first + 1}: `python bench/e2e.py --no-such-flag`: unrecognized arguments: " \
+    assert found[1] == f"{document}:{first + 1}: `python bench/e2e.py --no-such-flag`: unrecognized arguments: " \
                        "--no-such-flag"
-    assert found[2].startswith(f"README.md:{first + 2}: ") and "score_threshold must" in found[2].split("`: ")[1]
+    assert found[2].startswith(f"{document}:{first + 2}: ") and "score_threshold must" in found[2].split("`: ")[1]
