@@ -102,11 +102,21 @@ def test_a_config_composed_without_the_schemas_is_refused():
         check_config(untyped)
 
 
-def test_check_config_returns_the_runs_own_copy():
-    cfg = compose_train()
-    own = check_config(cfg)
-    own.model.num_classes = 3
-    assert cfg.model.num_classes == 7
+def test_a_run_settles_its_config_once_into_a_read_only_copy(tmp_path):
+    """The classes come from the data where model.num_classes is null, into the run's own copy; nothing changes the
+    config after that, and the caller's is left as it was."""
+    from omegaconf.errors import ReadonlyConfigError
+
+    from datasets import build_dataset
+    from engine.train.run import settle_config
+
+    cfg = check_config(compose_train(f"dataset.root={tmp_path}", "dataset.num_train=4", "dataset.num_val=2",
+                                     "model.num_classes=null"))
+    data = {split: build_dataset(split, cfg.dataset, check=False) for split in ("train", "val")}
+    settled, init = settle_config(cfg, ckpt=None, resume_path=None, data=data, report=False)
+    assert settled.model.num_classes == 7 and cfg.model.num_classes is None and init.path is None
+    with pytest.raises(ReadonlyConfigError):
+        settled.model.num_classes = 3
 
 
 def test_checkpoints_record_the_config_as_plain_values(tmp_path):

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 
 TRAINING_STATE = ("optimizer", "lr_scheduler", "grad_scaler", "epoch", "steps_in_epoch", "step", "rng")
+# The key of a checkpoint's model EMA (engine/train/hooks/ema.py): {"model": the average's floating tensors by name,
+# "updates": optimizer steps averaged}.
+EMA_KEY = "ema"
 
 
 def check_training_state(ckpt: dict, *, path: str | os.PathLike) -> None:

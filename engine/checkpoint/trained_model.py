@@ -21,7 +21,7 @@ from datasets.transforms import COCO_MAX_SIZE, COCO_VAL_SIZE
 from engine.config.run_files import named_checkpoint
 from models import build_model
 
-from .contents import load_model_weights, model_config_for_checkpoint
+from .contents import EMA_KEY, load_model_weights, model_config_for_checkpoint, model_state_dict
 from .io import load_checkpoint
 from .num_classes import classes_in_weights
 
@@ -36,11 +36,18 @@ class CheckpointModel:
     ckpt          its contents
     model_config  the model settings to build it with (a plain dict): the config's, the checkpoint's architecture
                   and class count put in
+    weights       which of its weights ``load_into`` loads: "ema", the model EMA's where the checkpoint holds one
+                  (its raw weights otherwise), or "raw"
     """
 
     path: Path
     ckpt: dict
     model_config: dict
+    weights: str = "ema"
+
+    @property
+    def uses_ema(self) -> bool:
+        return self.weights == "ema" and isinstance(self.ckpt.get(EMA_KEY), dict)
 
     @property
     def step(self) -> int:
@@ -48,14 +55,20 @@ class CheckpointModel:
         return int(self.ckpt.get("step", 0) or 0)
 
     def load_into(self, model: torch.nn.Module) -> None:
-        """The checkpoint's weights into ``model`` (built from ``model_config``), strictly."""
-        load_model_weights(model, self.ckpt, path=self.path)
+        """The checkpoint's weights (``weights``) into ``model`` (built from ``model_config``), strictly."""
+        if not self.uses_ema:
+            load_model_weights(model, self.ckpt, path=self.path)
+            return
+        log.info("the model EMA's weights of %s (checkpoint_weights=raw for its trained ones)", self.path)
+        averaged = {**model_state_dict(self.ckpt), **self.ckpt[EMA_KEY]["model"]}
+        load_model_weights(model, {"model": averaged}, path=self.path)
 
 
-def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = None) -> CheckpointModel:
+def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = None,
+                     weights: str = "ema") -> CheckpointModel:
     """The detector ``checkpoint`` (a file, or a run directory's checkpoint.pth) holds, described from ``cfg_model`` (a
     model config: DictConfig or dict) with what the checkpoint records put in; ``msda`` (auto | triton | pytorch): the
-    attention implementation to run, else the config's."""
+    attention implementation to run, else the config's; ``weights``: CheckpointModel's."""
     path = named_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
     plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
@@ -63,7 +76,7 @@ def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = No
     model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
     if msda is not None:
         model_config["msda"] = msda
-    return CheckpointModel(path=path, ckpt=ckpt, model_config=model_config)
+    return CheckpointModel(path=path, ckpt=ckpt, model_config=model_config, weights=str(weights))
 
 
 @dataclass
@@ -92,14 +105,15 @@ class TrainedModel:
 
 
 def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.device, msda: str | None = None,
-                       categories: dict[int, str] | None = None) -> TrainedModel:
+                       categories: dict[int, str] | None = None, weights: str = "ema") -> TrainedModel:
     """The detector of ``checkpoint``, built from ``cfg_model`` (a model config: DictConfig or dict) with what
     the checkpoint records put in, on ``device``.
 
     ``msda``: the attention implementation to run (auto | triton | pytorch), else the config's.
     ``categories``: names to use instead of the checkpoint's (e.g. from an annotation file).
+    ``weights``: the model EMA's ("ema", where the checkpoint holds one) or the raw ones.
     """
-    source = checkpoint_model(checkpoint, cfg_model, msda=msda)
+    source = checkpoint_model(checkpoint, cfg_model, msda=msda, weights=weights)
     model, _, postprocess = build_model(source.model_config)
     source.load_into(model)
     model.to(device).eval()

@@ -30,6 +30,9 @@ DEFAULT_REGIONS = "transformer"
 TRAIN_BACKBONE_CHOICES = ("dynamic", "static", "eager")
 # How gradients are averaged over processes (engine/runtime/distributed.py).
 GRADIENT_SYNCS = ("allreduce", "ddp")
+# Which of a checkpoint's weights evaluation, predict.py and export.py use: its model EMA's where it holds one, or the
+# raw ones (engine/checkpoint/trained_model.py).
+CHECKPOINT_WEIGHTS = ("ema", "raw")
 
 Amp = StrEnum("Amp", {name: name for name in AMP_CHOICES})
 CompileMode = StrEnum("CompileMode", {name: name for name in ("auto", "eager", *COMPILE_MODES)})
@@ -37,3 +40,4 @@ CompileRegions = StrEnum("CompileRegions", {name: name for name in REGION_CHOICE
 CompileBackbone = StrEnum("CompileBackbone", {name: name for name in TRAIN_BACKBONE_CHOICES})
 EvalBackend = StrEnum("EvalBackend", {name: name for name in COCOEVAL_BACKENDS})
 GradientSync = StrEnum("GradientSync", {name: name for name in GRADIENT_SYNCS})
+CheckpointWeights = StrEnum("CheckpointWeights", {name: name for name in CHECKPOINT_WEIGHTS})

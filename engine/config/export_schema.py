@@ -23,7 +23,7 @@ from omegaconf import MISSING
 
 from models.model_config import ModelConfig
 
-from .choices import DEVICE
+from .choices import DEVICE, CheckpointWeights
 from .run_files import named_checkpoint
 
 ExportFormat = StrEnum("ExportFormat", {name: name for name in ("onnx", "aoti")})
@@ -53,6 +53,7 @@ class ExportConfig:
 
     model: ModelConfig = MISSING
     checkpoint: str = MISSING
+    checkpoint_weights: CheckpointWeights = CheckpointWeights.ema
     format: ExportFormat = ExportFormat.onnx
     output: Optional[str] = None
     device: str = "auto"

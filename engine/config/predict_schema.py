@@ -9,7 +9,7 @@ from omegaconf import MISSING
 
 from models.model_config import ModelConfig
 
-from .choices import DEVICE, Amp, EvalBackend
+from .choices import DEVICE, Amp, CheckpointWeights, EvalBackend
 
 
 @dataclass
@@ -18,6 +18,7 @@ class PredictConfig:
 
     model: ModelConfig = MISSING
     checkpoint: str = MISSING
+    checkpoint_weights: CheckpointWeights = CheckpointWeights.ema
     images: str = MISSING
     annotations: Optional[str] = None
     output_dir: Optional[str] = None

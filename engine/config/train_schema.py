@@ -24,7 +24,17 @@ from omegaconf import MISSING
 from datasets import DatasetConfig
 from models.model_config import ModelConfig
 
-from .choices import DEVICE, INDUCTOR_KEYS, Amp, CompileBackbone, CompileMode, CompileRegions, EvalBackend, GradientSync
+from .choices import (
+    DEVICE,
+    INDUCTOR_KEYS,
+    Amp,
+    CheckpointWeights,
+    CompileBackbone,
+    CompileMode,
+    CompileRegions,
+    EvalBackend,
+    GradientSync,
+)
 
 # Roles of settings (the module docstring); the default role is what was trained.
 HOW_TO_RUN, LENGTH, INVOCATION, IDENTITY = "how_to_run", "length", "invocation", "identity"
@@ -112,6 +122,27 @@ class CompileConfig:
             raise ValueError("; ".join(problems))
 
 
+@dataclass
+class EmaConfig:
+    """configs/train.yaml's ``ema`` group: model EMA (engine/train/hooks/ema.py).
+
+    decay         the decay of the average, reached after a warm-up (null: no EMA)
+    warmup_steps  the warm-up's time constant, in optimizer steps
+    """
+
+    decay: Optional[float] = None
+    warmup_steps: int = 2000
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.decay is not None and not 0 < self.decay < 1:
+            problems.append(f"ema.decay must be null (no EMA) or a number in (0, 1), e.g. 0.9998, got {self.decay!r}")
+        if self.warmup_steps < 1:
+            problems.append(f"ema.warmup_steps must be an integer >= 1, got {self.warmup_steps!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
 # Run setting -> smallest allowed value, for the integer ones.
 _INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "eval_every": 1,
                     "checkpoint_every": 1, "log_every": 1, "eval_images": 0}
@@ -136,6 +167,7 @@ class TrainConfig:
     num_workers: int = _role(HOW_TO_RUN, MISSING)
     amp: Amp = _role(HOW_TO_RUN, MISSING)
     compile: CompileConfig = _role(HOW_TO_RUN, default_factory=CompileConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     eval_every: int = _role(HOW_TO_RUN, MISSING)
     checkpoint_every: int = _role(HOW_TO_RUN, MISSING)
     checkpoint_minutes: Optional[float] = _role(HOW_TO_RUN, 30.0)
@@ -151,6 +183,7 @@ class TrainConfig:
     resume: Optional[str] = _role(INVOCATION, None)
     eval_only: bool = _role(INVOCATION, False)
     checkpoint: Optional[str] = _role(INVOCATION, None)
+    checkpoint_weights: CheckpointWeights = _role(INVOCATION, CheckpointWeights.ema)
 
     def __post_init__(self) -> None:
         problems = [f"{key} must be an integer >= {low}, got {getattr(self, key)!r}"

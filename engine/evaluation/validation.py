@@ -40,15 +40,16 @@ class Validation:
     backend: str
     detection_images: DetectionImages
 
-    def run(self, *, writer, json_path: str | Path, step: int, what: str, should_stop=None, **info) -> Evaluation:
-        """Evaluate, then (rank 0) record the figures in TensorBoard (``writer``), ``json_path`` (with ``info``)
-        and the log ("evaluation <what> ..."). The figures are the same on every rank. ``should_stop``: as
+    def run(self, *, writer, json_path: str | Path, step: int, what: str, should_stop=None, record: bool = True,
+            **info) -> Evaluation:
+        """Evaluate, then (rank 0, ``record``) record the figures in TensorBoard (``writer``), ``json_path`` (with
+        ``info``) and the log ("evaluation <what> ..."). The figures are the same on every rank. ``should_stop``: as
         evaluate_coco takes it (EvaluationStopped, nothing recorded)."""
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.loader,
                                    coco_gt=self.coco_gt, device=self.ranks.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=self.ranks,
                                    compiled=self.compiled, backend=self.backend, should_stop=should_stop)
-        if self.ranks.is_main:
+        if record and self.ranks.is_main:
             record_evaluation(evaluation, writer=writer, json_path=json_path, step=step, what=what,
                               detection_images=self.detection_images, log=log, **info)
         return evaluation

@@ -46,7 +46,8 @@ def export(cfg: DictConfig) -> dict:
 
         check_cxx_compiler()  # before the checkpoint is loaded and the model traced, which take a while
     path = output_path(cfg).expanduser().resolve()
-    trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, msda=MSDA_IMPLS[node])
+    trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, msda=MSDA_IMPLS[node],
+                                 weights=cfg.checkpoint_weights)
     dtype = DTYPES[str(cfg.dtype)]
     detector = ExportableDetector(trained.model.to(dtype),
                                   PostProcess(num_select=cfg.max_detections) if cfg.postprocess else None)

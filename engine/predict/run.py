@@ -55,7 +55,8 @@ def predict(cfg: DictConfig) -> dict:
 
     device = resolve_device(cfg.device)
     names = category_names(gt, gt.getCatIds()) if gt is not None else None
-    trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, categories=names)
+    trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, categories=names,
+                                 weights=cfg.checkpoint_weights)
     postprocess = PostProcess(num_select=cfg.max_detections)
     val_size, max_size = cfg.image_size or trained.val_size, cfg.max_size or trained.max_size
     log.info("%d images from %s | %s (step %d, %d classes, attention %s) on %s | short side %d, long side at most %d",

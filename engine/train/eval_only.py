@@ -52,7 +52,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
 
 def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     prepare_compilation(cfg)
-    source = checkpoint_model(cfg.checkpoint, cfg.model)
+    source = checkpoint_model(cfg.checkpoint, cfg.model, weights=cfg.checkpoint_weights)
     val_set = build_datasets(cfg, ctx, ("val",))["val"]
     # The checkpoint's classes, checked against the category ids.
     resolve_num_classes(source.model_config["num_classes"], {"val": val_set}, checkpoint_state=source.ckpt["model"])

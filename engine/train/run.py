@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from datasets.per_class_ap import category_names
-from engine.checkpoint.contents import check_training_state
+from engine.checkpoint.contents import EMA_KEY, check_training_state
 from engine.checkpoint.init_from import InitFrom, prepare_init_from
 from engine.checkpoint.io import LATEST, load_checkpoint
 from engine.checkpoint.num_classes import resolve_num_classes
@@ -33,6 +33,7 @@ from engine.runtime.stop_request import StopRequest
 
 from .build import TrainingSetup, build_training
 from .hooks.base import Hook
+from .hooks.ema import ModelEma, build_ema
 from .hooks.evaluation import EpochEvaluation
 from .hooks.interval_report import IntervalReporter
 from .hooks.lr_schedule import EpochLrSchedule
@@ -115,7 +116,7 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
                  running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size), steps_per_epoch,
                  cfg.epochs)
     hooks = build_hooks(cfg, ctx, output_dir, setup, plan=plan, position=position, timing=timing, stop=stop,
-                        val_loader=val_loader, val_set=data["val"], config_record=record)
+                        val_loader=val_loader, val_set=data["val"], config_record=record, ckpt=ckpt)
     try:
         TrainingLoop(step=setup.step, loader=train_loader, position=position, plan=plan, hooks=hooks.ordered(),
                      ctx=ctx).run()
@@ -156,6 +157,7 @@ class RunHooks:
     profiler: StepProfiler
     reporter: IntervalReporter
     lr_schedule: EpochLrSchedule
+    ema: ModelEma | None
     saver: CheckpointSaver
     evaluation: EpochEvaluation
     stopping: StopControl
@@ -164,19 +166,22 @@ class RunHooks:
     def ordered(self) -> list[Hook]:
         # The timing first (a step's time ends before any hook works), the profiler next (its trace's export is not
         # a step's time), the report before the saver (a checkpoint holds no step with a non-finite loss), the lr
-        # schedule before the saver (an epoch's checkpoint holds the next epoch's lr), the evaluation after the
-        # saver (a failed evaluation loses no training), the stop control last (it ends a stopped run).
-        return [self.timing, self.profiler, self.reporter, self.lr_schedule, self.saver, self.evaluation,
+        # schedule and the EMA before the saver (a checkpoint holds the next epoch's lr and this step's average),
+        # the evaluation after the saver (a failed evaluation loses no training), the stop control last (it ends a
+        # stopped run).
+        optional = [self.ema] if self.ema is not None else []
+        return [self.timing, self.profiler, self.reporter, self.lr_schedule, *optional, self.saver, self.evaluation,
                 self.stopping]
 
 
 def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: TrainingSetup, *, plan: RunPlan,
-                position: Position, timing: RunTiming, stop: StopRequest, val_loader, val_set,
-                config_record: dict) -> RunHooks:
-    """Every part of the run besides the step, wired for this run."""
+                position: Position, timing: RunTiming, stop: StopRequest, val_loader, val_set, config_record: dict,
+                ckpt: dict | None) -> RunHooks:
+    """Every part of the run besides the step, wired for this run (``ckpt``: the checkpoint it resumes, or None)."""
     stopping = StopControl(stop, distributed=ctx.distributed, is_main=ctx.is_main,
                            any_process=(lambda flag: any_process(flag, ctx)) if ctx.distributed else bool,
                            position=position, total_steps=plan.total_steps, latest=output_dir / LATEST)
+    ema = build_ema(cfg.ema, setup.model, ckpt)
     # The saver before the others: it finds a disk without room for a checkpoint before anything is written.
     coco_gt = val_set.coco
     saver = CheckpointSaver(output_dir=output_dir, is_main=ctx.is_main, model=setup.model,
@@ -184,7 +189,8 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
                             scaler=setup.precision.scaler, config_record=config_record,
                             categories=category_names(coco_gt, coco_gt.getCatIds()),
                             checkpoint_every=cfg.checkpoint_every, checkpoint_minutes=cfg.checkpoint_minutes,
-                            timing=timing, position=position, plan=plan)
+                            timing=timing, position=position, plan=plan,
+                            extra_state={EMA_KEY: ema} if ema is not None else None)
     writer = timing.writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)
     progress = Progress(total_steps=plan.total_steps, start_step=position.step, enabled=ctx.is_main,
                         steps_per_epoch=plan.steps_per_epoch, evaluation_steps=plan.evaluation_steps,
@@ -198,12 +204,12 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
                             compiled=plan_compiled is not None and plan_compiled.evaluation, backend=cfg.eval_backend,
                             detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main))
     evaluation = EpochEvaluation(validation, output_dir=output_dir, writer=writer, timing=timing, ctx=ctx,
-                                 position=position, plan=plan, saver=saver, stopping=stopping)
+                                 position=position, plan=plan, saver=saver, stopping=stopping, ema=ema)
     profiler = StepProfiler(cfg.profile_steps, output_dir=output_dir, device=ctx.device, timing=timing,
                             trains=(position.step + 1, plan.total_steps), rank=ctx.rank, world_size=ctx.world_size,
                             report=ctx.is_main)
     return RunHooks(timing=timing, profiler=profiler, reporter=reporter,
-                    lr_schedule=EpochLrSchedule(setup.lr_scheduler), saver=saver, evaluation=evaluation,
+                    lr_schedule=EpochLrSchedule(setup.lr_scheduler), ema=ema, saver=saver, evaluation=evaluation,
                     stopping=stopping, writer=writer)
 
 

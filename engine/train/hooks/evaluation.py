@@ -7,6 +7,8 @@ evaluation first (``Position.pending_evaluation``), which ``start`` does.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from pathlib import Path
 
@@ -18,8 +20,11 @@ from engine.runtime.distributed import DistContext, barrier
 
 from ..run_plan import Position, RunPlan
 from .base import Ending, EpochEnd, Hook, StopRequested
+from .ema import ModelEma
 from .saving import CheckpointSaver
 from .stopping import StopControl
+
+log = logging.getLogger(__name__)
 from .timing import RunTiming
 
 
@@ -28,13 +33,16 @@ class EpochEvaluation(Hook):
 
     saver     rewrites the checkpoint once a resumed run's pending evaluation has run
     stopping  asked after each evaluation batch whether to stop
+    ema       the run's model EMA, or None: with one, the raw weights are evaluated first (TensorBoard's eval_raw/*
+              and a log line), then the average, whose figures are the evaluation's (eval/*, the json, ``stats``)
     """
 
     def __init__(self, validation: Validation, *, output_dir: Path, writer: ScalarWriter, timing: RunTiming,
-                 ctx: DistContext, position: Position, plan: RunPlan, saver: CheckpointSaver, stopping: StopControl):
+                 ctx: DistContext, position: Position, plan: RunPlan, saver: CheckpointSaver, stopping: StopControl,
+                 ema: ModelEma | None = None):
         self.validation, self.output_dir, self.writer = validation, Path(output_dir), writer
         self.timing, self.ctx, self.position, self.plan = timing, ctx, position, plan
-        self.saver, self.stopping = saver, stopping
+        self.saver, self.stopping, self.ema = saver, stopping, ema
         self.stats: dict | None = None
 
     def start(self) -> bool:
@@ -68,11 +76,21 @@ class EpochEvaluation(Hook):
         pending evaluation and asks the run to stop."""
         step = self.position.step
         before, t0 = self.timing.clock.totals(), time.perf_counter()
+        what = f"after epoch {epoch}, step {step}"
+        run = functools.partial(self.validation.run, writer=self.writer, step=step, epoch=epoch,
+                                epoch_complete=complete, should_stop=self.stopping.during_evaluation)
         try:
-            evaluation = self.validation.run(writer=self.writer,
-                                             json_path=self.output_dir / f"eval_epoch{epoch:04d}.json", step=step,
-                                             what=f"after epoch {epoch}, step {step}", epoch=epoch,
-                                             epoch_complete=complete, should_stop=self.stopping.during_evaluation)
+            if self.ema is None:
+                evaluation = run(json_path=self.output_dir / f"eval_epoch{epoch:04d}.json", what=what)
+            else:
+                raw = run(json_path=None, what=what, record=False)
+                if self.ctx.is_main:
+                    self.writer.add("eval_raw", raw.stats, step)
+                    log.info("evaluation %s of the raw weights: %s", what,
+                             " ".join(f"{k} {v:.4f}" for k, v in raw.stats.items()))
+                with self.ema.applied():
+                    evaluation = run(json_path=self.output_dir / f"eval_epoch{epoch:04d}.json",
+                                     what=f"{what} of the model EMA")
         except EvaluationStopped:
             self.position.pending_evaluation = {"epoch": epoch, "epoch_complete": complete}
             raise StopRequested from None

@@ -1,8 +1,8 @@
 """When a stop signal stops training: every process at the same step, after that step is saved.
 
 The signal handler only sets a flag (engine/runtime/stop_request.py). One process acts on its own flag at once;
-several processes learn of any process's request in the log interval's all-reduce (engine/train/hooks/interval_report.py),
-so that every rank stops at the same step without a sync of its own.
+several processes learn of any process's request in the log interval's all-reduce
+(engine/train/hooks/interval_report.py), so that every rank stops at the same step without a sync of its own.
 """
 
 from __future__ import annotations

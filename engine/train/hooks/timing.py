@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class RunTiming(Hook):
     """Accumulates a run's times (seconds). ``started`` is the process's start on time.perf_counter's clock. As a
     hook it times each step and logs (``report``) and writes to ``writer`` a line for each step that compiled;
-    ``profiling`` is set while profile_steps profiles (engine/train/hooks/profiling.py): those steps are not steady ones."""
+    ``profiling`` is set while profile_steps profiles (hooks/profiling.py): those steps are not steady ones."""
 
     started: float
     clock: CompileClock = field(default_factory=CompileClock.get)

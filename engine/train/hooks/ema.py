@@ -1,0 +1,94 @@
+"""Model EMA (``ema.decay``): an exponential moving average of the model's weights, updated after every optimizer
+step, which evaluation, predict.py and export.py use in place of the raw weights.
+
+After update n the average moves towards the weights by ``1 - d_n``, with ``d_n = decay * (1 - exp(-n / warmup))``:
+the early averages follow the weights closely, before they mean anything, and the decay reaches ``decay`` after a
+few ``warmup`` steps (RT-DETR's schedule). Every floating tensor of the model's state is averaged (a buffer that never
+changes stays what it is), in one foreach operation on the device: no host sync. Several processes hold the same
+weights after every step, so each holds the same average. The average is saved in checkpoint.pth under ``ema``
+and restored by a resume, so that a resumed run's average is the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+from engine.checkpoint.contents import EMA_KEY
+
+from .base import Hook, StepDone
+
+log = logging.getLogger(__name__)
+
+
+class ModelEma(Hook):
+    """The moving average of ``model``'s floating state (parameters and buffers), as a hook: ``after_step`` updates it.
+
+    decay         the decay it ramps up to (0 < decay < 1)
+    warmup_steps  the ramp's time constant, in updates
+    """
+
+    def __init__(self, model: torch.nn.Module, *, decay: float, warmup_steps: int):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"ema.decay must be in (0, 1) or null (no EMA), got {decay!r}")
+        if warmup_steps < 1:
+            raise ValueError(f"ema.warmup_steps must be an integer >= 1, got {warmup_steps!r}")
+        self.decay, self.warmup_steps, self.updates = decay, warmup_steps, 0
+        state = model.state_dict(keep_vars=True)
+        self.names = [name for name, t in state.items() if t.is_floating_point()]
+        self.live = [state[name].detach() for name in self.names]
+        self.average = [t.clone() for t in self.live]
+
+    def current_decay(self) -> float:
+        """The decay of the next update."""
+        return self.decay * (1.0 - math.exp(-(self.updates + 1) / self.warmup_steps))
+
+    @torch.no_grad()
+    def after_step(self, done: StepDone) -> None:
+        weight = 1.0 - self.current_decay()
+        torch._foreach_lerp_(self.average, self.live, weight)
+        self.updates += 1
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The average in the model's tensors for the block (evaluation), the weights back after it. In place: CUDA
+        graphs and compiled graphs that read the model's tensors see the average."""
+        with torch.no_grad():
+            kept = [t.clone() for t in self.live]
+            torch._foreach_copy_(self.live, self.average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.live, kept)
+
+    def state_dict(self) -> dict:
+        return {"model": {name: t.detach().clone() for name, t in zip(self.names, self.average)},
+                "updates": self.updates}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        averaged = state["model"]
+        missing = [name for name in self.names if name not in averaged]
+        if missing:
+            raise ValueError(f"the checkpoint's EMA has no {missing[0]} ({len(missing)} tensors missing)")
+        torch._foreach_copy_(self.average, [averaged[name].to(t.device, t.dtype) for name, t in
+                                            zip(self.names, self.average)])
+        self.updates = int(state["updates"])
+
+
+def build_ema(cfg_ema, model: torch.nn.Module, ckpt: dict | None) -> ModelEma | None:
+    """The run's EMA of ``model`` (None with ema.decay null), restored from a resumed checkpoint ``ckpt`` that holds
+    one; a checkpoint without one (EMA turned on at a resume) starts it from the weights."""
+    if cfg_ema.decay is None:
+        return None
+    ema = ModelEma(model, decay=cfg_ema.decay, warmup_steps=cfg_ema.warmup_steps)
+    if ckpt is not None and EMA_KEY in ckpt:
+        ema.load_state_dict(ckpt[EMA_KEY])
+    elif ckpt is not None:
+        log.warning("ema.decay=%s: the resumed checkpoint holds no EMA; it starts from the resumed weights",
+                    cfg_ema.decay)
+    return ema
