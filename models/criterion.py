@@ -3,7 +3,9 @@
 Losses follow the published Deformable DETR: sigmoid focal classification loss, L1 and GIoU box
 losses normalized by the number of target boxes (averaged over processes), and the same losses on
 every auxiliary decoder output (suffix _0.._{dec_layers-2}) and, in two-stage mode, on the encoder
-proposals with class-agnostic targets (suffix _enc).
+proposals with class-agnostic targets (suffix _enc). With hybrid matching (H-DETR), the decoder's losses once
+more on the one-to-many queries, matched to each image's targets repeated k_one2many times (suffix _one2many
+after the layer's: loss_ce_one2many, loss_ce_0_one2many, ...).
 """
 from __future__ import annotations
 
@@ -37,15 +39,19 @@ def target_slots(num_targets: int) -> int:
     return max(8, 1 << num_targets.bit_length())
 
 
-# The suffix of a per-decoder-layer (loss_ce_0 ...) or encoder-proposal (loss_ce_enc) copy of a loss.
-AUX_SUFFIX = re.compile(r"_(\d+|enc)$")
+# The suffix of the one-to-many queries' copy of a decoder loss (hybrid matching), after the layer's suffix.
+ONE2MANY_SUFFIX = "_one2many"
+# The suffix of a per-decoder-layer (loss_ce_0, loss_ce_0_one2many ...) or encoder-proposal (loss_ce_enc) copy of
+# a loss. The last layer's one-to-many losses (loss_ce_one2many) are not such a copy: they are reported beside the
+# one-to-one ones.
+AUX_SUFFIX = re.compile(r"_(\d+|enc)(_one2many)?$")
 
 
 def combination_over_passes(name: str) -> str:
     """How a loss of this criterion combines over passes that each saw a part of one batch (gradient
     accumulation): "sum" for the losses divided by the batch's box count, "boxes" for class_error (a mean over
-    matched boxes), "images" for cardinality_error (a mean over images)."""
-    base = AUX_SUFFIX.sub("", name)
+    matched boxes), "images" for cardinality_error (a mean over images); their one-to-many copies alike."""
+    base = AUX_SUFFIX.sub("", name).removesuffix(ONE2MANY_SUFFIX)
     if base in _PER_BOX:
         return "sum"
     return "boxes" if base == "class_error" else "images"
@@ -57,11 +63,17 @@ class SetCriterion(CompiledRegions, nn.Module):
     forward(outputs, targets) -> dict of UNWEIGHTED scalar losses; multiply by weight_dict[k] and sum
     over the keys present in weight_dict to get the training loss.
       outputs: "pred_logits" (B, Q, K) logits, "pred_boxes" (B, Q, 4) normalized cxcywh,
-               optional "aux_outputs" (list of dicts with the same two keys) and "enc_outputs" (dict).
+               optional "aux_outputs" (list of dicts with the same two keys), "enc_outputs" (dict) and
+               "one2many_outputs" (a dict with pred_logits (B, Q2, K), pred_boxes and aux_outputs: needs k_one2many).
       targets: per image {"labels": (n_i,) int64 in [0, K), "boxes": (n_i, 4) normalized cxcywh};
                other keys are ignored.
     Keys: loss_ce, class_error (logged only), loss_bbox, loss_giou, cardinality_error (logged only);
-    loss_ce_i, loss_bbox_i, loss_giou_i, cardinality_error_i per aux output; the same with _enc.
+    loss_ce_i, loss_bbox_i, loss_giou_i, cardinality_error_i per aux output; the same with _enc; the decoder's
+    (all but _enc) with _one2many appended for one2many_outputs.
+
+    k_one2many: None (no one-to-many queries), or how many times each image's targets are repeated for the
+    one-to-many queries' matching (hybrid matching, H-DETR). Their losses are divided by k_one2many times
+    num_boxes: the repeated targets' count, as H-DETR divides them.
     """
 
     def __init__(
@@ -72,6 +84,7 @@ class SetCriterion(CompiledRegions, nn.Module):
         weight_dict: dict[str, float],
         losses: tuple[str, ...] = ("labels", "boxes", "cardinality"),
         focal_alpha: float = 0.25,
+        k_one2many: int | None = None,
     ):
         super().__init__()
         if num_classes < 1:
@@ -82,6 +95,9 @@ class SetCriterion(CompiledRegions, nn.Module):
         # torchvision's convention (as the original): alpha in [0, 1], or -1 to disable the weighting.
         if not (0.0 <= focal_alpha <= 1.0 or focal_alpha == -1):
             raise ValueError(f"SetCriterion: focal_alpha must be in [0, 1] or -1, got {focal_alpha!r}")
+        if k_one2many is not None and (not isinstance(k_one2many, int) or k_one2many < 1):
+            raise ValueError(f"SetCriterion: k_one2many must be None or an integer >= 1, got {k_one2many!r}")
+        self.k_one2many = k_one2many
         self.num_classes = num_classes
         self.matcher = matcher
         self.weight_dict = dict(weight_dict)
@@ -101,58 +117,67 @@ class SetCriterion(CompiledRegions, nn.Module):
         """
         if num_boxes is None:
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
-        groups = _prediction_groups(outputs, targets)
+        groups = _prediction_groups(outputs, targets, self.k_one2many)
         # Named for torch.profiler: the host waits for the GPU here, then the GPU waits for the host.
         with torch.profiler.record_function("step.matching"):
-            matched = self.matcher.match_groups([(logits, boxes, tgts) for _, logits, boxes, tgts in groups])
+            matched = self.matcher.match_groups([(g.logits, g.boxes, g.targets, g.repeats) for g in groups])
         if callable(num_boxes):
             num_boxes = num_boxes()
         device = outputs["pred_logits"].device
         matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device,
-                                                  [logits.shape[2] for _, logits, _, _ in groups])
+                                                  [g.logits.shape[2] for g in groups], [g.repeats for g in groups])
         losses = {}
-        for (suffixes, logits, boxes, tgts), group_matches in zip(groups, matches):
-            losses.update(self._group_losses(suffixes, logits, boxes, tgts, group_matches, tgt_lengths, num_boxes))
+        for group, group_matches in zip(groups, matches):
+            # H-DETR divides the one-to-many losses by the count of the repeated targets.
+            group_boxes = num_boxes if group.repeats == 1 else num_boxes * group.repeats
+            losses.update(self._group_losses(group, group_matches, tgt_lengths, group_boxes))
         return losses
 
-    def _group_losses(self, suffixes, logits, boxes, targets, m: "_Matches", tgt_lengths, num_boxes) -> dict:
-        """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix: the
-        decoder's layers through ``stacked_losses``, the two-stage proposals (``_enc``) through
-        ``stacked_proposal_losses``."""
-        labels = torch.cat([t["labels"] for t in targets]).to(logits.device, torch.int64)  # (T,)
-        tgt_boxes = torch.cat([t["boxes"] for t in targets]).to(logits.device)  # (T, 4)
+    def _group_losses(self, group: _Group, m: _Matches, tgt_lengths, num_boxes) -> dict:
+        """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix, through the
+        group's region (``_Group.losses_of``)."""
+        logits, suffixes, r = group.logits, group.suffixes, group.repeats
+        labels = torch.cat([_repeated(t["labels"], r) for t in group.targets]).to(logits.device, torch.int64)  # (T,)
+        tgt_boxes = torch.cat([_repeated(t["boxes"], r) for t in group.targets]).to(logits.device)  # (T, 4)
         padding = m.slots - len(labels)  # padding targets after the real ones (target_slots)
         labels = F.pad(labels, (0, padding))
         tgt_boxes = F.pad(tgt_boxes, (0, 0, 0, padding), value=PADDING_BOX)
-        losses_of = self.stacked_proposal_losses if suffixes == ["_enc"] else self.stacked_losses
-        sums = losses_of(logits, boxes, labels, tgt_boxes, m.layer, m.batch, m.query, m.target, tgt_lengths)
+        if r != 1:
+            tgt_lengths = tgt_lengths * r
+        sums = getattr(self, group.losses_of)(logits, group.boxes, labels, tgt_boxes, m.layer, m.batch, m.query,
+                                              m.target, tgt_lengths)
         per_layer = {name: values / num_boxes if name in _PER_BOX else values for name, values in sums.items()}
         losses = {name + suffix: value for name, values in per_layer.items()
                   for suffix, value in zip(suffixes, values.unbind())}
-        if "labels" in self.losses and "" in suffixes:
-            # class_error is logged for the final layer only; its real matches start its block of pairs.
-            g = suffixes.index("")
+        if "labels" in self.losses and suffixes[-1] in ("", ONE2MANY_SUFFIX):
+            # class_error is logged for the decoder's final layer only; its real matches start its block of pairs.
+            g = len(suffixes) - 1
             rows = slice(g * m.slots, g * m.slots + m.per_layer[g])
-            losses["class_error"] = 100 - _top1_accuracy(logits[g, m.batch[rows], m.query[rows]],
-                                                         labels[m.target[rows]])
+            losses["class_error" + suffixes[-1]] = 100 - _top1_accuracy(logits[g, m.batch[rows], m.query[rows]],
+                                                                        labels[m.target[rows]])
         return losses
 
     def compile_regions(self, *, graphs: bool = False) -> list[Region]:
-        """``stacked_losses`` and ``stacked_proposal_losses`` (models/compiled_regions.py): hundreds of small
-        launches forward and backward, between the matching and the backward. Compiled by Inductor with symbolic
-        sizes, one graph for every number of matched pairs; ``graphs``: the eager losses recorded (their forward and
-        backward, engine/compile/cuda_graphs.py). Where the plan uses CUDA graphs (reduce-overhead, graphs), they are
-        replayed, one recording per padded number of targets (``target_slots``) and, for the two-stage proposals (one
-        per encoder token), per image size too.
-        Two regions, so that the proposals' graphs, which replay between the decoder's forward and backward, are
-        never the decoder's own."""
-        names = ("stacked_losses", "stacked_proposal_losses")
+        """``stacked_losses``, ``stacked_proposal_losses`` and, with k_one2many, ``stacked_one2many_losses``
+        (models/compiled_regions.py): hundreds of small launches forward and backward, between the matching and the
+        backward. Compiled by Inductor with symbolic sizes, one graph for every number of matched pairs; ``graphs``:
+        the eager losses recorded (their forward and backward, engine/compile/cuda_graphs.py). Where the plan uses
+        CUDA graphs (reduce-overhead, graphs), they are replayed, one recording per padded number of targets
+        (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too.
+        A region per group of predictions, so that the graphs of a group, which replay between the forward and the
+        backward of the groups before it, are never another group's own."""
+        names = ("stacked_losses", "stacked_proposal_losses") + (
+            ("stacked_one2many_losses",) if self.k_one2many is not None else ())
         if graphs:
             return [Region(name, training=True) for name in names]
         return [Region(name) for name in names]
 
     def stacked_proposal_losses(self, *args) -> dict:
         """``stacked_losses`` of the two-stage encoder's proposals (G = 1, one proposal per encoder token)."""
+        return SetCriterion.stacked_losses(self, *args)
+
+    def stacked_one2many_losses(self, *args) -> dict:
+        """``stacked_losses`` of the one-to-many queries (hybrid matching), against the repeated targets."""
         return SetCriterion.stacked_losses(self, *args)
 
     def stacked_losses(self, logits, boxes, labels, tgt_boxes, layer, batch, query, target, tgt_lengths) -> dict:
@@ -208,33 +233,62 @@ class _Matches(NamedTuple):
     slots: int
 
 
-def _prediction_groups(outputs: dict, targets: list[dict]) -> list[tuple[list[str], torch.Tensor, torch.Tensor, list]]:
-    """[(suffixes, logits (G, B, Q, K), boxes (G, B, Q, 4), targets)]: the decoder layers stacked
-    (aux outputs _0, _1, ..., then the final layer ""), and the two-stage encoder proposals ("_enc")."""
-    layers = [*outputs.get("aux_outputs", []), outputs]
-    suffixes = [f"_{i}" for i in range(len(layers) - 1)] + [""]
-    groups = [(suffixes, torch.stack([o["pred_logits"] for o in layers]),
-               torch.stack([o["pred_boxes"] for o in layers]), targets)]
+class _Group(NamedTuple):
+    """G stacked predictions matched and scored together, and what they are matched to."""
+
+    suffixes: list[str]  # each layer's loss-name suffix
+    logits: torch.Tensor  # (G, B, Q, K)
+    boxes: torch.Tensor  # (G, B, Q, 4) normalized cxcywh
+    targets: list[dict]  # each image's own
+    repeats: int = 1  # each image's targets repeated this many times (the one-to-many queries)
+    losses_of: str = "stacked_losses"  # the method (a compiled region of its own) computing their losses
+
+
+def _prediction_groups(outputs: dict, targets: list[dict], k_one2many: int | None) -> list[_Group]:
+    """The decoder layers stacked (aux outputs _0, _1, ..., then the final layer ""), the two-stage encoder
+    proposals ("_enc") and the one-to-many queries' decoder layers ("_0_one2many", ..., "_one2many")."""
+    groups = [_decoder_group(outputs, targets, "")]
     if "enc_outputs" in outputs:
         enc = outputs["enc_outputs"]
         # Encoder proposals are class-agnostic: every target is class 0 (the original's bin_targets).
         bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
-        groups.append((["_enc"], enc["pred_logits"][None], enc["pred_boxes"][None], bin_targets))
+        groups.append(_Group(["_enc"], enc["pred_logits"][None], enc["pred_boxes"][None], bin_targets,
+                             losses_of="stacked_proposal_losses"))
+    if "one2many_outputs" in outputs:
+        if k_one2many is None:
+            raise ValueError("SetCriterion: the outputs have one2many_outputs (a model with hybrid matching) but the "
+                             "criterion has no k_one2many (build it with model.hybrid_matching=true)")
+        # Not the encoder's proposals: H-DETR counts their loss once, with the one-to-one queries'.
+        groups.append(_decoder_group(outputs["one2many_outputs"], targets, ONE2MANY_SUFFIX)._replace(
+            repeats=k_one2many, losses_of="stacked_one2many_losses"))
     return groups
 
 
-def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device,
-                       num_queries: list[int]) -> tuple[list[_Matches], torch.Tensor]:
+def _decoder_group(outputs: dict, targets: list[dict], suffix: str) -> _Group:
+    layers = [*outputs.get("aux_outputs", []), outputs]
+    suffixes = [f"_{i}{suffix}" for i in range(len(layers) - 1)] + [suffix]
+    return _Group(suffixes, torch.stack([o["pred_logits"] for o in layers]),
+                  torch.stack([o["pred_boxes"] for o in layers]), targets)
+
+
+def _repeated(values: torch.Tensor, repeats: int) -> torch.Tensor:
+    """(n, ...) -> (repeats * n, ...): the whole of ``values`` ``repeats`` times, as H-DETR repeats the targets."""
+    return values if repeats == 1 else values.repeat(repeats, *[1] * (values.dim() - 1))
+
+
+def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device, num_queries: list[int],
+                       repeats: list[int]) -> tuple[list[_Matches], torch.Tensor]:
     """The matcher's host indices of every group, padded (``_Matches``; ``num_queries``: each group's predictions
-    per image, the query of its padding pairs), and the targets per image, in one host->device copy.
+    per image, the query of its padding pairs; ``repeats``: how many times each group's targets are repeated),
+    and the targets per image, in one host->device copy.
 
     Indexing a CUDA tensor with CPU indices copies them one by one, each copy waiting for the GPU; packing
     them into one buffer makes a single asynchronous copy (models.host_copy).
     """
-    starts = np.cumsum([0] + tgt_lengths)
-    slots = target_slots(int(starts[-1]))
     arrays, layouts = [], []
-    for layers, queries in zip(matched, num_queries, strict=True):
+    for layers, queries, r in zip(matched, num_queries, repeats, strict=True):
+        starts = np.cumsum([0] + [n * r for n in tgt_lengths])  # where each image's (repeated) targets start
+        slots = target_slots(int(starts[-1]))
         columns = np.empty((4, len(layers), slots), dtype=np.int64)  # layer, batch, query, target
         columns[0] = np.arange(len(layers))[:, None]
         columns[1:] = np.asarray([0, queries, starts[-1]])[:, None, None]  # a padding pair's batch, query, target
@@ -250,11 +304,11 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
             columns[2, g, :count] = torch.cat([rows for rows, _ in per_image]).numpy()
             columns[3, g, :count] = torch.cat([cols for _, cols in per_image]).numpy() + starts[image]
         arrays.extend(columns.reshape(4, -1))
-        layouts.append(per_layer)
+        layouts.append((per_layer, slots))
     arrays.append(np.asarray(tgt_lengths, dtype=np.int64))
     flat = to_device_async(torch.from_numpy(np.concatenate(arrays)), device).split([len(a) for a in arrays])
     matches = [_Matches(*flat[4 * i:4 * i + 4], per_layer=per_layer, slots=slots)
-               for i, per_layer in enumerate(layouts)]
+               for i, (per_layer, slots) in enumerate(layouts)]
     return matches, flat[-1]
 
 
@@ -313,9 +367,10 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     """Build (SetCriterion, PostProcess) from the model config (DictConfig or mapping).
 
     Reads num_classes, dec_layers, aux_loss, two_stage, set_cost_{class,bbox,giou},
-    {cls,bbox,giou}_loss_coef, focal_alpha, checked by models/model_config.py (CriterionConfig).
-    weight_dict holds loss_ce/loss_bbox/loss_giou, copies suffixed _0.._{dec_layers-2} when aux_loss,
-    and _enc copies when two_stage.
+    {cls,bbox,giou}_loss_coef, focal_alpha, hybrid_matching, k_one2many, lambda_one2many, checked by
+    models/model_config.py (CriterionConfig). weight_dict holds loss_ce/loss_bbox/loss_giou, copies suffixed
+    _0.._{dec_layers-2} when aux_loss, _enc copies when two_stage, and with hybrid_matching the decoder's (not _enc)
+    suffixed _one2many, weighted lambda_one2many times as much (H-DETR multiplies the losses themselves).
     """
     c = read_criterion_config(cfg)
     num_classes, dec_layers = resolved_num_classes(c), c.dec_layers
@@ -330,9 +385,13 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     if c.aux_loss:
         for i in range(dec_layers - 1):
             weight_dict.update({k + f"_{i}": v for k, v in base.items()})
+    decoder_weights = dict(weight_dict)
     if c.two_stage:
         weight_dict.update({k + "_enc": v for k, v in base.items()})
+    if c.hybrid_matching:
+        weight_dict.update({k + ONE2MANY_SUFFIX: v * float(c.lambda_one2many) for k, v in decoder_weights.items()})
     criterion = SetCriterion(
-        num_classes=num_classes, matcher=matcher, weight_dict=weight_dict, focal_alpha=float(c.focal_alpha)
+        num_classes=num_classes, matcher=matcher, weight_dict=weight_dict, focal_alpha=float(c.focal_alpha),
+        k_one2many=int(c.k_one2many) if c.hybrid_matching else None,
     )
     return criterion, PostProcess()

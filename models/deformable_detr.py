@@ -20,6 +20,11 @@ from models.input_pixels import InputPixels
 from models.model_config import ModelConfig, read_model_config, resolved_num_classes
 from models.position_encoding import build_position_encoding
 
+# The parameters of hybrid matching's one-to-many queries (their embeddings; two-stage has none): inference never
+# uses them, so a checkpoint loads for inference whether it and the model have them or not
+# (engine/checkpoint/contents.py).
+ONE2MANY_PARAMETERS = frozenset({"query_embed_one2many.weight"})
+
 
 class MLP(nn.Module):
     """num_layers Linear layers with ReLU between them (``layers.K`` names as the original)."""
@@ -43,18 +48,30 @@ class DeformableDETR(CompiledRegions, nn.Module):
     pred_logits (B, Q, num_classes) logits of the last decoder layer (sigmoid per class, no background),
     pred_boxes  (B, Q, 4) normalized cxcywh (sigmoid),
     aux_outputs [{pred_logits, pred_boxes}] for decoder layers 0..K-2 (when aux_loss),
-    enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage).
+    enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage),
+    one2many_outputs {pred_logits (B, Q2, num_classes), pred_boxes (B, Q2, 4), aux_outputs} of the Q2 =
+                num_queries_one2many queries of hybrid matching (when Q2 > 0).
 
-    ``detect`` is the same computation for inference (evaluation calls it); ``compile_regions`` says which
-    parts engine/compile/plan.py may compile.
+    Hybrid matching (H-DETR): the Q2 one-to-many queries are decoded beside the Q one-to-one queries, by the same
+    layers and heads (two-stage: the top Q + Q2 proposals, the best Q the one-to-one queries), and neither group
+    attends to the other, so the one-to-one outputs are those of the model without them. Their own embeddings
+    (``query_embed_one2many``, not two-stage) are parameters of their own, so that the other parameters keep the
+    official names and shapes.
+
+    ``detect`` is the computation for inference (evaluation, predict and export call it): the Q one-to-one queries
+    alone, as the model without hybrid matching; ``compile_regions`` says which parts engine/compile/plan.py may
+    compile.
     """
 
     def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
                  num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,
-                 two_stage: bool = False):
+                 two_stage: bool = False, num_queries_one2many: int = 0):
         super().__init__()
+        if num_queries_one2many < 0:
+            raise ValueError(f"num_queries_one2many must be >= 0 (0: no hybrid matching), got {num_queries_one2many}")
         self.input_pixels = InputPixels()  # uint8 images normalized on the model's device
         self.num_queries = num_queries
+        self.num_queries_one2many = num_queries_one2many
         self.transformer = transformer
         C = transformer.d_model
         self.class_embed = nn.Linear(C, num_classes)
@@ -112,16 +129,19 @@ class DeformableDETR(CompiledRegions, nn.Module):
             self.transformer.decoder.class_embed = self.class_embed
             for box_embed in self.bbox_embed:
                 nn.init.constant_(box_embed.layers[-1].bias[2:], 0.0)
+        if num_queries_one2many and not two_stage:
+            # Made last, so that every other parameter starts as in the model without them (same seed).
+            self.query_embed_one2many = nn.Embedding(num_queries_one2many, C * 2)  # (Q2, 2C)
 
     def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
         """images (B, 3, H, W) uint8 pixels or normalized float, mask (B, H, W) bool True on padding (None: no
-        padding) -> output dict."""
-        return self.predict(*self.features(images, mask))
+        padding) -> output dict, with the one-to-many queries' outputs when the model has them (training)."""
+        return self.predict(*self.features(images, mask), one2many=True)
 
     def detect(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
-        """forward for inference, through the plain methods: a compiled evaluation graph of its own (one per
-        image size, all the model in one graph) rather than the training regions under no_grad, which would
-        each compile again."""
+        """forward for inference, the one-to-one queries alone, through the plain methods: a compiled evaluation
+        graph of its own (one per image size, all the model in one graph) rather than the training regions under
+        no_grad, which would each compile again."""
         return DeformableDETR.predict(self, *DeformableDETR.features(self, images, mask))
 
     def compile_regions(self, *, regions: str = "transformer", backbone: str = "dynamic", evaluation: bool = False,
@@ -199,19 +219,39 @@ class DeformableDETR(CompiledRegions, nn.Module):
             outputs_coords.append(tmp.sigmoid())
         return torch.stack(outputs_classes), torch.stack(outputs_coords)
 
-    def predict(self, srcs, masks, pos) -> dict:
-        """Transformer and heads on projected levels (as returned by ``features``) -> output dict."""
-        query_embed = None if self.two_stage else self.query_embed.weight
-        hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
-            srcs, masks, pos, query_embed)  # hs (K, B, Q, C)
-        outputs_class, outputs_coord = self.heads(hs, init_reference, inter_references)
+    def predict(self, srcs, masks, pos, *, one2many: bool = False) -> dict:
+        """Transformer and heads on projected levels (as returned by ``features``) -> output dict.
 
+        one2many: decode the one-to-many queries too, when the model has them (``forward``; inference never does).
+        """
+        Q, Q2 = self.num_queries, (self.num_queries_one2many if one2many else 0)
+        if self.two_stage:
+            query_embed = None
+        elif Q2:
+            query_embed = torch.cat([self.query_embed.weight, self.query_embed_one2many.weight])  # (Q + Q2, 2C)
+        else:
+            query_embed = self.query_embed.weight
+        hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
+            srcs, masks, pos, query_embed, (Q, Q2) if Q2 else None)  # hs (K, B, Q + Q2, C)
+        outputs_class, outputs_coord = self.heads(hs, init_reference, inter_references)
+        if Q2:
+            outputs_class, classes_one2many = outputs_class.split([Q, Q2], dim=2)  # (K, B, Q, n), (K, B, Q2, n)
+            outputs_coord, coords_one2many = outputs_coord.split([Q, Q2], dim=2)  # (K, B, Q, 4), (K, B, Q2, 4)
+
+        out = self._layer_outputs(outputs_class, outputs_coord)
+        if self.two_stage:
+            out["enc_outputs"] = {"pred_logits": enc_outputs_class, "pred_boxes": enc_outputs_coord_unact.sigmoid()}
+        if Q2:
+            out["one2many_outputs"] = self._layer_outputs(classes_one2many, coords_one2many)
+        return out
+
+    def _layer_outputs(self, outputs_class: torch.Tensor, outputs_coord: torch.Tensor) -> dict:
+        """Every decoder layer's (K, B, Q, num_classes) logits and (K, B, Q, 4) boxes -> the last layer's
+        pred_logits and pred_boxes, and the others' as aux_outputs (when aux_loss)."""
         out = {"pred_logits": outputs_class[-1], "pred_boxes": outputs_coord[-1]}
         if self.aux_loss:
             out["aux_outputs"] = [{"pred_logits": a, "pred_boxes": b}
                                   for a, b in zip(outputs_class[:-1], outputs_coord[:-1])]
-        if self.two_stage:
-            out["enc_outputs"] = {"pred_logits": enc_outputs_class, "pred_boxes": enc_outputs_coord_unact.sigmoid()}
         return out
 
 
@@ -241,7 +281,8 @@ def build_deformable_detr(cfg) -> DeformableDETR:
         msda=c.msda.value)
     return DeformableDETR(backbone=backbone, transformer=transformer, num_classes=c.num_classes,
                           num_queries=c.num_queries, num_feature_levels=c.num_feature_levels,
-                          aux_loss=c.aux_loss, with_box_refine=c.with_box_refine, two_stage=c.two_stage)
+                          aux_loss=c.aux_loss, with_box_refine=c.with_box_refine, two_stage=c.two_stage,
+                          num_queries_one2many=c.num_queries_one2many if c.hybrid_matching else 0)
 
 
 def build_model(cfg):

@@ -102,16 +102,30 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.dropout4 = nn.Dropout(dropout)
         self.norm3 = nn.LayerNorm(d_model)
 
-    def forward(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
-        """tgt, query_pos (N, Q, C); reference_points (N, Q, L, 2 or 4); src (N, S, C) -> (N, Q, C)."""
-        q = k = tgt + query_pos
-        # nn.MultiheadAttention is sequence-first here, as in the original.
-        tgt2 = self.self_attn(q.transpose(0, 1), k.transpose(0, 1), tgt.transpose(0, 1))[0].transpose(0, 1)
+    def forward(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, query_groups=None):
+        """tgt, query_pos (N, Q, C); reference_points (N, Q, L, 2 or 4); src (N, S, C) -> (N, Q, C).
+
+        query_groups: None, or the sizes of consecutive groups of the Q queries (summing to Q) whose
+        self-attention stays within their group (hybrid matching's one-to-one and one-to-many queries).
+        """
+        q = tgt + query_pos
+        if query_groups is None:
+            tgt2 = self._self_attention(q, tgt)
+        else:
+            # H-DETR's block-diagonal self-attention mask, as one attention per group: the same result without
+            # the masked blocks' work, and the first group computes what a model of that group alone computes.
+            tgt2 = torch.cat([self._self_attention(q_g, tgt_g) for q_g, tgt_g in
+                              zip(q.split(query_groups, 1), tgt.split(query_groups, 1))], 1)  # (N, Q, C)
         tgt = self.norm2(tgt + self.dropout2(tgt2))
         tgt2 = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout1(tgt2))
         tgt2 = self.linear2(self.dropout3(F.relu(self.linear1(tgt))))
         return self.norm3(tgt + self.dropout4(tgt2))
+
+    def _self_attention(self, q: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """(N, Q, C) queries and keys q, values tgt -> (N, Q, C)."""
+        # nn.MultiheadAttention is sequence-first here, as in the original.
+        return self.self_attn(q.transpose(0, 1), q.transpose(0, 1), tgt.transpose(0, 1))[0].transpose(0, 1)
 
 
 class DeformableTransformerDecoder(nn.Module):
@@ -129,9 +143,10 @@ class DeformableTransformerDecoder(nn.Module):
         self.bbox_embed: nn.ModuleList | None = None
         self.class_embed: nn.ModuleList | None = None
 
-    def forward(self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask):
-        """tgt, query_pos (N, Q, C); reference_points (N, Q, 2 or 4) in [0, 1] of the valid region;
-        -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer."""
+    def forward(self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask,
+                query_groups=None):
+        """tgt, query_pos (N, Q, C); reference_points (N, Q, 2 or 4) in [0, 1] of the valid region; query_groups
+        as the layers take it -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer."""
         # Contiguous like every later layer's output, so that a compiled layer (compile=true) sees one layout.
         output = tgt.contiguous()
         intermediate, intermediate_reference_points = [], []
@@ -141,7 +156,8 @@ class DeformableTransformerDecoder(nn.Module):
             else:
                 ratios = valid_ratios[:, None]  # (N, 1, L, 2)
             reference_points_input = reference_points[:, :, None] * ratios  # (N, Q, L, 2 or 4)
-            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, padding_mask)
+            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, padding_mask,
+                           query_groups)
             if self.bbox_embed is not None:
                 tmp = self.bbox_embed[lid](output)  # (N, Q, 4) unnormalized delta
                 if reference_points.shape[-1] == 4:
@@ -159,8 +175,14 @@ class DeformableTransformer(nn.Module):
     """Flattens the levels, encodes them, and decodes Q queries.
 
     forward(srcs [(N, C, H_l, W_l)], masks [(N, H_l, W_l) bool], pos_embeds [(N, C, H_l, W_l)], query_embed
-    (Q, 2C) or None for two-stage) -> (hs (K, N, Q, C), init_reference (N, Q, 2 or 4), inter_references
-    (K, N, Q, 2 or 4), enc_outputs_class (N, S, num_classes) | None, enc_outputs_coord_unact (N, S, 4) | None).
+    (Q, 2C) or None for two-stage, query_groups) -> (hs (K, N, Q, C), init_reference (N, Q, 2 or 4),
+    inter_references (K, N, Q, 2 or 4), enc_outputs_class (N, S, num_classes) | None, enc_outputs_coord_unact
+    (N, S, 4) | None).
+
+    query_groups: None, or the sizes of consecutive groups of the queries whose decoder self-attention stays within
+    their group (hybrid matching: (num_queries, num_queries_one2many)). They number the queries: query_embed's rows,
+    or, two-stage, the top-scoring encoder proposals (else ``two_stage_num_proposals``); as the proposals are taken
+    best first, the first group's are those a model of that group alone takes.
     """
 
     def __init__(self, *, d_model: int = 256, nheads: int = 8, num_encoder_layers: int = 6,
@@ -257,9 +279,15 @@ class DeformableTransformer(nn.Module):
         valid_W = torch.sum(~mask[:, 0, :], 1)
         return torch.stack([valid_W.float() / W, valid_H.float() / H], -1)
 
-    def forward(self, srcs, masks, pos_embeds, query_embed=None):
+    def forward(self, srcs, masks, pos_embeds, query_embed=None, query_groups=None):
         if not self.two_stage and query_embed is None:
             raise ValueError("DeformableTransformer needs query_embed (Q, 2*d_model) unless two_stage")
+        if query_groups is not None:
+            query_groups = tuple(query_groups)
+            if not query_groups or min(query_groups) < 1:
+                raise ValueError(f"query_groups must be None or sizes >= 1, got {query_groups}")
+            if query_embed is not None and sum(query_groups) != query_embed.shape[0]:
+                raise ValueError(f"query_groups {query_groups} must sum to query_embed's {query_embed.shape[0]} rows")
         src_flatten, mask_flatten, lvl_pos_embed_flatten = [], [], []
         # The level layout as host ints from the maps' shapes: no tensor of it, nothing read back from the GPU.
         spatial_shapes = tuple((src.shape[-2], src.shape[-1]) for src in srcs)  # ((H_l, W_l), ...)
@@ -280,14 +308,16 @@ class DeformableTransformer(nn.Module):
         if self.two_stage:
             output_memory, output_proposals = self.gen_encoder_output_proposals(memory, mask_flatten, spatial_shapes)
             K = self.decoder.num_layers
-            if self.two_stage_num_proposals > memory.shape[1]:
+            num_proposals = self.two_stage_num_proposals if query_groups is None else sum(query_groups)
+            if num_proposals > memory.shape[1]:
                 raise ValueError(
-                    f"two-stage selects {self.two_stage_num_proposals} proposals (num_queries) but the feature maps "
+                    f"two-stage selects {num_proposals} proposals (num_queries"
+                    f"{'' if query_groups is None else ' + num_queries_one2many'}) but the feature maps "
                     f"have only {memory.shape[1]} positions; use larger images or fewer queries")
             enc_outputs_class = self.decoder.class_embed[K](output_memory)  # (N, S, num_classes)
             enc_outputs_coord_unact = self.decoder.bbox_embed[K](output_memory) + output_proposals  # (N, S, 4)
             # The original ranks proposals by the logit of class 0 only; kept for checkpoint parity.
-            topk_proposals = torch.topk(enc_outputs_class[..., 0], self.two_stage_num_proposals, dim=1)[1]  # (N, Q)
+            topk_proposals = torch.topk(enc_outputs_class[..., 0], num_proposals, dim=1)[1]  # (N, Q)
             topk_coords_unact = torch.gather(enc_outputs_coord_unact, 1,
                                              topk_proposals.unsqueeze(-1).repeat(1, 1, 4)).detach()  # (N, Q, 4)
             reference_points = topk_coords_unact.sigmoid()
@@ -307,5 +337,5 @@ class DeformableTransformer(nn.Module):
             init_reference_out = reference_points
 
         hs, inter_references = self.decoder(tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos,
-                                            mask_flatten)
+                                            mask_flatten, query_groups)
         return hs, init_reference_out, inter_references, enc_outputs_class, enc_outputs_coord_unact

@@ -101,24 +101,31 @@ class HungarianMatcher(nn.Module):
         return self.cost_bbox * cost_bbox + self.cost_giou * cost_giou + self.cost_class * cost_class
 
     @torch.no_grad()
-    def match_groups(self, groups: list[tuple[torch.Tensor, torch.Tensor, list[dict]]]) -> list[list[list]]:
+    def match_groups(self, groups: list[tuple]) -> list[list[list]]:
         """Match every layer of every group, with one device->host transfer for all cost matrices.
 
-        groups: [(logits (G, B, Q, K), boxes (G, B, Q, 4), targets)], e.g. the decoder layers stacked and
+        groups: [(logits (G, B, Q, K), boxes (G, B, Q, 4), targets[, repeats])], e.g. the decoder layers stacked and
         the two-stage encoder proposals with their class-agnostic targets. Returns, per group, per layer,
-        per image, (index_i, index_j) as int64 CPU tensors of length min(Q, n_i): prediction index_i[k]
+        per image, (index_i, index_j) as int64 CPU tensors of length min(Q, n_i * r): prediction index_i[k]
         is assigned to target index_j[k], index_i increasing. Images without targets get two empty tensors.
+
+        repeats r (default 1): each image's n_i targets are matched as r copies of them, n_i * r targets where copy
+        c of target j is target c * n_i + j (hybrid matching's one-to-many queries, as H-DETR repeats the targets).
+        Their costs are computed and copied once and repeated on the host.
 
         Non-finite predictions (a diverging run) are matched as if they cost the most, so that the loss,
         which they make non-finite, is what reports them.
         """
         costs, layouts = [], []
-        for logits, boxes, targets in groups:
+        for logits, boxes, targets, *repeats in groups:
+            r = repeats[0] if repeats else 1
+            if not isinstance(r, int) or r < 1:
+                raise ValueError(f"HungarianMatcher: a group's repeats must be an integer >= 1, got {r!r}")
             G, B, Q = logits.shape[:3]
             if len(targets) != B:
                 raise ValueError(f"HungarianMatcher: got {len(targets)} target dicts for a batch of {B} images")
             sizes = [len(t["boxes"]) for t in targets]
-            layouts.append((G, B, Q, sizes))
+            layouts.append((G, B, Q, sizes, r))
             if sum(sizes):
                 # Each image's block is copied as (targets, queries): linear_sum_assignment solves a problem with
                 # fewer rows than columns as given, and would otherwise copy every block into that layout.
@@ -128,7 +135,7 @@ class HungarianMatcher(nn.Module):
         flat = torch.cat(costs).float().nan_to_num_(nan=worst, posinf=worst).cpu() if costs else torch.empty(0)
         empty = torch.empty(0, dtype=torch.int64)
         matched, offset = [], 0
-        for G, B, Q, sizes in layouts:
+        for G, B, Q, sizes, r in layouts:
             T = max(sizes, default=0)
             if T == 0:
                 matched.append([[(empty, empty) for _ in range(B)] for _ in range(G)])
@@ -139,7 +146,7 @@ class HungarianMatcher(nn.Module):
             for g in range(G):
                 per_image = []
                 for b, n in enumerate(sizes):
-                    per_image.append(_assignment(C[g, b, :n]))
+                    per_image.append(_assignment(C[g, b, :n] if r == 1 else np.tile(C[g, b, :n], (r, 1))))
                 layers.append(per_image)
             matched.append(layers)
         return matched

@@ -31,7 +31,7 @@ PositionEmbeddingName = StrEnum("PositionEmbeddingName", {name: name for name in
 _COST_AND_LOSS_WEIGHTS = ("set_cost_class", "set_cost_bbox", "set_cost_giou", "cls_loss_coef", "bbox_loss_coef",
                           "giou_loss_coef")
 _POSITIVE_INTS = ("hidden_dim", "nheads", "enc_layers", "dim_feedforward", "num_feature_levels", "enc_n_points",
-                  "dec_n_points", "num_queries")
+                  "dec_n_points", "num_queries", "num_queries_one2many")
 
 
 @dataclass
@@ -49,6 +49,12 @@ class CriterionConfig:
     bbox_loss_coef: float = MISSING
     giou_loss_coef: float = MISSING
     focal_alpha: float = MISSING
+    # Hybrid matching (H-DETR): extra one-to-many queries, trained on each image's targets repeated k_one2many
+    # times, their losses weighted by lambda_one2many. Defaults here as well as in the yaml, so that the config a
+    # checkpoint recorded before the option existed still reads.
+    hybrid_matching: bool = False
+    k_one2many: int = 6
+    lambda_one2many: float = 1.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -66,6 +72,11 @@ class CriterionConfig:
         if not (0 <= self.focal_alpha <= 1 or self.focal_alpha == -1):
             problems.append(f"model.focal_alpha must be in [0, 1] (or -1: no class weighting), got "
                             f"{self.focal_alpha!r}")
+        if self.k_one2many < 1:
+            problems.append(f"model.k_one2many must be an integer >= 1 (the times each target is repeated for the "
+                            f"one-to-many queries), got {self.k_one2many!r}")
+        if not (math.isfinite(self.lambda_one2many) and self.lambda_one2many >= 0):
+            problems.append(f"model.lambda_one2many must be a finite number >= 0, got {self.lambda_one2many!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -94,6 +105,7 @@ class ModelConfig(CriterionConfig):
     enc_n_points: int = MISSING
     dec_n_points: int = MISSING
     num_queries: int = MISSING
+    num_queries_one2many: int = 1500  # the one-to-many queries of hybrid matching (model.hybrid_matching)
     with_box_refine: bool = MISSING
     msda: Msda = field(default=Msda.auto, metadata={"role": "how_to_run"})
 

@@ -255,3 +255,65 @@ def dead_pid() -> int:
 def compose_run(data_root: Path, output_dir: Path, *extra: str):
     """The tiny run (``tiny_overrides``) into ``output_dir``, with ``extra`` overrides."""
     return compose_train(*tiny_overrides(data_root), f"output_dir={output_dir}", *extra)
+
+
+# -- bit-identity references -----------------------------------------------------------------------------------------
+
+
+def training_fingerprint(variant: str, **overrides) -> dict:
+    """What one training forward, its losses and its backward compute for the tiny SMALL model of ``variant`` on the
+    CPU, fp32, one thread, from fixed seeds: per part ("outputs", "losses", "gradients") a sha256 of every tensor's
+    bytes (in a fixed order) and fp64 sums to compare by where the bytes cannot be (another torch or CPU).
+
+    tests/data/training_fingerprints.json holds what the code computed before hybrid matching existed
+    (tests/test_hybrid_matching.py compares with it)."""
+    import hashlib
+
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    from models import build_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a reduction split over threads rounds differently
+    try:
+        torch.manual_seed(0)
+        model, criterion, _ = build_model(tiny_cfg(variant, **SMALL, **overrides))
+        gen = torch.Generator().manual_seed(1)
+        images = torch.randn(2, 3, 64, 64, generator=gen)
+        mask = torch.zeros(2, 64, 64, dtype=torch.bool)
+        mask[1, :, 48:] = True
+        targets = rand_targets([3, 1], gen)
+        model.train()
+        outputs = model(images, mask)
+        losses = criterion(outputs, targets)
+        sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses).backward()
+    finally:
+        torch.set_num_threads(threads)
+
+    def part(named: dict) -> dict:
+        digest = hashlib.sha256()
+        for name, tensor in named.items():
+            tensor = tensor.detach().contiguous()
+            digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+            digest.update(tensor.numpy().tobytes())
+        return {"sha256": digest.hexdigest(),
+                "sums": {name: [float(t.detach().double().sum()), float(t.detach().double().abs().sum())]
+                         for name, t in named.items()}}
+
+    flat_outputs = {keystr(path): t for path, t in tree_flatten_with_path(outputs)[0]}
+    by_module: dict[str, list[torch.Tensor]] = {}
+    gradients = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            gradients[name] = p.grad
+            by_module.setdefault(".".join(name.split(".")[:2]), []).append(p.grad.flatten())
+    grads = part(gradients)
+    # Per parameter would be hundreds of numbers: the fallback compares the sums of each module's gradients.
+    grads["sums"] = {m: [float(torch.cat(g).double().sum()), float(torch.cat(g).double().abs().sum())]
+                     for m, g in by_module.items()}
+    return {"outputs": part(flat_outputs), "losses": part({k: losses[k] for k in sorted(losses)}), "gradients": grads}
+
+
+def fingerprint_environment() -> dict:
+    """Where a fingerprint's bytes are reproducible: the same torch release and CPU instruction set."""
+    return {"torch": ".".join(torch.__version__.split(".")[:2]), "cpu": torch.backends.cpu.get_cpu_capability()}

@@ -277,6 +277,24 @@ def test_only_declared_methods_can_be_replaced():
         model.use_compiled("class_embed", lambda *a: None)
 
 
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_a_hybrid_step_compiles_both_groups_of_queries_and_gives_the_eager_step(seeded, regions):
+    """Hybrid matching compiled: the one-to-one and one-to-many queries in the transformer's graphs (one with no
+    break, or one per layer kind), the one-to-many losses in a region of their own; a step gives eager's values."""
+    hybrid = {"dropout": 0.0, "hybrid_matching": True, "num_queries_one2many": 12, "k_one2many": 3}
+    eager, compiled = make_step("two_stage", **hybrid), make_step("two_stage", **hybrid)
+    compiled.model.load_state_dict(eager.model.state_dict())
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_model(compiled.model, plan(counter, regions=regions), criterion=compiled.criterion)
+    assert "stacked_one2many_losses" in vars(compiled.criterion)
+    images, mask = image_batch(H=136, W=160, pad_w=8)  # no level of size 1, which torch.compile specializes
+    targets = rand_targets([3, 1], torch.Generator().manual_seed(0))
+    expected, got = eager(images, mask, targets), compiled(images, mask, targets)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    if regions == "transformer":  # the transformer, the position encoding and the three groups' losses
+        assert counter.frame_count == 5
+
+
 # (batch, height, width) fed to a compiled backbone in turn, and the graphs compiled once each has been met. Static:
 # one per size and none for a size met before. Dynamic: one for every size and batch, the padded sizes being
 # multiples of 32 (dataset.pad_to_multiple) whose quotient is odd or even, the first one square. With the
@@ -345,10 +363,24 @@ GPU_STEPS = ((128, 160, 2), (128, 160, 2), (160, 136, 2), (128, 160, 6), (128, 1
 def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone):
     """Several steps, three sizes and two padded target counts; with reduce-overhead the regions and the losses are
     replayed as CUDA graphs."""
-    eager = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)  # Inductor draws its own RNG
-    graphed = make_step("box_refine", msda="triton", device="cuda", dropout=0.0)
+    assert_compiled_steps_give_the_losses_of_eager_steps("box_refine", CompilePlan(mode=mode, regions=regions,
+                                                                                   backbone=backbone))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
+def test_hybrid_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, regions):
+    """Hybrid matching, replayed as CUDA graphs: the one-to-many losses replay between the one-to-one losses' forward
+    and backward, in a region (and CUDA-graph tree) of their own."""
+    chosen = CompilePlan(mode="reduce-overhead", regions=regions, backbone="dynamic")
+    assert_compiled_steps_give_the_losses_of_eager_steps("box_refine", chosen, hybrid_matching=True,
+                                                         num_queries_one2many=24, k_one2many=3)
+
+
+def assert_compiled_steps_give_the_losses_of_eager_steps(variant: str, chosen: CompilePlan, **overrides) -> None:
+    eager = make_step(variant, msda="triton", device="cuda", dropout=0.0, **overrides)  # Inductor draws its own RNG
+    graphed = make_step(variant, msda="triton", device="cuda", dropout=0.0, **overrides)
     graphed.model.load_state_dict(eager.model.state_dict())
-    chosen = CompilePlan(mode=mode, regions=regions, backbone=backbone)
     compile_model(graphed.model, chosen, criterion=graphed.criterion)
     counters.clear()
     for H, W, count in GPU_STEPS:

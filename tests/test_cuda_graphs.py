@@ -97,9 +97,9 @@ def test_a_steps_log_line_says_what_it_recorded_and_what_it_compiled():
 
 
 # ------------------------------------------------------------------------------------------- on the GPU
-def _graphed_pair(variant, *, amp="none"):
-    eager = make_step(variant, msda="triton", device="cuda", dropout=0.0)  # replays draw their own RNG order
-    graphed = make_step(variant, msda="triton", device="cuda", dropout=0.0)
+def _graphed_pair(variant, *, amp="none", **overrides):
+    eager = make_step(variant, msda="triton", device="cuda", dropout=0.0, **overrides)  # replays draw their own RNG
+    graphed = make_step(variant, msda="triton", device="cuda", dropout=0.0, **overrides)
     graphed.model.load_state_dict(eager.model.state_dict())
     for step in (eager, graphed):
         step.precision = Precision(amp=amp, device=GPU)
@@ -145,6 +145,30 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
     sizes = len(set(SIZES))
     assert clock.totals().since(before).by_function == {
         "graphed_forward": sizes, "graphed_stacked_losses": 1,
+        **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {})}
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant,images_per_pass", [("base", None), ("two_stage", None), ("box_refine", 1)])
+def test_hybrid_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_steps(variant, images_per_pass):
+    """Hybrid matching: the forward's recording holds both groups of queries; the one-to-many losses, which replay
+    between the one-to-one losses' forward and backward, are recorded in a region and memory pool of their own (in
+    the one-to-one losses' pool, their replay would overwrite what that backward reads). Also in passes."""
+    torch.manual_seed(0)
+    eager, graphed = _graphed_pair(variant, hybrid_matching=True, num_queries_one2many=24, k_one2many=3)
+    for step in (eager, graphed):
+        step.images_per_pass = images_per_pass
+    clock = CompileClock.get()
+    before = clock.totals()
+    for H, W in SIZES:
+        batch = [t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)]
+        targets = [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()]
+        assert_same_step(eager, graphed, batch, targets, gradients=variant != "two_stage", what=f"size {H}x{W}")
+    # One padded number of targets each: the one-to-one queries' (8 slots) and the one-to-many ones' (3 x the
+    # targets: 16 slots, or 8 in passes of one image).
+    sizes = len(set(SIZES))
+    assert clock.totals().since(before).by_function == {
+        "graphed_forward": sizes, "graphed_stacked_losses": 1, "graphed_stacked_one2many_losses": 1,
         **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {})}
 
 

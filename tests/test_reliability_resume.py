@@ -269,6 +269,23 @@ def test_resume_auto_takes_a_checkpoint_with_the_old_compile_keys(tmp_path, base
     assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config) == old
 
 
+def test_a_checkpoint_from_before_hybrid_matching_resumes_without_it_and_is_another_run_than_one_with_it(
+        tmp_path, base_config):
+    """A model recorded before model.hybrid_matching existed trained without it: a resume keeps it off (for
+    two-stage nothing else would tell), and resume=auto does not take it for a run with the option on."""
+    before = copy.deepcopy(base_config)
+    for key in ("hybrid_matching", "num_queries_one2many", "k_one2many", "lambda_one2many"):
+        del before["model"][key]
+    effective = config_for_resume(compose_train("epochs=30", "model.hybrid_matching=true"), checkpoint_of(before),
+                                  path="old/checkpoint.pth")
+    assert effective.model.hybrid_matching is False
+    outputs = tmp_path / "outputs"
+    old = write_run(outputs, "10-00-00", before)
+    hybrid = with_changes(base_config, **{"model.hybrid_matching": True})
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "a", search_root=outputs, config=hybrid) is None
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "b", search_root=outputs, config=base_config) == old
+
+
 class TinyConv(torch.nn.Module):
     def __init__(self):
         super().__init__()

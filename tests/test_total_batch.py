@@ -79,17 +79,21 @@ def run_step(model, criterion, images, masks, targets, ctx: DistContext, *, sync
     return values, grads, step.value_names
 
 
-def fresh_model():
+def fresh_model(hybrid: bool = False):
+    """model=tiny and its criterion; ``hybrid``: with hybrid matching, whose one-to-many losses are divided by the
+    repeated targets' count over all processes."""
     torch.manual_seed(0)
-    return build_model(tiny_model_config())[:2]
+    cfg = tiny_model_config()
+    cfg.hybrid_matching = hybrid
+    return build_model(cfg)[:2]
 
 
-def _process_main(rank: int, work: str) -> None:
+def _process_main(rank: int, work: str, hybrid: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=PROCESSES)
     try:
         torch.set_num_threads(1)
         ctx = DistContext(rank=rank, world_size=PROCESSES, local_rank=rank, device=torch.device("cpu"))
-        model, criterion = fresh_model()
+        model, criterion = fresh_model(hybrid)
         trained, sync_gradients = data_parallel(model, ctx, gradient_sync="allreduce")  # as train.py does
         images, masks, targets = step_batch_data()
         share = slice(2 * rank, 2 * rank + 2)
@@ -113,20 +117,22 @@ def assert_same(values, grads, expected_values, expected_grads, what: str, *, sk
         assert (grad - expected_grads[name]).abs().max() <= 1e-5 * scale, f"{what}: {name}"
 
 
-def test_one_process_four_processes_and_four_accumulated_passes_give_the_same_step(tmp_path):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid_matching"])
+def test_one_process_four_processes_and_four_accumulated_passes_give_the_same_step(tmp_path, hybrid):
     one = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model, criterion = fresh_model()
+    model, criterion = fresh_model(hybrid)
     values, grads, names = run_step(model, criterion, *step_batch_data(), one)
     assert torch.isfinite(values).all() and values[0] > 0
+    assert ("loss_ce_one2many" in names) == hybrid
     # class_error, an accuracy logged only, is averaged over processes as the original averages it (a mean of
     # the processes' accuracies, not of their boxes'); within one process the passes weigh it by their boxes.
-    class_error = names.index("class_error")
+    class_errors = tuple(i for i, name in enumerate(names) if name.startswith("class_error"))
 
-    model, criterion = fresh_model()
+    model, criterion = fresh_model(hybrid)
     accumulated_values, accumulated_grads, _ = run_step(model, criterion, *step_batch_data(), one, images_per_pass=2)
     assert_same(accumulated_values, accumulated_grads, values, grads, "4 passes of 2")
 
-    mp.spawn(_process_main, args=(str(tmp_path),), nprocs=PROCESSES)
+    mp.spawn(_process_main, args=(str(tmp_path), hybrid), nprocs=PROCESSES)
     for rank in range(PROCESSES):
         result = torch.load(tmp_path / f"process{rank}.pt")
-        assert_same(result["values"], result["grads"], values, grads, f"process {rank} of 4", skip=(class_error,))
+        assert_same(result["values"], result["grads"], values, grads, f"process {rank} of 4", skip=class_errors)

@@ -17,6 +17,7 @@ import torch
 from engine.config.run_files import named_checkpoint
 from engine.config.train_schema import HOW_TO_RUN, role_of
 from engine.errors import CheckpointError
+from models.deformable_detr import ONE2MANY_PARAMETERS
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,22 @@ def model_state_dict(ckpt: dict) -> dict:
 
 
 def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
-    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it."""
+    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it.
+
+    Hybrid matching's one-to-many queries (models.deformable_detr.ONE2MANY_PARAMETERS) are the exception, as
+    inference never uses them: a checkpoint's are left out where the model has none (a hybrid checkpoint
+    evaluated with model.hybrid_matching=false), and a model's keep their initialization where the checkpoint
+    has none; a log line says so.
+    """
     state = model_state_dict(ckpt)
     own = model.state_dict()
+    unused = sorted(k for k in state if k in ONE2MANY_PARAMETERS and k not in own)
+    if unused:
+        state = {k: v for k, v in state.items() if k not in unused}
+        log.info("checkpoint %s holds hybrid matching's one-to-many queries (%s), which this model "
+                 "(model.hybrid_matching=false) has not: left out, as inference uses the one-to-one queries alone",
+                 path, ", ".join(unused))
+    fresh = sorted(k for k in own if k in ONE2MANY_PARAMETERS and k not in state)
     reshaped = [f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
                 for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]
     if reshaped:
@@ -98,15 +112,19 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
             f"{'; '.join(reshaped[:3])}). Check model.num_classes, model.hidden_dim, model.num_queries, "
             f"model.num_feature_levels and the other sizes against the checkpoint")
     result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in fresh]
     problems = []
-    if result.missing_keys:
-        problems.append(f"{len(result.missing_keys)} missing (e.g. {result.missing_keys[:3]})")
+    if missing:
+        problems.append(f"{len(missing)} missing (e.g. {missing[:3]})")
     if result.unexpected_keys:
         problems.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[:3]})")
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit the model: parameters {'; '.join(problems)}. Check the variant "
             f"(model.with_box_refine, model.two_stage) and the model sizes against the checkpoint")
+    if fresh:
+        log.info("checkpoint %s has no one-to-many queries of hybrid matching (%s): they keep their initialization "
+                 "(inference does not use them)", path, ", ".join(fresh))
 
 
 def read_recorded_config(path: str | os.PathLike) -> dict | None:

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 VARIANT_KEYS = ("with_box_refine", "two_stage")
 # The sizes stay the config's: a checkpoint that does not fit them is an error, with these as the hint.
 SIZE_KEYS = ("backbone", "dilation", "hidden_dim", "nheads", "enc_layers", "dec_layers", "dim_feedforward",
-             "num_feature_levels", "enc_n_points", "dec_n_points", "num_queries", "position_embedding")
+             "num_feature_levels", "enc_n_points", "dec_n_points", "num_queries", "num_queries_one2many",
+             "position_embedding")
 # Per-class outputs: class_embed.<layer>.{weight (num_classes, C), bias (num_classes,)}.
 CLASS_HEAD = re.compile(r"(^|\.)class_embed\.\d+\.(weight|bias)$")
 NAMES_SHOWN = 5

@@ -20,6 +20,7 @@ from datasets.coco_categories import COCO_CATEGORY_NAMES
 from datasets.transforms import COCO_MAX_SIZE, COCO_VAL_SIZE
 from engine.config.run_files import named_checkpoint
 from models import build_model
+from models.model_config import MODEL_KEYS
 
 from .contents import EMA_KEY, load_model_weights, model_config_for_checkpoint, model_state_dict
 from .io import load_checkpoint
@@ -72,7 +73,10 @@ def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = No
     path = named_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
     plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
-    model_config = model_config_for_checkpoint(plain, ckpt, path=path)
+    # Inference is the one-to-one queries': the model without hybrid matching, whatever the checkpoint trained with
+    # (load_model_weights leaves its one-to-many queries out), so that predict and export run that model's graph.
+    model_config = model_config_for_checkpoint(plain, ckpt, path=path, keys=MODEL_KEYS - {"hybrid_matching"})
+    model_config["hybrid_matching"] = False
     model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
     if msda is not None:
         model_config["msda"] = msda

@@ -234,10 +234,17 @@ LEGACY_COMPILE_KEYS = {"compile_mode": "mode", "compile_regions": "regions", "co
 def upgrade_recorded_config(recorded: dict) -> dict:
     """A checkpoint's recorded config in this version's layout: the compile settings of older versions
     (``compile: bool`` and compile_mode, compile_regions, compile_backbone, compile_backend) become the
-    ``compile`` group, so that a resume compares like with like."""
-    if not isinstance(recorded, dict) or isinstance(recorded.get("compile"), dict):
+    ``compile`` group, and a model recorded before hybrid matching existed trained without it
+    (``model.hybrid_matching: false``), so that a resume compares like with like and keeps the model."""
+    if not isinstance(recorded, dict):
         return recorded
-    upgraded = {k: v for k, v in recorded.items() if k != "compile" and k not in LEGACY_COMPILE_KEYS}
+    upgraded = dict(recorded)
+    model = recorded.get("model")
+    if isinstance(model, dict) and "hybrid_matching" not in model:
+        upgraded["model"] = {**model, "hybrid_matching": False}
+    if isinstance(recorded.get("compile"), dict):
+        return upgraded
+    upgraded = {k: v for k, v in upgraded.items() if k != "compile" and k not in LEGACY_COMPILE_KEYS}
     group = {"mode": "eager"}
     if recorded.get("compile"):
         group = {new: recorded[old] for old, new in LEGACY_COMPILE_KEYS.items() if old in recorded}
