@@ -20,12 +20,9 @@ Writes parity_h200.json, .md and, with matplotlib, parity_h200.png (the loss and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.parity_verdict import AP_TARGET, summarize  # noqa: E402
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench.train_runs import CHILDREN, train_run  # noqa: E402
 
 CONFIGS = {"triton-eager": ["model.msda=triton", "compile.mode=eager"],
            "triton-graphs": ["model.msda=triton", "compile.mode=graphs"],
@@ -45,72 +43,20 @@ QUICK = {"configs": ["pytorch-eager"], "seeds": [0, 1], "overrides": ["epochs=1"
 NAME = "parity_h200"
 
 
-class Children:
-    """The train.py processes this script started, so that stopping the script (Ctrl-C, a time limit's SIGTERM)
-    stops them too instead of leaving them running on the GPU."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: list[subprocess.Popen] = []
-        self.stopping = False
-
-    def run(self, cmd: list[str], **kwargs) -> int:
-        with self._lock:
-            if self.stopping:
-                return -int(signal.SIGTERM)
-            proc = subprocess.Popen(cmd, **kwargs)
-            self._running.append(proc)
-        return proc.wait()
-
-    def stop(self) -> None:
-        """SIGTERM to every run still going: train.py saves its step and exits (143)."""
-        with self._lock:
-            self.stopping = True
-            for proc in self._running:
-                if proc.poll() is None:
-                    proc.terminate()
-
-
-CHILDREN = Children()
-
-
 def run_one(args, config: str, seed: int) -> dict:
     """One `python train.py` of ``config`` and ``seed``; its figures and curves, or why it failed."""
-    run_dir = args.work / "runs" / f"{config}_seed{seed}"
     overrides = [*CONFIGS[config], f"seed={seed}", f"device={args.device}", f"num_workers={args.num_workers}",
-                 f"compile.cache_dir={args.work / 'compile_cache'}", f"output_dir={run_dir}", *args.overrides]
-    env = dict(os.environ)
-    # The runs share the host's cores: each gets its part, rather than every process starting a thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // args.parallel)))
-    row = {"config": config, "overrides": " ".join(CONFIGS[config]), "seed": seed,
-           "command": "python train.py " + " ".join(overrides)}
-    started = time.perf_counter()
-    log = args.work / "runs" / f"{config}_seed{seed}.log"
-    with open(log, "w") as out:
-        returncode = CHILDREN.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT)
-    row["wall_s"] = time.perf_counter() - started
-    evaluations = sorted(run_dir.glob("eval_epoch*.json"))
-    if returncode != 0 or not evaluations:
-        row["failed"] = f"exit {returncode}, {len(evaluations)} evaluations; see {log}"
+                 f"compile.cache_dir={args.work / 'compile_cache'}", *args.overrides]
+    done = train_run(overrides, run_dir=args.work / "runs" / f"{config}_seed{seed}", parallel=args.parallel)
+    row = {"config": config, "overrides": " ".join(CONFIGS[config]), "seed": seed, **done}
+    if "failed" in row:
         print(f"parity {config} seed {seed}: FAILED ({row['failed']})", flush=True)
         return row
-    final = json.loads(evaluations[-1].read_text())
-    row.update(ap=final["AP"], ap50=final["AP50"], step=final.get("step"),
-               loss=tensorboard_scalar(run_dir, "train/loss"), ap_curve=tensorboard_scalar(run_dir, "eval/AP"))
+    final = row.pop("evaluations")[-1]
+    row.update(ap=final["AP"], ap50=final["AP50"], step=final.get("step"))
     print(f"parity {config} seed {seed}: AP {row['ap']:.4f} AP50 {row['ap50']:.4f} after step {row['step']} "
           f"({row['wall_s']:.0f} s)", flush=True)
     return row
-
-
-def tensorboard_scalar(run_dir: Path, tag: str) -> dict[str, list]:
-    """{"steps", "values"} of one scalar from a run's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: every point
-    events.Reload()
-    scalars = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
-    return {"steps": [e.step for e in scalars], "values": [e.value for e in scalars]}
 
 
 def report_lines(record: dict) -> list[str]:

@@ -1,0 +1,81 @@
+"""``python train.py`` runs started by a benchmark, several at once: bench/parity.py and bench/recipe.py.
+
+``CHILDREN`` keeps the processes so that stopping the benchmark (Ctrl-C, a time limit's SIGTERM) stops them too
+instead of leaving them running; ``train_run`` runs one into its own directory, its output into a log beside it, and
+reads back its evaluations and TensorBoard curves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Children:
+    """The train.py processes this benchmark started."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[subprocess.Popen] = []
+        self.stopping = False
+
+    def run(self, cmd: list[str], **kwargs) -> int:
+        with self._lock:
+            if self.stopping:
+                return -int(signal.SIGTERM)
+            proc = subprocess.Popen(cmd, **kwargs)
+            self._running.append(proc)
+        return proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM to every run still going: train.py saves its step and exits (143)."""
+        with self._lock:
+            self.stopping = True
+            for proc in self._running:
+                if proc.poll() is None:
+                    proc.terminate()
+
+
+CHILDREN = Children()
+
+
+def train_run(overrides: list[str], *, run_dir: Path, parallel: int) -> dict:
+    """One `python train.py OVERRIDES output_dir=RUN_DIR`, its output in RUN_DIR.log: {"command", "wall_s",
+    "evaluations" (each eval_epochNNNN.json, in order), "loss", "ap_curve"}, or with "failed" saying why.
+    ``parallel``: the runs going at once, which share the host's cores."""
+    overrides = [*overrides, f"output_dir={run_dir}"]
+    env = dict(os.environ)
+    # Each run gets its part of the cores, rather than every process starting a thread per core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // parallel)))
+    row = {"command": "python train.py " + " ".join(overrides)}
+    started = time.perf_counter()
+    log = run_dir.with_name(run_dir.name + ".log")
+    with open(log, "w") as out:
+        returncode = CHILDREN.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    row["wall_s"] = time.perf_counter() - started
+    evaluations = sorted(run_dir.glob("eval_epoch*.json"))
+    if returncode != 0 or not evaluations:
+        row["failed"] = f"exit {returncode}, {len(evaluations)} evaluations; see {log}"
+        return row
+    row["evaluations"] = [json.loads(path.read_text()) for path in evaluations]
+    row["loss"], row["ap_curve"] = tensorboard_scalar(run_dir, "train/loss"), tensorboard_scalar(run_dir, "eval/AP")
+    return row
+
+
+def tensorboard_scalar(run_dir: Path, tag: str) -> dict[str, list]:
+    """{"steps", "values"} of one scalar from a run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: every point
+    events.Reload()
+    scalars = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
+    return {"steps": [e.step for e in scalars], "values": [e.value for e in scalars]}
