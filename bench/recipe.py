@@ -94,10 +94,10 @@ def report_lines(record: dict) -> list[str]:
         f"Each run is `python train.py` (the synthetic default: model=tiny, 256 training images of 1-5 objects) with "
         f"`{' '.join(h['schedule'])}`, its configuration's overrides and a seed, {h['parallel']} runs at once "
         f"({h['wall_s']:.0f} s in all). AP is COCO's AP (IoU .50:.95) on the 64 validation images after each epoch; "
-        "with EMA it is the average's. Each cell is the mean over the seeds, with its spread (max - min).")
+        "with EMA it is the average's. Each cell is the mean over the seeds and, in brackets, its spread (max - min).")
     per_config = summary["per_config"]
     epochs = sorted({e for c in per_config.values() for e in c["mean_ap"]})
-    cells = [[config, c["runs"], *(f"{c['mean_ap'][e]:.4f} ± {c['spread_ap'][e] / 2:.4f}" if e in c["mean_ap"]
+    cells = [[config, c["runs"], *(f"{c['mean_ap'][e]:.4f} ({c['spread_ap'][e]:.4f})" if e in c["mean_ap"]
                                    else "-" for e in epochs)] for config, c in per_config.items()]
     lines += table(["configuration", "seeds", *(f"epoch {e}" for e in epochs)], cells)
     t = summary["target"]
