@@ -17,7 +17,7 @@ from helpers import image_batch, make_step, two_box_targets
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.step_profile import STEP_PHASES, idle_by_phase
+from bench.step_profile import STEP_PHASES, gpu_time_by_part, idle_by_phase
 from engine.train.hooks.base import Ending, EpochEnd, StepDone
 from engine.train.hooks.profiling import StepProfiler, busy_time, is_device_work
 from engine.train.hooks.timing import RunTiming
@@ -255,3 +255,41 @@ def test_a_profiler_that_fails_costs_a_warning_not_the_run(tmp_path, caplog, mon
     assert profiler.summary["error"] == "profiling steps 1-1 failed: disk full"
     assert timing.profile == profiler.summary and not timing.profiling
     assert "the run goes on unprofiled" in caplog.text and not list(tmp_path.iterdir())
+
+
+def _kernel(name, ts, dur, grid=(1, 1, 1), correlation=None, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+            "args": {"grid": list(grid), **({"correlation": correlation} if correlation is not None else {})}}
+
+
+def test_the_gpu_time_of_a_step_is_charged_to_its_parts_by_what_each_piece_is_and_where_it_falls():
+    """Two steps of hand-made GPU work, 10 us a piece, in a step's order: the backbone, the encoder (its attention
+    on a large grid), the decoder (on a small one), the matching's copy to the host, the losses, the backward in
+    reverse, the update; a graph replay's kernels (one correlation id) stay together."""
+    events, t = [], 0.0
+
+    def add(name, grid=(1, 1, 1), correlation=None, cat="kernel"):
+        nonlocal t
+        events.append(_kernel(name, t, 10.0, grid, correlation, cat))
+        t += 10.0
+
+    for step in range(2):
+        add("conv_fprop")                                   # backbone
+        add("value_proj_gemm", correlation=100 + step)      # an encoder layer as one graph: its rest, its attention
+        add("msda_forward_kernel", grid=(4000, 8, 1), correlation=100 + step)
+        add("ffn_gemm")                                     # encoder rest
+        add("msda_forward_kernel", grid=(60, 8, 1))         # decoder attention
+        add("heads_gemm")                                   # decoder rest
+        add("Memcpy DtoH (Device -> Pinned)", cat="gpu_memcpy")  # the matching's copy
+        add("focal_loss_kernel")                            # losses
+        add("msda_backward_kernel", grid=(60, 8, 1))        # decoder attention backward
+        add("ffn_gemm_backward")                            # decoder rest
+        add("msda_backward_kernel", grid=(4000, 8, 1))      # encoder attention backward
+        add("conv_dgrad")                                   # backbone
+        add("multi_tensor_apply_kernel<FusedAdamMathFunctor>")  # update
+        t += 20.0                                           # idle between steps
+    parts = gpu_time_by_part({"traceEvents": events}, steps=2)
+    us = {part: round(ms * 1e3, 6) for part, ms in parts.items()}
+    assert us == {"backbone": 20.0, "encoder attention": 20.0, "encoder rest": 20.0, "decoder attention": 20.0,
+                  "decoder rest": 20.0, "matching and losses": 20.0, "update": 10.0, "copies": 0.0, "idle": 10.0}
+    assert gpu_time_by_part({"traceEvents": []}, steps=2) == {}
