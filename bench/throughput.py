@@ -311,16 +311,16 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
 
 # ------------------------------------------------------------------------------------------------ report
 def how_to_read() -> str:
-    return ("Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as the "
-            "long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one GPU, the "
-            "batch in one pass; the rows share a compile cache, empty before the first. hybrid is hybrid matching with "
-            "model EMA. img/s, step and loader wait come from the run's steady steps (its timing.json); GPU busy is the "
-            f"share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke run) in which the GPU ran a kernel, "
-            "copy or memset (train.py's profile_steps: torch.profiler recording the GPU's activity alone); NVML is "
-            "the GPU's utilization counter over the steady steps (coarse: sampled); MFU counts the model's matmul and "
-            "convolution FLOPs (forward and backward) against the GPU's dense bf16 peak; hours are 50 epochs of COCO "
-            "(118,287 images x 50) at that rate; the first step is from the process's start, compilation included "
-            "(cold: into the empty cache).")
+    return ("Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as "
+            "the long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one "
+            "GPU, the batch in one pass; the rows share a compile cache, empty before the first. hybrid is hybrid"
+            " matching with model EMA. img/s, step and loader wait come from the run's steady steps (its "
+            f"timing.json); GPU busy is the share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke "
+            "run) in which the GPU ran a kernel, copy or memset (train.py's profile_steps: torch.profiler "
+            "recording the GPU's activity alone); NVML is the GPU's utilization counter over the steady steps "
+            "(coarse: sampled); MFU counts the model's matmul and convolution FLOPs (forward and backward) "
+            "against the GPU's dense bf16 peak; hours are 50 epochs of COCO (118,287 images x 50) at that rate; "
+            "the first step is from the process's start, compilation included (cold: into the empty cache).")
 
 
 def percent(share: float | None) -> str:
