@@ -1,10 +1,12 @@
-"""Launchers for the Triton kernels: pick the launch configuration (launch_table.py), allocate outputs, build the
+"""Launchers for the Triton kernels: pick the kernel family and launch configuration, allocate outputs, build the
 grid, launch.
 
-Inputs arrive validated and contiguous (see ops.py); ``levels`` is a tuple of (H, W) Python ints. Imported
-lazily so that ``import msda`` works without triton and the reference path never touches it. Nothing here
-reads the device or copies host memory to it: the level layout travels as four int64 kernel arguments that
-Triton does not specialize on, so a new image size neither syncs nor recompiles, eagerly, under
+Two families of query kernels share the grad_value schemes: classic (msda/kernels.py) and grouped
+(msda/kernels_grouped.py, launched through launch_grouped.py); the table (launch_table.py) picks one per pass,
+and callers may name one. Inputs arrive validated and contiguous (see ops.py); ``levels`` is a tuple of (H, W)
+Python ints. Imported lazily so that ``import msda`` works without triton and the reference path never touches
+it. Nothing here reads the device or copies host memory to it: the level layout travels as four int64 kernel
+arguments that Triton does not specialize on, so a new image size neither syncs nor recompiles, eagerly, under
 torch.compile (inside a custom op) or during CUDA-graph capture.
 """
 
@@ -15,7 +17,7 @@ import functools
 import torch
 import triton.language as tl
 
-from . import launch_table
+from . import launch_grouped, launch_table
 from .kernels import (
     msda_backward_kernel,
     msda_fill_cells_kernel,
@@ -23,6 +25,7 @@ from .kernels import (
     msda_grad_value_gather_kernel,
 )
 from .launch_table import (  # noqa: F401  (INTERPRET, MAX_LEVELS, MAX_SIDE, TUNED: this module's public names too)
+    FAMILIES,
     INTERPRET,
     LARGE,
     MAX_LEVELS,
@@ -47,6 +50,14 @@ def update_table(entries: dict):
     launch_table.TUNED.update(entries)
     launch_config.cache_clear()
     _plan.cache_clear()
+    launch_grouped.plan.cache_clear()
+
+
+def _family(kernels: str | None, pass_name: str, D: int, nbytes: int, L: int, P: int, large: bool) -> str:
+    kernels = kernels or launch_config((f"{pass_name}_kernels", D, nbytes, L, P, large))
+    if kernels not in FAMILIES:
+        raise ValueError(f"kernels must be one of {FAMILIES}, got {kernels!r}")
+    return kernels
 
 
 @functools.lru_cache(maxsize=1024)
@@ -74,17 +85,23 @@ def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: t
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
-def forward(value, levels, sampling_locations, attention_weights, *, config: tuple | None = None) -> torch.Tensor:
-    """Returns (N, Lq, M*D) in value's dtype. config = (BLOCK_Q, BLOCK_P, num_warps, UNROLL) overrides the table."""
+def forward(value, levels, sampling_locations, attention_weights, *, config: tuple | None = None,
+            kernels: str | None = None) -> torch.Tensor:
+    """Returns (N, Lq, M*D) in value's dtype. kernels = "classic" | "grouped" overrides the table's family; config
+    overrides its block shape: (BLOCK_Q, BLOCK_P, num_warps, UNROLL) classic, (BLOCK_Q, CH, num_warps) grouped."""
     N, _, M, D = value.shape
     shape = sampling_locations.shape  # (N, Lq, M, L, P, 2)
     output = torch.empty((N, shape[1], M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
     if N == 0 or shape[1] == 0:
         return output.view(N, shape[1], M * D)
-    grid, args, kwargs = _plan("forward", N, shape[1], M, D, shape[3], shape[4], value.dtype, levels_key(levels),
-                               config)
+    levels = levels_key(levels)
+    family = _family(kernels, "forward", D, value.element_size(), shape[3], shape[4], N * shape[1] * M >= LARGE)
     with device_guard(value):
-        msda_forward_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
+        if family == "grouped":
+            launch_grouped.forward(value, levels, sampling_locations, attention_weights, output, config)
+        else:
+            grid, args, kwargs = _plan("forward", N, shape[1], M, D, shape[3], shape[4], value.dtype, levels, config)
+            msda_forward_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
     return output.view(N, shape[1], M * D)
 
 
@@ -92,7 +109,7 @@ def forward(value, levels, sampling_locations, attention_weights, *, config: tup
 # backward
 # ----------------------------------------------------------------------------------------------------
 def backward(grad_output, value, levels, sampling_locations, attention_weights, *, deterministic: bool = False,
-             scheme: str | None = None, configs: dict | None = None):
+             scheme: str | None = None, configs: dict | None = None, kernels: str | None = None):
     """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
 
     deterministic=False: the scheme from the table. "fused" and "split" add grad_value with fp32 atomics
@@ -103,6 +120,8 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
     deterministic=True: the gather scheme over a stable sort of the samples by cell; every value row is summed
     in a fixed order, so all three gradients are bitwise identical run to run (the location and weight
     gradients never use atomics). scheme / configs (kernel name -> config tuple) override the table (benchmarks).
+    kernels = "classic" | "grouped" picks the query kernels' family (the table's for this pass by default): the
+    grouped family runs every scheme but split; its configs are named "grouped_" + kernel.
     """
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
@@ -111,15 +130,19 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
     if N == 0 or Lq == 0:
         return torch.zeros_like(value), grad_loc, grad_weight
     levels = levels_key(levels)
+    nbytes, large = value.element_size(), N * Lq * M >= LARGE
     if deterministic:
         scheme = "gather"
     elif scheme is None:
-        scheme = launch_config(("scheme", D, value.element_size(), L, P, N * Lq * M >= LARGE))
+        scheme = launch_config(("scheme", D, nbytes, L, P, large))
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     configs = configs or {}
 
-    nbytes, large = value.element_size(), N * Lq * M >= LARGE
+    family = _family(kernels, "deterministic" if deterministic else "backward", D, nbytes, L, P, large)
+    if family == "grouped" and scheme == "split":
+        raise ValueError("the grouped kernels have no split scheme (their pass always computes the location and "
+                         "weight gradients): use fused, gather or hybrid")
     first_gathered = 0  # levels from this one on are summed by the gather kernel
     if scheme == "hybrid":
         threshold = configs.get("hybrid_split") or launch_config(("hybrid_split", D, nbytes, large))
@@ -128,6 +151,11 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
 
     def query_kernel(name, grad_value, keys, counts):
         gather_level = L if name in ("fused", "scatter") else first_gathered
+        if family == "grouped":
+            launch_grouped.query_kernel(name, grad_output, value, levels, sampling_locations, attention_weights,
+                                        grad_value, grad_loc, grad_weight, keys, counts,
+                                        configs.get(f"grouped_{name}"), gather_level)
+            return
         grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name), gather_level)
         msda_backward_kernel[grid](grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc,
                                    grad_weight, keys, counts, *args, **kwargs)

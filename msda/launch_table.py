@@ -1,7 +1,8 @@
 """The launch table and what every launcher shares: block-shape lookup, the level layout's packing, helpers.
 
-The lowest of the launch modules (launch.py imports it, it imports no launcher), so that every launcher reads
-one table. ``TUNED`` holds the entries measured on a GPU; anything missing falls back to a default chosen here.
+The lowest of the launch modules (launch.py and launch_grouped.py import it, it imports neither), so that
+both kernel families read one table. ``TUNED`` holds the entries measured on a GPU; anything missing falls
+back to a default chosen here.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_LEVELS, MAX_SIDE = 8, 2 ** 14
 LARGE = 2 ** 16  # N*Lq*M from which a call counts as encoder-sized in the tables below
+FAMILIES = ("classic", "grouped")
 # Keys that choose what runs rather than a block shape: the table decides them under the interpreter too.
-_CHOICES = ("scheme", "hybrid_split")
+_CHOICES = ("scheme", "hybrid_split", "forward_kernels", "backward_kernels", "deterministic_kernels")
 
 # ----------------------------------------------------------------------------------------------------
 # launch table, measured on an H200 by `python bench/msda.py --out DIR`: it prints this block with the
@@ -27,9 +29,14 @@ _CHOICES = ("scheme", "hybrid_split")
 #   gather kernel  ("gather", D, value bytes, large)     -> (lanes = BLOCK_S * BLOCK_E, num_warps)
 #   hybrid split   ("hybrid_split", D, value bytes, large) -> entries per value row from which a level is gathered
 #   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather | hybrid (non-deterministic)
+#   kernel family  ("forward_kernels" | "backward_kernels" | "deterministic_kernels", D, value bytes, L, P, large)
+#                  -> classic (msda/kernels.py) | grouped (msda/kernels_grouped.py), for each pass
+#   grouped        ("grouped_" + forward | fused | keys | hybrid, D, value bytes, L, P, large)
+#                  -> (BLOCK_Q, CH, num_warps)
 # Anything not in the table falls back to _default_config: the forward takes 16 queries and 4 warps (2 for a 2-byte
 # value) and one sample per step, unrolled 4 times; the backward fuses the atomic scatter into one kernel of 4
 # queries and at least L*P/4 samples per step (the H200 sweeps' picks for D=32).
+# The kernel families default to classic; grouped launches default to grouped_config's shapes.
 # ----------------------------------------------------------------------------------------------------
 # Measured on NVIDIA H200, 2026-12-02, torch 2.11.0+cu130, triton 3.6.0:
 # python bench/msda.py --out /root/out --jobs 14 (table picked from the candidates with at most 4 unrolled steps)
@@ -153,8 +160,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def grouped_config(kernel: str, D: int, nbytes: int, P: int, warps: int = 4) -> tuple:
+    """(BLOCK_Q, CH, num_warps) of a grouped kernel. Channel groups of 8 (a 32-byte fp32 or 16-byte 2-byte chunk)
+    but for a 2-byte value's backward: groups of 4 there, so that its loads and its fp32 vector atomics share one
+    layout (8 would make Triton convert between two). Then as many queries as give each thread one sample chunk:
+    more make Triton keep the sample arithmetic in a second layout and convert between them."""
+    block_d = pow2(D)
+    block_c = min(block_d, 4 if nbytes == 2 and kernel != "grouped_forward" else 8)
+    chunk_bytes = block_c * (nbytes if kernel == "grouped_forward" else max(nbytes, 4))  # the backward's atomics
+    return max(1, 32 * warps // (pow2(P) * max(1, chunk_bytes // 16))), block_d // block_c, warps
+
+
 def _default_config(key: tuple):
     kernel, D, nbytes = key[:3]
+    if kernel.endswith("_kernels"):
+        return "classic"
     if INTERPRET:  # the CPU interpreter pays per program and per op: few, wide programs
         if kernel == "gather":
             return 256, 4
@@ -163,6 +183,8 @@ def _default_config(key: tuple):
         if kernel == "hybrid_split":
             return 8
         L, P = key[3], key[4]
+        if kernel.startswith("grouped_"):
+            return 64, 1, 4
         return (64, pow2(L * P), 4, 1) if kernel == "forward" else (64, pow2(L * P), 4)
     if kernel == "scheme":
         return "fused"
@@ -170,6 +192,8 @@ def _default_config(key: tuple):
         return 256
     if kernel == "gather":
         return max(8, 1024 // pow2(D)), 4
+    if kernel.startswith("grouped_"):
+        return grouped_config(kernel, D, nbytes, key[4])
     if kernel == "forward":
         return 16 if D <= 32 else 8 if D <= 64 else 4, 1, 2 if nbytes == 2 else 4, 4
     # The backward unrolls all its steps: four at most (as bench/msda.py's candidates), so that it compiles quickly.
@@ -180,7 +204,7 @@ def _default_config(key: tuple):
 @functools.lru_cache(maxsize=1024)
 def launch_config(key: tuple):
     """The table's entry for ``key`` (see TUNED), else the default. Under the CPU interpreter block shapes
-    measured on a GPU would only slow it down: there the table decides the schemes alone."""
+    measured on a GPU would only slow it down: there the table decides the schemes and kernel families alone."""
     if INTERPRET and key[0] not in _CHOICES:
         return _default_config(key)
     return TUNED.get(key) or _default_config(key)

@@ -215,11 +215,12 @@ def kernel_reference(levels, value, loc, weights, grad_out):
     return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double()))
 
 
-def kernel_results(levels, value, loc, weights, grad_out, forward_config=None, **backward_kwargs):
-    """Output and the three gradients through the launchers (msda.launch), with the given configs and schemes."""
+def kernel_results(levels, value, loc, weights, grad_out, forward_config=None, forward_kernels=None,
+                   **backward_kwargs):
+    """Output and the three gradients through the launchers (msda.launch), with the given kernels and schemes."""
     from msda import launch
 
-    out = launch.forward(value, levels, loc, weights, config=forward_config)
+    out = launch.forward(value, levels, loc, weights, config=forward_config, kernels=forward_kernels)
     grads = launch.backward(grad_out, value, levels, loc, weights, **backward_kwargs)
     return (out, *grads)
 
