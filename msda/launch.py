@@ -40,7 +40,8 @@ from .launch_table import (  # noqa: F401  (INTERPRET, MAX_LEVELS, MAX_SIDE, TUN
     pow2,
 )
 
-SCHEMES = ("fused", "split", "gather", "hybrid")
+SCHEMES = ("fused", "split", "gather", "hybrid", "cells")
+DETERMINISTIC_SCHEMES = ("gather", "cells")
 _FLAGS = {"fused": (True, True, False), "sample_grads": (True, False, False), "scatter": (False, True, False),
           "keys": (True, False, True), "hybrid": (True, True, True)}  # SAMPLE_GRADS, SCATTER, KEYS
 
@@ -51,6 +52,7 @@ def update_table(entries: dict):
     launch_config.cache_clear()
     _plan.cache_clear()
     launch_grouped.plan.cache_clear()
+    launch_grouped.cell_plans.cache_clear()
 
 
 def _family(kernels: str | None, pass_name: str, D: int, nbytes: int, L: int, P: int, large: bool) -> str:
@@ -117,9 +119,11 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
     and sums every value row in registers; "hybrid" scatters the fine levels and gathers the dense coarse
     ones (their rows collect many entries, on which atomics would queue). Either way the last bits of
     grad_value vary run to run.
-    deterministic=True: the gather scheme over a stable sort of the samples by cell; every value row is summed
-    in a fixed order, so all three gradients are bitwise identical run to run (the location and weight
-    gradients never use atomics). scheme / configs (kernel name -> config tuple) override the table (benchmarks).
+    "cells" buckets them too, sums each cell's samples per corner once, then every row over its four cells.
+    deterministic=True: the gather or cells scheme (the table's "deterministic_scheme") over a stable sort of the
+    samples by cell; every value row is summed in a fixed order, so all three gradients are bitwise identical run
+    to run (the location and weight gradients never use atomics). scheme / configs (kernel name -> config tuple)
+    override the table (benchmarks).
     kernels = "classic" | "grouped" picks the query kernels' family (the table's for this pass by default): the
     grouped family runs every scheme but split; its configs are named "grouped_" + kernel.
     """
@@ -131,12 +135,12 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
         return torch.zeros_like(value), grad_loc, grad_weight
     levels = levels_key(levels)
     nbytes, large = value.element_size(), N * Lq * M >= LARGE
-    if deterministic:
-        scheme = "gather"
-    elif scheme is None:
-        scheme = launch_config(("scheme", D, nbytes, L, P, large))
+    if scheme is None:
+        scheme = launch_config(("deterministic_scheme" if deterministic else "scheme", D, nbytes, L, P, large))
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if deterministic and scheme not in DETERMINISTIC_SCHEMES:
+        raise ValueError(f"a deterministic backward takes scheme {' or '.join(DETERMINISTIC_SCHEMES)}, got {scheme!r}")
     configs = configs or {}
 
     family = _family(kernels, "deterministic" if deterministic else "backward", D, nbytes, L, P, large)
@@ -189,6 +193,10 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
             perm = torch.empty(num_samples, dtype=index_dtype, device=value.device)
             msda_fill_cells_kernel[(cdiv(num_samples, 1024),)](keys, counts, perm, num_samples, num_cells,
                                                                  BLOCK=1024, num_warps=4)
+        if scheme == "cells":
+            launch_grouped.cell_grad_value(grad_output, levels, sampling_locations, attention_weights, counts, perm,
+                                           grad_value, not deterministic, configs.get("cells"))
+            return grad_value, grad_loc, grad_weight
         lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes, large))
         common = dict(M=M, D=D, L=L, P=P, BLOCK_D=pow2(D), FILLED=not deterministic, num_warps=warps,
                       COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)

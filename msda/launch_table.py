@@ -18,7 +18,8 @@ MAX_LEVELS, MAX_SIDE = 8, 2 ** 14
 LARGE = 2 ** 16  # N*Lq*M from which a call counts as encoder-sized in the tables below
 FAMILIES = ("classic", "grouped")
 # Keys that choose what runs rather than a block shape: the table decides them under the interpreter too.
-_CHOICES = ("scheme", "hybrid_split", "forward_kernels", "backward_kernels", "deterministic_kernels")
+_CHOICES = ("scheme", "deterministic_scheme", "hybrid_split", "forward_kernels", "backward_kernels",
+            "deterministic_kernels")
 
 # ----------------------------------------------------------------------------------------------------
 # launch table, measured on an H200 by `python bench/msda.py --out DIR`: it prints this block with the
@@ -28,15 +29,19 @@ _CHOICES = ("scheme", "hybrid_split", "forward_kernels", "backward_kernels", "de
 #   forward        ("forward", D, value bytes, L, P, large) -> (BLOCK_Q, BLOCK_P, num_warps, UNROLL)
 #   gather kernel  ("gather", D, value bytes, large)     -> (lanes = BLOCK_S * BLOCK_E, num_warps)
 #   hybrid split   ("hybrid_split", D, value bytes, large) -> entries per value row from which a level is gathered
-#   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather | hybrid (non-deterministic)
+#   scheme         ("scheme", D, value bytes, L, P, large) -> fused | split | gather | hybrid | cells
+#                  (non-deterministic)
 #   kernel family  ("forward_kernels" | "backward_kernels" | "deterministic_kernels", D, value bytes, L, P, large)
 #                  -> classic (msda/kernels.py) | grouped (msda/kernels_grouped.py), for each pass
 #   grouped        ("grouped_" + forward | fused | keys | hybrid, D, value bytes, L, P, large)
 #                  -> (BLOCK_Q, CH, num_warps)
+#   cells          ("cells", D, value bytes, large) -> (lanes = BLOCK_K * BLOCK_E, CH, num_warps) of the cell pass
+#   deterministic  ("deterministic_scheme", D, value bytes, L, P, large) -> gather | cells
 # Anything not in the table falls back to _default_config: the forward takes 16 queries and 4 warps (2 for a 2-byte
 # value) and one sample per step, unrolled 4 times; the backward fuses the atomic scatter into one kernel of 4
 # queries and at least L*P/4 samples per step (the H200 sweeps' picks for D=32).
-# The kernel families default to classic; grouped launches default to grouped_config's shapes.
+# The kernel families default to classic, the deterministic scheme to gather; grouped launches default to
+# grouped_config's shapes.
 # ----------------------------------------------------------------------------------------------------
 # Measured on NVIDIA H200, 2026-12-02, torch 2.11.0+cu130, triton 3.6.0:
 # python bench/msda.py --out /root/out --jobs 14 (table picked from the candidates with at most 4 unrolled steps)
@@ -175,9 +180,13 @@ def _default_config(key: tuple):
     kernel, D, nbytes = key[:3]
     if kernel.endswith("_kernels"):
         return "classic"
+    if kernel == "deterministic_scheme":
+        return "gather"
     if INTERPRET:  # the CPU interpreter pays per program and per op: few, wide programs
         if kernel == "gather":
             return 256, 4
+        if kernel == "cells":
+            return 256, 1, 4
         if kernel == "scheme":
             return "fused"
         if kernel == "hybrid_split":
@@ -192,6 +201,8 @@ def _default_config(key: tuple):
         return 256
     if kernel == "gather":
         return max(8, 1024 // pow2(D)), 4
+    if kernel == "cells":  # channel groups of 8: two threads per fp32 chunk, one lane per two threads
+        return 64, max(1, pow2(D) // 8), 4
     if kernel.startswith("grouped_"):
         return grouped_config(kernel, D, nbytes, key[4])
     if kernel == "forward":

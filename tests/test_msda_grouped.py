@@ -1,9 +1,10 @@
-"""msda's channel-grouped kernels, through the launchers.
+"""msda's channel-grouped kernels and the cell-partials scheme of grad_value, through the launchers.
 
-The grouped forward and the grouped query-side backward under every grad_value scheme (fused atomics, gather,
-hybrid; sorted for the deterministic mode): output and all three gradients against the grid_sample reference
-in fp64, on ragged query blocks, non-power-of-2 head dims, points outside [0, 1], 1x1 levels and empty batches;
-then block shapes, reduced precision, bitwise repeatability and the errors a bad configuration raises.
+The grouped forward, the grouped query-side backward under every grad_value scheme (fused atomics, gather,
+hybrid, cells; sorted for the deterministic mode) and the classic keys with the cells scheme: output and all
+three gradients against the grid_sample reference in fp64, on ragged query blocks, non-power-of-2 head dims,
+points outside [0, 1], 1x1 levels and empty batches; then block shapes, reduced precision, bitwise
+repeatability and the errors a bad configuration raises.
 """
 
 import pytest
@@ -17,7 +18,10 @@ BACKWARDS = [
     pytest.param("grouped", dict(scheme="fused"), id="grouped-fused"),
     pytest.param("grouped", dict(scheme="gather"), id="grouped-gather"),
     pytest.param("grouped", dict(scheme="hybrid", configs={"hybrid_split": 10}), id="grouped-hybrid"),
-    pytest.param("grouped", dict(deterministic=True), id="grouped-deterministic"),
+    pytest.param("grouped", dict(scheme="cells"), id="grouped-cells"),
+    pytest.param("grouped", dict(deterministic=True, scheme="gather"), id="grouped-deterministic-gather"),
+    pytest.param("grouped", dict(deterministic=True, scheme="cells"), id="grouped-deterministic-cells"),
+    pytest.param("classic", dict(deterministic=True, scheme="cells"), id="classic-deterministic-cells"),
 ]
 
 
@@ -76,9 +80,9 @@ def test_points_on_pixel_centres_and_borders(gen, device, family, kwargs):
 
 
 @pytest.mark.parametrize("device", MSDA_DEVICES)
-@pytest.mark.parametrize("family,kwargs", BACKWARDS[1:], ids=[p.id for p in BACKWARDS[1:]])
+@pytest.mark.parametrize("family,kwargs", BACKWARDS[3:], ids=[p.id for p in BACKWARDS[3:]])
 def test_clustered_samples(gen, device, family, kwargs):
-    """Every query samples near one point: long cells, which the gather walks many steps."""
+    """Every query samples near one point: long cells, which the cell pass walks many steps and many lanes."""
     levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=40, P=4, device=device)
     inputs = (levels, value, 0.5 + (loc - 0.5) * 0.05, weights, grad_out)
     assert_kernel_close(grouped_results(inputs, family, kwargs), kernel_reference(*inputs), 1e-10, inputs)
@@ -127,11 +131,38 @@ def test_grouped_block_shapes(gen, device, config):
                            device=device)
     expected = kernel_reference(*inputs)
     configs = {f"grouped_{name}": config for name in ("fused", "keys", "hybrid")}
-    for kwargs in (dict(scheme="fused"), dict(scheme="hybrid", configs={"hybrid_split": 0}), dict(scheme="gather"),
-                   dict(deterministic=True)):
+    for kwargs in (dict(scheme="fused"), dict(scheme="hybrid", configs={"hybrid_split": 0}), dict(scheme="cells"),
+                   dict(scheme="cells", deterministic=True)):
         kwargs["configs"] = {**configs, **kwargs.get("configs", {})}
         results = grouped_results(inputs, "grouped", kwargs, forward_config=config)
         assert_kernel_close(results, expected, 1e-10, inputs)
+
+
+# (lanes, CH, warps) of the cell pass: one lane (a program per cell, one entry a step), few, many
+CELL_CONFIGS = [(1, 1, 1), (4, 2, 1), (32, 16, 2)]
+
+
+@pytest.mark.parametrize("device", MSDA_DEVICES)
+@pytest.mark.parametrize("config", CELL_CONFIGS, ids=[f"{n}lanes-{c}ch-{w}w" for n, c, w in CELL_CONFIGS])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["bucket", "sorted"])
+def test_cell_tiles(gen, device, config, deterministic):
+    """Cell tiles from one lane per program to many lanes per cell, on dense and sparse levels (D = 12)."""
+    inputs = kernel_inputs(gen, M=1, D=12, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
+                           device=device)
+    results = grouped_results(inputs, "grouped", dict(scheme="cells", deterministic=deterministic,
+                                                      configs={"cells": config}))
+    assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
+
+
+def test_cell_groups_split_levels_by_density():
+    levels = ((100, 167), (50, 84), (25, 42), (13, 21))
+    S = sum(h * w for h, w in levels)
+    groups = launch_grouped.cell_groups(levels, S, 4, 64)  # encoder: 5, 21, 80 and 289 samples a cell
+    assert groups[0][0] == 0 and groups[-1][1] == sum((h + 1) * (w + 1) for h, w in levels)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert [g[2] for g in groups] == [1, 4, 16, 64]  # lanes per cell grow with the density, >= 4 samples a lane
+    assert launch_grouped.cell_groups(levels, 300, 4, 64) == [(0, groups[-1][1], 1)]  # decoder: all sparse
+    assert [g[2] for g in launch_grouped.cell_groups(levels, S, 4, 16)] == [1, 4, 16]  # at most all lanes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,26 +184,42 @@ def test_reduced_precision(gen, device, dtype, family, kwargs):
         assert err <= atol * x.abs().max().item(), f"{name}: {err:.3e}"
 
 
+@pytest.mark.parametrize("device", MSDA_DEVICES)
+@pytest.mark.parametrize("family", ["classic", "grouped"])
+def test_deterministic_cells_are_bitwise_repeatable_and_agree_with_atomics(gen, device, family):
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32,
+                                                          loc_low=-0.1, loc_high=1.1, device=device)
+    runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells", kernels=family)
+            for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+    atomic = launch.backward(grad_out, value, levels, loc, weights, scheme="fused", kernels="grouped")
+    for a, b in zip(runs[0], atomic):
+        assert rel_err(a, b) < 1e-5
+
+
 # ------------------------------------------------------------------------------------------------
 # selection and errors
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", MSDA_DEVICES)
-def test_table_picks_the_family(gen, device, monkeypatch):
-    """The table's kernel-family entries reach the next call (as a pasted table sets them)."""
+def test_table_picks_the_family_and_the_deterministic_scheme(gen, device, monkeypatch):
+    """The table's kernel-family and deterministic-scheme entries reach the next call (as bench/msda_variants.py
+    and a pasted table set them)."""
     levels, value, loc, weights, grad_out = kernel_inputs(gen, device=device)
     monkeypatch.setattr(launch_table, "TUNED", dict(launch_table.TUNED))
     calls = []
     monkeypatch.setattr(launch_grouped, "forward", lambda *args: calls.append("forward"))
-    monkeypatch.setattr(launch_grouped, "query_kernel", lambda *args: calls.append("backward"))
+    monkeypatch.setattr(launch_grouped, "cell_grad_value", lambda *args: calls.append("cells"))
     launch.forward(value, levels, loc, weights)
-    launch.backward(grad_out, value, levels, loc, weights)
-    assert calls == []  # the defaults: classic kernels
+    launch.backward(grad_out, value, levels, loc, weights, deterministic=True)
+    assert calls == []  # the defaults: classic kernels, the gather scheme
     key = (8, 8, 2, 2, False)  # D=8, fp64, L=2, P=2, decoder-sized
-    launch.update_table({("forward_kernels", *key): "grouped", ("backward_kernels", *key): "grouped"})
+    launch.update_table({("forward_kernels", *key): "grouped", ("deterministic_scheme", *key): "cells"})
     try:
         launch.forward(value, levels, loc, weights)
-        launch.backward(grad_out, value, levels, loc, weights)
-        assert calls == ["forward", "backward"]
+        launch.backward(grad_out, value, levels, loc, weights, deterministic=True)
+        assert calls == ["forward", "cells"]
     finally:
         launch.update_table({})
 
@@ -189,9 +236,16 @@ def test_table_picks_the_family(gen, device, monkeypatch):
      r"kernels must be one of \('classic', 'grouped'\), got 'fast'"),
     (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="split", kernels="grouped"),
      r"the grouped kernels have no split scheme"),
+    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="fused", deterministic=True),
+     r"a deterministic backward takes scheme gather or cells, got 'fused'"),
+    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="cells", configs={"cells": (8, 5, 4)}),
+     r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 5"),
     (lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(6, 1, 4)),
      r"BLOCK_Q must be a power of 2, got 6"),
-], ids=["CH-not-power-of-2", "CH-above-channels", "classic-config", "unknown-family", "grouped-split", "BLOCK_Q"])
+    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="cells", configs={"cells": (48, 1, 4)}),
+     r"LANES must be a power of 2, got 48"),
+], ids=["CH-not-power-of-2", "CH-above-channels", "classic-config", "unknown-family", "grouped-split",
+        "deterministic-fused", "cells-CH", "BLOCK_Q", "lanes"])
 def test_bad_configuration_raises(gen, device, call, message):
     with pytest.raises(ValueError, match=message):
         call(kernel_inputs(gen, device=device))
@@ -206,8 +260,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_encoder_shape_on_gpu(dtype):
-    """COCO's level layout with fewer queries, samples clustered around each query: the grouped paths against
-    the fp64 reference, and the deterministic one bitwise over 3 runs."""
+    """COCO's level layout with fewer queries, samples clustered around each query: every grouped path against
+    the fp64 reference, and the deterministic cells bitwise over 3 runs."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     levels = ((100, 167), (50, 84), (25, 42), (13, 21))
     S = sum(h * w for h, w in levels)
@@ -220,12 +274,12 @@ def test_encoder_shape_on_gpu(dtype):
     inputs = (levels, value, loc, weights, grad_out)
     exact = kernel_reference(levels, *(t.double() for t in inputs[1:]))
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    for family, kwargs in [("grouped", dict(scheme="fused")), ("grouped", dict(deterministic=True))]:
+    for family, kwargs in [("grouped", dict(scheme="fused")), ("grouped", dict(deterministic=True, scheme="cells"))]:
         results = grouped_results(inputs, family, kwargs)
         for name, r, x in zip(("output", "grad_value", "grad_loc", "grad_weight"), results, exact):
             assert rel_err(r, x) < tolerance, f"{family} {kwargs} {name}: {rel_err(r, x):.2e}"
-    runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True, kernels="grouped")
-            for _ in range(3)]
+    runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells",
+                            kernels="grouped") for _ in range(3)]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)

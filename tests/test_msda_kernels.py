@@ -251,7 +251,8 @@ def test_table_entries_take_effect(gen, device, monkeypatch):
 @pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_bad_scheme_raises(gen, device):
     levels, value, loc, weights, grad_out = kernel_inputs(gen, device=device)
-    with pytest.raises(ValueError, match=r"scheme must be one of \('fused', 'split', 'gather', 'hybrid'\), got 'x'"):
+    expected = r"scheme must be one of \('fused', 'split', 'gather', 'hybrid', 'cells'\), got 'x'"
+    with pytest.raises(ValueError, match=expected):
         launch.backward(grad_out, value, levels, loc, weights, scheme="x")
 
 
