@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .kernels import _DYNAMIC, _layout_totals, _level_shape, _levels_of, _pixel
+from .kernels_grouped import _widen
 
 
 @triton.jit
@@ -83,8 +84,8 @@ def msda_cell_partials_kernel(
         loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0)
         attn = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(COMPUTE_DTYPE)
         query_row = sample // (L * P)  # (BLOCK_K, BLOCK_E) row (n, q, m) of grad_out
-        g = tl.load(grad_out_ptr + (query_row * D)[:, :, None][None, :, :, :] + chan4,
-                    mask=ok[:, :, None][None, :, :, :] & (chan4 < D), other=0.0).to(COMPUTE_DTYPE)
+        g = _widen(tl.load(grad_out_ptr + (query_row * D)[:, :, None][None, :, :, :] + chan4,
+                           mask=ok[:, :, None][None, :, :, :] & (chan4 < D), other=0.0), COMPUTE_DTYPE)
         # ---- compute: the sample's fractions inside its cell, and its weight on each corner
         lx = _pixel(loc_x, W[:, None], COMPUTE_DTYPE) - x0[:, None]
         ly = _pixel(loc_y, H[:, None], COMPUTE_DTYPE) - y0[:, None]

@@ -34,6 +34,16 @@ def _channels(CH: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _widen(v, COMPUTE_DTYPE: tl.constexpr):
+    """v in COMPUTE_DTYPE. A bfloat16 is the upper half of its float32, so widening is a 16-bit shift: done on the
+    bits, LLVM makes it one instruction per element (an AND or a shift of the packed pair), where its fpext of
+    the upper element of a pair takes two (a byte permute and a shift)."""
+    if v.dtype == tl.bfloat16 and COMPUTE_DTYPE == tl.float32:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v.to(COMPUTE_DTYPE)
+
+
+@triton.jit
 def _spread(x):
     """(BLOCK_Q, BLOCK_P) -> (1, BLOCK_Q, BLOCK_P, 1), expanded in the order that makes its layout the one a
     channel reduction of a (CH, BLOCK_Q, BLOCK_P, BLOCK_C) tile over axis 0, then the last axis, gives: the
@@ -124,7 +134,7 @@ def msda_forward_grouped_kernel(
             v = tl.load(ptrs + step, mask=_spread(inside) & chan_in[:, :, None, :],
                         other=0.0)
             # ---- compute: bilinear weight fused with the attention weight
-            acc += _spread(coef) * v.to(COMPUTE_DTYPE)
+            acc += _spread(coef) * _widen(v, COMPUTE_DTYPE)
         level_row0 += H * W
 
     # ---- store: (CH, BLOCK_Q, BLOCK_C) groups of each query's D channels, in the output dtype
@@ -175,7 +185,7 @@ def msda_backward_grouped_kernel(
 
     # ---- load: the upstream gradient of these queries, reused by every sample
     g = tl.load(grad_out_ptr + query_row[None, :, None] * D + chan, mask=q_in[None, :, None] & chan_in, other=0.0)
-    g = g.to(COMPUTE_DTYPE)[:, :, None, :]  # (CH, BLOCK_Q, 1, BLOCK_C)
+    g = _widen(g, COMPUTE_DTYPE)[:, :, None, :]  # (CH, BLOCK_Q, 1, BLOCK_C)
 
     level_row0 = tl.zeros((), dtype=tl.int64)
     level_cell0 = tl.zeros((), dtype=tl.int64)
@@ -196,7 +206,7 @@ def msda_backward_grouped_kernel(
             corner_offsets = offsets + ((corner // 2) * W + corner % 2).to(tl.int64) * (M * D)
             c_in = _spread(inside) & chan_in[:, :, None, :]
             # ---- gather one corner; reduce over the thread's channels, then across the row's threads
-            v = tl.load(value_ptr + corner_offsets, mask=c_in, other=0.0).to(COMPUTE_DTYPE)
+            v = _widen(tl.load(value_ptr + corner_offsets, mask=c_in, other=0.0), COMPUTE_DTYPE)
             t = tl.sum(tl.sum(g * v, axis=0), axis=2)  # (BLOCK_Q, BLOCK_P)
             grad_attn += wy * wx * t
             grad_lx += (wy if corner % 2 == 1 else -wy) * t
