@@ -224,7 +224,7 @@ def msda_backward_grouped_kernel(
         if KEYS:
             # ---- file the sample under its top-left corner's cell; none if no corner is in the map or if
             #      its level is scattered
-            touches = (row0 | row1) & (col0 | col1) & (not scattered)
+            touches = (row0 | row1) & (col0 | col1) & (l >= gather_level)
             cell_x = tl.where(touches, x0 + 1, 0.0).to(tl.int64)
             cell_y = tl.where(touches, y0 + 1, 0.0).to(tl.int64)
             cell = pid_nm * C + level_cell0 + cell_y * (W + 1) + cell_x  # (BLOCK_Q, BLOCK_P)
