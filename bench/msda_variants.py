@@ -251,25 +251,17 @@ def _totals(records) -> dict:
     """(kind, nbytes, large) -> {config: summed ms over the workloads, locations and dtypes of that size}."""
     totals: dict = {}
     for r in records:
-        config = json.loads(json.dumps(r["config"]))  # lists and tuples alike
-        key = (r["kind"], DTYPES[r["dtype"]].itemsize, r["large"])
-        totals.setdefault(key, {}).setdefault(json.dumps(config), 0.0)
-        totals[key][json.dumps(config)] += r["ms"]
+        by_config = totals.setdefault((r["kind"], DTYPES[r["dtype"]].itemsize, r["large"]), {})
+        by_config[r["config"]] = by_config.get(r["config"], 0.0) + r["ms"]
     return totals
-
-
-def _as_config(text: str):
-    value = json.loads(text)
-    return tuple(_as_config(json.dumps(v)) if isinstance(v, list) else v for v in value) \
-        if isinstance(value, list) else value
 
 
 def picks(records) -> tuple[dict, dict]:
     """(table entries for the fastest configuration of each new kernel, summed ms of each kind's best)."""
     table, best = {}, {}
     for (kind, nbytes, large), by_config in _totals(records).items():
-        text, ms = min(by_config.items(), key=lambda item: item[1])
-        config, key = _as_config(text), (D, nbytes, L, P, large)
+        config, ms = min(by_config.items(), key=lambda item: item[1])
+        key = (D, nbytes, L, P, large)
         best[(kind, nbytes, large)] = (config, ms)
         if kind == "grouped_forward":
             table[("grouped_forward", *key)] = config
