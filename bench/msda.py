@@ -64,6 +64,7 @@ if launch.INTERPRET:  # --smoke: tiny levels and query counts on the CPU, so tha
     TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 3),
                         ("decoder N4 Lq900", 4, 5)]
 LAUNCH_PY = ROOT / "msda" / "launch_table.py"
+SWEPT_KINDS = ("forward", "fused", "sample_grads", "scatter", "keys", "hybrid", "gather", "hybrid_split", "scheme")
 TUNED_BLOCK = re.compile(r"(?:# Measured on .*\n# .*\n)?TUNED: dict = \{\n(?:    .*\n)*\}\n")
 
 
@@ -473,8 +474,9 @@ def main():
         record.update(sweep=records, table=[[list(k), v] for k, v in table.items()],
                       table_note="The launch table is this run's sweep's (the json's table).")
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
-        if args.apply_table:
-            apply_table(table_source(table, header))
+        if args.apply_table:  # entries of kinds this script does not sweep (bench/msda_variants.py's) stay
+            kept = {key: value for key, value in launch.TUNED.items() if key[0] not in SWEPT_KINDS}
+            apply_table(table_source({**kept, **table}, header))
     else:
         record["table_note"] = "The launch table is msda/launch_table.py's."
     record["rows"] = targets(out)
