@@ -1,8 +1,8 @@
 """Kernel benchmark: how fast are the Triton kernels against the grid_sample reference, and with which launch table?
 
     python bench/msda.py                     # on a GPU: sweep, then targets; about 3-4 min on an H200
-    python bench/msda.py --apply-table       # the same, and the swept table written into msda/launch.py
-    python bench/msda.py --no-sweep          # targets only, with the table in msda/launch.py
+    python bench/msda.py --apply-table       # the same, and the swept table written into msda/launch_table.py
+    python bench/msda.py --no-sweep          # targets only, with the table in msda/launch_table.py
     python bench/msda.py --smoke             # every code path on the CPU interpreter, tiny shapes (times meaningless)
 
 1. precompile  every candidate kernel in --jobs worker processes; they fill Triton's on-disk cache, so the
@@ -11,7 +11,7 @@
                N4 Lq300, uniform and realistic locations, fp32 and bf16: the forward's (BLOCK_Q, BLOCK_P, warps,
                UNROLL) and each grad_value scheme (fused, split, gather, hybrid) in its candidate configurations.
                For every table key the configuration with the least summed time over both distributions wins;
-               the winners are this run's launch table (in the json; --apply-table: into msda/launch.py).
+               the winners are this run's launch table (in the json; --apply-table: into msda/launch_table.py).
 3. targets     encoder N2/N4 and decoder N4 Lq300/Lq900 (the COCO workloads: 800x1333 images, levels 100x167
                down to 13x21), fp32/bf16, uniform/realistic, D=32, through the public op with the picked table:
                forward, backward, forward+backward (triton.testing.do_bench median ms) against the reference in
@@ -63,7 +63,8 @@ if launch.INTERPRET:  # --smoke: tiny levels and query counts on the CPU, so tha
     SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 3)]
     TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 3),
                         ("decoder N4 Lq900", 4, 5)]
-LAUNCH_PY = ROOT / "msda" / "launch.py"
+LAUNCH_PY = ROOT / "msda" / "launch_table.py"
+SWEPT_KINDS = ("forward", "fused", "sample_grads", "scatter", "keys", "hybrid", "gather", "hybrid_split", "scheme")
 TUNED_BLOCK = re.compile(r"(?:# Measured on .*\n# .*\n)?TUNED: dict = \{\n(?:    .*\n)*\}\n")
 
 
@@ -397,7 +398,7 @@ def target_checks(rows) -> list[tuple[str, str, bool]]:
 
 
 def table_source(table: dict, header: dict) -> str:
-    """The launch table as msda/launch.py holds it: the TUNED block, headed by the run it comes from."""
+    """The launch table as msda/launch_table.py holds it: the TUNED block, headed by the run it comes from."""
     lines = [f"# Measured on {header['gpu']}, {header['date']}, torch {header['torch']}, triton {header['triton']}:",
              f"# {header['command']}", "TUNED: dict = {"]
     lines += [f"    {key!r}: {value!r}," for key, value in sorted(table.items(), key=lambda kv: str(kv[0]))]
@@ -405,7 +406,7 @@ def table_source(table: dict, header: dict) -> str:
 
 
 def apply_table(source: str) -> None:
-    """Replace msda/launch.py's TUNED block (and the two comment lines above it) with ``source``."""
+    """Replace msda/launch_table.py's TUNED block (and the two comment lines above it) with ``source``."""
     text = LAUNCH_PY.read_text()
     if len(TUNED_BLOCK.findall(text)) != 1:
         raise SystemExit(f"{LAUNCH_PY}: expected exactly one TUNED block")
@@ -444,9 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; smoke: outputs/bench)")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
-    parser.add_argument("--no-sweep", action="store_true", help="targets only, with the table in msda/launch.py")
+    parser.add_argument("--no-sweep", action="store_true", help="targets only, with the table in msda/launch_table.py")
     parser.add_argument("--apply-table", action="store_true",
-                        help="write the swept launch table into msda/launch.py (its TUNED block)")
+                        help="write the swept launch table into msda/launch_table.py (its TUNED block)")
     parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128], help="head dims to sweep")
     parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
                         help="processes that precompile the sweep's kernels")
@@ -473,10 +474,11 @@ def main():
         record.update(sweep=records, table=[[list(k), v] for k, v in table.items()],
                       table_note="The launch table is this run's sweep's (the json's table).")
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
-        if args.apply_table:
-            apply_table(table_source(table, header))
+        if args.apply_table:  # entries of kinds this script does not sweep (bench/msda_variants.py's) stay
+            kept = {key: value for key, value in launch.TUNED.items() if key[0] not in SWEPT_KINDS}
+            apply_table(table_source({**kept, **table}, header))
     else:
-        record["table_note"] = "The launch table is msda/launch.py's."
+        record["table_note"] = "The launch table is msda/launch_table.py's."
     record["rows"] = targets(out)
     header["seconds"] = time.perf_counter() - start
     json_path, md_path = write_report(NAME, record, report_lines(record), out=out)

@@ -191,6 +191,51 @@ def rel_err(actual, expected):
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
+def kernel_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=((6, 4), (3, 2)), dtype=torch.float64, loc_dtype=None,
+                  loc_low=0.0, loc_high=1.0, device="cpu"):
+    """(levels, value, locations, softmaxed weights, upstream gradient) for the launchers: locations uniform in
+    [loc_low, loc_high), fresh from ``gen``."""
+    S = sum(h * w for h, w in levels)
+    L = len(levels)
+    value = torch.randn(N, S, M, D, generator=gen, dtype=torch.float64)
+    loc = torch.rand(N, Lq, M, L, P, 2, generator=gen, dtype=torch.float64) * (loc_high - loc_low) + loc_low
+    weights = torch.randn(N, Lq, M, L * P, generator=gen, dtype=torch.float64).softmax(-1).view(N, Lq, M, L, P)
+    grad_out = torch.randn(N, Lq, M * D, generator=gen, dtype=torch.float64)
+    loc_dtype = loc_dtype or dtype
+    return (tuple(levels), value.to(device, dtype), loc.to(device, loc_dtype), weights.to(device, loc_dtype),
+            grad_out.to(device, dtype))
+
+
+def kernel_reference(levels, value, loc, weights, grad_out):
+    """Output and gradients of the grid_sample reference, in fp64."""
+    from msda.reference import multi_scale_deformable_attention_reference
+
+    leaves = [t.detach().double().requires_grad_() for t in (value, loc, weights)]
+    out = multi_scale_deformable_attention_reference(leaves[0], list(levels), leaves[1], leaves[2])
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double()))
+
+
+def kernel_results(levels, value, loc, weights, grad_out, forward_config=None, forward_kernels=None,
+                   **backward_kwargs):
+    """Output and the three gradients through the launchers (msda.launch), with the given kernels and schemes."""
+    from msda import launch
+
+    out = launch.forward(value, levels, loc, weights, config=forward_config, kernels=forward_kernels)
+    grads = launch.backward(grad_out, value, levels, loc, weights, **backward_kwargs)
+    return (out, *grads)
+
+
+def assert_kernel_close(results, expected, rtol, inputs):
+    """Each of output, grad_value, grad_loc, grad_weight: its input's dtype and shape, finite, within ``rtol``
+    (relative L2) of the reference."""
+    names = ("output", "grad_value", "grad_loc", "grad_weight")
+    like = (inputs[1], inputs[1], inputs[2], inputs[3])  # output in value's dtype, each gradient in its input's
+    for name, a, b, t in zip(names, results, expected, like):
+        assert a.dtype == t.dtype and a.shape == (b.shape if name == "output" else t.shape), name
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < rtol, f"{name}: relative error {rel_err(a, b):.3e} >= {rtol}"
+
+
 # -- the tiny training run -------------------------------------------------------------------------------------------
 
 

@@ -5,16 +5,12 @@ tests/test_msda.py checks the public op with the default launch configuration; h
 gather tile shape is checked against the grid_sample reference, output and all three gradients.
 """
 
-import os
-
 import pytest
 import torch
+from helpers import MSDA_DEVICES, assert_kernel_close, kernel_inputs, kernel_reference, kernel_results, rel_err
 
-from msda import launch
-from msda.reference import multi_scale_deformable_attention_reference
+from msda import launch, launch_table
 
-DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
-    ["cuda"] if torch.cuda.is_available() else [])
 SCHEMES = [dict(scheme="fused"), dict(scheme="split"), dict(scheme="gather"), dict(scheme="hybrid"),
            dict(deterministic=True)]
 SCHEME_IDS = ["fused", "split", "gather", "hybrid", "deterministic"]
@@ -23,46 +19,6 @@ SCHEME_IDS = ["fused", "split", "gather", "hybrid", "deterministic"]
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(2024)
-
-
-def make_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=((6, 4), (3, 2)), dtype=torch.float64, loc_dtype=None,
-                loc_low=0.0, loc_high=1.0, device="cpu"):
-    S = sum(h * w for h, w in levels)
-    L = len(levels)
-    value = torch.randn(N, S, M, D, generator=gen, dtype=torch.float64)
-    loc = torch.rand(N, Lq, M, L, P, 2, generator=gen, dtype=torch.float64) * (loc_high - loc_low) + loc_low
-    weights = torch.randn(N, Lq, M, L * P, generator=gen, dtype=torch.float64).softmax(-1).view(N, Lq, M, L, P)
-    grad_out = torch.randn(N, Lq, M * D, generator=gen, dtype=torch.float64)
-    loc_dtype = loc_dtype or dtype
-    return (tuple(levels), value.to(device, dtype), loc.to(device, loc_dtype), weights.to(device, loc_dtype),
-            grad_out.to(device, dtype))
-
-
-def reference(levels, value, loc, weights, grad_out):
-    """Output and gradients of the grid_sample reference, in fp64."""
-    leaves = [t.detach().double().requires_grad_() for t in (value, loc, weights)]
-    out = multi_scale_deformable_attention_reference(leaves[0], list(levels), leaves[1], leaves[2])
-    return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double()))
-
-
-def triton_results(levels, value, loc, weights, grad_out, forward_config=None, **backward_kwargs):
-    out = launch.forward(value, levels, loc, weights, config=forward_config)
-    grads = launch.backward(grad_out, value, levels, loc, weights, **backward_kwargs)
-    return (out, *grads)
-
-
-def rel_err(actual, expected):
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
-
-
-def assert_close(results, expected, rtol, inputs):
-    names = ("output", "grad_value", "grad_loc", "grad_weight")
-    like = (inputs[1], inputs[1], inputs[2], inputs[3])  # output in value's dtype, each gradient in its input's
-    for name, a, b, t in zip(names, results, expected, like):
-        assert a.dtype == t.dtype and a.shape == (b.shape if name == "output" else t.shape), name
-        assert torch.isfinite(a).all(), name
-        assert rel_err(a, b) < rtol, f"{name}: relative error {rel_err(a, b):.3e} >= {rtol}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,26 +37,26 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 def test_scheme_matches_reference_fp64(gen, device, shape, kwargs):
-    inputs = make_inputs(gen, device=device, **shape)
-    assert_close(triton_results(*inputs, **kwargs), reference(*inputs), 1e-10, inputs)
+    inputs = kernel_inputs(gen, device=device, **shape)
+    assert_kernel_close(kernel_results(*inputs, **kwargs), kernel_reference(*inputs), 1e-10, inputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 def test_scheme_matches_reference_fp32(gen, device, kwargs):
-    inputs = make_inputs(gen, N=2, Lq=20, D=32, dtype=torch.float32, loc_low=-0.1, loc_high=1.1, device=device)
-    assert_close(triton_results(*inputs, **kwargs), reference(*inputs), 1e-5, inputs)
+    inputs = kernel_inputs(gen, N=2, Lq=20, D=32, dtype=torch.float32, loc_low=-0.1, loc_high=1.1, device=device)
+    assert_kernel_close(kernel_results(*inputs, **kwargs), kernel_reference(*inputs), 1e-5, inputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 def test_points_on_pixel_centres_and_borders(gen, device, kwargs):
     """Exact pixel centres, 0, 1 and half a pixel outside: the floor / validity / cell-key edge cases."""
-    levels, value, _, weights, grad_out = make_inputs(gen, Lq=8, P=4, levels=((6, 4), (3, 2)), device=device)
+    levels, value, _, weights, grad_out = kernel_inputs(gen, Lq=8, P=4, levels=((6, 4), (3, 2)), device=device)
     H, W = levels[0]
     edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 1.5 / H, 0.25],
                          dtype=torch.float64)
@@ -108,17 +64,17 @@ def test_points_on_pixel_centres_and_borders(gen, device, kwargs):
     ys = edges.flip(0)[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     loc = torch.stack([xs, ys], dim=-1).to(device)
     inputs = (levels, value, loc, weights, grad_out)
-    assert_close(triton_results(*inputs, **kwargs), reference(*inputs), 1e-10, inputs)
+    assert_kernel_close(kernel_results(*inputs, **kwargs), kernel_reference(*inputs), 1e-10, inputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 def test_clustered_samples(gen, device, kwargs):
     """Every query samples near one point (long cells: the gather loop runs many steps per row)."""
-    levels, value, loc, weights, grad_out = make_inputs(gen, N=2, Lq=40, P=4, device=device)
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=40, P=4, device=device)
     loc = 0.5 + (loc - 0.5) * 0.05  # within a pixel or two of the centre on every level
     inputs = (levels, value, loc, weights, grad_out)
-    assert_close(triton_results(*inputs, **kwargs), reference(*inputs), 1e-10, inputs)
+    assert_kernel_close(kernel_results(*inputs, **kwargs), kernel_reference(*inputs), 1e-10, inputs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,48 +84,48 @@ def test_clustered_samples(gen, device, kwargs):
 QUERY_CONFIGS = [(4, 1, 1, 3), (2, 2, 2, 2), (16, 4, 4, 2), (2, 16, 4, 1)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("config", QUERY_CONFIGS, ids=[f"{q}q-{p}p-{w}w-{u}u" for q, p, w, u in QUERY_CONFIGS])
 def test_query_block_shapes(gen, device, config):
     """L*P = 9 samples: BLOCK_P 2, 4, 16 leave a partial last step; 5 queries leave a partial block; the
     forward's 5 and 3 steps unrolled twice leave a step after the unrolled ones (compiled on a GPU only: the
     interpreter runs the loop as written)."""
-    inputs = make_inputs(gen, M=1, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2,
+    inputs = kernel_inputs(gen, M=1, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2,
                          device=device)
-    expected = reference(*inputs)
+    expected = kernel_reference(*inputs)
     configs = {name: config[:3] for name in ("fused", "sample_grads", "scatter", "keys", "hybrid")}
     # fused, split (sample_grads + scatter), the bucket gather (keys) and hybrid: every query-kernel variant.
     for scheme in ("fused", "split", "gather", "hybrid"):
-        results = triton_results(*inputs, forward_config=config, configs=configs, scheme=scheme)
-        assert_close(results, expected, 1e-10, inputs)
+        results = kernel_results(*inputs, forward_config=config, configs=configs, scheme=scheme)
+        assert_kernel_close(results, expected, 1e-10, inputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_forward_config_without_unroll_raises(gen, device):
-    levels, value, loc, weights, _ = make_inputs(gen, device=device)
+    levels, value, loc, weights, _ = kernel_inputs(gen, device=device)
     with pytest.raises(ValueError, match=r"a forward config is \(BLOCK_Q, BLOCK_P, num_warps, UNROLL\), got \(2, 16, 4\)"):
         launch.forward(value, levels, loc, weights, config=(2, 16, 4))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("lanes", [1, 4, 32])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["bucket", "sorted"])
 def test_gather_tiles(gen, device, lanes, deterministic):
     """Gather tiles from one lane per program to many rows per program, with dense and sparse levels."""
-    inputs = make_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
+    inputs = kernel_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
                          device=device)
-    results = triton_results(*inputs, scheme="gather", deterministic=deterministic, configs={"gather": (lanes, 4)})
-    assert_close(results, reference(*inputs), 1e-10, inputs)
+    results = kernel_results(*inputs, scheme="gather", deterministic=deterministic, configs={"gather": (lanes, 4)})
+    assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("threshold", [0, 10, 30, 1e9], ids=["all-gathered", "coarse-gathered", "coarsest", "none"])
 def test_hybrid_split_points(gen, device, threshold):
     """Hybrid with every split: all levels gathered, the coarse ones, the coarsest only, none (all scattered)."""
-    inputs = make_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
+    inputs = kernel_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
                          device=device)
-    results = triton_results(*inputs, scheme="hybrid", configs={"hybrid_split": threshold})
-    assert_close(results, reference(*inputs), 1e-10, inputs)
+    results = kernel_results(*inputs, scheme="hybrid", configs={"hybrid_split": threshold})
+    assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
 
 
 def test_gather_from_takes_the_dense_coarse_levels():
@@ -195,9 +151,9 @@ def test_gather_groups_split_levels_by_density():
 # ------------------------------------------------------------------------------------------------
 # deterministic mode
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_deterministic_is_bitwise_repeatable_and_agrees_with_atomics(gen, device):
-    inputs = make_inputs(gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32, loc_low=-0.1, loc_high=1.1,
+    inputs = kernel_inputs(gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32, loc_low=-0.1, loc_high=1.1,
                          device=device)
     levels, value, loc, weights, grad_out = inputs
     runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True) for _ in range(3)]
@@ -209,10 +165,10 @@ def test_deterministic_is_bitwise_repeatable_and_agrees_with_atomics(gen, device
         assert rel_err(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_deterministic_under_torch_deterministic_algorithms(gen, device):
     """The deterministic path uses only torch ops that torch.use_deterministic_algorithms(True) allows."""
-    levels, value, loc, weights, grad_out = make_inputs(gen, N=2, Lq=12, D=8, device=device)
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=12, D=8, device=device)
     outside = launch.backward(grad_out, value, levels, loc, weights, deterministic=True)
     enabled = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -224,16 +180,16 @@ def test_deterministic_under_torch_deterministic_algorithms(gen, device):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 def test_reduced_precision_schemes(gen, device, dtype, kwargs):
     """2-byte value with fp32 locations: every gradient within the dtype's rounding of the exact result."""
-    levels, value, loc, weights, grad_out = make_inputs(gen, N=2, Lq=24, D=32, dtype=torch.float64,
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=24, D=32, dtype=torch.float64,
                                                         device=device)
     low = (levels, value.to(dtype), loc.float(), weights.float(), grad_out.to(dtype))
-    exact = reference(levels, *(t.double() for t in low[1:]))  # fp64 on exactly the rounded inputs
-    results = triton_results(*low, **kwargs)
+    exact = kernel_reference(levels, *(t.double() for t in low[1:]))  # fp64 on exactly the rounded inputs
+    results = kernel_results(*low, **kwargs)
     assert [r.dtype for r in results] == [dtype, dtype, torch.float32, torch.float32]
     atol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     for name, r, x in zip(("output", "grad_value", "grad_loc", "grad_weight"), results, exact):
@@ -241,11 +197,11 @@ def test_reduced_precision_schemes(gen, device, dtype, kwargs):
         assert err <= atol * x.abs().max().item(), f"{name}: {err:.3e}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 @pytest.mark.parametrize("N,Lq", [(0, 5), (2, 0)])
 def test_empty_batch_or_queries(gen, device, kwargs, N, Lq):
-    levels, value, loc, weights, grad_out = make_inputs(gen, N=2, Lq=5, device=device)
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=5, device=device)
     value, loc, weights, grad_out = value[:N], loc[:N, :Lq], weights[:N, :Lq], grad_out[:N, :Lq]
     out = launch.forward(value, levels, loc, weights)
     assert out.shape == (N, Lq, 2 * 8)
@@ -266,20 +222,20 @@ def test_pack_levels_bounds():
         launch.pack_levels(((2, 2),) * 9)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_levels_as_list_and_eight_levels(gen, device):
     levels = [(3, 2), (2, 2), (1, 3), (2, 1), (1, 1), (2, 2), (1, 2), (3, 1)]
-    inputs = make_inputs(gen, levels=levels, P=1, D=4, device=device)
-    results = triton_results([list(hw) for hw in levels], *inputs[1:], scheme="fused")
-    assert_close(results, reference(*inputs), 1e-10, inputs)
+    inputs = kernel_inputs(gen, levels=levels, P=1, D=4, device=device)
+    results = kernel_results([list(hw) for hw in levels], *inputs[1:], scheme="fused")
+    assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_table_entries_take_effect(gen, device, monkeypatch):
     """update_table (what bench/msda.py applies after its sweep) reaches the next call's plan."""
-    levels, value, loc, weights, grad_out = make_inputs(gen, device=device)
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, device=device)
     key = ("scheme", 8, 8, 2, 2, False)  # D=8, fp64, L=2, P=2, decoder-sized
-    monkeypatch.setattr(launch, "TUNED", dict(launch.TUNED))
+    monkeypatch.setattr(launch_table, "TUNED", dict(launch_table.TUNED))
     gathered = []
     monkeypatch.setattr(launch, "gather_groups", lambda *args: gathered.append(args) or [])
     launch.backward(grad_out, value, levels, loc, weights)  # cached plans from the default table
@@ -292,10 +248,11 @@ def test_table_entries_take_effect(gen, device, monkeypatch):
         launch._plan.cache_clear()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_bad_scheme_raises(gen, device):
-    levels, value, loc, weights, grad_out = make_inputs(gen, device=device)
-    with pytest.raises(ValueError, match=r"scheme must be one of \('fused', 'split', 'gather', 'hybrid'\), got 'x'"):
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, device=device)
+    expected = r"scheme must be one of \('fused', 'split', 'gather', 'hybrid', 'cells'\), got 'x'"
+    with pytest.raises(ValueError, match=expected):
         launch.backward(grad_out, value, levels, loc, weights, scheme="x")
 
 
@@ -341,16 +298,16 @@ def compiled_variants(kernel) -> int:
 @CUDA
 def test_new_image_size_neither_syncs_nor_recompiles(gen):
     """The level layout and Lq are unspecialized kernel arguments: a new layout reuses the compiled kernels."""
-    first = make_inputs(gen, levels=((6, 4), (3, 2)), Lq=5, dtype=torch.float32, device="cuda")
-    second = make_inputs(gen, levels=((17, 33), (9, 16)), Lq=32, dtype=torch.float32, device="cuda")
-    triton_results(*first, forward_config=QUICK_FORWARD, scheme="fused", configs=QUICK)
+    first = kernel_inputs(gen, levels=((6, 4), (3, 2)), Lq=5, dtype=torch.float32, device="cuda")
+    second = kernel_inputs(gen, levels=((17, 33), (9, 16)), Lq=32, dtype=torch.float32, device="cuda")
+    kernel_results(*first, forward_config=QUICK_FORWARD, scheme="fused", configs=QUICK)
     torch.cuda.synchronize()
     kernels = (launch.msda_forward_kernel, launch.msda_backward_kernel)
     before = [compiled_variants(k) for k in kernels]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        results = triton_results(*second, forward_config=QUICK_FORWARD, scheme="fused", configs=QUICK)
+        results = kernel_results(*second, forward_config=QUICK_FORWARD, scheme="fused", configs=QUICK)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [compiled_variants(k) for k in kernels] == before
-    assert_close(results, reference(*second), 1e-5, second)
+    assert_kernel_close(results, kernel_reference(*second), 1e-5, second)
