@@ -25,9 +25,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from engine.config.registry import register_configs  # noqa: E402
-from engine.errors import RunDirectoryInUse  # noqa: E402
 from engine.reporting.log_filter import keep_file_only_off_console  # noqa: E402
-from engine.runtime.console import FAULT_EXIT_CODE, run_reporting_faults  # noqa: E402
+from engine.runtime.console import refused_before_hydra, run_reporting_faults  # noqa: E402
 from engine.runtime.distributed import argv_for_rank, env_rank  # noqa: E402
 from engine.runtime.run_lock import held_before_hydra  # noqa: E402
 from engine.train.eval_only import evaluate_checkpoint  # noqa: E402
@@ -51,11 +50,8 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = argv_for_rank(sys.argv, env_rank())
-    try:
-        lock = held_before_hydra(sys.argv) if env_rank() == 0 else None
-    except RunDirectoryInUse as refused:  # before Hydra writes anything into the live run's directory
-        print(refused, file=sys.stderr)
-        sys.exit(FAULT_EXIT_CODE)
+    # Before Hydra writes anything into the directory: a live run's stays as it was, an unwritable one is named.
+    lock = refused_before_hydra(lambda: held_before_hydra(sys.argv)) if env_rank() == 0 else None
     try:
         main()
     finally:

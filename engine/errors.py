@@ -26,6 +26,10 @@ class CollectiveError(UserError, RuntimeError):
     """A collective failed or timed out; the message names this rank and the collective."""
 
 
+class OutputPathError(UserError, OSError):
+    """A folder or file a command was told to write that cannot be written; the message names the setting."""
+
+
 class RunDirectoryInUse(UserError, RuntimeError):
     """Another process is running in this run directory; the message names it."""
 

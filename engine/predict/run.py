@@ -32,6 +32,7 @@ from engine.evaluation.record import write_eval_json
 from engine.reporting.cocoeval_log import log_cocoeval_output
 from engine.reporting.progress import format_duration
 from engine.runtime.distributed import resolve_device
+from engine.runtime.output_paths import writable_folder
 from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
 
@@ -47,6 +48,7 @@ def predict(cfg: DictConfig) -> dict:
     """Run ``cfg.checkpoint`` on ``cfg.images``; returns {"output_dir", "images", "detections", "eval"}."""
     cfg = check_config(cfg, PredictConfig)
     output_dir = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    writable_folder(output_dir, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
     paths = find_images(cfg.images)
     root = paths[0].parent if Path(cfg.images).is_file() else Path(cfg.images).expanduser()
     root = root.resolve()
@@ -66,7 +68,6 @@ def predict(cfg: DictConfig) -> dict:
     folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw)
     loader = DataLoader(folder, batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=_collate,
                         pin_memory=device.type == "cuda")
-    output_dir.mkdir(parents=True, exist_ok=True)
     predictions = Predictions(output_dir, root=root, categories=trained.categories,
                               score_threshold=cfg.score_threshold, draw=cfg.draw)
     precision = Precision(amp=cfg.amp, device=device)

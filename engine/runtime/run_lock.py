@@ -19,6 +19,9 @@ from pathlib import Path
 
 from engine.errors import RunDirectoryInUse
 
+from .command_line import override_value
+from .output_paths import writable_folder
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".run.lock"
@@ -112,14 +115,12 @@ RUN_DIRECTORY_KEYS = ("output_dir", "hydra.run.dir")
 def held_before_hydra(argv: list[str]) -> RunLock | None:
     """The lock of the run directory the command line names (``output_dir=`` or ``hydra.run.dir=``), taken before
     Hydra writes its .hydra/ and the log file there: a second run refused by it leaves the live run's files as
-    they were. None when the command line names none (Hydra's dated directory, new for this run)."""
-    directory = None
-    for argument in argv[1:]:
-        key, _, value = argument.lstrip("+~").partition("=")
-        if key in RUN_DIRECTORY_KEYS and value not in ("", "null"):
-            directory = value
-    if directory is None:
+    they were, and a directory that cannot be written is refused before Hydra fails in it. None when the command
+    line names none (Hydra's dated directory, new for this run)."""
+    named = override_value(argv, RUN_DIRECTORY_KEYS)
+    if named is None:
         return None
-    lock = RunLock(Path(directory).expanduser())
+    key, directory = named
+    lock = RunLock(writable_folder(directory, setting=f"{key}={directory}"))
     lock.acquire()
     return lock

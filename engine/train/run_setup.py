@@ -15,6 +15,7 @@ from engine.compile.cache import use_compile_cache
 from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
 from engine.runtime.distributed import DistContext, barrier, broadcast_object
+from engine.runtime.output_paths import writable_folder
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
 
@@ -32,7 +33,7 @@ def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
         else:
             raise ValueError("output_dir is not set: run through `python train.py` (Hydra picks the run "
                              "directory) or pass output_dir=PATH")
-        Path(chosen).mkdir(parents=True, exist_ok=True)
+        writable_folder(chosen, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
     return Path(broadcast_object(chosen, ctx))
 
 
