@@ -16,6 +16,7 @@ import time
 
 STARTED = time.perf_counter()  # before the imports below: the run's wall time counts them too
 
+import itertools  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -34,17 +35,21 @@ from engine.train.run import train  # noqa: E402
 
 log = logging.getLogger("train")
 register_configs()  # the typed schemas configs/*.yaml name (engine/config/), before Hydra composes
+# Where each job's wall time counts from: the first job from the process's start (the imports included), each later
+# job of a multirun (-m) from its own start (each next() reads the clock).
+JOB_STARTS = itertools.chain([STARTED], iter(time.perf_counter, None))
 
 __all__ = ["evaluate_checkpoint", "train"]
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    started = next(JOB_STARTS)
     if env_rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
     keep_file_only_off_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir) if env_rank() == 0 else None
-    run_reporting_faults(lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=STARTED),
+    run_reporting_faults(lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=started),
                          run_dir=run_dir, log=log, dated=not cfg.output_dir)
 
 

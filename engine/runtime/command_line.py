@@ -15,6 +15,8 @@ from .output_paths import writable_folder
 
 # Values that leave a path setting unset.
 UNSET = ("", "null")
+# Hydra's flags for a multirun: the command runs one job per combination of the swept values.
+MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def override_value(argv: Sequence[str], keys: Sequence[str]) -> tuple[str, str] | None:
@@ -26,6 +28,22 @@ def override_value(argv: Sequence[str], keys: Sequence[str]) -> tuple[str, str] 
         if equals and key in keys:
             found = None if value in UNSET or "${" in value else (key, value)
     return found
+
+
+def is_multirun(argv: Sequence[str]) -> bool:
+    """Whether Hydra runs the command as a multirun (``-m``, ``--multirun`` or ``hydra.mode=MULTIRUN``)."""
+    mode = override_value(argv, ("hydra.mode",))
+    return any(a in MULTIRUN_FLAGS for a in argv[1:]) or (mode is not None and mode[1].upper() == "MULTIRUN")
+
+
+def is_sweep(key: str, value: str) -> bool:
+    """Whether ``key=value`` sweeps several values (``a,b``, ``range(3)``, ``glob(*)``...), as Hydra parses it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(f"{key}={value}").is_sweep_override()
+    except Exception:  # noqa: BLE001 - not an override Hydra takes: Hydra says so itself when it composes
+        return False
 
 
 def check_named_folder(argv: Sequence[str], key: str) -> None:

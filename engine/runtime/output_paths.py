@@ -24,8 +24,8 @@ def writable_folder(path: str | os.PathLike, *, setting: str) -> Path:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
-        raise OutputPathError(f"{setting}: cannot create or write into the folder {path}: {why(path, error)}. Choose a folder "
-                              f"you can write to") from error
+        raise OutputPathError(f"{setting}: cannot create or write into the folder {path}: {why(path, error)}. "
+                              "Choose a folder you can write to") from error
     return path
 
 

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from datasets import build_data_loader, build_dataset, build_size_buckets
@@ -23,10 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
-    """The run directory: ``output_dir`` if set, else Hydra's; rank 0 decides and every rank uses it."""
+    """The run directory: ``output_dir`` if set, else Hydra's, and in a multirun always Hydra's (the job's own
+    folder under output_dir); rank 0 decides and every rank uses it."""
     chosen = None
     if ctx.is_main:
-        if cfg.output_dir:
+        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+        if cfg.output_dir and not multirun:
             chosen = str(Path(cfg.output_dir).resolve())
         elif HydraConfig.initialized():
             chosen = str(Path(HydraConfig.get().runtime.output_dir).resolve())
