@@ -226,3 +226,12 @@ def test_checkpoint_may_be_a_run_directory(checkpoint, folder, tmp_path):
     out = predictor.predict(compose_predict(f"checkpoint={checkpoint.parent}", f"images={folder / 'a.jpg'}",
                                             f"output_dir={tmp_path}", "draw=false"))
     assert out["images"] == 1 and (tmp_path / "detections.json").is_file()
+
+
+def test_triton_attention_without_a_gpu_is_refused_naming_model_msda(checkpoint, folder, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on the CPU
+    with pytest.raises(ValueError, match=r"model\.msda=triton runs the Triton kernels, which need a GPU, but this "
+                                         r"run is on cpu"):
+        predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "model.msda=triton",
+                                          f"output_dir={tmp_path / 'o'}"))
+    assert not (tmp_path / "o" / "detections.json").exists()

@@ -170,3 +170,18 @@ def test_a_misspelt_experiment_stops_the_command_naming_the_experiments(tmp_path
     assert "Could not find 'experiment/two_stag'" in out and "Traceback" not in out
     assert all(name in out for name in ("box_refine", "coco_gpu", "two_stage"))
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+def test_triton_attention_on_a_machine_without_a_gpu_is_refused_with_the_settings(tmp_path):
+    """model.msda=triton on the CPU, without Triton's interpreter: one message naming model.msda before anything is
+    trained, and no run directory left behind (not the operator's error at the first forward)."""
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1",
+                           "model.msda=triton"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert out.count("model.msda=triton runs the Triton kernels, which need a GPU, but this run is on cpu") == 1, out
+    assert "impl='triton'" not in out and "epoch 1/1" not in out
+    assert not (tmp_path / "outputs").exists()

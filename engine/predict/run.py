@@ -32,6 +32,7 @@ from engine.evaluation.record import write_eval_json
 from engine.reporting.cocoeval_log import log_cocoeval_output
 from engine.reporting.progress import format_duration
 from engine.runtime.distributed import resolve_device
+from engine.runtime.msda_device import check_msda_device
 from engine.runtime.output_paths import writable_folder
 from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
@@ -56,6 +57,7 @@ def predict(cfg: DictConfig) -> dict:
     ids = image_ids(paths, root=root, gt=gt)
 
     device = resolve_device(cfg.device)
+    check_msda_device(cfg.model.msda, device)
     names = category_names(gt, gt.getCatIds()) if gt is not None else None
     trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, categories=names,
                                  weights=cfg.checkpoint_weights)
