@@ -235,3 +235,21 @@ def test_triton_attention_without_a_gpu_is_refused_naming_model_msda(checkpoint,
         predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "model.msda=triton",
                                           f"output_dir={tmp_path / 'o'}"))
     assert not (tmp_path / "o" / "detections.json").exists()
+
+
+def test_the_warning_for_an_unreadable_image_names_the_id_images_json_gives_it(checkpoint, folder, tmp_path):
+    """As a user runs it: the second of three images is damaged; the warning names its id as images.json numbers
+    the folder (1, 2, 3 in path order), not its position from 0, which is the first image's id there."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "a.jpg").write_bytes((folder / "a.jpg").read_bytes())
+    (photos / "b.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])  # truncated
+    (photos / "c.png").write_bytes((folder / "b.png").read_bytes())
+    child = subprocess.run([sys.executable, str(ROOT / "predict.py"), f"checkpoint={checkpoint}", f"images={photos}",
+                            "device=cpu", "num_workers=0", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path,
+                           env=child_env(), capture_output=True, text=True, timeout=300)
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out
+    ids = {i["file_name"]: i["id"] for i in COCO(str(tmp_path / "o" / "images.json")).imgs.values()}
+    assert ids == {"a.jpg": 1, "c.png": 3}
+    assert out.count(f"skipped cannot read image {photos / 'b.jpg'} (image id 2)") == 1, out

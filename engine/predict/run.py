@@ -67,7 +67,7 @@ def predict(cfg: DictConfig) -> dict:
              len(paths), cfg.images, trained.checkpoint, trained.step, trained.model_config["num_classes"],
              trained.model_config["msda"], device, val_size, max_size)
 
-    folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw)
+    folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw, image_ids=ids)
     loader = DataLoader(folder, batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=_collate,
                         pin_memory=device.type == "cuda")
     predictions = Predictions(output_dir, root=root, categories=trained.categories,
