@@ -63,7 +63,7 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
     with caplog.at_level(logging.INFO, logger="engine"):
         resumed = trainer.train(quiet_run(data_root, tmp_path, "resume=auto"))
     # Epochs counted as the progress line and the stop message count them: this is epoch 2 of 2.
-    assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps done" in caplog.text
+    assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps of 4 images done" in caplog.text
     assert resumed["step"] == 2 * STEPS_PER_EPOCH
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][stop_at:], rel=1e-5)
     final = load_checkpoint(tmp_path / "checkpoint.pth")["model"]
