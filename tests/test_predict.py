@@ -253,3 +253,18 @@ def test_the_warning_for_an_unreadable_image_names_the_id_images_json_gives_it(c
     ids = {i["file_name"]: i["id"] for i in COCO(str(tmp_path / "o" / "images.json")).imgs.values()}
     assert ids == {"a.jpg": 1, "c.png": 3}
     assert out.count(f"skipped cannot read image {photos / 'b.jpg'} (image id 2)") == 1, out
+
+
+def test_detections_move_with_batch_size_through_padding_as_the_readme_says(checkpoint, folder, tmp_path):
+    """Images of other sizes padded into one batch are not what the backbone sees of each alone, as in the original:
+    README says so beside predict.py's batch_size."""
+    scores = {}
+    for batch_size in (1, 4):
+        out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "draw=false",
+                                                f"batch_size={batch_size}", "score_threshold=0",
+                                                f"output_dir={tmp_path / str(batch_size)}"))
+        scores[batch_size] = sorted(round(d["score"], 4) for d in out["detections"])
+    assert scores[1] != scores[4]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert ("padding changes what the backbone sees: detections and their AP move a little with `batch_size` "
+            "(`batch_size=1` pads nothing)") in readme

@@ -123,10 +123,10 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
-        log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
-                 "epoch, %d epochs", output_dir, ctx.world_size, ctx.device, setup.precision.name,
-                 running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size), steps_per_epoch,
-                 cfg.epochs)
+        log.info("run directory %s | %d process%s on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
+                 "epoch, %d epochs", output_dir, ctx.world_size, "es" if ctx.world_size > 1 else "", ctx.device,
+                 setup.precision.name, running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size),
+                 steps_per_epoch, cfg.epochs)
     hooks = build_hooks(cfg, ctx, output_dir, setup, plan=plan, position=position, timing=timing, stop=stop,
                         val_loader=val_loader, val_set=data["val"], config_record=record, ckpt=ckpt)
     try:
