@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 from engine.config.registry import register_configs
 from engine.export.run import export
 from engine.reporting.log_filter import keep_file_only_off_console
-from engine.runtime.console import run_reporting_faults
+from engine.runtime.command_line import check_named_files_folder
+from engine.runtime.console import refused_before_hydra, run_reporting_faults
 
 log = logging.getLogger("export")
 register_configs()
@@ -37,4 +38,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # Before Hydra opens export.log in the output's folder.
+    refused_before_hydra(lambda: check_named_files_folder(sys.argv, "output"))
     sys.exit(main())

@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 from engine.config.registry import register_configs
 from engine.predict.run import predict
 from engine.reporting.log_filter import keep_file_only_off_console
-from engine.runtime.console import run_reporting_faults
+from engine.runtime.command_line import check_named_folder
+from engine.runtime.console import refused_before_hydra, run_reporting_faults
 
 log = logging.getLogger("predict")
 register_configs()
@@ -39,4 +40,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # Before Hydra makes the run directory and opens predict.log there.
+    refused_before_hydra(lambda: check_named_folder(sys.argv, "output_dir"))
     sys.exit(main())

@@ -16,6 +16,7 @@ import time
 
 STARTED = time.perf_counter()  # before the imports below: the run's wall time counts them too
 
+import itertools  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,9 +26,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from engine.config.registry import register_configs  # noqa: E402
-from engine.errors import RunDirectoryInUse  # noqa: E402
 from engine.reporting.log_filter import keep_file_only_off_console  # noqa: E402
-from engine.runtime.console import FAULT_EXIT_CODE, run_reporting_faults  # noqa: E402
+from engine.runtime.console import refused_before_hydra, run_reporting_faults  # noqa: E402
 from engine.runtime.distributed import argv_for_rank, env_rank  # noqa: E402
 from engine.runtime.run_lock import held_before_hydra  # noqa: E402
 from engine.train.eval_only import evaluate_checkpoint  # noqa: E402
@@ -35,27 +35,28 @@ from engine.train.run import train  # noqa: E402
 
 log = logging.getLogger("train")
 register_configs()  # the typed schemas configs/*.yaml name (engine/config/), before Hydra composes
+# Where each job's wall time counts from: the first job from the process's start (the imports included), each later
+# job of a multirun (-m) from its own start (each next() reads the clock).
+JOB_STARTS = itertools.chain([STARTED], iter(time.perf_counter, None))
 
 __all__ = ["evaluate_checkpoint", "train"]
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    started = next(JOB_STARTS)
     if env_rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
     keep_file_only_off_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir) if env_rank() == 0 else None
-    run_reporting_faults(lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=STARTED),
+    run_reporting_faults(lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=started),
                          run_dir=run_dir, log=log, dated=not cfg.output_dir)
 
 
 if __name__ == "__main__":
     sys.argv = argv_for_rank(sys.argv, env_rank())
-    try:
-        lock = held_before_hydra(sys.argv) if env_rank() == 0 else None
-    except RunDirectoryInUse as refused:  # before Hydra writes anything into the live run's directory
-        print(refused, file=sys.stderr)
-        sys.exit(FAULT_EXIT_CODE)
+    # Before Hydra writes anything into the directory: a live run's stays as it was, an unwritable one is named.
+    lock = refused_before_hydra(lambda: held_before_hydra(sys.argv)) if env_rank() == 0 else None
     try:
         main()
     finally:

@@ -39,10 +39,17 @@ def find_images(images: str | Path) -> list[Path]:
 
 
 class ImageFolder(Dataset):
-    """``paths`` read and resized to ``val_size`` (short side, long side at most ``max_size``)."""
+    """``paths`` read and resized to ``val_size`` (short side, long side at most ``max_size``). ``image_ids``: the
+    id each image is known by (predict.py's images.json, or an annotation file's), which a read error names;
+    1, 2, ... in the order of ``paths`` when None, as images.json numbers a folder."""
 
-    def __init__(self, paths: list[Path], *, val_size: int, max_size: int, keep_pixels: bool = False):
+    def __init__(self, paths: list[Path], *, val_size: int, max_size: int, keep_pixels: bool = False,
+                 image_ids: list[int] | None = None):
         self.paths = list(paths)
+        self.image_ids = list(image_ids) if image_ids is not None else list(range(1, len(self.paths) + 1))
+        if len(self.image_ids) != len(self.paths):
+            raise ValueError(f"ImageFolder: image_ids must give one id per path, got {len(self.image_ids)} ids for "
+                             f"{len(self.paths)} paths")
         self.keep_pixels = keep_pixels
         self.transforms = make_coco_transforms(train=False, val_size=val_size, max_size=max_size)
 
@@ -53,7 +60,7 @@ class ImageFolder(Dataset):
         path = self.paths[index]
         info = {"index": index, "path": str(path)}
         try:
-            pil = read_image(path, image_id=index, expected_size=(None, None))
+            pil = read_image(path, image_id=self.image_ids[index], expected_size=(None, None))
         except ImageReadError as error:
             return None, {**info, "error": str(error)}
         image = tv_tensors.Image(F.pil_to_tensor(pil))

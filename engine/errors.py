@@ -26,6 +26,14 @@ class CollectiveError(UserError, RuntimeError):
     """A collective failed or timed out; the message names this rank and the collective."""
 
 
+class SettingsError(UserError, ValueError):
+    """Settings that cannot work together, refused before anything runs; the message names them and the fix."""
+
+
+class OutputPathError(UserError, OSError):
+    """A folder or file a command was told to write that cannot be written; the message names the setting."""
+
+
 class RunDirectoryInUse(UserError, RuntimeError):
     """Another process is running in this run directory; the message names it."""
 

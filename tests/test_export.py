@@ -26,9 +26,9 @@ from trained_checkpoint import write_checkpoint
 
 import export as exporter
 from engine.checkpoint.trained_model import load_trained_model
-from engine.config.export_schema import default_output
+from engine.config.export_schema import MAX_OPSET, MIN_OPSET, default_output
 from engine.errors import ExportParityError
-from engine.export.exportable import ExportableDetector, SampleShape
+from engine.export.exportable import ExportableDetector, SampleShape, trace
 from engine.export.parity import Tolerance, check_parity, compare_outputs, tolerance_for
 from engine.export.samples import random_batch, recorded_validation_folder, sample_batch
 from models.postprocess import PostProcess
@@ -85,6 +85,8 @@ def background_exports(checkpoint) -> dict[str, ExportCommand]:
                                          "max_detections=10", "quick_compile=true")
     if HAS_ONNX:
         commands["tensorrt"] = ExportCommand(checkpoint, "tensorrt", "msda_node=tensorrt", "dynamic=false")
+        commands["opset17"] = ExportCommand(checkpoint, "opset17", "opset=17",
+                                            f"output={checkpoint.with_name('opset17.onnx')}")
     yield commands
     for command in commands.values():
         if command.process.poll() is None:
@@ -158,6 +160,61 @@ def test_onnx_parity_check_fails_for_a_changed_model(checkpoint, onnx_export):
     with pytest.raises(ExportParityError, match=r"boxes differ") as error:
         check_parity(runner, detector, inputs, tolerance=tolerance_for("fp32"), what="model.onnx")
     assert "logits differ" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def traced_program(checkpoint, onnx_export):
+    """The tiny detector traced with dynamic batch and sides, as export.py traces it, and that detector."""
+    detector = pytorch_detector(checkpoint)
+    return trace(detector, inputs_of(SampleShape(batch=2, height=96, width=128), seed=0), dynamic=True), detector
+
+
+@pytest.mark.parametrize("opset", range(MIN_OPSET, MAX_OPSET + 1))
+def test_every_allowed_opset_writes_a_file_that_is_valid_at_it_and_matches(traced_program, tmp_path, opset):
+    import onnx
+
+    from engine.export.onnx import OnnxRunner, write_onnx
+
+    program, detector = traced_program
+    path = write_onnx(program, tmp_path / "model.onnx", input_names=detector.input_names,
+                      output_names=detector.output_names, opset=opset)
+    model = onnx.load(str(path))
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [opset]
+    onnx.checker.check_model(model, full_check=True)
+    inputs = inputs_of(SampleShape(batch=3, height=64, width=160), seed=4)
+    with torch.no_grad():
+        expected = detector(*inputs)
+    report = compare_outputs(OnnxRunner(path, device=CPU)(*inputs), expected, tolerance=tolerance_for("fp32"))
+    assert not report.failures, report.describe()
+
+
+def test_export_py_with_opset_17_writes_a_file_that_onnxruntime_loads_and_checks(checkpoint, background_exports):
+    """The command as a user runs it: the opset-17 file is written, loaded by onnxruntime, and its parity checked."""
+    import onnx
+
+    output = background_exports["opset17"].finished()
+    assert "parity at batch 2, 96 x 128" in output and "Traceback" not in output
+    model = onnx.load(str(checkpoint.with_name("opset17.onnx")))
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [17]
+    onnx.checker.check_model(model)
+
+
+def test_a_float32_file_onnxruntime_cannot_load_is_not_told_to_export_fp32(tmp_path):
+    """The advice after a failed load fits the file: fp32 only for a float16 file."""
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from engine.export.onnx import OnnxRunner
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    halves = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2]) for name in ("a", "b")]
+    split = helper.make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2)  # opset 18's form, at opset 17
+    model = helper.make_model(helper.make_graph([split], "g", [x], halves), opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    with pytest.raises(ValueError, match=r"cannot load .*m\.onnx") as error:
+        OnnxRunner(tmp_path / "m.onnx", device=CPU)
+    assert "dtype=fp32" not in str(error.value) and "older than its opset (17)" in str(error.value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -312,7 +369,8 @@ def test_detection_parity_lets_tied_ranks_swap_but_not_labels_change():
     (["format=aoti", "msda_node=triton"], "msda_node=triton puts the Triton kernels' op in the package"),
     (["image_size=[100,128]"], "image_size must be null"),
     (["image_size=[32,32]"], "image_size must be at least 64 x 64"),
-    (["opset=16"], "opset must be >= 17"),
+    (["opset=16"], "opset must be from 17 to 23"),
+    (["opset=24"], "opset must be from 17 to 23"),
     (["dtype=bf16"], "dtype=bf16 is for format=aoti"),
     (["batch_size=1"], "batch_size must be >= 2 with dynamic=true"),
     (["tolerance.boxes=0"], "tolerance.boxes must be null"),

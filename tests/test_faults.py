@@ -63,7 +63,7 @@ def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_sto
     with caplog.at_level(logging.INFO, logger="engine"):
         resumed = trainer.train(quiet_run(data_root, tmp_path, "resume=auto"))
     # Epochs counted as the progress line and the stop message count them: this is epoch 2 of 2.
-    assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps done" in caplog.text
+    assert f"at step {stop_at}: epoch 2/2, 2 of its {STEPS_PER_EPOCH} steps of 4 images done" in caplog.text
     assert resumed["step"] == 2 * STEPS_PER_EPOCH
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][stop_at:], rel=1e-5)
     final = load_checkpoint(tmp_path / "checkpoint.pth")["model"]
@@ -105,19 +105,20 @@ def test_every_rank_learns_of_a_stop_at_the_same_interval():
 class SignalInsideTheAnnouncement(StopRequest):
     """A SIGTERM that lands just after announce() looked for one: a loaded machine can pause the main thread there."""
 
-    def announce(self) -> None:
-        super().announce()
+    def announce(self, *, evaluating: bool = False) -> None:
+        super().announce(evaluating=evaluating)
         if self.signum is None:
             self.signum = int(signal.SIGTERM)
 
 
-@pytest.mark.parametrize("decision", ["due", "during_evaluation"])
-def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_on_it(decision, caplog):
+@pytest.mark.parametrize("decision, announced", [("due", "finishing this step"),
+                                                 ("during_evaluation", "stopping this evaluation")])
+def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_on_it(decision, announced, caplog):
     control = StopControl(SignalInsideTheAnnouncement(), distributed=False, is_main=True)
     asks = {"due": control.due, "during_evaluation": lambda: control.during_evaluation(final=False)}[decision]
     with caplog.at_level(logging.WARNING, logger="engine"):
         stops = [asks() for _ in range(2)]
-        assert stops == [False, True] and caplog.text.count("SIGTERM received: finishing this step") == 1
+        assert stops == [False, True] and caplog.text.count(f"SIGTERM received: {announced}") == 1
         stopped = control.stopped(epoch=0, step=3, total_steps=9, latest=Path("checkpoint.pth"))
     assert stopped.exit_code == 128 + signal.SIGTERM and "stopped by SIGTERM at epoch 1, step 3 of 9" in caplog.text
 
@@ -339,15 +340,19 @@ def signal_in_evaluation(monkeypatch, signum: int, evaluation: int) -> None:
 
 @pytest.mark.parametrize("evaluation, what", [(1, "an epoch's"), (2, "the final")])
 def test_a_stop_signal_during_an_evaluation_stops_it_and_the_resume_runs_it(uninterrupted, data_root, tmp_path,
-                                                                           monkeypatch, evaluation, what):
+                                                                           monkeypatch, evaluation, what, caplog):
     """SIGTERM during the evaluation after epoch 1 (of 2), or during the final one: the evaluation stops within a
     batch, checkpoint.pth holds the step with the evaluation pending, and the run exits 143; resume=auto evaluates
     first, then goes on as if never stopped."""
     signal_in_evaluation(monkeypatch, signal.SIGTERM, evaluation)
     with pytest.raises(TrainingStopped, match=rf"stopped by SIGTERM during the evaluation after epoch {evaluation}, at "
                                               rf"step {evaluation * STEPS_PER_EPOCH} of 6: .*checkpoint\.pth holds "
-                                              r"that step; .*which evaluates first") as stopped:
+                                              r"that step; .*which evaluates first") as stopped, \
+            caplog.at_level(logging.WARNING, logger="engine"):
         trainer.train(quiet_run(data_root, tmp_path))
+    # Said as it is: the signal stops the evaluation; no step is being finished.
+    assert caplog.text.count("SIGTERM received: stopping this evaluation") == 1
+    assert "finishing this step" not in caplog.text
     assert stopped.value.exit_code == 143
     ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
     assert ckpt["step"] == evaluation * STEPS_PER_EPOCH
@@ -384,3 +389,15 @@ def test_a_run_refused_by_the_lock_leaves_the_live_runs_files_as_they_were(data_
     assert child.returncode == 1 and f"is in use by process {sleeper.pid}" in out and "Traceback" not in out, out
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     assert all(path.read_text() == text for path, text in live.items())
+
+
+def test_a_cpu_runs_console_has_the_runs_lines_and_not_the_profilers(data_root, tmp_path):
+    """profile_steps on a CPU: no line of torch's tracer (kineto) about the GPU there is not; '1 process'."""
+    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "epochs=1",
+                            "eval_images=0", "profile_steps=[1,1]", f"output_dir={tmp_path / 'run'}"], cwd=tmp_path,
+                           env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out
+    assert (tmp_path / "run" / "profile_steps_1-1.json").is_file()
+    assert "gpuGetDeviceCount" not in out and "profiler_start" not in out, out
+    assert "| 1 process on cpu" in out and "1 processes" not in out

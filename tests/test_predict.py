@@ -226,3 +226,45 @@ def test_checkpoint_may_be_a_run_directory(checkpoint, folder, tmp_path):
     out = predictor.predict(compose_predict(f"checkpoint={checkpoint.parent}", f"images={folder / 'a.jpg'}",
                                             f"output_dir={tmp_path}", "draw=false"))
     assert out["images"] == 1 and (tmp_path / "detections.json").is_file()
+
+
+def test_triton_attention_without_a_gpu_is_refused_naming_model_msda(checkpoint, folder, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on the CPU
+    with pytest.raises(ValueError, match=r"model\.msda=triton runs the Triton kernels, which need a GPU, but this "
+                                         r"run is on cpu"):
+        predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "model.msda=triton",
+                                          f"output_dir={tmp_path / 'o'}"))
+    assert not (tmp_path / "o" / "detections.json").exists()
+
+
+def test_the_warning_for_an_unreadable_image_names_the_id_images_json_gives_it(checkpoint, folder, tmp_path):
+    """As a user runs it: the second of three images is damaged; the warning names its id as images.json numbers
+    the folder (1, 2, 3 in path order), not its position from 0, which is the first image's id there."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "a.jpg").write_bytes((folder / "a.jpg").read_bytes())
+    (photos / "b.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])  # truncated
+    (photos / "c.png").write_bytes((folder / "b.png").read_bytes())
+    child = subprocess.run([sys.executable, str(ROOT / "predict.py"), f"checkpoint={checkpoint}", f"images={photos}",
+                            "device=cpu", "num_workers=0", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path,
+                           env=child_env(), capture_output=True, text=True, timeout=300)
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out
+    ids = {i["file_name"]: i["id"] for i in COCO(str(tmp_path / "o" / "images.json")).imgs.values()}
+    assert ids == {"a.jpg": 1, "c.png": 3}
+    assert out.count(f"skipped cannot read image {photos / 'b.jpg'} (image id 2)") == 1, out
+
+
+def test_detections_move_with_batch_size_through_padding_as_the_readme_says(checkpoint, folder, tmp_path):
+    """Images of other sizes padded into one batch are not what the backbone sees of each alone, as in the original:
+    README says so beside predict.py's batch_size."""
+    scores = {}
+    for batch_size in (1, 4):
+        out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "draw=false",
+                                                f"batch_size={batch_size}", "score_threshold=0",
+                                                f"output_dir={tmp_path / str(batch_size)}"))
+        scores[batch_size] = sorted(round(d["score"], 4) for d in out["detections"])
+    assert scores[1] != scores[4]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert ("padding changes what the backbone sees: detections and their AP move a little with `batch_size` "
+            "(`batch_size=1` pads nothing)") in readme

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from child_process import child_env
-from helpers import compose_train
+from helpers import compose_train, tiny_overrides
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -140,3 +140,48 @@ def test_the_command_line_names_the_bad_key_and_starts_nothing(tmp_path):
     assert proc.returncode == 1
     assert "Error merging override optim.lr=fast" in proc.stderr and "full_key: optim.lr" in proc.stderr
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()
+
+
+def config_groups() -> list[str]:
+    """The config groups of configs/train.yaml that a command line chooses from (configs/<group>/*.yaml)."""
+    return sorted(p.name for p in (ROOT / "configs").iterdir() if p.is_dir() and list(p.glob("*.yaml")))
+
+
+@pytest.mark.parametrize("group", config_groups())
+def test_a_misspelt_choice_of_any_group_is_refused_naming_the_choices(group):
+    from hydra.errors import MissingConfigException
+
+    choices = sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml"))
+    with pytest.raises(MissingConfigException) as error:
+        compose_train(f"{group}={choices[0]}x")
+    assert f"Could not find '{group}/{choices[0]}x'" in str(error.value)
+    assert all(choice in str(error.value) for choice in choices)
+
+
+@pytest.mark.slow
+def test_a_misspelt_experiment_stops_the_command_naming_the_experiments(tmp_path):
+    """`experiment` may be left out, but a name that is not in configs/experiment/ is refused like a misspelt
+    model, never run as the base model."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1",
+                           "experiment=two_stag"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "Could not find 'experiment/two_stag'" in out and "Traceback" not in out
+    assert all(name in out for name in ("box_refine", "coco_gpu", "two_stage"))
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+def test_triton_attention_on_a_machine_without_a_gpu_is_refused_with_the_settings(tmp_path):
+    """model.msda=triton on the CPU, without Triton's interpreter: one message naming model.msda before anything is
+    trained, and no run directory left behind (not the operator's error at the first forward)."""
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1",
+                           "model.msda=triton"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert out.count("model.msda=triton runs the Triton kernels, which need a GPU, but this run is on cpu") == 1, out
+    assert "impl='triton'" not in out and "epoch 1/1" not in out
+    assert not (tmp_path / "outputs").exists()

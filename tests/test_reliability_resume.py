@@ -20,6 +20,9 @@ from engine.train.optim import build_lr_scheduler, build_optimizer
 from engine.train.resume import config_for_resume, find_resume_checkpoint, restore_training_state
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# The tiny run's (helpers.tiny_overrides) steps per epoch at 4 images a step: 16 images in two orientations' size
+# buckets, whose leftovers wait for no one (datasets/batch_plan.py).
+STEPS_PER_EPOCH_OF_4 = 3
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +94,84 @@ def test_auto_with_null_num_classes_matches_a_run_that_took_it_from_the_data(tmp
     taken = write_run(outputs, "10-00-00", with_changes(base_config, **{"model.num_classes": 12}))
     current = with_changes(base_config, **{"model.num_classes": None})
     assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=current) == taken
+
+
+def test_auto_takes_a_run_whose_total_batch_was_split_into_other_passes(tmp_path, base_config):
+    """batch_size under the same total_batch_size only says how many images go through the model at once (memory):
+    the same run. Without total_batch_size it is the step's batch, and another value another run."""
+    outputs = tmp_path / "outputs"
+    split = write_run(outputs, "10-00-00", with_changes(base_config, total_batch_size=8, batch_size=8))
+    current = with_changes(base_config, total_batch_size=8, batch_size=2)
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=current) == split
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs,
+                                  config=with_changes(base_config, total_batch_size=16, batch_size=8)) is None
+    other = tmp_path / "other"
+    write_run(other, "10-00-00", with_changes(base_config, batch_size=8))
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=other,
+                                  config=with_changes(base_config, batch_size=2)) is None
+
+
+def test_auto_names_what_differs_in_plain_words(tmp_path, base_config, caplog):
+    outputs = tmp_path / "outputs"
+    write_run(outputs, "10-00-00", with_changes(base_config, seed=7))
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config)
+    assert "(seed differs)" in caplog.text
+
+
+@pytest.mark.parametrize("old_images, resumed, steps_per_epoch, expected", [
+    (4, dict(epoch=1, step=4, steps_in_epoch=1), 3, (4, 1, False)),  # unchanged: the checkpoint's own count
+    (2, dict(epoch=1, step=9, steps_in_epoch=2), 3, (4, 1, True)),  # 4 images done: 1 step of 4, the next retrains
+    (8, dict(epoch=0, step=1, steps_in_epoch=1), 6, (2, 2, True)),  # 8 images done: 2 steps of 4
+    (2, dict(epoch=2, step=14, steps_in_epoch=0), 3, (6, 0, True)),  # an epoch's end: epochs times this run's steps
+    (1, dict(epoch=0, step=7, steps_in_epoch=7), 3, (1, 1, True)),
+    (4, dict(epoch=0, step=3, steps_in_epoch=3), 3, (3, 3, False)),  # a whole epoch not yet closed
+    (8, dict(epoch=0, step=2, steps_in_epoch=2), 3, (3, 3, True)),  # never more than the epoch's steps
+])
+def test_a_resume_counts_the_steps_done_in_this_runs_steps(old_images, resumed, steps_per_epoch, expected):
+    from engine.train.resume import position_in_this_run
+    from engine.train.run_plan import Position
+
+    position, note = position_in_this_run(Position(**resumed), steps_per_epoch=steps_per_epoch, step_images=4,
+                                          checkpoint_step_images=old_images)
+    assert (position.step, position.steps_in_epoch, note is not None) == expected
+    assert position.epoch == resumed["epoch"]
+
+
+def test_a_checkpoints_step_images_are_recorded_else_read_off_its_batch_settings(base_config):
+    from engine.train.resume import checkpoint_step_images
+
+    assert checkpoint_step_images({"step_images": 32, "config": base_config}) == 32
+    assert checkpoint_step_images({"config": with_changes(base_config, total_batch_size=16, batch_size=4)}) == 16
+    assert checkpoint_step_images({"config": with_changes(base_config, batch_size=4)}) == 4
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_total_batch_says_how_it_counts_and_trains_its_epochs(tmp_path, caplog):
+    """Stopped mid-epoch at steps of 2 images, resumed at steps of 4: the epoch goes on after the images it had
+    trained, the step count is this run's (said once, with both sizes), and the run trains its 2 epochs."""
+    from helpers import compose_run
+
+    import train as trainer
+    from engine.checkpoint.io import load_checkpoint
+
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    common = ("eval_images=0", "eval_every=5", "epochs=2")
+    trainer.train(compose_run(data, run_dir, *common, "batch_size=2", "max_steps=9"))
+    stopped = load_checkpoint(run_dir / "checkpoint.pth")
+    assert stopped["step"] == 9 and stopped["step_images"] == 2 and stopped["steps_in_epoch"] > 0
+    with caplog.at_level(logging.INFO, logger="engine"):
+        resumed = trainer.train(compose_run(data, run_dir, *common, "batch_size=2", "total_batch_size=4",
+                                            "resume=auto"))
+    steps_in_epoch = stopped["steps_in_epoch"] * 2 // 4
+    step = stopped["epoch"] * STEPS_PER_EPOCH_OF_4 + steps_in_epoch
+    assert ("the checkpoint's optimizer steps took 2 images and this run's take 4, so steps are counted in this "
+            f"run's: its {stopped['steps_in_epoch']} steps of the epoch in progress ({stopped['steps_in_epoch'] * 2} "
+            f"images) count as {steps_in_epoch} of 4 images, and its step 9 is step {step} here") in caplog.text
+    assert (f"at step {step}: epoch {stopped['epoch'] + 1}/2, {steps_in_epoch} of its {STEPS_PER_EPOCH_OF_4} steps "
+            "of 4 images done") in caplog.text
+    assert resumed["step"] == 2 * STEPS_PER_EPOCH_OF_4
+    assert load_checkpoint(run_dir / "checkpoint.pth")["step_images"] == 4
 
 
 # ------------------------------------------------------------------------------------- which settings win

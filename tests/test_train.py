@@ -371,3 +371,22 @@ def test_dead_workers_raising_into_the_cleanup_still_give_the_one_message(data_r
     with pytest.raises(LoaderWorkerDied, match=r"a data loader worker process died \(.*pid 101"):
         trainer.train(compose_run(data_root, tmp_path, "epochs=1"))
     assert raised_into
+
+
+def test_eval_only_of_a_checkpoint_without_the_datas_classes_gives_advice_that_works(data_root, tmp_path):
+    """A checkpoint of 4 classes (ids 0..3) on the synthetic set (ids 1..6): eval_only takes its classes from the
+    checkpoint, so setting model.num_classes would change nothing; the message says what does (a run from its
+    weights with model.init_from), and following it trains and evaluates on this data."""
+    from trained_checkpoint import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "four_classes.pth", extra=("model.num_queries=10",))
+    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "eval_only=true",
+                            f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'eval'}"], cwd=tmp_path,
+                           env=child_env(), capture_output=True, text=True, timeout=300)
+    out = child.stdout + child.stderr
+    assert child.returncode == 1 and "Traceback" not in out, out
+    assert out.count("the checkpoint's class head (4 classes) covers ids 0..3 only") == 1, out
+    assert f"model.init_from={checkpoint}" in out and "set model.num_classes" not in out
+    fine_tuned = trainer.train(compose_run(data_root, tmp_path / "fine_tuned", f"model.init_from={checkpoint}",
+                                           "epochs=1", "max_steps=1", "eval_images=0"))
+    assert fine_tuned["step"] == 1 and "AP" in fine_tuned["eval"]

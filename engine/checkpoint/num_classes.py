@@ -28,22 +28,34 @@ def classes_in_weights(state: dict) -> int | None:
 
 
 def resolve_num_classes(num_classes: int | None, datasets: dict[str, CocoDetection], *,
-                        checkpoint_state: dict | None = None, resumed_from: str | None = None) -> int:
-    """``num_classes``, or when None: the class head of ``checkpoint_state`` (evaluation), else the largest
-    category id of the training annotation file plus one (logged). Then every split's category ids are
-    checked against it: ValueError naming the file, the id, an annotation that has it and the fix, which for
-    a run resumed from the checkpoint ``resumed_from`` (whose model keeps its classes) is a new run from it.
+                        checkpoint_state: dict | None = None, evaluated: str | None = None,
+                        resumed_from: str | None = None) -> int:
+    """``num_classes``, or when None the largest category id of the training annotation file plus one (logged);
+    for an evaluation (``checkpoint_state``, the weights of the checkpoint ``evaluated``) the rows of its class head,
+    whatever the settings say. Then every split's category ids are checked against it: ValueError naming the file,
+    the id, an annotation that has it and a fix that works, which for a run resumed from the checkpoint
+    ``resumed_from`` (whose model keeps its classes), or for an evaluation, is a new run from the checkpoint.
     """
-    source, fix = (f"model.num_classes={num_classes}", "set model.num_classes={needed} or more "
-                   "(model.num_classes=null takes it from the training annotations)")
-    if resumed_from is not None and num_classes is not None:
+    evaluating, resumed = bool(checkpoint_state), resumed_from is not None and num_classes is not None
+    source = f"model.num_classes={num_classes}"
+    if resumed:
         source = f"the model resumed from {resumed_from} ({num_classes} classes)"
-        fix = (f"a resumed model keeps its classes: fix the data, or start a new run from that checkpoint with "
-               f"model.init_from={resumed_from} model.num_classes={{needed}} (resume=null)")
-    if num_classes is None and checkpoint_state:
-        num_classes = classes_in_weights(checkpoint_state)
-        source, fix = (f"the checkpoint's class head ({num_classes} classes)", "this checkpoint was trained for "
-                       "other category ids; evaluate it on data with its categories")
+    if evaluating:
+        num_classes = classes_in_weights(checkpoint_state) or num_classes
+        source = f"the checkpoint's class head ({num_classes} classes)"
+
+    def fix(needed: int) -> str:
+        if evaluating:
+            return (f"this checkpoint was trained for other category ids, and a checkpoint is evaluated with the "
+                    f"classes it was trained for (model.num_classes does not change them): evaluate it on data with "
+                    f"its categories, or train a model for this data from its weights first (python train.py "
+                    f"model.init_from={evaluated or 'CHECKPOINT'} with this data's dataset settings: the class head "
+                    f"starts afresh for its ids) and evaluate that run's checkpoint")
+        if resumed:
+            return (f"a resumed model keeps its classes: fix the data, or start a new run from that checkpoint with "
+                    f"model.init_from={resumed_from} model.num_classes={needed} (resume=null)")
+        return f"set model.num_classes={needed} or more (model.num_classes=null takes it from the training annotations)"
+
     if num_classes is None:
         train = datasets.get("train")
         largest = max_category_id(train.coco.dataset) if train is not None else None
@@ -60,5 +72,5 @@ def resolve_num_classes(num_classes: int | None, datasets: dict[str, CocoDetecti
             category_id, ann_id = largest
             raise ValueError(
                 f"{dataset.annotation_file} ({split}) has category id {category_id} (e.g. annotation id {ann_id}), "
-                f"but {source} covers ids 0..{num_classes - 1} only: " + fix.format(needed=category_id + 1))
+                f"but {source} covers ids 0..{num_classes - 1} only: " + fix(category_id + 1))
     return num_classes

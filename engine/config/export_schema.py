@@ -31,6 +31,10 @@ ExportDtype = StrEnum("ExportDtype", {name: name for name in ("fp32", "fp16", "b
 MsdaNode = StrEnum("MsdaNode", {name: name for name in ("reference", "triton", "tensorrt")})
 
 MIN_OPSET = 17  # the first opset with LayerNormalization; GridSample needs 16
+DEFAULT_OPSET = 18  # the opset torch.onnx's exporter builds the graph at; others are converted from it
+# The newest opset torch.onnx declares it exports (torch.onnx._constants.ONNX_MAX_OPSET), and the newest tested: every
+# opset from MIN_OPSET to here writes a file that onnx's checker and onnxruntime take (tests/test_export.py).
+MAX_OPSET = 23
 # The backbone's largest stride: batches are padded to multiples of it (predict.py, the COCO recipe), and an
 # exported graph takes sides that are multiples of it (engine/export/exportable.py).
 SIDE_MULTIPLE = 32
@@ -63,7 +67,7 @@ class ExportConfig:
     dynamic: bool = True
     postprocess: bool = False
     max_detections: int = 100
-    opset: int = 18
+    opset: int = DEFAULT_OPSET
     msda_node: Optional[MsdaNode] = None
     tolerance: ToleranceConfig = field(default_factory=ToleranceConfig)
     quick_compile: bool = False
@@ -82,8 +86,9 @@ class ExportConfig:
                             f"{self.batch_size}; dynamic=false exports one fixed batch size)")
         if self.max_detections < 1:
             problems.append(f"max_detections must be an integer >= 1, got {self.max_detections!r}")
-        if self.opset < MIN_OPSET:
-            problems.append(f"opset must be >= {MIN_OPSET}, got {self.opset!r}")
+        if not MIN_OPSET <= self.opset <= MAX_OPSET:
+            problems.append(f"opset must be from {MIN_OPSET} to {MAX_OPSET} (the ONNX opsets this export writes and "
+                            f"checks; {DEFAULT_OPSET} by default), got {self.opset!r}")
         for key in ("logits", "boxes"):
             value = getattr(self.tolerance, key)
             if value is not None and not (math.isfinite(value) and value > 0):

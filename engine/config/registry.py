@@ -32,11 +32,19 @@ def run_directory(output_dir: str | None) -> str:
     return output_dir or time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
 
 
+def sweep_directory(output_dir: str | None) -> str:
+    """Hydra's sweep directory for ``-m`` (configs/train.yaml, hydra.sweep.dir): ``output_dir`` when set, so that
+    each job runs in a folder of its own under it (<output_dir>/<job number>), else Hydra's multirun/<date>/<time>."""
+    return output_dir or time.strftime("multirun/%Y-%m-%d/%H-%M-%S")
+
+
 def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and the resolvers of the run
-    directories (train.py's and predict.py's, export.py's) (idempotent)."""
+    directories (train.py's and predict.py's, train.py's multirun, export.py's) (idempotent)."""
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
+    if not OmegaConf.has_resolver("sweep_dir"):
+        OmegaConf.register_new_resolver("sweep_dir", sweep_directory, use_cache=True)
     if not OmegaConf.has_resolver("export_dir"):
         OmegaConf.register_new_resolver("export_dir", export_directory)
     store = ConfigStore.instance()

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .onnx_opset import check_opset, fit_opset
+
 log = logging.getLogger(__name__)
 # Loggers of the ONNX tool chain, which log every optimization step at INFO (hundreds of lines per export).
 CHATTY_LOGGERS = ("onnxscript", "onnx_ir", "torch.onnx")
@@ -25,7 +27,8 @@ CHATTY_LOGGERS = ("onnxscript", "onnx_ir", "torch.onnx")
 def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names: tuple[str, ...],
                output_names: tuple[str, ...], opset: int, tensorrt: bool = False,
                metadata: dict[str, str] | None = None) -> Path:
-    """``program`` as an ONNX file at ``path`` (opset ``opset``), its inputs and outputs named as given."""
+    """``program`` as an ONNX file at ``path`` (opset ``opset``), its inputs and outputs named as given; a ValueError
+    naming the opset when the file written is not valid at that opset (engine/export/onnx_opset.py)."""
     import onnx
 
     table = None
@@ -37,12 +40,13 @@ def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names
         onnx_program = torch.onnx.export(program, dynamo=True, opset_version=opset, input_names=list(input_names),
                                          output_names=list(output_names), custom_translation_table=table,
                                          optimize=True, verbose=False)
-    model = onnx_program.model_proto
+    model = fit_opset(onnx_program.model_proto, opset)
     for key, value in (metadata or {}).items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, str(value)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, str(path))
+    check_opset(path, opset)
     return path
 
 
@@ -76,6 +80,7 @@ class OnnxRunner:
             else:
                 log.warning("onnxruntime has no CUDA provider here (pip install onnxruntime-gpu): the parity check "
                             "runs the ONNX file on the CPU")
+        self.path = path
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # errors only: its warnings about unused initializers are noise here
         try:
@@ -83,8 +88,8 @@ class OnnxRunner:
         except Exception as error:  # onnxruntime raises its own types, e.g. for a kernel it lacks (float16 on the CPU)
             raise ValueError(
                 f"onnxruntime ({', '.join(p if isinstance(p, str) else p[0] for p in providers)}) cannot load {path}, "
-                f"so it could not be checked: {str(error).strip()[:500]}. The file is written; to check it here, "
-                f"export dtype=fp32, or on a GPU with onnxruntime-gpu installed (device=cuda)") from error
+                f"so it could not be checked: {str(error).strip()[:500]}. The file is written; "
+                f"{what_to_try(path)}") from error
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -97,6 +102,21 @@ class OnnxRunner:
         except Exception as error:  # e.g. a kernel this onnxruntime lacks (float16 ones on the CPU provider)
             raise ValueError(
                 f"onnxruntime ({', '.join(self.session.get_providers())}) could not run the exported file, so it "
-                f"could not be checked: {str(error).strip()[:500]}. The file is written; to check it here, export "
-                f"dtype=fp32, or on a GPU with onnxruntime-gpu installed (device=cuda)") from error
+                f"could not be checked: {str(error).strip()[:500]}. The file is written; {what_to_try(self.path)}") \
+                from error
         return tuple(torch.from_numpy(np.asarray(output)) for output in outputs)
+
+
+def what_to_try(path: Path) -> str:
+    """Advice for a file onnxruntime could not load or run: onnxruntime's CPU provider lacks most float16 kernels,
+    so a float16 file is checked in fp32 or on a GPU; a float32 file it should run, unless it is older than the
+    file's opset."""
+    import onnx
+    import onnxruntime
+
+    model = onnx.load(str(path), load_external_data=False)
+    if any(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in model.graph.input):
+        return "to check it here, export dtype=fp32, or on a GPU with onnxruntime-gpu installed (device=cuda)"
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    return (f"a float32 file should load: onnxruntime {onnxruntime.__version__} may be older than its opset "
+            f"({opset}): export with the default opset, or install a newer onnxruntime")

@@ -18,9 +18,17 @@ from omegaconf import DictConfig
 
 from engine.checkpoint.contents import read_recorded_config
 from engine.checkpoint.trained_model import load_trained_model
-from engine.config.export_schema import SIDE_MULTIPLE, ExportConfig, ExportFormat, MsdaNode, output_path
+from engine.config.export_schema import (
+    SIDE_MULTIPLE,
+    ExportConfig,
+    ExportFormat,
+    MsdaNode,
+    default_output,
+    output_path,
+)
 from engine.config.registry import check_config
 from engine.runtime.distributed import resolve_device
+from engine.runtime.output_paths import writable_file
 from models.postprocess import PostProcess
 
 from .exportable import ExportableDetector, SampleShape, smallest_multiple, trace
@@ -39,13 +47,14 @@ def export(cfg: DictConfig) -> dict:
     """Export ``cfg.checkpoint`` as ``cfg`` says; returns {"output", "format", "msda_node", "sample" (where the
     sample images came from), "parity" (ParityReports; empty for msda_node=tensorrt), "seconds" (trace, write)}."""
     cfg = check_config(cfg, ExportConfig)
+    path = output_path(cfg).expanduser().resolve()
+    check_output(cfg, path)  # before anything is loaded or traced
     device = resolve_device(cfg.device)
     node = attention_node(cfg, device)
     if cfg.format == ExportFormat.aoti:
         from engine.export.aoti import check_cxx_compiler
 
         check_cxx_compiler()  # before the checkpoint is loaded and the model traced, which take a while
-    path = output_path(cfg).expanduser().resolve()
     trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, msda=MSDA_IMPLS[node],
                                  weights=cfg.checkpoint_weights)
     dtype = DTYPES[str(cfg.dtype)]
@@ -97,6 +106,17 @@ def check_export(cfg: DictConfig, runner, detector: ExportableDetector, *, shape
         log.info("parity at %s: %s", _describe(check_shape), report.describe())
         reports.append(report)
     return reports
+
+
+def check_output(cfg: DictConfig, path: Path) -> None:
+    """The file the export will write can be written: ``output``, or beside the checkpoint (when its folder exists:
+    a mistyped checkpoint is its own error, and leaves no folder behind)."""
+    default = default_output(checkpoint=cfg.checkpoint, format=cfg.format, dtype=cfg.dtype, msda_node=cfg.msda_node,
+                             postprocess=cfg.postprocess, dynamic=cfg.dynamic)
+    if cfg.output:
+        writable_file(path, setting=f"output={cfg.output}", example=default.name)
+    elif path.parent.is_dir():
+        writable_file(path, setting=f"output=null (beside checkpoint={cfg.checkpoint})", example=default.name)
 
 
 def attention_node(cfg: DictConfig, device: torch.device) -> MsdaNode:

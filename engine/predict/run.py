@@ -32,6 +32,8 @@ from engine.evaluation.record import write_eval_json
 from engine.reporting.cocoeval_log import log_cocoeval_output
 from engine.reporting.progress import format_duration
 from engine.runtime.distributed import resolve_device
+from engine.runtime.msda_device import check_msda_device
+from engine.runtime.output_paths import writable_folder
 from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
 
@@ -47,6 +49,7 @@ def predict(cfg: DictConfig) -> dict:
     """Run ``cfg.checkpoint`` on ``cfg.images``; returns {"output_dir", "images", "detections", "eval"}."""
     cfg = check_config(cfg, PredictConfig)
     output_dir = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
+    writable_folder(output_dir, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
     paths = find_images(cfg.images)
     root = paths[0].parent if Path(cfg.images).is_file() else Path(cfg.images).expanduser()
     root = root.resolve()
@@ -54,6 +57,7 @@ def predict(cfg: DictConfig) -> dict:
     ids = image_ids(paths, root=root, gt=gt)
 
     device = resolve_device(cfg.device)
+    check_msda_device(cfg.model.msda, device)
     names = category_names(gt, gt.getCatIds()) if gt is not None else None
     trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, categories=names,
                                  weights=cfg.checkpoint_weights)
@@ -63,10 +67,9 @@ def predict(cfg: DictConfig) -> dict:
              len(paths), cfg.images, trained.checkpoint, trained.step, trained.model_config["num_classes"],
              trained.model_config["msda"], device, val_size, max_size)
 
-    folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw)
+    folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw, image_ids=ids)
     loader = DataLoader(folder, batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=_collate,
                         pin_memory=device.type == "cuda")
-    output_dir.mkdir(parents=True, exist_ok=True)
     predictions = Predictions(output_dir, root=root, categories=trained.categories,
                               score_threshold=cfg.score_threshold, draw=cfg.draw)
     precision = Precision(amp=cfg.amp, device=device)

@@ -20,8 +20,9 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
-from engine.errors import USER_FAULTS
+from engine.errors import USER_FAULTS, UserError
 from engine.reporting.log_filter import FILE_ONLY
 
 from .run_lock import LOCK_FILE
@@ -34,6 +35,7 @@ INTERRUPTED_EXIT_CODE = 130
 HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log", LOCK_FILE}
 # The name torch's DataLoader gives (through its target) the thread that pins batches on a GPU run.
 PIN_MEMORY_THREAD = "_pin_memory_loop"
+T = TypeVar("T")
 
 
 def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger,
@@ -69,6 +71,17 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
             log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
             end_child_processes()
             raise
+
+
+def refused_before_hydra(check: Callable[[], T]) -> T:
+    """``check()``'s result (an entry point's check of its command line before Hydra writes anything); a UserError
+    it raises is printed as one message and the process exits with FAULT_EXIT_CODE. There is no log file yet to hold
+    a traceback, and the message names the setting and the fix."""
+    try:
+        return check()
+    except UserError as refused:
+        print(refused, file=sys.stderr)
+        sys.exit(FAULT_EXIT_CODE)
 
 
 @contextlib.contextmanager

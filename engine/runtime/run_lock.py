@@ -17,7 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine.errors import RunDirectoryInUse
+from engine.errors import RunDirectoryInUse, SettingsError
+
+from .command_line import is_multirun, is_sweep, override_value
+from .output_paths import writable_folder
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +108,29 @@ class RunLock:
             self.held = False
 
 
-# The overrides that name a run directory before Hydra makes it (configs/train.yaml: hydra.run.dir is output_dir).
+# The overrides that name a run directory before Hydra makes it (configs/train.yaml: hydra.run.dir is output_dir),
+# and, for a multirun (-m), the folder of its jobs' run directories (hydra.sweep.dir is output_dir).
 RUN_DIRECTORY_KEYS = ("output_dir", "hydra.run.dir")
+SWEEP_DIRECTORY_KEYS = ("output_dir", "hydra.sweep.dir")
 
 
 def held_before_hydra(argv: list[str]) -> RunLock | None:
-    """The lock of the run directory the command line names (``output_dir=`` or ``hydra.run.dir=``), taken before
-    Hydra writes its .hydra/ and the log file there: a second run refused by it leaves the live run's files as
-    they were. None when the command line names none (Hydra's dated directory, new for this run)."""
-    directory = None
-    for argument in argv[1:]:
-        key, _, value = argument.lstrip("+~").partition("=")
-        if key in RUN_DIRECTORY_KEYS and value not in ("", "null"):
-            directory = value
-    if directory is None:
+    """The lock of the run directory the command line names (``output_dir=`` or ``hydra.run.dir=``; for a multirun
+    the folder of its jobs), taken before Hydra writes its .hydra/ and the log file there: a second run refused by it
+    leaves the live run's files as they were, and a directory that cannot be written is refused before Hydra fails
+    in it. None when the command line names none (Hydra's dated directory, new for this run). Each job of a multirun
+    also holds its own run directory's lock while it runs."""
+    multirun = is_multirun(argv)
+    named = override_value(argv, SWEEP_DIRECTORY_KEYS if multirun else RUN_DIRECTORY_KEYS)
+    if named is None:
         return None
-    lock = RunLock(Path(directory).expanduser())
+    key, directory = named
+    if is_sweep(key, directory):
+        if not multirun:
+            return None  # Hydra refuses a sweep without -m, naming it
+        raise SettingsError(f"{key}={directory}: a multirun (-m) takes one {key}, and runs each job in a folder of "
+                            f"its own under it ({key}/0, {key}/1, ...); to name each job's folder, run the jobs one "
+                            "by one")
+    lock = RunLock(writable_folder(directory, setting=f"{key}={directory}"))
     lock.acquire()
     return lock

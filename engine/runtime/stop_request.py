@@ -66,11 +66,14 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
 
-    def announce(self) -> None:
-        """Log the request, once (the loop calls this when it sees it, between steps)."""
+    def announce(self, *, evaluating: bool = False) -> None:
+        """Log the request, once (the loop calls this when it sees it, between steps, or, ``evaluating``, between
+        an evaluation's batches, which the request stops)."""
         if self.signum is not None and not self._announced:
             self._announced = True
-            log.warning("%s received: finishing this step, then writing checkpoint.pth and stopping%s", self.name,
+            doing = ("stopping this evaluation, then writing checkpoint.pth, whose resume runs it first, and stopping"
+                     if evaluating else "finishing this step, then writing checkpoint.pth and stopping")
+            log.warning("%s received: %s%s", self.name, doing,
                         " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else "")
 
 

@@ -16,6 +16,7 @@ import torch
 from engine.checkpoint.init_from import InitFrom
 from engine.compile.plan import CompilePlan, compile_model, resolve_compile
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
+from engine.runtime.msda_device import check_msda_device
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
 from models import build_model
@@ -55,6 +56,7 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
     pass_batch           the images of one training pass, which decide compile.regions=null
     """
+    check_msda_device(cfg_model["msda"], ctx.device)  # before anything is built for a device it cannot run on
     model, criterion, postprocess = build_model(cfg_model)
     if init is not None:
         init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer

@@ -54,8 +54,9 @@ def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:
     prepare_compilation(cfg)
     source = checkpoint_model(cfg.checkpoint, cfg.model, weights=cfg.checkpoint_weights)
     val_set = build_datasets(cfg, ctx, ("val",))["val"]
-    # The checkpoint's classes, checked against the category ids.
-    resolve_num_classes(source.model_config["num_classes"], {"val": val_set}, checkpoint_state=source.ckpt["model"])
+    # The classes of the checkpoint's class head, checked against the category ids.
+    resolve_num_classes(source.model_config["num_classes"], {"val": val_set}, checkpoint_state=source.ckpt["model"],
+                        evaluated=str(source.path))
     # batch_size: the most images one pass takes; evaluation needs less memory than training's passes.
     buckets = size_buckets(cfg, ctx, None, val_set, batch_size=cfg.batch_size)
     loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets, batch_size=cfg.batch_size)

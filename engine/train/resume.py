@@ -22,6 +22,7 @@ which one it took. A checkpoint of an older version is read in this version's la
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from engine.errors import CheckpointError, LoaderWorkerDied
 from models.model_config import MODEL_KEYS
 
 from .optim import group_base_lrs
+from .run_plan import Position
 
 log = logging.getLogger(__name__)
 # The lr schedule as the optimizer and the scheduler hold it; a change to any of these is applied on resume.
@@ -85,7 +87,18 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
     """Keys that make the checkpoint's run another run than this one (all but the resumable changes)."""
-    return [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
+    keys = [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
+    if "batch_size" in keys and same_step_split_otherwise(recorded, current):
+        keys.remove("batch_size")
+    return keys
+
+
+def same_step_split_otherwise(recorded: dict, current: dict) -> bool:
+    """Whether both runs set the same total_batch_size: each optimizer step then takes the same images, and
+    batch_size only says how many go through the model in one pass (engine/train/step_batch.py), a memory setting.
+    Without total_batch_size, batch_size is the step's batch per process, and another value is another run."""
+    total = flatten(upgrade_recorded_config(recorded)).get("total_batch_size")
+    return total is not None and total == current.get("total_batch_size")
 
 
 def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path, config: dict) -> Path | None:
@@ -119,7 +132,7 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
             log.warning("resume=auto: continuing %s (written %s), the newest checkpoint under %s of a run with "
                         "this run's settings; pass resume=null to start afresh", path, written, search_root)
             return path
-        others.append(f"{path} ({', '.join(differences[:3])} differ)")
+        others.append(f"{path} ({', '.join(differences[:3])} {'differs' if len(differences) == 1 else 'differ'})")
     if others:
         log.warning("resume=auto: starting from scratch; the %d checkpoints under %s are of other runs, e.g. %s",
                     len(others), search_root, others[0])
@@ -201,6 +214,47 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
     recorded = (ckpt.get("config") or {}).get("optim")
     if isinstance(recorded, dict) and any(recorded.get(k) != cfg_optim[k] for k in SCHEDULE_KEYS):
         apply_schedule(optimizer, lr_scheduler, cfg_optim)
+
+
+def checkpoint_step_images(ckpt: dict) -> int | None:
+    """The images of one optimizer step of the run that wrote ``ckpt``: recorded in it (``step_images``), else, for
+    a checkpoint of an older version, its total_batch_size, else its batch_size (one process's step: the number of
+    processes was not recorded). None when the checkpoint records none of these."""
+    if ckpt.get("step_images"):
+        return int(ckpt["step_images"])
+    recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
+    value = recorded.get("total_batch_size") or recorded.get("batch_size")
+    return int(value) if value else None
+
+
+def position_in_this_run(position: Position, *, steps_per_epoch: int, step_images: int,
+                         checkpoint_step_images: int | None) -> tuple[Position, str | None]:
+    """A resumed checkpoint's ``position`` counted in this run's steps, and what changed when that is not the
+    checkpoint's own count (None when it is).
+
+    A run's step is its completed epochs times its steps per epoch plus the steps done in the epoch in progress:
+    its plan (its length, its evaluations at the epochs' ends) and its progress line count on that. When the
+    checkpoint's steps took as many images as this run's, its count is kept; when they took others (another
+    total_batch_size, or batch_size without one), the epoch in progress goes on after the images the checkpoint had
+    trained of it, in whole steps of this run (the images of a part step are trained again), and the step numbers go
+    on from there.
+    """
+    old_images = checkpoint_step_images or step_images
+    steps_in_epoch = position.steps_in_epoch
+    if old_images != step_images:
+        steps_in_epoch = min(steps_per_epoch, position.steps_in_epoch * old_images // step_images)
+    step = position.epoch * steps_per_epoch + steps_in_epoch
+    if (step, steps_in_epoch) == (position.step, position.steps_in_epoch):
+        return position, None
+    if old_images != step_images:
+        why = (f"the checkpoint's optimizer steps took {old_images} images and this run's take {step_images}, so "
+               f"steps are counted in this run's: its {position.steps_in_epoch} steps of the epoch in progress "
+               f"({position.steps_in_epoch * old_images} images) count as {steps_in_epoch} of {step_images} images, "
+               f"and")
+    else:
+        why = f"this run has {steps_per_epoch} steps per epoch, so"
+    note = f"{why} its step {position.step} is step {step} here (TensorBoard's curves go on from step {step})"
+    return dataclasses.replace(position, step=step, steps_in_epoch=steps_in_epoch), note
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) -> None:

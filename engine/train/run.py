@@ -42,7 +42,13 @@ from .hooks.saving import CheckpointSaver
 from .hooks.stopping import StopControl
 from .hooks.timing import RunTiming, peak_memory_gib
 from .loop import TrainingLoop
-from .resume import config_for_resume, explained_failure, find_resume_checkpoint
+from .resume import (
+    checkpoint_step_images,
+    config_for_resume,
+    explained_failure,
+    find_resume_checkpoint,
+    position_in_this_run,
+)
 from .run_plan import Position, RunPlan, plan_run, step_batch
 from .run_setup import (
     build_datasets,
@@ -100,21 +106,27 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
                          + (" once batched by size (dataset.size_buckets=0 batches any images together)"
                             if buckets is not None else ""))
     position = Position.of_checkpoint(ckpt, world_size=ctx.world_size)
+    if ckpt is not None:  # counted in this run's steps, which may take another number of images
+        position, renumbered = position_in_this_run(position, steps_per_epoch=steps_per_epoch,
+                                                    step_images=batch.total,
+                                                    checkpoint_step_images=checkpoint_step_images(ckpt))
+        if renumbered and ctx.is_main:
+            log.warning("resuming %s: %s", resume_path, renumbered)
     plan = plan_run(cfg, batch=batch, steps_per_epoch=steps_per_epoch, start=position)
     setup = build_training(cfg, ctx=ctx, init=init, ckpt=ckpt, ckpt_path=resume_path,
                            evaluation_batches=len(val_loader.batch_sampler) * plan.evaluations,
                            training_steps=plan.total_steps)
     if ckpt is not None:  # epochs counted from 1, as the progress line counts them: the one in progress, or the next
-        log.info("resumed from %s at step %d: epoch %d/%d, %d of its %d steps done", resume_path, position.step,
-                 position.epoch + 1, plan.epochs, position.steps_in_epoch, steps_per_epoch)
+        log.info("resumed from %s at step %d: epoch %d/%d, %d of its %d steps of %d images done", resume_path,
+                 position.step, position.epoch + 1, plan.epochs, position.steps_in_epoch, steps_per_epoch, batch.total)
     record = plain_config(cfg)
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
-        log.info("run directory %s | %d processes on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
-                 "epoch, %d epochs", output_dir, ctx.world_size, ctx.device, setup.precision.name,
-                 running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size), steps_per_epoch,
-                 cfg.epochs)
+        log.info("run directory %s | %d process%s on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
+                 "epoch, %d epochs", output_dir, ctx.world_size, "es" if ctx.world_size > 1 else "", ctx.device,
+                 setup.precision.name, running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size),
+                 steps_per_epoch, cfg.epochs)
     hooks = build_hooks(cfg, ctx, output_dir, setup, plan=plan, position=position, timing=timing, stop=stop,
                         val_loader=val_loader, val_set=data["val"], config_record=record, ckpt=ckpt)
     try:

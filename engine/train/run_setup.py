@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from datasets import build_data_loader, build_dataset, build_size_buckets
@@ -15,6 +16,7 @@ from engine.compile.cache import use_compile_cache
 from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
 from engine.runtime.distributed import DistContext, barrier, broadcast_object
+from engine.runtime.output_paths import writable_folder
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
 
@@ -22,17 +24,19 @@ log = logging.getLogger(__name__)
 
 
 def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
-    """The run directory: ``output_dir`` if set, else Hydra's; rank 0 decides and every rank uses it."""
+    """The run directory: ``output_dir`` if set, else Hydra's, and in a multirun always Hydra's (the job's own
+    folder under output_dir); rank 0 decides and every rank uses it."""
     chosen = None
     if ctx.is_main:
-        if cfg.output_dir:
+        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+        if cfg.output_dir and not multirun:
             chosen = str(Path(cfg.output_dir).resolve())
         elif HydraConfig.initialized():
             chosen = str(Path(HydraConfig.get().runtime.output_dir).resolve())
         else:
             raise ValueError("output_dir is not set: run through `python train.py` (Hydra picks the run "
                              "directory) or pass output_dir=PATH")
-        Path(chosen).mkdir(parents=True, exist_ok=True)
+        writable_folder(chosen, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
     return Path(broadcast_object(chosen, ctx))
 
 

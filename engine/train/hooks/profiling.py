@@ -25,6 +25,8 @@ from .base import Ending, EpochEnd, Hook, StepDone
 from .timing import RunTiming
 
 log = logging.getLogger(__name__)
+# KINETO_LOG_LEVEL above kineto's highest level (its USDT markers): it prints nothing.
+QUIET_KINETO = "6"
 
 
 def is_device_work(event) -> bool:
@@ -78,6 +80,11 @@ class StepProfiler(Hook):
             return False
         from torch.profiler import ProfilerActivity, profile
 
+        if not self._cuda:
+            # Kineto, torch's tracer, prints lines of its own on the console: on the CPU they only say that there is
+            # no GPU ("gpuGetDeviceCount failed") and that the trace started and stopped. It reads the level when it
+            # starts; a level the user set is kept.
+            os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)
         activity = ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU
         try:
             if self._cuda:

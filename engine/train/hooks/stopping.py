@@ -67,7 +67,7 @@ class StopControl(Hook):
         batch; several learn of any one's request once their passes are over, before gathering their detections
         (their shares may run different numbers of batches, so a collective per batch could pair up wrongly)."""
         requested = self.request.requested  # read before announcing, as in due()
-        self.request.announce()
+        self.request.announce(evaluating=True)
         if self.distributed and not final:
             return False
         return self.any_process(requested)
@@ -76,7 +76,7 @@ class StopControl(Hook):
                 evaluation: int | None = None) -> TrainingStopped:
         """The exception to raise once ``latest`` holds ``step`` (``evaluation``: during the evaluation after that
         epoch, which a resume runs first); rank 0 logs where to go on from."""
-        self.request.announce()  # a request of this process is announced before the stop it caused
+        self.request.announce(evaluating=evaluation is not None)  # announced before the stop it caused
         signum = self.request.signum if self.request.signum is not None else int(signal.SIGTERM)
         by = signal.Signals(signum).name if self.request.requested else "another process"
         where = (f"during the evaluation after epoch {evaluation}, at step {step} of {total_steps}"

@@ -1,0 +1,61 @@
+"""What an entry point reads from its command line before Hydra composes it.
+
+Hydra creates the run directory, writes .hydra/ and opens the log file there before the job starts, so what must
+be checked before anything is written (a run directory in use, an output that cannot be written) is read from the
+overrides themselves: the last ``key=value`` of a key, as Hydra would take it. The job checks the same again
+(a composed config may set them another way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .output_paths import writable_folder
+
+# Values that leave a path setting unset.
+UNSET = ("", "null")
+# Hydra's flags for a multirun: the command runs one job per combination of the swept values.
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def override_value(argv: Sequence[str], keys: Sequence[str]) -> tuple[str, str] | None:
+    """(key, value) of the last override of one of ``keys`` on the command line (``+``/``++`` prefixes allowed), or
+    None when none sets one. A value Hydra resolves itself (an interpolation) is not read here."""
+    found = None
+    for argument in argv[1:]:
+        key, equals, value = argument.lstrip("+~").partition("=")
+        if equals and key in keys:
+            found = None if value in UNSET or "${" in value else (key, value)
+    return found
+
+
+def is_multirun(argv: Sequence[str]) -> bool:
+    """Whether Hydra runs the command as a multirun (``-m``, ``--multirun`` or ``hydra.mode=MULTIRUN``)."""
+    mode = override_value(argv, ("hydra.mode",))
+    return any(a in MULTIRUN_FLAGS for a in argv[1:]) or (mode is not None and mode[1].upper() == "MULTIRUN")
+
+
+def is_sweep(key: str, value: str) -> bool:
+    """Whether ``key=value`` sweeps several values (``a,b``, ``range(3)``, ``glob(*)``...), as Hydra parses it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(f"{key}={value}").is_sweep_override()
+    except Exception:  # noqa: BLE001 - not an override Hydra takes: Hydra says so itself when it composes
+        return False
+
+
+def check_named_folder(argv: Sequence[str], key: str) -> None:
+    """The folder ``key=`` names on the command line, if any, can be created and written (output_paths)."""
+    named = override_value(argv, (key,))
+    if named is not None:
+        writable_folder(named[1], setting=f"{key}={named[1]}")
+
+
+def check_named_files_folder(argv: Sequence[str], key: str) -> None:
+    """The folder of the file ``key=`` names on the command line, if any, can be created and written (output_paths);
+    whether the file itself can be written is the job's to check."""
+    named = override_value(argv, (key,))
+    if named is not None:
+        writable_folder(Path(named[1]).expanduser().parent, setting=f"{key}={named[1]}")

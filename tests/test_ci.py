@@ -1,0 +1,59 @@
+"""CI (.ci/run) tests what a new machine gets: a fresh virtual environment, the README's install into it, then the
+README's test command with that environment's python; the test tools pinned to the versions the suite passes with.
+
+The script runs for real, with a stand-in for python that records each call instead of installing anything."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A python that records how it was called (its own path, then its arguments) and, asked for a virtual environment,
+# makes one whose python is this same recorder.
+RECORDER = """#!/usr/bin/env bash
+echo "$0 $*" >> "$CALLS"
+if [ "$1" = "--version" ]; then echo "Python (recorder)"; fi
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
+"""
+
+
+def readme_test_command() -> list[str]:
+    """The arguments after `python` of the README's test command (its first `python -m pytest ...`)."""
+    found = re.search(r"^.*&& python (-m pytest[^\n`]*)$", (ROOT / "README.md").read_text(), flags=re.MULTILINE)
+    assert found, "README.md has no `... && python -m pytest ...` command"
+    return shlex.split(found.group(1))
+
+
+def test_ci_installs_into_a_fresh_virtual_environment_and_runs_the_readmes_test_command_with_it(tmp_path):
+    recorder, calls = tmp_path / "python", tmp_path / "calls.txt"
+    recorder.write_text(RECORDER)
+    recorder.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(recorder), "CALLS": str(calls), "CI": "true"}
+    run = subprocess.run(["bash", str(ROOT / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [shlex.split(line) for line in calls.read_text().splitlines()]
+    assert lines[0] == [str(recorder), "--version"]
+    assert lines[1][:3] == [str(recorder), "-m", "venv"]
+    venv = Path(lines[1][3])
+    assert not venv.exists()  # made for this run, removed after it
+    assert not venv.is_relative_to(ROOT)
+    python = str(venv / "bin" / "python")
+    assert lines[2:] == [
+        [python, "-m", "pip", "install", "-q", "-r", "requirements.txt"],
+        [python, "-m", "pip", "install", "-q", "-r", "requirements-export.txt"],
+        [python, *readme_test_command()],
+    ]
+
+
+def test_the_test_tools_are_pinned_to_the_versions_the_suite_runs_with():
+    pins = dict(re.findall(r"^(pytest[\w-]*)==([\w.]+)", (ROOT / "requirements.txt").read_text(), flags=re.MULTILINE))
+    assert "pytest" in pins, "requirements.txt does not pin pytest"
+    for name, version in pins.items():
+        assert importlib.metadata.version(name) == version, f"{name} {importlib.metadata.version(name)} runs the suite"
