@@ -141,3 +141,32 @@ def test_predict_and_export_load_the_average_unless_asked_for_the_raw_weights(tm
     assert checkpoint_model(path, cfg).uses_ema and not checkpoint_model(path, cfg, weights="raw").uses_ema
     torch.save({"model": state}, path)  # no EMA in it: its weights, whatever is asked
     assert not checkpoint_model(path, cfg).uses_ema
+
+
+def test_a_checkpoint_trained_with_hybrid_matching_and_ema_evaluates_predicts_and_exports_its_average(tmp_path):
+    """The average of a hybrid model's weights loads into the model without the option (its one-to-many queries left
+    out), for predict.py and export.py alike; the ONNX export of it passes its parity check."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from hydra import compose, initialize_config_dir
+    from trained_checkpoint import ROOT, write_checkpoint
+
+    import export as exporter
+    from models.deformable_detr import ONE2MANY_PARAMETERS
+
+    path = write_checkpoint(tmp_path / "checkpoint.pth", extra=("model.dec_layers=1", "model.hybrid_matching=true",
+                                                                "model.num_queries_one2many=24"))
+    ckpt = torch.load(path, weights_only=False)
+    gen = torch.Generator().manual_seed(3)
+    average = {name: t + 0.01 * torch.randn(t.shape, generator=gen) for name, t in ckpt["model"].items()
+               if t.is_floating_point()}
+    torch.save({**ckpt, "ema": {"model": average, "updates": 10}}, path)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="export", overrides=["device=cpu", f"checkpoint={path}", "dynamic=false"])
+    trained = load_trained_model(path, cfg.model, device=torch.device("cpu"), msda="pytorch")
+    state = trained.model.state_dict()
+    assert not set(state) & ONE2MANY_PARAMETERS
+    for name, value in state.items():
+        if name in average:
+            assert torch.equal(value, average[name]), name
+    exporter.export(cfg)  # raises ExportParityError when the file's outputs are not the loaded model's
