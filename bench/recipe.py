@@ -95,7 +95,9 @@ def report_lines(record: dict) -> list[str]:
         f"`{' '.join(h['schedule'])}`, its configuration's overrides and a seed, {h['parallel']} runs at once "
         f"({h['wall_s']:.0f} s in all). AP is COCO's AP (IoU .50:.95) on the 64 validation images after each epoch; "
         "with EMA it is the average's. Each cell is the mean over the seeds and, in brackets, its spread (max - min).")
-    per_config = summary["per_config"]
+    # Epochs as numbers also in a record read back from its json (whose keys are strings).
+    per_config = {config: {**c, **{key: {int(e): v for e, v in c[key].items()} for key in ("mean_ap", "spread_ap")}}
+                  for config, c in summary["per_config"].items()}
     epochs = sorted({e for c in per_config.values() for e in c["mean_ap"]})
     cells = [[config, c["runs"], *(f"{c['mean_ap'][e]:.4f} ({c['spread_ap'][e]:.4f})" if e in c["mean_ap"]
                                    else "-" for e in epochs)] for config, c in per_config.items()]
