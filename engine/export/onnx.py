@@ -75,8 +75,7 @@ def fit_opset(model, opset: int):
 
 
 def _split_sizes_as_input(model, opset: int) -> None:
-    """Each Split's ``num_outputs`` replaced by its parts' sizes (an int64 initializer) by opset 18's rule: equal
-    parts, the last smaller."""
+    """Each Split's ``num_outputs`` as its parts' sizes (opset 18's rule: equal parts, the last smaller)."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
