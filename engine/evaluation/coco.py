@@ -78,10 +78,8 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     started = time.perf_counter()
     stopped = False
     for images, masks, targets in loader:
-        images = images.to(device, non_blocking=True)
-        masks = masks.to(device, non_blocking=True)
         with precision.autocast(), torch._dynamo.config.patch(disable=not compiled):
-            outputs = model.detect(images, masks)
+            outputs = model.detect(images.to(device, non_blocking=True), masks.to(device, non_blocking=True))
         orig_sizes = torch.stack([t["orig_size"] for t in targets]).to(device)  # (B, 2) (h, w)
         # Boxes and scores in fp32 whatever autocast produced: COCO matching compares IoUs to 0.05 steps.
         outputs = {k: v.float() for k, v in outputs.items() if k in ("pred_logits", "pred_boxes")}

@@ -108,14 +108,6 @@ def smallest_multiple(model: nn.Module) -> int:
     return multiple
 
 
-def check_sample_shape(shape: SampleShape, model: nn.Module) -> None:
-    """ValueError naming image_size when ``shape`` is too small for ``model``'s feature levels."""
-    least = SIDE_MULTIPLE * smallest_multiple(model)
-    if min(shape.height, shape.width) < least:
-        raise ValueError(f"image_size must be at least {least} x {least} for this model (its smallest feature level "
-                         f"needs 2 pixels a side), got {shape.height} x {shape.width}")
-
-
 def dynamic_shapes(detector: ExportableDetector) -> dict:
     """torch.export's dynamic_shapes for ``detector``'s inputs: any batch, sides 32 * h and 32 * w."""
     least = smallest_multiple(detector.model)
@@ -131,9 +123,13 @@ def dynamic_shapes(detector: ExportableDetector) -> dict:
 
 def trace(detector: ExportableDetector, inputs: tuple[torch.Tensor, ...], *,
           dynamic: bool) -> torch.export.ExportedProgram:
-    """torch.export of ``detector`` on ``inputs``, with dynamic batch and sides or fixed at the inputs' shape."""
-    batch, _, height, width = inputs[0].shape
-    check_sample_shape(SampleShape(batch=batch, height=height, width=width), detector.model)
+    """torch.export of ``detector`` on ``inputs``, with dynamic batch and sides or fixed at the inputs' shape; a
+    ValueError naming image_size when the images are too small for the model's feature levels."""
+    height, width = inputs[0].shape[-2:]
+    least = SIDE_MULTIPLE * smallest_multiple(detector.model)
+    if min(height, width) < least:
+        raise ValueError(f"image_size must be at least {least} x {least} for this model (its smallest feature level "
+                         f"needs 2 pixels a side), got {height} x {width}")
     shapes = dynamic_shapes(detector) if dynamic else None
     with torch.no_grad():
         return torch.export.export(for_tracing(detector).eval(), inputs, dynamic_shapes=shapes)

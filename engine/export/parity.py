@@ -103,11 +103,6 @@ def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
         return ParityReport(differences={"logits": largest_difference(logits, ref_logits),
                                          "boxes": largest_difference(boxes, ref_boxes)},
                             tolerance=tolerance, images=ref_logits.shape[0])
-    return _compare_detections(exported, reference, tolerance=tolerance, target_sizes=target_sizes)
-
-
-def _compare_detections(exported: tuple, reference: tuple, *, tolerance: Tolerance,
-                        target_sizes: torch.Tensor | None) -> ParityReport:
     if target_sizes is None:
         raise ValueError("comparing post-processed outputs needs target_sizes (B, 2), the boxes' image sizes")
     scores, labels, boxes = (t.detach().cpu() for t in exported)
