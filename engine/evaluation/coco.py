@@ -19,7 +19,7 @@ from engine.runtime.precision import Precision
 from engine.runtime.rng import rng_preserved
 
 log = logging.getLogger(__name__)
-# Seconds between evaluation progress lines: a COCO val pass (5000 images) logs a few, a synthetic one none.
+# Seconds between evaluation progress lines.
 PROGRESS_EVERY_S = 15.0
 
 
@@ -29,18 +29,15 @@ class EvaluationStopped(Exception):
 
 @dataclass(frozen=True)
 class Evaluation:
-    """What one pass over the validation set gives; all but ``detections`` and the timings the same on every rank.
+    """One pass over the validation set; all but ``detections`` and the timings the same on every rank.
 
     stats        {"AP", "AP50", "AP75", "APs", "APm", "APl"} (COCOeval stats[0..5])
-    per_class    {category name: AP (IoU .50:.95) or None where the images hold none}, category id order,
-                 from the same COCOeval run as ``stats``
+    per_class    {category name: AP (IoU .50:.95) or None where the images hold none}, category id order
     num_images   images scored
-    detections   image id -> [{"image_id", "category_id", "bbox" xywh in the file's pixels, "score"}], for the
-                 images asked for with ``keep_detections`` only (all of COCO val's would hold ~0.5M dicts per rank)
-    inference_s  this process's wall time of the pass over its images (model, postprocess, detections to the
-                 host; a compiled evaluation's compilation included)
-    cocoeval_s   this process's wall time from the end of its pass to the figures: gathering every process's
-                 detections (nothing to do with one), COCOeval on rank 0, the broadcast of its figures
+    detections   image id -> [{"image_id", "category_id", "bbox" xywh in the file's pixels, "score"}], only for
+                 the images of ``keep_detections`` (all of them would be too many)
+    inference_s  this process's wall time of its pass (compilation included)
+    cocoeval_s   this process's wall time from the end of its pass to the figures (gather, COCOeval, broadcast)
     cocoeval_backend  the COCOeval that ran: "faster" (faster-coco-eval) or "pycocotools"
     """
 
@@ -59,38 +56,30 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
                   precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None,
                   compiled: bool = False, backend: str = "auto",
                   progress_every_s: float = PROGRESS_EVERY_S, should_stop=None) -> Evaluation:
-    """COCO bbox AP of ``model`` on ``loader``: summary, per class, the detections and timings (see Evaluation).
+    """COCO bbox AP of ``model`` on ``loader`` (see Evaluation); ``keep_detections``: the image ids whose
+    detections are returned. The random generators are left as they were.
 
-    The figures are the same on every rank; ``keep_detections`` (image ids, e.g. those drawn in TensorBoard)
-    picks the detections returned.
-    ``model`` is the unwrapped DeformableDETR (not DDP: inference needs no gradient sync), run through its
-    ``detect``: its compiled evaluation graph with ``compiled``, else eagerly, with Dynamo off so that no
-    compiled training region compiles again without gradients. Each rank runs its share of the images; the
-    evaluator gathers detections from all ranks (``ranks``) before scoring. The random generators are left as
-    they were (engine.runtime.rng.rng_preserved).
+    ``model`` is the unwrapped DeformableDETR, run through ``detect``: compiled with ``compiled``, else with Dynamo
+    off, so that no compiled training region compiles again without gradients. Each rank infers its share; the
+    evaluator gathers every rank's detections before scoring. ``backend``: datasets.cocoeval_backend's choices.
 
-    ``should_stop(final)`` is asked after each batch (``final`` False) and once after the last (True, before the
-    detections are gathered): True stops the pass (EvaluationStopped), a stop signal's request honoured within a
-    batch rather than after COCOeval. Every rank must give the same answer to the final question.
-
-    ``backend`` picks the COCOeval (datasets.cocoeval_backend: auto, faster, pycocotools). Rank 0 logs a progress
-    line every ``progress_every_s`` seconds of inference, COCOeval's summary table (its other lines go to
-    train.log only, engine/reporting/cocoeval_log.py) and the time split between inference and COCOeval.
+    ``should_stop(final)`` is asked after each batch (False) and after the last (True, before the gather): True
+    raises EvaluationStopped. Every rank must give the same answer to the final question.
     """
     was_training = model.training
     model.eval()
     evaluator = CocoEvaluator(coco_gt, ranks=ranks, backend=backend)  # an unknown backend fails before inference
     is_main = ranks is None or ranks.is_main
     world_size = 1 if ranks is None else ranks.ctx.world_size
-    progress = EvaluationProgress(total_images=_images_per_process(loader, world_size), every_s=progress_every_s,
-                                  enabled=is_main, share_of=_num_images(loader) if world_size > 1 else None)
+    total = _num_images(loader)
+    share = None if total is None else -(-total // world_size)  # as the evaluation sampler splits them
+    progress = EvaluationProgress(total_images=share, every_s=progress_every_s, enabled=is_main,
+                                  share_of=total if world_size > 1 else None)
     started = time.perf_counter()
     stopped = False
     for images, masks, targets in loader:
-        images = images.to(device, non_blocking=True)
-        masks = masks.to(device, non_blocking=True)
         with precision.autocast(), torch._dynamo.config.patch(disable=not compiled):
-            outputs = model.detect(images, masks)
+            outputs = model.detect(images.to(device, non_blocking=True), masks.to(device, non_blocking=True))
         orig_sizes = torch.stack([t["orig_size"] for t in targets]).to(device)  # (B, 2) (h, w)
         # Boxes and scores in fp32 whatever autocast produced: COCO matching compares IoUs to 0.05 steps.
         outputs = {k: v.float() for k, v in outputs.items() if k in ("pred_logits", "pred_boxes")}
@@ -129,10 +118,3 @@ def _num_images(loader) -> int | None:
         return len(loader.dataset)
     except (AttributeError, TypeError):
         return None
-
-
-def _images_per_process(loader, world_size: int) -> int | None:
-    """Distinct images each process infers: its share of the dataset, as the evaluation sampler splits it
-    (datasets/batch_plan.py: DistributedSampler's split, the last shares padded with other processes' images)."""
-    total = _num_images(loader)
-    return None if total is None else -(-total // world_size)

@@ -1,8 +1,6 @@
-"""Validation images with their detections and ground truth drawn, for TensorBoard after each evaluation.
-
-The same few images every time (chosen from the annotation file, never at random), one TensorBoard tag
-each, so the image slider shows a detector improving epoch by epoch. Drawn from the detections the
-evaluation already holds (no second inference), on rank 0 only.
+"""Validation images with their detections and ground truth drawn into TensorBoard after each evaluation: the
+same few images every time, one tag each, so the image slider shows the detector improving. Drawn from the
+detections the evaluation already holds, on rank 0 only.
 """
 
 from __future__ import annotations
@@ -27,11 +25,8 @@ TAG = "eval_images"
 
 
 def pick_image_ids(coco_gt, count: int) -> list[int]:
-    """``count`` image ids spread evenly over the sorted ids of the images holding (non-crowd) ground truth.
-
-    Images without objects show little, so they are taken only when no image has any. Deterministic: the
-    annotation file alone decides.
-    """
+    """``count`` image ids spread evenly over the sorted ids of the images holding (non-crowd) ground truth, or
+    of all images when none does: the annotation file alone decides."""
     ids = sorted(coco_gt.imgs)
     with_objects = [i for i in ids if any(not a.get("iscrowd", 0) for a in coco_gt.imgToAnns.get(i, []))]
     pool = with_objects or ids
@@ -64,16 +59,14 @@ def draw_detections(image: torch.Tensor, *, ground_truth: torch.Tensor, boxes: t
 class DetectionImages:
     """Draws ``num_images`` fixed validation images of ``dataset`` (a CocoDetection) with detections >= ``min_score``.
 
-    ``render(detections)`` -> {image id: (3, H, W) uint8}; ``write(writer, detections, step)`` adds them to
-    TensorBoard as ``eval_images/image_id_<id>``. ``detections`` is what the evaluation gathered: image id ->
-    COCO results ({"category_id", "bbox" xywh in the file's pixels, "score"}); an image it lacks shows its
-    ground truth only.
+    ``render(detections)`` -> {image id: (3, H, W) uint8}; ``write`` adds them to TensorBoard as
+    ``eval_images/image_id_<id>``. ``detections``: image id -> COCO results (Evaluation.detections).
     """
 
     def __init__(self, *, dataset, num_images: int, min_score: float):
-        if not _is_count(num_images):
+        if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:
             raise ValueError(f"DetectionImages: num_images must be an integer >= 0, got {num_images!r}")
-        if not _is_score(min_score):
+        if isinstance(min_score, bool) or not isinstance(min_score, (int, float)) or not 0 <= min_score <= 1:
             raise ValueError(f"DetectionImages: min_score must be a number in [0, 1], got {min_score!r}")
         self.dataset = dataset
         self.min_score = float(min_score)
@@ -111,14 +104,6 @@ class DetectionImages:
             writer.add_image(f"{TAG}/image_id_{image_id}", picture, step)
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_score(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
-
-
 def _xyxy(xywh: list, scale: float) -> torch.Tensor:
     """COCO boxes [[x, y, w, h]] -> (n, 4) xyxy float scaled to the displayed picture."""
     boxes = torch.tensor(xywh, dtype=torch.float32).reshape(-1, 4)  # (n, 4) xywh
@@ -126,7 +111,6 @@ def _xyxy(xywh: list, scale: float) -> torch.Tensor:
 
 
 def build_detection_images(cfg, dataset, *, enabled: bool) -> DetectionImages:
-    """Config adapter (run settings ``eval_images``, ``eval_images_min_score``, checked by the typed config);
-    ``enabled`` False (ranks > 0) draws nothing."""
+    """From the run settings ``eval_images`` and ``eval_images_min_score``; nothing drawn unless ``enabled``."""
     return DetectionImages(dataset=dataset, num_images=cfg.eval_images if enabled else 0,
                            min_score=cfg.eval_images_min_score)

@@ -1,7 +1,5 @@
-"""The font detection labels are drawn in: one with wide coverage found on the system, and, for a class name it
-has no glyph for, the category id instead of the name (never a row of empty boxes).
-
-torchvision draws with PIL's default font, which has no glyph for "â" or "猫": "château" came out "ch□teau".
+"""The font detection labels are drawn in: one with wide coverage found on the system (PIL's default has no glyph
+for "â" or "猫"), and the category id instead of a class name the font cannot draw (never a row of empty boxes).
 """
 
 from __future__ import annotations

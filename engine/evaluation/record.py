@@ -13,10 +13,8 @@ from .coco import Evaluation
 
 def write_eval_json(path: str | Path, *, stats: dict[str, float], per_class: dict[str, float | None] | None = None,
                     **info) -> Path:
-    """``{**info, **stats, "per_class": per_class}`` as json, written atomically (rank 0 only).
-
-    ``per_class`` is {category name: AP}, null for a category without ground truth in the evaluated images.
-    """
+    """``{**info, **stats, "per_class": per_class}`` as json, written atomically (rank 0 only); ``per_class``
+    {category name: AP}, null for a category without ground truth in the evaluated images."""
     record = {**info, **stats}
     if per_class is not None:
         record["per_class"] = per_class
@@ -34,4 +32,3 @@ def record_evaluation(evaluation: Evaluation, *, writer, json_path: str | Path, 
              " ".join(f"{k} {v:.4f}" for k, v in evaluation.stats.items()))
     report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
     detection_images.write(writer, evaluation.detections, step)
-

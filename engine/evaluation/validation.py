@@ -21,14 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Validation:
-    """What an evaluation of this run needs, fixed for the run.
-
-    model        the unwrapped DeformableDETR, run through ``detect`` (compiled with ``compiled``)
-    loader       the validation loader; ``coco_gt`` its ground truth
-    ranks        this run's processes: every rank infers its share, rank 0 records the figures
-    backend      the COCOeval (datasets.cocoeval_backend)
-    detection_images  the validation images drawn into TensorBoard with their detections
-    """
+    """What an evaluation of this run needs, fixed for the run (evaluate_coco says what each is)."""
 
     model: torch.nn.Module
     postprocess: torch.nn.Module
@@ -42,9 +35,7 @@ class Validation:
 
     def run(self, *, writer, json_path: str | Path, step: int, what: str, should_stop=None, record: bool = True,
             **info) -> Evaluation:
-        """Evaluate, then (rank 0, ``record``) record the figures in TensorBoard (``writer``), ``json_path`` (with
-        ``info``) and the log ("evaluation <what> ..."). The figures are the same on every rank. ``should_stop``: as
-        evaluate_coco takes it (EvaluationStopped, nothing recorded)."""
+        """Evaluate, then on rank 0 with ``record``, record_evaluation; ``should_stop`` as evaluate_coco takes it."""
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.loader,
                                    coco_gt=self.coco_gt, device=self.ranks.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=self.ranks,

@@ -1,33 +1,17 @@
-"""format=aoti: the traced detector compiled by AOTInductor into one .pt2 package, and the loaded package.
+"""format=aoti: the traced detector compiled by AOTInductor into one .pt2 package (weights included), and the
+loaded package. Another process runs it without this project's model code::
 
-``torch._inductor.aoti_compile_and_package`` compiles the ExportedProgram (engine/export/exportable.py) for the device
-its weights are on: C++ kernels for the CPU, Triton kernels (built to cubins) for CUDA, and a C++ wrapper that
-runs them; the package holds the weights too. Another process runs it without this project's model code::
-
-    import torch
     detector = torch._inductor.aoti_load_package("checkpoint.pt2")
     pred_logits, pred_boxes = detector(images, mask)        # engine/export/exportable.py says what they are
 
-The deformable attention in the package:
-- msda_node=reference (the default on the CPU): the grid_sample decomposition (msda/reference.py), compiled by
-  Inductor like the rest; the package needs nothing but torch.
-- msda_node=triton (the default on CUDA): one call of the registered operator msda::attention per layer.
-  msda::attention is a ``torch.library.custom_op``, which torch.export and Inductor treat as opaque: the
-  package calls it through the dispatcher by name (AOTInductor's proxy executor), so the loading process must
-  ``import msda`` first (it registers the op and its Triton kernels; triton must be installed), else the call
-  fails naming msda::attention. Had the op been declared with ``torch.library.triton_op`` (its kernels launched
-  through ``torch.library.wrap_triton``), torch.export would keep it whole and AOTInductor would decompose it
-  into its Triton kernels and compile them into the package (torch/_library/triton.py, "Export custom triton
-  op"), so that no import would be needed. That needs a launcher whose configuration choice (msda/launch.py
-  reads the sizes in Python) is traceable with symbolic sizes; the kernels are not rewritten here.
+msda_node=reference (the CPU default) compiles the grid_sample decomposition like the rest: the package needs only
+torch. msda_node=triton (the CUDA default) keeps one msda::attention call per layer, a ``torch.library.custom_op``
+that the package calls by name, so the loading process must ``import msda`` first (with triton installed).
+(A ``torch.library.triton_op`` would be compiled into the package, but msda/launch.py's configuration choice is
+not traceable with symbolic sizes.)
 
-``quick_compile`` (tests, ``bench/export_latency.py --quick``): the C++ wrapper is compiled without
-optimization; the package's host code runs slower.
-
-The C++ compiler (Inductor's: $CXX, else g++) must link libstdc++ as a shared library. One without libstdc++.so
-(a toolchain built for static linking) puts a private copy of it into the package, and the process that loads
-the package then crashes in ``aoti_load_package`` (a segmentation fault inside the package's copy; seen with
-torch 2.11, CPU and CUDA packages alike). ``check_cxx_compiler`` refuses such a compiler before the compilation.
+The C++ compiler (Inductor's: $CXX, else g++) must have a shared libstdc++: one without puts a static copy into
+the package, and loading it then segfaults. ``check_cxx_compiler`` refuses such a compiler before compiling.
 """
 
 from __future__ import annotations
@@ -42,8 +26,7 @@ import torch
 
 from engine.errors import AotiCompilerError
 
-# Inductor settings of quick_compile (the module docstring): only the wrapper's optimization is lowered; the
-# kernels are built as a real export builds them.
+# quick_compile (tests, bench/export_latency.py --quick): the C++ wrapper unoptimized, the kernels as usual.
 QUICK_COMPILE = {"aot_inductor.compile_wrapper_opt_level": "O0"}
 
 
@@ -58,22 +41,17 @@ def inductor_cxx() -> str:
 
 
 def has_shared_libstdcxx(compiler: str) -> bool | None:
-    """Whether ``compiler`` finds a libstdc++.so to link (it prints the library's path; one that has none prints
-    the bare name back); None when it cannot be asked."""
+    """Whether ``compiler`` finds a libstdc++.so (it prints a path, else the bare name); None if it cannot say."""
     try:
-        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
-                               timeout=60)
+        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    if found.returncode != 0:
-        return None
-    return os.sep in found.stdout.strip()
+    return os.sep in found.stdout.strip() if found.returncode == 0 else None
 
 
 def check_cxx_compiler(compiler: str | None = None) -> None:
-    """Raise AotiCompilerError when ``compiler`` (default: Inductor's) would link libstdc++ statically. Only on
-    Linux, where packages link libstdc++; a compiler that is missing or cannot be asked is left to Inductor's
-    own error."""
+    """AotiCompilerError when ``compiler`` (default: Inductor's) would link libstdc++ statically (Linux only); a
+    compiler that cannot be asked is left to Inductor's own error."""
     if not sys.platform.startswith("linux"):
         return
     compiler = compiler or inductor_cxx()

@@ -1,21 +1,18 @@
 """The detector as an exported graph sees it: tensors in, a tuple of tensors out, and the sizes that may vary.
 
 Inputs (what an ONNX file or an AOTInductor package takes, in this order):
-    images        (B, 3, H, W) in the export dtype: RGB normalized with ImageNet's mean and std (as training does),
-                  H and W multiples of 32, images of different sizes padded at the bottom and right
-    mask          (B, H, W) bool, True on padding (all False for a batch of one size)
-    target_sizes  (B, 2) int64 (h, w): only with postprocess=true, the size the boxes are given in (the
-                  original image's, as predict.py uses)
+    images        (B, 3, H, W) in the export dtype, RGB normalized with ImageNet's mean and std (as in training),
+                  H and W multiples of 32, smaller images padded at the bottom and right
+    mask          (B, H, W) bool, True on padding
+    target_sizes  (B, 2) int64 (h, w), only with postprocess=true: the size the boxes are given in
 Outputs:
-    postprocess=false: pred_logits (B, Q, num_classes) (sigmoid gives each class's probability; no background
-                       class), pred_boxes (B, Q, 4) normalized (cx, cy, w, h) of the valid (unpadded) region
+    postprocess=false: pred_logits (B, Q, num_classes) (sigmoid per class; no background class), pred_boxes
+                       (B, Q, 4) normalized (cx, cy, w, h) of the unpadded region
     postprocess=true:  scores (B, k), labels (B, k) int64, boxes (B, k, 4) (x0, y0, x1, y1) in target_sizes'
-                       pixels: the top k = max_detections (query, class) pairs, as models/postprocess.py
+                       pixels: the top k = max_detections (query, class) pairs (models/postprocess.py)
 
-Sizes: the batch, and H = 32 * h, W = 32 * w (torch.export.Dim) when dynamic. Every feature level must keep at
-least 2 rows and columns: torch.export specializes a dimension it sees at size 1 (broadcasting differs there),
-so ``smallest_multiple`` gives the least h (and w) the graph takes, e.g. 2 (64 px) for the three backbone levels
-and 3 (96 px) with the paper's fourth, stride-64 level.
+Dynamic sizes: the batch, and H = 32 * h, W = 32 * w. torch.export specializes a dimension it sees at size 1, so
+every feature level needs at least 2 rows and columns: ``smallest_multiple`` gives the least h (and w).
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ from models.postprocess import PostProcess
 
 RAW_OUTPUTS = ("pred_logits", "pred_boxes")
 DETECTION_OUTPUTS = ("scores", "labels", "boxes")
-# The largest side (4096 px) and batch a dynamic graph is traced for. Neither format checks its inputs against
-# the range at run time (AOTInductor does with AOTI_RUNTIME_CHECK_INPUTS=1): outside it, nor below the smallest
-# side, the results are not what the model computes.
+# The largest side (4096 px) and batch a dynamic graph takes; inputs outside the range are not checked at run
+# time (AOTInductor does with AOTI_RUNTIME_CHECK_INPUTS=1) and give wrong results.
 LARGEST_MULTIPLE = 128
 LARGEST_BATCH = 1024
 
@@ -64,8 +60,7 @@ class ExportableDetector(nn.Module):
 
 
 class ChannelAffine(nn.Module):
-    """x * scale + shift per channel, with scale and shift fixed: what a FrozenBatchNorm2d computes, its affine
-    worked out once (as its eager forward caches it) instead of from the four statistics in every graph."""
+    """A FrozenBatchNorm2d as x * scale + shift, worked out once (as its eager forward caches it): fewer nodes."""
 
     def __init__(self, batch_norm: FrozenBatchNorm2d):
         super().__init__()
@@ -78,10 +73,8 @@ class ChannelAffine(nn.Module):
 
 
 def for_tracing(detector: ExportableDetector) -> ExportableDetector:
-    """A copy of ``detector`` whose frozen batch norms are ChannelAffines: the same values (bitwise: the eager
-    forward computes the same affine with the same ops) from fewer graph nodes (937 -> 677 for the tests' tiny
-    ResNet-18 model), so a quicker export and fewer kernels to run. ``detector`` itself is left as it is: the
-    parity check compares the exported graph with it."""
+    """A copy of ``detector`` whose frozen batch norms are ChannelAffines (bitwise the same values); ``detector``
+    itself is left as it is, for the parity check to compare with."""
     traced = copy.deepcopy(detector)
     for module in list(traced.modules()):
         for name, child in list(module.named_children()):
@@ -100,8 +93,7 @@ class SampleShape:
 
 
 def feature_level_sides(side: int, model: nn.Module) -> list[int]:
-    """The side each feature level of ``model`` (a DeformableDETR) has for an image side of ``side`` pixels
-    (a multiple of 32): side / stride for the backbone's levels, then halved (rounded up) per extra level."""
+    """Each feature level's side of ``model`` (a DeformableDETR) for an image side of ``side`` pixels."""
     sides = [side // stride for stride in model.backbone.strides]
     for _ in range(model.num_feature_levels - len(sides)):
         sides.append((sides[-1] - 1) // 2 + 1)  # the extra levels' 3x3 stride-2 convolutions, padding 1
@@ -114,14 +106,6 @@ def smallest_multiple(model: nn.Module) -> int:
     while min(feature_level_sides(SIDE_MULTIPLE * multiple, model)) < 2:
         multiple += 1
     return multiple
-
-
-def check_sample_shape(shape: SampleShape, model: nn.Module) -> None:
-    """ValueError naming image_size when ``shape`` is too small for ``model``'s feature levels."""
-    least = SIDE_MULTIPLE * smallest_multiple(model)
-    if min(shape.height, shape.width) < least:
-        raise ValueError(f"image_size must be at least {least} x {least} for this model (its smallest feature level "
-                         f"needs 2 pixels a side), got {shape.height} x {shape.width}")
 
 
 def dynamic_shapes(detector: ExportableDetector) -> dict:
@@ -139,11 +123,13 @@ def dynamic_shapes(detector: ExportableDetector) -> dict:
 
 def trace(detector: ExportableDetector, inputs: tuple[torch.Tensor, ...], *,
           dynamic: bool) -> torch.export.ExportedProgram:
-    """torch.export of ``detector`` on ``inputs`` (its sample batch), with dynamic batch and sides or fixed at
-    the sample's shape."""
-    images = inputs[0]
-    shape = SampleShape(batch=images.shape[0], height=images.shape[2], width=images.shape[3])
-    check_sample_shape(shape, detector.model)
+    """torch.export of ``detector`` on ``inputs``, with dynamic batch and sides or fixed at the inputs' shape; a
+    ValueError naming image_size when the images are too small for the model's feature levels."""
+    height, width = inputs[0].shape[-2:]
+    least = SIDE_MULTIPLE * smallest_multiple(detector.model)
+    if min(height, width) < least:
+        raise ValueError(f"image_size must be at least {least} x {least} for this model (its smallest feature level "
+                         f"needs 2 pixels a side), got {height} x {width}")
     shapes = dynamic_shapes(detector) if dynamic else None
     with torch.no_grad():
         return torch.export.export(for_tracing(detector).eval(), inputs, dynamic_shapes=shapes)

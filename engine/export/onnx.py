@@ -1,11 +1,12 @@
 """format=onnx: the traced detector as an ONNX file, and the onnxruntime session the parity check runs it with.
 
-torch.onnx.export's dynamo exporter (``dynamo=True``: torch.export's graph translated by onnxscript) takes the
-ExportedProgram that engine/export/exportable.py traced, so the symbolic batch and sides become the file's dynamic
-axes. The TorchScript exporter cannot export this model: it traces the level sizes as tensors, which the
-attention's host-integer layout refuses. The deformable attention goes in as the reference decomposition
-(grid_sample, ONNX GridSample), or, with msda_node=tensorrt, as TensorRT's plugin node
-(engine/export/tensorrt.py). The file records how it was made in its metadata (``metadata_props``).
+torch.onnx.export's dynamo exporter translates torch.export's ExportedProgram, so the symbolic batch and sides
+become dynamic axes (the TorchScript exporter traces the level sizes as tensors, which the attention refuses).
+The attention goes in as grid_sample (ONNX GridSample), or as TensorRT's plugin node (engine/export/tensorrt.py).
+
+torch.onnx converts its opset-18 graph down to an older ``opset`` but then optimizes it, writing ``Split`` with
+opset 18's ``num_outputs``, which older opsets refuse: ``fit_opset`` rewrites those nodes as Split-13 (part
+sizes as a second input). ``check_opset`` turns a file not valid at ``opset`` into a message naming it.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .onnx_opset import check_opset, fit_opset
+from engine.config.export_schema import DEFAULT_OPSET
 
 log = logging.getLogger(__name__)
-# Loggers of the ONNX tool chain, which log every optimization step at INFO (hundreds of lines per export).
+# The ONNX tool chain's loggers, which log every optimization step at INFO.
 CHATTY_LOGGERS = ("onnxscript", "onnx_ir", "torch.onnx")
+# The first opset whose Split takes num_outputs (the number of equal parts) instead of the parts' sizes.
+SPLIT_NUM_OUTPUTS_OPSET = 18
 
 
 def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names: tuple[str, ...],
                output_names: tuple[str, ...], opset: int, tensorrt: bool = False,
                metadata: dict[str, str] | None = None) -> Path:
-    """``program`` as an ONNX file at ``path`` (opset ``opset``), its inputs and outputs named as given; a ValueError
-    naming the opset when the file written is not valid at that opset (engine/export/onnx_opset.py)."""
+    """``program`` as an ONNX file at ``path``, ``metadata`` in its metadata_props; a ValueError naming the opset
+    when the file is not valid at ``opset`` (check_opset)."""
     import onnx
 
     table = None
@@ -64,11 +67,73 @@ def quieter(names: tuple[str, ...], level: int = logging.ERROR):
             logger.setLevel(old)
 
 
-class OnnxRunner:
-    """An onnxruntime session of an ONNX file, called like the PyTorch detector: tensors in, tensors out.
+def fit_opset(model, opset: int):
+    """``model`` (an onnx.ModelProto, changed in place and returned) with every node in ``opset``'s form."""
+    if opset < SPLIT_NUM_OUTPUTS_OPSET:
+        _split_sizes_as_input(model, opset)
+    return model
 
-    On a CUDA ``device`` it asks for onnxruntime's CUDA provider (onnxruntime-gpu) with TF32 off, falling back to
-    the CPU provider when the installed onnxruntime has none (logged)."""
+
+def _split_sizes_as_input(model, opset: int) -> None:
+    """Each Split's ``num_outputs`` as its parts' sizes (opset 18's rule: equal parts, the last smaller)."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    sizes_of = static_shapes(graph)
+    for node in graph.node:
+        if node.op_type != "Split" or node.domain not in ("", "ai.onnx"):
+            continue
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if "num_outputs" not in attributes:
+            continue
+        parts, axis = int(attributes["num_outputs"]), int(attributes.get("axis", 0))
+        shape = sizes_of.get(node.input[0])
+        size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+        if size is None:
+            raise ValueError(f"opset={opset}: the graph splits {node.input[0]!r} along a dimension whose size is known "
+                             f"only when it runs, which Split before opset {SPLIT_NUM_OUTPUTS_OPSET} cannot express: "
+                             f"export with opset={SPLIT_NUM_OUTPUTS_OPSET} or later")
+        part = -(-size // parts)
+        name = f"{node.name or node.output[0]}_sizes"
+        graph.initializer.append(numpy_helper.from_array(
+            np.array([part] * (parts - 1) + [size - part * (parts - 1)], dtype=np.int64), name))
+        kept = [a for a in node.attribute if a.name != "num_outputs"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        del node.input[1:]
+        node.input.append(name)
+
+
+def static_shapes(graph) -> dict[str, list[int | None]]:
+    """name -> shape (None for a dimension known only at run time) of every value the graph records a shape for."""
+    shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        tensor = value.type.tensor_type
+        if value.name not in shapes and tensor.HasField("shape"):
+            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    return shapes
+
+
+def check_opset(path: Path, opset: int) -> None:
+    """ValueError naming the opset unless the file at ``path`` declares ``opset`` and passes onnx's checker."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    declared = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if declared != [opset]:
+        raise ValueError(f"opset={opset}: the ONNX exporter wrote opset {declared} instead, so {path} is not the file "
+                         f"asked for; export with another opset (the default is {DEFAULT_OPSET})")
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as error:
+        raise ValueError(f"opset={opset}: {path} is not a valid ONNX file at that opset, and runtimes would refuse it "
+                         f"({str(error).strip().splitlines()[0]}); export with another opset (the default is "
+                         f"{DEFAULT_OPSET})") from error
+
+
+class OnnxRunner:
+    """An onnxruntime session of an ONNX file, called like the PyTorch detector: tensors in, tensors out. On CUDA
+    it asks for the CUDA provider with TF32 off, else (logged) runs on the CPU."""
 
     def __init__(self, path: Path, *, device: torch.device):
         import onnxruntime
@@ -108,9 +173,7 @@ class OnnxRunner:
 
 
 def what_to_try(path: Path) -> str:
-    """Advice for a file onnxruntime could not load or run: onnxruntime's CPU provider lacks most float16 kernels,
-    so a float16 file is checked in fp32 or on a GPU; a float32 file it should run, unless it is older than the
-    file's opset."""
+    """Advice for a file onnxruntime could not load or run (its CPU provider lacks most float16 kernels)."""
     import onnx
     import onnxruntime
 

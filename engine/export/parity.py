@@ -1,32 +1,21 @@
 """Does an exported model compute what the PyTorch model computes? The check every export ends with.
 
 Both run on the same sample batch (engine/export/samples.py); the largest absolute differences of the class
-logits and of the boxes (normalized coordinates, a fraction of the image side) must be within a tolerance:
+logits and of the normalized boxes must be within DEFAULT_TOLERANCES for the dtype (or tolerance.logits /
+tolerance.boxes), well above rounding differences and well below what an export bug (a size baked in, a swapped
+input) causes. With post-processing in the graph, scores are compared (a probability moves by at most a quarter of
+its logit's difference), and labels and boxes only at ranks clear of their neighbours by more than twice the
+largest score difference (closer ranks may trade places legitimately).
 
-    dtype  logits  boxes   why
-    fp32   1e-3    1e-4    measured differences are about 1e-6 (tiny model) to 1e-4 (the full model's logits,
-                           whose activations are larger); a real export bug (a wrong constant, a size baked in,
-                           a swapped input) moves logits by 1e-1 or more
-    fp16   5e-2    5e-3    half precision rounds each op at about 5e-4 relative; the exported graph fuses and
-                           orders ops differently from eager PyTorch, so the roundings differ
-    bf16   2.5e-1  2e-2    bfloat16 keeps 8 bits of mantissa: 16 times fp16's rounding
-
-The boxes' limit in fp32 is a tenth of a pixel at 1333 px. ``tolerance.logits`` and ``tolerance.boxes``
-override them. With post-processing in the graph, the outputs are the top-k detections: their scores are
-compared (a probability moves by at most a quarter of its logit's difference, so the logits' limit holds), and
-labels and boxes at the ranks whose score is clear of its neighbours by more than twice the largest score
-difference (ranks closer than that may trade places legitimately); a label that differs there fails the check.
-
-On CUDA both sides run with TF32 off: cuDNN's convolutions use it by default, in eager PyTorch and in an
-AOTInductor package alike (its convolutions are ATen's), and onnxruntime's CUDA provider is asked for
-use_tf32=0; TF32's 10-bit products would otherwise be the difference measured.
+On CUDA both sides run with TF32 off (cuDNN's default in eager PyTorch and in an AOTInductor package alike;
+onnxruntime is asked for use_tf32=0), else TF32's rounding would be the difference measured.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,9 +32,9 @@ class Tolerance:
 
 
 DEFAULT_TOLERANCES = {
-    "fp32": Tolerance(logits=1e-3, boxes=1e-4),
-    "fp16": Tolerance(logits=5e-2, boxes=5e-3),
-    "bf16": Tolerance(logits=2.5e-1, boxes=2e-2),
+    "fp32": Tolerance(logits=1e-3, boxes=1e-4),  # boxes: a tenth of a pixel at 1333 px
+    "fp16": Tolerance(logits=5e-2, boxes=5e-3),  # the graph fuses and orders ops otherwise: roundings differ
+    "bf16": Tolerance(logits=2.5e-1, boxes=2e-2),  # 8 bits of mantissa: 16 times fp16's rounding
 }
 
 
@@ -64,7 +53,7 @@ class ParityReport:
     tolerance     what they were held to
     images        how many images were compared
     label_mismatches, ranks_compared, ranks  post-processed outputs only: labels that differ at the ranks
-                  compared, and how many of all ranks were (see the module docstring)"""
+                  compared, and how many of all ranks were"""
 
     differences: dict[str, float]
     tolerance: Tolerance
@@ -72,23 +61,21 @@ class ParityReport:
     label_mismatches: int = 0
     ranks_compared: int | None = None
     ranks: int | None = None
-    limits: dict[str, float] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.limits = {name: self.tolerance.boxes if name == "boxes" else self.tolerance.logits
-                       for name in self.differences}
+    def limit(self, name: str) -> float:
+        return self.tolerance.boxes if name == "boxes" else self.tolerance.logits
 
     @property
     def failures(self) -> list[str]:
-        failed = [f"{name} differ by up to {value:.3g} (tolerance {self.limits[name]:.3g})"
-                  for name, value in self.differences.items() if not value <= self.limits[name]]
+        failed = [f"{name} differ by up to {value:.3g} (tolerance {self.limit(name):.3g})"
+                  for name, value in self.differences.items() if not value <= self.limit(name)]
         if self.label_mismatches:
             failed.append(f"{self.label_mismatches} labels differ at ranks whose scores are clear of their "
                           "neighbours")
         return failed
 
     def describe(self) -> str:
-        parts = [f"{name} max |diff| {value:.3g} (tolerance {self.limits[name]:.3g})"
+        parts = [f"{name} max |diff| {value:.3g} (tolerance {self.limit(name):.3g})"
                  for name, value in self.differences.items()]
         if self.ranks is not None:
             parts.append(f"labels and boxes compared at {self.ranks_compared} of {self.ranks} ranks, "
@@ -116,11 +103,6 @@ def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
         return ParityReport(differences={"logits": largest_difference(logits, ref_logits),
                                          "boxes": largest_difference(boxes, ref_boxes)},
                             tolerance=tolerance, images=ref_logits.shape[0])
-    return _compare_detections(exported, reference, tolerance=tolerance, target_sizes=target_sizes)
-
-
-def _compare_detections(exported: tuple, reference: tuple, *, tolerance: Tolerance,
-                        target_sizes: torch.Tensor | None) -> ParityReport:
     if target_sizes is None:
         raise ValueError("comparing post-processed outputs needs target_sizes (B, 2), the boxes' image sizes")
     scores, labels, boxes = (t.detach().cpu() for t in exported)
@@ -137,8 +119,8 @@ def _compare_detections(exported: tuple, reference: tuple, *, tolerance: Toleran
 
 
 def clear_ranks(scores: torch.Tensor, *, margin: float) -> torch.Tensor:
-    """(B, k) bool: the ranks of ``scores`` (each row sorted descending) whose score differs from both neighbours'
-    by more than ``margin``. The last rank is never clear: the candidate after it is not known."""
+    """(B, k) bool: the ranks of ``scores`` (rows sorted descending) differing from both neighbours by more than
+    ``margin``; never the last rank (the candidate after it is not known)."""
     above = torch.full_like(scores, float("inf"))
     above[:, 1:] = scores[:, :-1] - scores[:, 1:]
     below = torch.full_like(scores, -1.0)
@@ -148,7 +130,7 @@ def clear_ranks(scores: torch.Tensor, *, margin: float) -> torch.Tensor:
 
 @contextlib.contextmanager
 def exact_float32():
-    """TF32 off for matmuls and cuDNN convolutions (the module docstring), restored after."""
+    """TF32 off for matmuls and cuDNN convolutions, restored after."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -159,9 +141,8 @@ def exact_float32():
 
 def check_parity(run_exported: Callable[..., tuple], reference: nn.Module, inputs: tuple[torch.Tensor, ...], *,
                  tolerance: Tolerance, what: str) -> ParityReport:
-    """Run ``run_exported`` and ``reference`` (the PyTorch detector, engine/export/exportable.py) on ``inputs``; return
-    the ParityReport, or raise ExportParityError naming ``what`` (e.g. the file) when a difference exceeds
-    ``tolerance``."""
+    """The ParityReport of ``run_exported`` against ``reference`` (the PyTorch detector) on ``inputs``;
+    ExportParityError naming ``what`` (e.g. the file) when a difference exceeds ``tolerance``."""
     with torch.no_grad(), exact_float32():  # a package's convolutions are ATen's: they follow the flags too
         exported = tuple(run_exported(*inputs))
         expected = tuple(reference.eval()(*inputs))

@@ -1,10 +1,6 @@
 """``python export.py``: a trained detector exported (ONNX or an AOTInductor package), then checked against the
-PyTorch model.
-
-The graph's inputs and outputs: engine/export/exportable.py. Every export ends with a parity check: the exported
-model (run by onnxruntime, or the loaded package) and the PyTorch model on the same sample batch (validation images
-of the checkpoint's run when they are found, else noise), at the sample's shape and, for a dynamic graph, at a
-second one; beyond the tolerance (engine/export/parity.py) the command fails with exit code 1, keeping the file.
+PyTorch model on a sample batch at its shape and, for a dynamic graph, a second one (engine/export/parity.py);
+beyond the tolerance the command fails with exit code 1, keeping the file.
 """
 
 from __future__ import annotations
@@ -16,16 +12,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from datasets.size_buckets import round_up
 from engine.checkpoint.contents import read_recorded_config
 from engine.checkpoint.trained_model import load_trained_model
-from engine.config.export_schema import (
-    SIDE_MULTIPLE,
-    ExportConfig,
-    ExportFormat,
-    MsdaNode,
-    default_output,
-    output_path,
-)
+from engine.config.export_schema import SIDE_MULTIPLE, ExportConfig, ExportFormat, MsdaNode, default_output, output_path
 from engine.config.registry import check_config
 from engine.runtime.distributed import resolve_device
 from engine.runtime.output_paths import writable_file
@@ -38,8 +28,7 @@ from .samples import recorded_validation_folder, sample_batch
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# model.msda to build the model with, per msda_node: the reference traces as grid_sample ops; triton as one
-# msda::attention op per layer (which the TensorRT node replaces).
+# model.msda per msda_node: triton traces as one msda::attention op per layer, which the TensorRT node replaces.
 MSDA_IMPLS = {MsdaNode.reference: "pytorch", MsdaNode.triton: "triton", MsdaNode.tensorrt: "triton"}
 
 
@@ -94,8 +83,7 @@ def export(cfg: DictConfig) -> dict:
 
 def check_export(cfg: DictConfig, runner, detector: ExportableDetector, *, shape: SampleShape, sample, folder,
                  path: Path, dtype: torch.dtype, device: torch.device) -> list[ParityReport]:
-    """The parity checks of the written file (module docstring): a ParityReport per shape, logged; raises
-    ExportParityError at the first shape whose differences exceed the tolerance."""
+    """A ParityReport per shape of parity_shapes, logged; ExportParityError at the first that fails."""
     tolerance = tolerance_for(str(cfg.dtype), logits=cfg.tolerance.logits, boxes=cfg.tolerance.boxes)
     reports = []
     for check_shape in parity_shapes(shape, detector, dynamic=cfg.dynamic):
@@ -109,8 +97,8 @@ def check_export(cfg: DictConfig, runner, detector: ExportableDetector, *, shape
 
 
 def check_output(cfg: DictConfig, path: Path) -> None:
-    """The file the export will write can be written: ``output``, or beside the checkpoint (when its folder exists:
-    a mistyped checkpoint is its own error, and leaves no folder behind)."""
+    """Check that ``path`` can be written; beside the checkpoint only when its folder exists (a mistyped checkpoint
+    is its own error, and leaves no folder behind)."""
     default = default_output(checkpoint=cfg.checkpoint, format=cfg.format, dtype=cfg.dtype, msda_node=cfg.msda_node,
                              postprocess=cfg.postprocess, dynamic=cfg.dynamic)
     if cfg.output:
@@ -132,13 +120,9 @@ def attention_node(cfg: DictConfig, device: torch.device) -> MsdaNode:
 
 
 def evaluation_size(val_size: int, max_size: int, *, least: int = SIDE_MULTIPLE) -> tuple[int, int]:
-    """The sample's (height, width) by default: the checkpoint's evaluation short and long sides, each rounded up
-    to a multiple of 32 (the largest image its evaluation batches held, landscape), and at least ``least`` (the
-    side the model's smallest feature level needs: a model trained on 64-pixel images exports at 96)."""
-    def up(side: int) -> int:
-        return max(least, -(-side // SIDE_MULTIPLE) * SIDE_MULTIPLE)
-
-    return up(val_size), up(max_size)
+    """The default sample (height, width): the checkpoint's evaluation short and long sides rounded up to a
+    multiple of 32, and at least ``least`` (the side the model's smallest feature level needs)."""
+    return max(least, round_up(val_size, SIDE_MULTIPLE)), max(least, round_up(max_size, SIDE_MULTIPLE))
 
 
 def write_and_load(cfg: DictConfig, program, detector: ExportableDetector, *, path: Path, node: MsdaNode,
@@ -165,8 +149,7 @@ def write_and_load(cfg: DictConfig, program, detector: ExportableDetector, *, pa
 
 
 def parity_shapes(shape: SampleShape, detector: ExportableDetector, *, dynamic: bool) -> list[SampleShape]:
-    """The sample's shape, and for a dynamic graph a second one (another batch, a taller and narrower image), so
-    that a size the export fixed by mistake shows."""
+    """The sample's shape, and for a dynamic graph another batch and sides, so that a size fixed by mistake shows."""
     if not dynamic:
         return [shape]
     least = SIDE_MULTIPLE * smallest_multiple(detector.model)

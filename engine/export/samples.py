@@ -1,11 +1,6 @@
-"""The sample batch an export is traced on and checked with: validation images of the checkpoint's run, or noise.
-
-An export traces the model on one batch (its shape is the static graph's, and the dynamic graph's example) and
-then compares the exported model with the PyTorch one on that batch. Real images make the comparison mean
-something (activations as a trained model meets them), so when the checkpoint records where its run's
-validation images were and that folder exists here, the first ones are read, resized to fit the sample size
-(aspect ratio kept, as predict.py's resize does) and padded, with their masks; otherwise the batch is random
-normalized noise, each image but the first padded on the right and bottom so that the mask is exercised too.
+"""The sample batch an export is traced on and checked with: the first validation images of the checkpoint's
+run when its folder exists here (real activations make the parity check mean something), resized to fit with
+their aspect ratio and padded; else random normalized noise, images after the first padded to exercise the mask.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ class SampleBatch:
 
 
 def recorded_validation_folder(config: dict | None) -> Path | None:
-    """The validation image folder the checkpoint's run config names (dataset coco and synthetic: root/val2017,
-    custom: val_images), if it exists here; relative paths are taken from the current directory, as train.py
-    takes them."""
+    """The validation image folder the checkpoint's run config names (coco, synthetic: root/val2017; custom:
+    val_images) if it exists here; relative paths from the current directory, as train.py takes them."""
     dataset = config.get("dataset") if isinstance(config, dict) else None
     if not isinstance(dataset, dict):
         return None
@@ -57,8 +51,7 @@ def recorded_validation_folder(config: dict | None) -> Path | None:
 
 
 def sample_batch(shape: SampleShape, *, folder: Path | None, seed: int = 0) -> SampleBatch:
-    """``shape.batch`` images of ``shape.height`` x ``shape.width``: the first of ``folder``'s images (cycled when
-    there are fewer), else noise (see the module docstring)."""
+    """``shape.batch`` images of ``folder`` (cycled when there are fewer), else noise."""
     paths = validation_images(folder, limit=shape.batch)
     if not paths:
         return random_batch(shape, seed=seed)
@@ -76,7 +69,7 @@ def sample_batch(shape: SampleShape, *, folder: Path | None, seed: int = 0) -> S
 
 
 def validation_images(folder: Path | None, *, limit: int) -> list[Path]:
-    """The first ``limit`` images of ``folder`` (sorted by path), none when there is no folder or no image."""
+    """The first ``limit`` images of ``folder`` (sorted by path); none without a folder or images."""
     if folder is None:
         return []
     try:
@@ -86,8 +79,7 @@ def validation_images(folder: Path | None, *, limit: int) -> list[Path]:
 
 
 def fitted_image(path: Path, *, index: int, height: int, width: int) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The picture at ``path`` resized to fit ``height`` x ``width`` with its aspect ratio, normalized as training
-    does: ((3, h, w) float32, (H, W) of the picture as read)."""
+    """((3, h, w) float32 normalized, resized to fit ``height`` x ``width``; (H, W) of the picture as read)."""
     pixels = F.pil_to_tensor(read_image(path, image_id=index, expected_size=(None, None)))  # (3, H, W) uint8
     original = tuple(int(s) for s in pixels.shape[-2:])
     scale = min(height / original[0], width / original[1])
@@ -107,10 +99,9 @@ def random_batch(shape: SampleShape, *, seed: int = 0) -> SampleBatch:
         if index > 0:
             h = int(torch.randint(shape.height // 2, shape.height + 1, (), generator=generator))
             w = int(torch.randint(shape.width // 2, shape.width + 1, (), generator=generator))
-        images[index, :, h:, :] = 0
-        images[index, :, :, w:] = 0
         mask[index, h:, :] = True
         mask[index, :, w:] = True
         sizes.append((h, w))
-    return SampleBatch(images=images, mask=mask, target_sizes=torch.tensor(sizes, dtype=torch.int64),
-                       source=f"random images (seed {seed}; no validation images recorded in the checkpoint were found)")
+    images.masked_fill_(mask[:, None], 0)
+    source = f"random images (seed {seed}; no validation images recorded in the checkpoint were found)"
+    return SampleBatch(images=images, mask=mask, target_sizes=torch.tensor(sizes, dtype=torch.int64), source=source)

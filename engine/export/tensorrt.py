@@ -1,26 +1,17 @@
-"""The deformable attention as TensorRT's multi-scale deformable attention plugin node, for msda_node=tensorrt.
+"""The deformable attention as TensorRT's ``MultiscaleDeformableAttnPlugin_TRT`` node, for msda_node=tensorrt.
 
-TensorRT ships the plugin ``MultiscaleDeformableAttnPlugin_TRT`` in libnvinfer_plugin (added with TensorRT OSS
-8.4.1 / the 22.05 containers; version "1" implements IPluginV2DynamicExt, deprecated since TensorRT 10.11, which
-added version "2" on IPluginV3 with the same inputs, output and no attributes). Its ONNX parser builds a plugin
-for a node it does not know from the node's op_type (the plugin's name) and its ``plugin_version`` and
-``plugin_namespace`` attributes. The plugin takes, in this order:
+TensorRT's ONNX parser builds a plugin from a node's op_type and its ``plugin_version`` ("1"; version "2" has the
+same inputs) and ``plugin_namespace`` ("", TensorRT's own) attributes; the domain "trt" only satisfies ONNX. The
+plugin takes, in this order:
 
     value               (N, S, M, D)        float32 or float16
     spatial_shapes      (L, 2) int32        (H_l, W_l) per level
     level_start_index   (L,) int32          offset of each level in S
     sampling_locations  (N, Lq, M, L, P, 2) value's dtype, normalized (x, y) in [0, 1]
     attention_weights   (N, Lq, M, L, P)    value's dtype, softmaxed
-and returns (N, Lq, M, D) in value's dtype (its getOutputDimensions), which a Reshape makes (N, Lq, M * D),
-what msda::attention returns. These are msda::attention's inputs: the model is exported with model.msda=triton,
-so that each attention call is one msda::attention node in the traced graph, and ``translate_attention`` below
-turns each into the plugin node; the level layout, which the op takes as host integers (symbolic sizes), becomes
-the two int32 tensors computed from them, and the float inputs are cast to value's dtype (the plugin takes one
-float type; the model computes sampling locations in float32).
-
-No runtime here implements the node: an ONNX file with it is checked for its graph only (the nodes, their
-inputs' types and shapes), never run. The node's domain is "trt" (ONNX needs a domain for an operator outside
-its own); the attributes name the plugin's version 1 and the empty namespace TensorRT's own plugins live in.
+and returns (N, Lq, M, D) in value's dtype, reshaped to (N, Lq, M * D) as msda::attention returns. The model is
+exported with model.msda=triton, so each attention call is one msda::attention node, which
+``translate_attention`` replaces. No runtime here implements the node: such a file is checked for its graph only.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from onnxscript import ir
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-try:  # where onnxscript keeps Op; both places have it in the versions that torch 2.11+ installs
+try:  # where onnxscript keeps Op, by version
     from onnxscript._internal.values import Op
 except ImportError:  # pragma: no cover - older onnxscript
     from onnxscript.values import Op
@@ -67,7 +58,8 @@ def _as_vector(size):
 
 def translate_attention(value, sampling_locations, attention_weights, flat_levels, deterministic):
     """msda::attention(value, sampling_locations, attention_weights, [H_0, W_0, H_1, ...], deterministic) as the
-    plugin node; ``deterministic`` only concerns the backward, which an inference graph has not."""
+    plugin node (``deterministic`` concerns only the backward). The host-integer level sizes become the two int32
+    tensors; the float inputs are cast to value's dtype (the model computes sampling locations in float32)."""
     spatial_shapes = op.Reshape(op.Concat(*[_as_vector(size) for size in flat_levels], axis=0),
                                 op.Constant(value_ints=[-1, 2]))  # (L, 2) int64
     level_sizes = op.ReduceProd(spatial_shapes, op.Constant(value_ints=[1]), keepdims=0)  # (L,)

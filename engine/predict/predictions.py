@@ -1,12 +1,10 @@
-"""What predict.py writes: the detections as COCO results, the images they refer to, and the pictures.
+"""What predict.py writes into its output folder:
 
-    detections.json   [{"image_id", "category_id", "bbox" [x, y, w, h] in the image's pixels, "score"}], the
-                      detections with score >= score_threshold: COCO's results format; boxes end at the
-                      image's edges
-    images.json       a COCO annotation file without annotations: "images" (id, file_name, width, height) and
-                      "categories", so that ``COCO("images.json").loadRes("detections.json")`` works
-    images/           each image with its detections drawn, labelled "name score" (when drawing is on); an image
-                      smaller than 384 pixels is enlarged, so that the labels can be read
+    detections.json   COCO results [{"image_id", "category_id", "bbox" [x, y, w, h] in the image's pixels, cut at its
+                      edges, "score"}] of the detections with score >= score_threshold
+    images.json       "images" (id, file_name, width, height) and "categories", so that
+                      ``COCO("images.json").loadRes("detections.json")`` works
+    images/           each image with its detections drawn, labelled "name score" (draw=true), small ones enlarged
 
 Both json files are written atomically at the end; pictures as each batch is done.
 """
@@ -28,11 +26,8 @@ PICTURES = "images"
 
 
 class Predictions:
-    """Collects one run's detections (``add``) and writes them (``write``) under ``output_dir``.
-
-    ``root``: the folder the image paths are given relative to in images.json and images/ (their common
-    parent); ``categories``: id -> name; ``draw``: write the pictures.
-    """
+    """Collects one run's detections (``add``) and writes them (``write``) under ``output_dir``; image paths are
+    given relative to ``root``; ``categories``: id -> name; ``draw``: write the pictures."""
 
     def __init__(self, output_dir: Path, *, root: Path, categories: dict[int, str], score_threshold: float,
                  draw: bool):
@@ -54,8 +49,7 @@ class Predictions:
         height, width = orig_size
         self.images.append({"id": image_id, "file_name": self.file_name(path), "width": width, "height": height})
         result = {k: v.detach().float().cpu() if k != "labels" else v.detach().cpu() for k, v in result.items()}
-        # A predicted box may reach past the image's edge (its centre and size are free); what is outside
-        # holds nothing, so boxes are cut at the edges.
+        # A predicted box may reach past the image's edge, where there is nothing to detect.
         result["boxes"] = clip_boxes_to_image(result["boxes"], (height, width))
         self.all_detections[image_id] = result
         keep = result["scores"] >= self.score_threshold
@@ -88,5 +82,3 @@ class Predictions:
                   "categories": [{"id": i, "name": name} for i, name in sorted(self.categories.items())]}
         return (write_json(self.output_dir / "detections.json", self.detections),
                 write_json(self.output_dir / "images.json", images))
-
-

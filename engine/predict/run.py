@@ -1,10 +1,5 @@
-"""``python predict.py``: a trained model's detections on image files, and their COCO AP when annotations are
-given.
-
-Writes detections.json (COCO results: image_id, category_id, bbox xywh in the image's pixels, score),
-images.json (the images they refer to, a COCO file pycocotools' ``loadRes`` takes) and images/ (each picture
-with its detections drawn) into the run directory (configs/predict.yaml).
-"""
+"""``python predict.py``: a trained model's detections on image files (engine/predict/predictions.py says what is
+written), and their COCO AP when annotations are given."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def predict(cfg: DictConfig) -> dict:
     output_dir = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
     writable_folder(output_dir, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
     paths = find_images(cfg.images)
-    root = paths[0].parent if Path(cfg.images).is_file() else Path(cfg.images).expanduser()
-    root = root.resolve()
+    root = (paths[0].parent if Path(cfg.images).is_file() else Path(cfg.images).expanduser()).resolve()
     gt = read_ground_truth(cfg.annotations) if cfg.annotations else None
     ids = image_ids(paths, root=root, gt=gt)
 

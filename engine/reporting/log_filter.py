@@ -1,8 +1,5 @@
-"""What reaches the console, and what only the run's train.log.
-
-Hydra gives the root logger two handlers: the console and train.log. A record logged with ``extra=FILE_ONLY``
-(a recompilation's reason, COCOeval's chatter) is kept off the console by a filter that
-``keep_file_only_off_console`` puts on every console handler, and still reaches the file.
+"""What reaches the console, and what only the run's train.log: a record logged with ``extra=FILE_ONLY`` is kept
+off the console handlers by the filter ``keep_file_only_off_console`` puts on them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Console progress: the training loop's line every ``log_every`` steps, and evaluation's every few seconds,
-each with an ETA.
-
-A log line rather than a redrawn bar so that the same text reads well in a terminal, in Hydra's train.log
-and in a batch system's captured stdout.
+each with an ETA; log lines rather than a redrawn bar, to read well in a terminal, train.log and captured stdout.
 """
 
 from __future__ import annotations
@@ -13,8 +10,8 @@ import math
 import time
 
 log = logging.getLogger(__name__)
-# Images per second of inference over those of training, for an evaluation's ETA before the first has run: no
-# backward, no matching, no update.
+# Images per second of inference over those of training (no backward, matching or update), for an evaluation's
+# ETA before the first has run.
 INFERENCE_SPEED_UP = 3.0
 
 
@@ -23,14 +20,11 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Tracks steps done in this process against ``total_steps`` and reports rate and ETA, for the whole run and
-    for the epoch.
+    """Steps done in this process against ``total_steps``, with rate and ETA for the run and the epoch.
 
-    The rate is the mean wall time per step over the steps this process has run, checkpointing included and
-    compilation, warm-up and evaluation left out: a run's first steps compile, and counting them would promise
-    hours for a run that then takes minutes. The run's ETA adds its evaluations still to come
-    (``evaluation_steps``: the optimizer steps after which one runs), each at what the last ones took, or before
-    the first at an estimate: inference takes about a third of a training step's time per image.
+    The rate leaves out compilation, warm-up and evaluation (``excluded_s``), which would otherwise promise hours
+    for a run that takes minutes. The ETA adds the evaluations still to come (``evaluation_steps``: the steps after
+    which one runs), each at what the last ones took, or before the first at an estimate from ``val_images``.
     """
 
     def __init__(self, *, total_steps: int, start_step: int, enabled: bool, steps_per_epoch: int | None = None,
@@ -44,24 +38,21 @@ class Progress:
         self._t0 = time.perf_counter()
 
     def step_seconds(self, step: int, excluded_s: float = 0.0) -> float:
-        """Mean seconds per step so far, less ``excluded_s`` (compilation, warm-up and evaluation since the
-        start); NaN before the first step."""
+        """Mean seconds per step so far, less ``excluded_s``; NaN before the first step."""
         done = step - self.start_step
         if done <= 0:
             return float("nan")
         return max(0.0, time.perf_counter() - self._t0 - excluded_s) / done
 
     def eta_seconds(self, step: int, excluded_s: float = 0.0, evaluation_s: float = 0.0) -> float:
-        """Seconds left in the run after ``step``: its steps at the rate so far, and its evaluations still to come at
-        ``evaluation_s`` each."""
+        """Seconds left in the run after ``step``, its evaluations still to come at ``evaluation_s`` each."""
         evaluations = sum(1 for s in self.evaluation_steps if s >= step)
         return self.step_seconds(step, excluded_s) * (self.total_steps - step) + evaluations * evaluation_s
 
     def report(self, *, step: int, epoch: int, epochs: int, loss: float, parts: dict[str, float],
                lr: float, step_ms: float, data_ms: float, images_per_s: float, excluded_s: float = 0.0,
                evaluation_s: float | None = None) -> None:
-        """One progress line. ``evaluation_s``: what one evaluation took on average so far (None: none has run
-        yet, so it is estimated from ``images_per_s``)."""
+        """One progress line; ``evaluation_s``: one evaluation's mean time so far (None: estimated)."""
         if not self.enabled:
             return
         pct = 100.0 * step / max(1, self.total_steps)
@@ -88,12 +79,8 @@ def _duration(seconds: float) -> str:
 
 class EvaluationProgress:
     """Inference over the validation images: "evaluation N/M images [P%] R img/s | ETA T", at most every
-    ``every_s`` seconds (0: after every batch), on the process where ``enabled``.
-
-    ``total_images`` are this process's: with several processes each infers its share, and rank 0's line
-    stands for all (the shares are equal). The rate leaves the first batch out: it holds cuDNN's planning and,
-    compiled, the evaluation graph's compilation, which would promise a long wait for a pass that then runs
-    at the steady rate.
+    ``every_s`` seconds (0: after every batch), where ``enabled``. ``total_images`` are this process's share (rank
+    0's line stands for all). The rate leaves out the first batch, which holds cuDNN's planning and compilation.
     """
 
     def __init__(self, *, total_images: int | None, every_s: float, enabled: bool, share_of: int | None = None):
@@ -135,4 +122,4 @@ class EvaluationProgress:
             done = f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]"
         share = f" (this process's share of {self.share_of})" if self.share_of is not None else ""
         log.info("evaluation %s%s %s img/s | ETA %s", done, share, "?" if math.isnan(rate) else f"{rate:.1f}",
-                 "?" if math.isnan(eta) else format_duration(eta))
+                 _duration(eta))

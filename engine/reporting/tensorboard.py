@@ -26,7 +26,7 @@ class ScalarWriter:
             self._writer.add_scalar(f"{prefix}/{name}", float(value), global_step=step)
 
     def add_image(self, tag: str, image: torch.Tensor, step: int) -> None:
-        """``image`` (3, H, W) uint8 RGB under ``tag``; one tag per picture, so TensorBoard's slider steps through time."""
+        """``image`` (3, H, W) uint8 RGB under ``tag`` (one tag per picture: the slider steps through time)."""
         if self._writer is None:
             return
         if image.dim() != 3 or image.shape[0] != 3 or image.dtype != torch.uint8:
