@@ -58,7 +58,7 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                if self._held_by_this_process():
+                if self._owner()[1:] == (os.getpid(), socket.gethostname()):
                     return  # taken before Hydra started (held_before_hydra), which releases it
                 self._take_over_if_stale()
                 continue
@@ -68,19 +68,16 @@ class RunLock:
             return
         raise RunDirectoryInUse(f"{self.path.parent} is being locked and unlocked by another process; try again")
 
-    def _held_by_this_process(self) -> bool:
+    def _owner(self) -> tuple[dict, int | None, str | None]:
+        """The lock file's record, pid and host; ({}, None, None) when unreadable (left by a crash while writing it)."""
         try:
             owner = json.loads(self.path.read_text())
-            return int(owner["pid"]) == os.getpid() and owner["host"] == socket.gethostname()
+            return owner, int(owner["pid"]), str(owner["host"])
         except (OSError, ValueError, KeyError, TypeError):
-            return False
+            return {}, None, None
 
     def _take_over_if_stale(self) -> None:
-        try:
-            owner = json.loads(self.path.read_text())
-            pid, host = int(owner["pid"]), str(owner["host"])
-        except (OSError, ValueError, KeyError, TypeError):
-            owner, pid, host = {}, None, None  # unreadable: left by a crash while writing it
+        owner, pid, host = self._owner()
         here = socket.gethostname()
         if pid is not None and pid != os.getpid() and (host != here or process_alive(pid)):
             where = f"process {pid}" + (f" on {host}" if host != here else "")
