@@ -1,13 +1,9 @@
 """Checkpoint files: atomic writes (stray temporaries cleaned up), room on the disk, loading with clear errors.
 
-Our checkpoint is a dict:
-    model          state_dict of the unwrapped model (names as in the official checkpoints)
-    optimizer, lr_scheduler, grad_scaler   their state_dicts
-    epoch          epochs completed; steps_in_epoch  batches done in the epoch in progress (0 at a boundary)
-    step           optimizer steps done in the whole run
-    config         the composed run config (plain dict), so a checkpoint knows its model variant
-    rng            python, numpy, torch (and cuda) generator states (engine.runtime.rng)
-An official Deformable DETR checkpoint is {"model": state_dict, "args": argparse.Namespace, ...}.
+Ours is a dict: ``model`` (the unwrapped model's state_dict, official names), ``optimizer``, ``lr_scheduler`` and
+``grad_scaler`` (state_dicts), ``epoch`` (completed), ``steps_in_epoch`` (batches done in the epoch in progress),
+``step`` (optimizer steps in the run), ``config`` (the composed run config, plain) and ``rng`` (engine.runtime.rng).
+An official one is {"model": state_dict, "args": argparse.Namespace, ...}.
 """
 
 from __future__ import annotations

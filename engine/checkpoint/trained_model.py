@@ -1,8 +1,6 @@
-"""A detector from a checkpoint, ours or an official one: the one path that eval_only, predict.py and export.py take.
-
-``checkpoint_model`` takes the architecture the checkpoint records and the class count of its class head, and loads
-the weights strictly; ``load_trained_model`` adds the recorded class names and inference size (COCO's for an official
-checkpoint).
+"""A detector from a checkpoint, ours or an official one, the one path eval_only, predict.py and export.py take:
+``checkpoint_model`` takes the recorded architecture and the class head's size and loads the weights strictly;
+``load_trained_model`` adds the recorded class names and inference size (COCO's for an official checkpoint).
 """
 
 from __future__ import annotations
@@ -75,15 +73,9 @@ def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = No
 
 @dataclass
 class TrainedModel:
-    """model        DeformableDETR in eval mode on ``device``, the checkpoint's weights loaded
-    postprocess  PostProcess: outputs -> per image {"scores", "labels", "boxes" xyxy in the given sizes}
-    model_config the model settings it was built from (a dict)
-    categories   category id -> name, as recorded (``name`` says "class N" for an id without one)
-    val_size     the short side images are resized to, as the checkpoint's run evaluated them
-    max_size     the long side's limit, ditto
-    checkpoint   the file it came from
-    step         the training step the checkpoint was saved at (0 where it does not record one)
-    """
+    """A loaded DeformableDETR in eval mode, its PostProcess (outputs -> per image {"scores", "labels", "boxes" xyxy
+    in the given sizes}), category names (``name`` gives "class N" for an id without one), and the resize
+    (``val_size`` short side, ``max_size`` long side) the checkpoint's run evaluated at."""
 
     model: torch.nn.Module
     postprocess: torch.nn.Module

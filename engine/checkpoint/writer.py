@@ -1,8 +1,6 @@
-"""Checkpoints written by a thread while training goes on (torch.save and fsync release the GIL).
-
-A save takes a host copy of the state at once (the next step changes the weights in place). One write is in flight
-at most: the next save, a stop and the end of the run wait for it and raise its error, as does the first ``check``
-after it failed.
+"""Checkpoints written by a thread while training goes on (torch.save and fsync release the GIL), from a host copy
+taken at once (the next step changes the weights in place). One write is in flight at most: the next save, a stop
+and the end of the run wait for it and raise its error, as does the first ``check`` after it failed.
 """
 
 from __future__ import annotations

@@ -67,14 +67,10 @@ class _FlatOutputs(nn.Module):
 
 
 class GraphedMethod:
-    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs, one
-    recording per size (its tensor arguments' shapes, dtypes and requires_grad, and autocast).
-
-    backward  True: forward and backward, for training calls (gradients on, owner training, something to
-              differentiate); False: forward only, for calls without gradients. Other calls run eagerly, as do
-              calls with a non-tensor argument (a mask of None).
-    pool      the memory pool the graphs share (module docstring)
-    """
+    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs in
+    ``pool``, one recording per size (its tensor arguments' shapes, dtypes and requires_grad, and autocast).
+    ``backward``: record forward and backward, for training calls, else forward only, for calls without gradients;
+    other calls, and calls with a non-tensor argument (a mask of None), run eagerly."""
 
     def __init__(self, owner: nn.Module, method, *, backward: bool, pool):
         self.owner, self.method, self.backward, self.pool = owner, method, backward, pool

@@ -196,11 +196,8 @@ def distributed_data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_
 class GradientAllReduce:
     """Data parallelism without DDP's per-parameter hooks, which put host work on a host-bound step's critical
     path: ``sync()`` after backward averages every gradient in one all-reduce per dtype over a flat buffer and
-    hands them back as views of it (a no-op in a world of one); parameters and buffers start as rank 0's.
-
-    A missing gradient counts as zero, so every rank runs the same collective (as DDP's find_unused_parameters),
-    and a parameter unused on every rank ends with a zero gradient, which AdamW still decays.
-    """
+    hands them back as views of it (a no-op in a world of one); parameters and buffers start as rank 0's. A missing
+    gradient counts as zero, so every rank runs the same collective, and one unused everywhere still decays."""
 
     def __init__(self, model: torch.nn.Module, ctx: DistContext):
         self.ctx = ctx

@@ -1,9 +1,7 @@
-"""Stopping a run cleanly on SIGTERM (preemption notice), SIGINT (Ctrl-C) or SIGUSR1 (SLURM's ``--signal=USR1@120``).
-
-``StopRequest`` turns them into a flag the training loop reads between steps: the step finishes, checkpoint.pth is
-written at the exact position, and the run exits with 128 + the signal's number. A second Ctrl-C stops at once
-(KeyboardInterrupt). Loader workers ignore the signals (``ignore_stop_signals``) so a Ctrl-C to the process group
-does not kill them under the step being finished.
+"""Stopping a run cleanly on SIGTERM (preemption notice), SIGINT (Ctrl-C) or SIGUSR1 (SLURM's ``--signal=USR1@120``):
+``StopRequest`` turns them into a flag the loop reads between steps; it saves the exact position and exits with
+128 + the signal's number. A second Ctrl-C stops at once. Loader workers ignore the signals (``ignore_stop_signals``),
+so a Ctrl-C to the process group does not kill them under the step being finished.
 """
 
 from __future__ import annotations
