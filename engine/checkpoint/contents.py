@@ -1,8 +1,5 @@
-"""What a checkpoint holds: the training state a resume needs, the model config it records, its weights.
-
-An official checkpoint records its model in ``args`` (argparse.Namespace), ours in ``config['model']``
-(engine/checkpoint/io.py's docstring lists the rest).
-"""
+"""What a checkpoint holds: the training state a resume needs, the model config it records (ours in
+``config['model']``, an official one in ``args``), its weights; engine/checkpoint/io.py lists the keys."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ log = logging.getLogger(__name__)
 
 
 TRAINING_STATE = ("optimizer", "lr_scheduler", "grad_scaler", "epoch", "steps_in_epoch", "step", "rng")
-# The key of a checkpoint's model EMA (engine/train/hooks/ema.py): {"model": the average's floating tensors by name,
-# "updates": optimizer steps averaged}.
+# A checkpoint's model EMA (engine/train/hooks/ema.py): {"model": floating tensors by name, "updates": steps averaged}.
 EMA_KEY = "ema"
 
 
@@ -57,14 +53,9 @@ def shown(value) -> str:
 
 def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
                                 keys: Iterable[str] | None = None) -> dict:
-    """``cfg_model`` with the architecture the checkpoint records (variant, sizes, classes) put in.
-
-    The weights fix the architecture, so where the checkpoint records a value (our config, or the official
-    args such as with_box_refine / two_stage) it wins over the composed config; keys it does not record
-    (e.g. num_classes in the official args, 91 there) come from the config. ``keys`` limits what is taken
-    from the checkpoint (default: every recorded key). ``pretrained`` is set to none: the checkpoint
-    replaces the backbone weights, and there is no need to fetch ImageNet ones.
-    """
+    """``cfg_model`` with the values the checkpoint records (our config or the official args; only ``keys`` when
+    given) put in, except the how-to-run ones: the weights fix the architecture. ``pretrained`` becomes none, as the
+    checkpoint replaces the ImageNet backbone weights."""
     recorded = recorded_model_config(ckpt)
     if keys is not None:
         wanted = set(keys)
@@ -88,13 +79,9 @@ def model_state_dict(ckpt: dict) -> dict:
 
 
 def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
-    """Strictly load ``ckpt['model']``; on mismatch say which names differ and what usually causes it.
-
-    Hybrid matching's one-to-many queries (models.deformable_detr.ONE2MANY_PARAMETERS) are the exception, as
-    inference never uses them: a checkpoint's are left out where the model has none (a hybrid checkpoint
-    evaluated with model.hybrid_matching=false), and a model's keep their initialization where the checkpoint
-    has none; a log line says so.
-    """
+    """Strictly load ``ckpt['model']``; CheckpointError naming the differing parameters and the likely settings.
+    Hybrid matching's one-to-many queries (ONE2MANY_PARAMETERS), which inference never uses, are the exception:
+    left out where the model has none, kept at their initialization where the checkpoint has none (logged)."""
     state = model_state_dict(ckpt)
     own = model.state_dict()
     unused = sorted(k for k in state if k in ONE2MANY_PARAMETERS and k not in own)
@@ -128,10 +115,8 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
 
 
 def read_recorded_config(path: str | os.PathLike) -> dict | None:
-    """The config a checkpoint of ours records, or None (unreadable, or not ours), without reading its tensors.
-
-    The file is memory-mapped: only the small pickle is parsed, so looking at many large checkpoints is cheap.
-    """
+    """The config a checkpoint of ours records, or None (unreadable, or not ours); memory-mapped, so its tensors
+    are not read."""
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(named_checkpoint(path), map_location="cpu", weights_only=True, mmap=True)

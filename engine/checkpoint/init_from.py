@@ -1,13 +1,6 @@
-"""``model.init_from=PATH``: start a new run from the weights of one of our checkpoints or an official one.
-
-Fine-tuning, e.g. a COCO-trained Deformable DETR on a dataset with other classes. Every tensor whose name
-and shape match is loaded; the classification heads (``class_embed.*``, which in two-stage includes the
-encoder's proposal head, also listed as ``transformer.decoder.class_embed.*``) keep their fresh
-initialization when num_classes differs. Any other shape difference (hidden_dim, num_queries, ...) is an
-error naming the file and the first parameters. Unlike ``resume``, nothing but the weights is taken: the run
-starts at epoch 0 with a fresh optimizer and schedule.
-
-Two steps, around ``build_model``::
+"""``model.init_from=PATH``: start a new run (epoch 0, fresh optimizer) from the weights of one of our checkpoints
+or an official one. Tensors of matching name and shape are loaded; the class heads (``class_embed.*``) keep their
+fresh initialization when num_classes differs; any other shape difference is a CheckpointError. Around ``build_model``::
 
     init = prepare_init_from(cfg.model)     # reads the file; puts its variant into cfg.model
     model, criterion, postprocess = build_model(cfg.model)
@@ -75,12 +68,9 @@ class InitFrom:
 
 
 def prepare_init_from(cfg_model) -> InitFrom:
-    """Read ``cfg_model.init_from`` (None/empty: nothing to do) and set its variant in ``cfg_model``.
-
-    with_box_refine / two_stage come from the checkpoint's recorded config or official args, else from its
-    parameter names; ``pretrained`` becomes none (the checkpoint's backbone replaces ImageNet weights). The
-    config is changed in place so that the run's checkpoints record the model actually trained.
-    """
+    """Read ``cfg_model.init_from`` (None/empty: nothing to do) and set, in place so that the run's checkpoints record
+    the model trained, the checkpoint's variant (recorded, else from its parameter names) and ``pretrained``=none
+    where it holds a backbone."""
     path = cfg_model.get("init_from")
     if not path:
         return InitFrom()
@@ -108,11 +98,7 @@ def prepare_init_from(cfg_model) -> InitFrom:
 
 
 def variant_from_names(state: dict) -> dict[str, bool]:
-    """with_box_refine / two_stage as a state dict in the official layout shows them.
-
-    Box refinement gives the decoder its own box heads (transformer.decoder.bbox_embed.*); two-stage adds
-    the encoder's proposal layers (transformer.enc_output.*).
-    """
+    """with_box_refine / two_stage as the parameter names of an official-layout state dict show them."""
     return {"with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
             "two_stage": any(k.startswith("transformer.enc_output.") for k in state)}
 

@@ -1,13 +1,9 @@
 """Checkpoint files: atomic writes (stray temporaries cleaned up), room on the disk, loading with clear errors.
 
-Our checkpoint is a dict:
-    model          state_dict of the unwrapped model (names as in the official checkpoints)
-    optimizer, lr_scheduler, grad_scaler   their state_dicts
-    epoch          epochs completed; steps_in_epoch  batches done in the epoch in progress (0 at a boundary)
-    step           optimizer steps done in the whole run
-    config         the composed run config (plain dict), so a checkpoint knows its model variant
-    rng            python, numpy, torch (and cuda) generator states (engine.runtime.rng)
-An official Deformable DETR checkpoint is {"model": state_dict, "args": argparse.Namespace, ...}.
+Ours is a dict: ``model`` (the unwrapped model's state_dict, official names), ``optimizer``, ``lr_scheduler`` and
+``grad_scaler`` (state_dicts), ``epoch`` (completed), ``steps_in_epoch`` (batches done in the epoch in progress),
+``step`` (optimizer steps in the run), ``config`` (the composed run config, plain) and ``rng`` (engine.runtime.rng).
+An official one is {"model": state_dict, "args": argparse.Namespace, ...}.
 """
 
 from __future__ import annotations
@@ -24,9 +20,9 @@ import torch
 
 from engine.config.run_files import LATEST, named_checkpoint
 from engine.errors import CheckpointError, CheckpointWriteError
+from engine.runtime.run_lock import process_alive
 
 log = logging.getLogger(__name__)
-
 
 
 def epoch_checkpoint_name(epoch: int) -> str:
@@ -34,12 +30,8 @@ def epoch_checkpoint_name(epoch: int) -> str:
 
 
 def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
-    """Write ``state`` to ``path`` so that a reader sees either the old file or the whole new one.
-
-    torch.save goes to a temporary file in the same directory, which is flushed to disk and then renamed
-    over ``path`` (rename is atomic on POSIX within one filesystem). An interrupted save leaves at most a
-    stray ``.tmp`` file, never a truncated checkpoint; the next save in the directory removes it.
-    """
+    """Write ``state`` to ``path`` atomically (a temporary file beside it, fsynced, then renamed over it): a reader
+    sees the old file or the whole new one. CheckpointWriteError naming the path and the free space on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stray_temporaries(path.parent)
@@ -57,8 +49,7 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
             f"could not write checkpoint {path} ({_write_failure(error)}; {_free_mb(path.parent):.0f} MB free on its "
             f"disk); {kept}. Free disk space or set output_dir to another disk, then resume") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -79,16 +70,15 @@ def _write_failure(error: Exception) -> str:
 
 
 def checkpoint_bytes(model: torch.nn.Module) -> int:
-    """About what a checkpoint of ``model`` takes on disk: the weights and buffers, and AdamW's two moments of
-    every trained parameter (fp32)."""
+    """About the bytes a checkpoint of ``model`` takes: weights, buffers and AdamW's two fp32 moments."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     moments = sum(2 * 4 * p.numel() for p in model.parameters() if p.requires_grad)
     return weights + moments + 2**20
 
 
 def check_free_space(directory: str | os.PathLike, needed: int) -> None:
-    """Refuse to start a run whose checkpoints would not fit: found now, not after an epoch of training. A save
-    writes the new file beside the old one before replacing it, so ``needed`` must be free on top of it."""
+    """CheckpointWriteError when ``directory`` has less than ``needed`` bytes free (on top of the old checkpoint,
+    which a save replaces only once the new file is written)."""
     free = shutil.disk_usage(directory).free
     if free < needed:
         raise CheckpointWriteError(
@@ -104,29 +94,16 @@ def _temporary_name(path: Path) -> Path:
 _TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.tmp")
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, belongs to someone else
-    return True
-
-
 def remove_stray_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files that interrupted saves (kill -9, a full disk) left in ``directory``.
-
-    Only files named as save_checkpoint/publish_as name them, and only those of processes that no longer
-    run (or of this one, whose own saves are over by now): a save in progress elsewhere is left alone.
-    """
+    """Delete the temporary files interrupted saves left in ``directory``: those of processes that no longer run, or
+    of this one (whose saves are over), never a save in progress elsewhere."""
     removed = []
     for tmp in Path(directory).glob(".*.tmp"):
         match = _TEMPORARY.fullmatch(tmp.name)
         if match is None:
             continue
         pid = int(match["pid"])
-        if pid == os.getpid() or not _process_alive(pid):
+        if pid == os.getpid() or not process_alive(pid):
             try:
                 size = tmp.stat().st_size
                 tmp.unlink()
@@ -138,17 +115,12 @@ def remove_stray_temporaries(directory: str | os.PathLike) -> list[Path]:
 
 
 def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Make ``dst`` hold the same bytes as the finished checkpoint ``src``, atomically.
-
-    A hard link costs no second write of a large file; where links are not supported it is a copy. Either
-    way the new name appears by rename, and replacing ``dst`` later leaves ``src`` untouched. A copy that
-    fails (a full disk) raises CheckpointWriteError naming both files.
-    """
+    """Make ``dst`` hold the bytes of the finished checkpoint ``src``, atomically: a hard link (a copy where links
+    are not supported) renamed to ``dst``. CheckpointWriteError naming both files on failure."""
     src, dst = Path(src), Path(dst)
     tmp = _temporary_name(dst)
     try:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
         try:
             os.link(src, tmp)
         except OSError:
@@ -162,11 +134,8 @@ def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Read a checkpoint onto the CPU; raise CheckpointError naming the path and what was expected.
-
-    Loads with ``weights_only=True`` (no arbitrary code from a downloaded file); argparse.Namespace is
-    allowed because the official checkpoints record their arguments in one.
-    """
+    """Read a checkpoint (a file, or a run directory's latest) onto the CPU with weights_only=True, allowing the
+    official checkpoints' argparse.Namespace; CheckpointError naming the path and what was expected."""
     given, path = Path(path), named_checkpoint(path)
     expected = ("a torch.save file holding a dict with a 'model' state_dict "
                 "(a checkpoint of this trainer or an official Deformable DETR checkpoint), or a run directory "

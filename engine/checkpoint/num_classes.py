@@ -1,9 +1,5 @@
-"""How many classes the model predicts, and whether the data's category ids fit in them.
-
-Class c of the model's head is COCO category id c (as in the original: 91 outputs for ids up to 90), so
-every category id in the annotations must be below model.num_classes. Checked for every split before
-training or evaluating: a larger id would otherwise end in an IndexError inside the matcher, or in
-categories that can never be detected.
+"""How many classes the model predicts, and whether the data's category ids fit in them: class c is category id c
+(91 outputs for COCO's ids up to 90), so a larger id would fail inside the matcher or never be detected.
 """
 
 from __future__ import annotations
@@ -30,12 +26,10 @@ def classes_in_weights(state: dict) -> int | None:
 def resolve_num_classes(num_classes: int | None, datasets: dict[str, CocoDetection], *,
                         checkpoint_state: dict | None = None, evaluated: str | None = None,
                         resumed_from: str | None = None) -> int:
-    """``num_classes``, or when None the largest category id of the training annotation file plus one (logged);
-    for an evaluation (``checkpoint_state``, the weights of the checkpoint ``evaluated``) the rows of its class head,
-    whatever the settings say. Then every split's category ids are checked against it: ValueError naming the file,
-    the id, an annotation that has it and a fix that works, which for a run resumed from the checkpoint
-    ``resumed_from`` (whose model keeps its classes), or for an evaluation, is a new run from the checkpoint.
-    """
+    """``num_classes`` (None: the training annotations' largest category id plus one, logged), or for an evaluation
+    the class head rows of ``checkpoint_state`` (the weights of ``evaluated``). ValueError naming the file, the id,
+    an annotation and a fix when a split's category id does not fit; ``resumed_from``: the checkpoint a resumed run,
+    whose model keeps its classes, came from."""
     evaluating, resumed = bool(checkpoint_state), resumed_from is not None and num_classes is not None
     source = f"model.num_classes={num_classes}"
     if resumed:

@@ -1,10 +1,6 @@
-"""A detector from a checkpoint: ours (any run of train.py) or an official Deformable DETR one.
-
-The one path from a checkpoint to a model, which ``python train.py eval_only=true``, predict.py and export.py all
-take (``checkpoint_model``): the architecture comes from the checkpoint where it records it
-(engine.checkpoint.contents.model_config_for_checkpoint), the number of classes from its class head, and the weights
-are loaded strictly. For inference (``load_trained_model``) the class names and the inference size come from the
-checkpoint too when it records them; an official checkpoint (COCO, 91 rows) gets COCO's names and sizes.
+"""A detector from a checkpoint, ours or an official one, the one path eval_only, predict.py and export.py take:
+``checkpoint_model`` takes the recorded architecture and the class head's size and loads the weights strictly;
+``load_trained_model`` adds the recorded class names and inference size (COCO's for an official checkpoint).
 """
 
 from __future__ import annotations
@@ -31,15 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CheckpointModel:
-    """What a checkpoint says its detector is.
-
-    path          the file
-    ckpt          its contents
-    model_config  the model settings to build it with (a plain dict): the config's, the checkpoint's architecture
-                  and class count put in
-    weights       which of its weights ``load_into`` loads: "ema", the model EMA's where the checkpoint holds one
-                  (its raw weights otherwise), or "raw"
-    """
+    """What a checkpoint says its detector is: ``path``, its contents ``ckpt``, the ``model_config`` to build it with
+    (a plain dict), and the ``weights`` ``load_into`` loads: "ema" (the model EMA's where it holds one) or "raw"."""
 
     path: Path
     ckpt: dict
@@ -67,14 +56,13 @@ class CheckpointModel:
 
 def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = None,
                      weights: str = "ema") -> CheckpointModel:
-    """The detector ``checkpoint`` (a file, or a run directory's checkpoint.pth) holds, described from ``cfg_model`` (a
-    model config: DictConfig or dict) with what the checkpoint records put in; ``msda`` (auto | triton | pytorch): the
-    attention implementation to run, else the config's; ``weights``: CheckpointModel's."""
+    """The detector ``checkpoint`` (a file or a run directory) holds: ``cfg_model`` (DictConfig or dict) with what the
+    checkpoint records put in; ``msda``: the attention to run instead of the config's; ``weights``: "ema" or "raw"."""
     path = named_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
     plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
-    # Inference is the one-to-one queries': the model without hybrid matching, whatever the checkpoint trained with
-    # (load_model_weights leaves its one-to-many queries out), so that predict and export run that model's graph.
+    # Inference uses the one-to-one queries only: build the model without hybrid matching (load_model_weights drops
+    # the one-to-many queries), so that predict and export run that graph.
     model_config = model_config_for_checkpoint(plain, ckpt, path=path, keys=MODEL_KEYS - {"hybrid_matching"})
     model_config["hybrid_matching"] = False
     model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
@@ -85,15 +73,9 @@ def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = No
 
 @dataclass
 class TrainedModel:
-    """model        DeformableDETR in eval mode on ``device``, the checkpoint's weights loaded
-    postprocess  PostProcess: outputs -> per image {"scores", "labels", "boxes" xyxy in the given sizes}
-    model_config the model settings it was built from (a dict)
-    categories   category id -> name, as recorded (``name`` says "class N" for an id without one)
-    val_size     the short side images are resized to, as the checkpoint's run evaluated them
-    max_size     the long side's limit, ditto
-    checkpoint   the file it came from
-    step         the training step the checkpoint was saved at (0 where it does not record one)
-    """
+    """A loaded DeformableDETR in eval mode, its PostProcess (outputs -> per image {"scores", "labels", "boxes" xyxy
+    in the given sizes}), category names (``name`` gives "class N" for an id without one), and the resize
+    (``val_size`` short side, ``max_size`` long side) the checkpoint's run evaluated at."""
 
     model: torch.nn.Module
     postprocess: torch.nn.Module
@@ -110,13 +92,8 @@ class TrainedModel:
 
 def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.device, msda: str | None = None,
                        categories: dict[int, str] | None = None, weights: str = "ema") -> TrainedModel:
-    """The detector of ``checkpoint``, built from ``cfg_model`` (a model config: DictConfig or dict) with what
-    the checkpoint records put in, on ``device``.
-
-    ``msda``: the attention implementation to run (auto | triton | pytorch), else the config's.
-    ``categories``: names to use instead of the checkpoint's (e.g. from an annotation file).
-    ``weights``: the model EMA's ("ema", where the checkpoint holds one) or the raw ones.
-    """
+    """``checkpoint_model``'s detector built, loaded and on ``device`` in eval mode; ``categories``: names to use
+    instead of the checkpoint's (e.g. from an annotation file)."""
     source = checkpoint_model(checkpoint, cfg_model, msda=msda, weights=weights)
     model, _, postprocess = build_model(source.model_config)
     source.load_into(model)
@@ -138,8 +115,7 @@ def recorded_sizes(ckpt: dict) -> tuple[int, int]:
 
 
 def recorded_categories(ckpt: dict, num_classes: int) -> dict[int, str]:
-    """category id -> name as ``ckpt`` records them (checkpoints of this trainer), else COCO's for a class head
-    of COCO's size (91 rows: the official checkpoints), else none."""
+    """category id -> name as ``ckpt`` records them, else COCO's for a class head of 91 rows, else none."""
     recorded = ckpt.get("categories")
     if isinstance(recorded, dict) and recorded:
         return {int(k): str(v) for k, v in recorded.items()}

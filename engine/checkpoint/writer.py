@@ -1,12 +1,6 @@
-"""Checkpoints written while the run goes on training.
-
-A save takes a host copy of the state at once (the next optimizer step changes the weights in place) and
-hands it to a writer thread, which writes it with ``save_checkpoint`` (a temporary file renamed when
-complete). torch.save's writes and the fsync release the GIL, so the steps go on meanwhile; on a short
-fine-tune, epochs of a few seconds no longer wait a second each for the disk. One write is in flight at
-most: the next save, a stop and the end of the run wait for it, and its error is raised there, or at the
-first ``check`` after the write failed (the loop checks at each log interval: a full disk stops the run
-within an interval, not an epoch later). A run killed mid-write keeps the previous checkpoint, whole.
+"""Checkpoints written by a thread while training goes on (torch.save and fsync release the GIL), from a host copy
+taken at once (the next step changes the weights in place). One write is in flight at most: the next save, a stop
+and the end of the run wait for it and raise its error, as does the first ``check`` after it failed.
 """
 
 from __future__ import annotations
@@ -25,10 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def host_copy(obj, _copies: dict | None = None):
-    """``obj`` with every tensor copied to host memory (a copy even of host tensors: the optimizer updates
-    them in place); dicts, lists and tuples are rebuilt around the copies, anything else is shared. Tensors
-    that are the same view of one storage (tied weights: the shared heads of the prediction layers) get one
-    copy, so that torch.save still writes them once."""
+    """``obj`` with every tensor copied to host memory, even host tensors (updated in place); dicts, lists and tuples
+    rebuilt, anything else shared. Identical views (tied weights) get one copy, so torch.save writes them once."""
     copies = {} if _copies is None else _copies
     if torch.is_tensor(obj):
         key = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(),
@@ -78,9 +70,8 @@ class CheckpointWriter:
             self.wait()
 
     def wait_quietly(self) -> None:
-        """``wait`` for a run that is already failing: a write error is logged, not raised over the first. An error
-        raised into the wait from elsewhere (a second loader worker's death, which torch's SIGCHLD handler raises
-        in this thread) is not the write's: the wait goes on, so that the process never ends with a write in flight."""
+        """``wait`` for a run already failing: a write error is logged, not raised. An error raised into the wait from
+        elsewhere (torch's SIGCHLD handler on a loader worker's death) does not end it: no write is left in flight."""
         while True:
             try:
                 self.wait()

@@ -9,15 +9,13 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
-# Environment variables of the caches and the folder of compile.cache_dir each one takes; a variable the user
-# set before the run wins.
+# Each cache's environment variable -> its folder under compile.cache_dir; a variable the user set wins.
 CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 _set_here: dict[str, str] = {}
 
 
 def _torch_default(variable: str) -> str | None:
-    """The value torch writes into ``variable`` itself: Inductor sets TORCHINDUCTOR_CACHE_DIR to its default folder
-    when it first looks for its cache, which importing torch._inductor.config does."""
+    """The value torch sets ``variable`` to itself (importing torch._inductor.config sets TORCHINDUCTOR_CACHE_DIR)."""
     if variable != "TORCHINDUCTOR_CACHE_DIR":
         return None
     try:
@@ -33,10 +31,8 @@ def _chosen_by_user(variable: str) -> bool:
 
 
 def use_compile_cache(cache_dir: str) -> Path:
-    """Keep Inductor's (with AOTAutograd's) and Triton's caches under ``cache_dir``; returns it resolved.
-
-    Call before anything compiles: both read their variables when they first need them.
-    """
+    """Keep Inductor's (with AOTAutograd's) and Triton's caches under ``cache_dir``; returns it resolved. Call before
+    anything compiles: both read their variables when they first need them."""
     root = Path(os.path.expanduser(cache_dir)).resolve()
     for variable, folder in CACHE_VARIABLES.items():
         if _chosen_by_user(variable):

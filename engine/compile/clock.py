@@ -1,10 +1,7 @@
-"""What torch.compile costs a run, as the run reports it: seconds, and graphs per compiled function.
+"""What compilation costs a run: seconds, and graphs per compiled function (``co_name``: features, predict ...).
 
-``CompileClock`` adds up the wall time of everything Dynamo's compile callbacks bracket in this process (tracing and
-compiling a new graph, a backward compiled at its first call, CUDA graphs recorded by Inductor's graph trees) and of
-the eager model's CUDA graphs recorded by engine/compile/cuda_graphs.py (``record_capture``). The run charges that
-time to "compile" rather than to training or evaluation, keeps it out of the ETA, and logs "compiled N graphs in
-X s". Graphs are counted per compiled function (``co_name``: features, detect, predict, stacked_losses ...).
+``CompileClock`` adds up the time Dynamo's compile callbacks bracket in this process and that of the eager model's
+CUDA graph recordings (``record_capture``); the run reports it as "compile", apart from training and the ETA.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 
-# The names ``record_capture`` counts CUDA graphs of the eager model under (engine/compile/cuda_graphs.py): this prefix
-# and the recorded method's name.
+# record_capture's names: this prefix and the recorded method's name.
 CAPTURE_PREFIX = "graphed_"
 
 

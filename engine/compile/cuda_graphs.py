@@ -1,35 +1,19 @@
 """CUDA graphs of the eager model, nothing compiled: ``compile.mode=graphs``, and ``auto``'s choice on a GPU for
-runs too short to repay Inductor's compilation (engine/compile/plan.py).
+short runs (engine/compile/plan.py). One launch replays a host-bound step's thousands of small eager kernels.
 
-The eager step is host-bound: Python issues thousands of small kernels per step while the GPU waits. A CUDA
-graph records one step's kernels once and replays them with one launch, so the GPU runs the same eager
-kernels back to back. Recording a size takes a few eager steps and about a second, where Inductor's first
-compilation takes minutes.
+Recorded per input size (batch, height, width) and precision: in training ``forward`` and the losses after the
+matching (``SetCriterion.stacked_losses``, per padded target count: models.criterion.target_slots), forward and
+backward each; in evaluation ``detect``, forward only. The matching (it reads its costs on the host) and the
+optimizer stay eager.
 
-What is recorded, per input size (batch, height, width) and precision:
-- training: ``forward`` (backbone, transformer, heads), its forward and its backward; and the losses after the
-  matching (``SetCriterion.stacked_losses``), forward and backward, per padded number of targets
-  (models.criterion.target_slots). The Hungarian matching and the optimizer stay eager: the matching reads its
-  cost matrices on the host.
-- evaluation: ``detect`` as one forward graph.
+The model's graphs share one memory pool: a caller must be done with a replay's outputs before the next call. The
+criterion's regions replay between the model's (or each other's) forward and backward, so each has its own pool.
+Capture needs a model that neither reads back from the GPU nor copies from the host while it runs, and autocast
+without its weight cache (engine/runtime/precision.py), which would freeze the weights seen at recording.
 
-The model's graphs share one memory pool. That is safe because every replay's outputs are used up before the
-next replay of the pool starts (the step turns them into losses and gradients, evaluation into detections on
-the host): a graph's outputs, and the activations its forward leaves for its backward, live in memory another
-size's replay may write. A caller must not keep a replay's outputs past the next call. The losses' graphs
-replay between the model's forward and its backward, and the two-stage proposals' between the decoder's
-losses' forward and backward: the decoder's losses and the proposals' are two regions, each with a pool of its
-own, shared by its sizes. Capture needs a model that reads nothing back from the GPU and copies nothing from the
-host while it runs (models/deformable_attention.py keeps its level sizes on the device) and autocast without
-its weight cache (engine/runtime/precision.py): a cached cast would freeze the weights a graph saw when it was
-recorded.
-
-A training recording warms up and records on a stream of its own, then lets go of the autograd graph its
-recording built (``_TrainingRecording``): that graph held the parameters' gradient accumulators, made on the
-recording's stream, and a step's backward on the default stream met them there (PyTorch's warning that an
-AccumulateGrad node's stream does not match). The gradients a backward replay returns are copies: the replay
-writes into the same buffers each time, and a parameter may keep the tensor it is handed as its ``.grad``, which
-the next pass of an accumulated step would overwrite.
+A training recording runs on a stream of its own and lets go of the autograd graph it built, whose gradient
+accumulators would otherwise meet the step's backward on another stream (PyTorch's AccumulateGrad stream warning).
+A backward replay's gradients are copies: a parameter may keep its ``.grad``, which the next replay would overwrite.
 """
 
 from __future__ import annotations
@@ -48,11 +32,9 @@ log = logging.getLogger(__name__)
 # Sizes recorded per method; a size past them runs eagerly (logged once). Size buckets keep a run to a few
 # (datasets/size_buckets.py); with buckets off every image size would record graphs and keep their memory.
 MAX_SIZES = 32
-# No size is recorded once this share of the GPU's memory is taken: what is left is the eager steps' of the sizes
-# that come after.
+# No size is recorded once this share of the GPU's memory is taken: the rest is for the eager steps of later sizes.
 GRAPH_MEMORY_SHARE = 0.5
-# Eager runs before recording: the first call of a size autotunes and loads kernels, which must not happen in
-# the recording.
+# Eager calls before recording: a size's first call autotunes and loads kernels, which must not be recorded.
 WARMUP_CALLS = 2
 # Another thread's CUDA calls during a recording (the loader's pin-memory thread allocating pinned memory for a
 # large batch) must not void it: only this thread's are checked.
@@ -61,9 +43,8 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def capture_stream() -> torch.cuda.Stream:
-    """The one stream every recording on the current device warms up and records on. The allocator reuses a
-    memory pool's free blocks only for allocations on the stream that made them: recordings on a new stream each
-    could not share the pool's memory between sizes, and a run at a large batch ran out of it."""
+    """The one stream every recording on the current device warms up and records on: the allocator reuses a pool's
+    free blocks only on the stream that made them, so sizes recorded on different streams could not share memory."""
     device = torch.cuda.current_device()
     if device not in _capture_streams:
         _capture_streams[device] = torch.cuda.Stream()
@@ -86,15 +67,10 @@ class _FlatOutputs(nn.Module):
 
 
 class GraphedMethod:
-    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs,
-    one recording per size (the shapes, dtypes and requires_grad of its tensor arguments, and autocast).
-
-    backward  True: forward and backward recorded (training; called with gradients on, the owner training and
-              something to differentiate, else it runs eagerly); False: a forward graph, for calls without
-              gradients
-    pool      the memory pool the graphs share (module docstring)
-    A call with an argument that is not a tensor (a model's mask of None) runs eagerly.
-    """
+    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs in
+    ``pool``, one recording per size (its tensor arguments' shapes, dtypes and requires_grad, and autocast).
+    ``backward``: record forward and backward, for training calls, else forward only, for calls without gradients;
+    other calls, and calls with a non-tensor argument (a mask of None), run eagerly."""
 
     def __init__(self, owner: nn.Module, method, *, backward: bool, pool):
         self.owner, self.method, self.backward, self.pool = owner, method, backward, pool
@@ -121,8 +97,7 @@ class GraphedMethod:
         return replay(*args)
 
     def _full(self, device: torch.device) -> str | None:
-        """Why no further size may be recorded, or None. Each size's graphs keep their memory for the run: at a
-        large batch a few sizes would take the memory the step itself needs."""
+        """Why no further size may be recorded (each keeps its memory for the run), or None."""
         if len(self._graphs) >= MAX_SIZES:
             return f"{MAX_SIZES} sizes recorded as CUDA graphs, the most kept"
         total = torch.cuda.get_device_properties(device).total_memory
@@ -245,10 +220,9 @@ class _Replay(torch.autograd.Function):
 
 
 def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Module | None = None) -> nn.Module:
-    """Replay the regions ``model`` declares for recording (``compile_regions(graphs=True)``: its training ``forward``
-    and, with ``evaluation``, its ``detect``) as CUDA graphs, in place (per instance, through ``use_compiled``:
-    parameters, state_dict keys and checkpoints are unchanged), and the regions of ``criterion`` (its losses) in
-    a pool per region; returns the model."""
+    """Replay ``model``'s regions (``compile_regions(graphs=True)``: training ``forward`` and, with ``evaluation``,
+    ``detect``) as CUDA graphs in one pool, and ``criterion``'s in a pool each; in place, through ``use_compiled``
+    (state_dict keys unchanged). Returns the model."""
     graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), pool_per_region=False)
     if criterion is not None:
         graph_regions(criterion, criterion.compile_regions(graphs=True), pool_per_region=True)

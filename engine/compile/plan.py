@@ -1,26 +1,13 @@
-"""The ``compile`` settings as a plan for this device, applied to the regions a model declares.
+"""The ``compile`` settings as a plan for this device (``resolve_compile``), applied to the regions a model declares
+(``compile_model``); configs/train.yaml explains each setting.
 
-``compile.mode=auto`` (the default) on a GPU replays the eager model as CUDA graphs (``graphs``,
-engine/compile/cuda_graphs.py: nothing compiled, a second or so per size) for a run of fewer than ``STEPS_TO_COMPILE``
-steps, and compiles it for a longer run or when a ``compile.regions|backbone|backend`` key asks for Inductor.
-Compiled (``reduce-overhead``), it takes the transformer with its heads (as one graph, or a graph per layer kind:
-``compile.regions``), the position encoding, the backbone (``DeformableDETR.features``) and, in training, the
-losses after the Hungarian matching. On the CPU auto runs eagerly. ``compile.mode=eager`` turns compilation and
-graphs off; ``default`` compiles without CUDA graphs (also on the CPU).
-
-Why: the step's thousands of small launches are in the transformer, and each compiled call costs the host a few
-hundred microseconds (guards, wrappers, the CUDA-graph trees' input copies). Below ``LAYERS_FROM_BATCH`` images per
-pass the GPU waits for that host time, so the transformer is one graph (``DeformableDETR.predict``, the attention
-op traced as a registered operator with no break); from that batch on the GPU's work per call hides it, and
-``layers`` compiles each kind of layer once, which compiles faster. The size buckets (datasets/size_buckets.py)
-bound how many sizes a run meets, and so how many CUDA graphs it records.
-
-Every training region has symbolic sizes: one graph serves every bucket and every batch (``compile.backbone=static``
-compiles the backbone per size instead). The losses are padded to a few numbers of matched pairs
-(models.criterion.target_slots), so that their CUDA graphs are recorded a few times and replayed. Evaluation runs
-``DeformableDETR.detect``, compiled (when it pays, ``EVALUATION_BATCHES_TO_COMPILE``) as one graph per evaluation
-size. Module names and state_dict keys are unchanged: checkpoints of a compiled run load anywhere. Compiled graphs,
-kernels and autotuning results are kept in ``compile.cache_dir`` for the next run and for resumes.
+Compiled, the regions are the transformer with its heads (one graph, ``DeformableDETR.predict``, or a graph per layer
+kind: ``compile.regions``), the position encoding, the backbone (``DeformableDETR.features``) and, in training, the
+losses after the matching. Each compiled call costs the host hundreds of microseconds: below ``LAYERS_FROM_BATCH``
+images per pass the GPU waits for that, so the transformer is one graph; from there, per-layer graphs compile faster.
+Training regions have symbolic sizes (one graph for every size bucket and batch) unless the backbone is static; the
+losses are padded to a few target counts (models.criterion.target_slots); evaluation's ``detect`` is a graph per size.
+State_dict keys are unchanged: checkpoints of a compiled run load anywhere.
 """
 
 from __future__ import annotations
@@ -45,22 +32,19 @@ from models.compiled_regions import Region
 
 log = logging.getLogger(__name__)
 
-# compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below them its
-# compilation (minutes with a cold cache) costs more than its faster step saves over the eager model's CUDA
-# graphs (bench/results/ttr_h200.md has both).
+# compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below, its compilation
+# costs more than it saves over the eager model's CUDA graphs (bench/results/ttr_h200.md).
 STEPS_TO_COMPILE = 35000
 # compile.regions=null compiles the transformer a layer at a time from this many images per pass (the loader's
 # batch, or its share under gradient accumulation), and as one graph below it.
 LAYERS_FROM_BATCH = 16
-# Graphs Dynamo keeps per compiled function before it falls back to eager ones (its recompile limit), raised
-# for the per-size graphs of a static backbone and of evaluation: a run meets its buckets, a user with buckets off
-# (dataset.size_buckets=0) many more. Process-wide: the limit of the other regions rises with it.
+# Dynamo's recompile limit (graphs per function before it falls back to eager), raised for the per-size graphs of a
+# static backbone and of evaluation; process-wide.
 STATIC_BACKBONE_GRAPHS = 64
 # The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-# compile.evaluation=null compiles evaluation when the run evaluates at least this many batches per process in
-# all: a compiled evaluation graph costs tens of seconds per evaluation size to compile (cold cache) and saves
-# milliseconds per batch.
+# compile.evaluation=null compiles evaluation from this many evaluation batches per process in the run: a graph costs
+# tens of seconds per evaluation size to compile and saves milliseconds per batch.
 EVALUATION_BATCHES_TO_COMPILE = 1000
 
 
@@ -116,14 +100,10 @@ class CompilePlan:
 
 def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0,
                     training_steps: int = 0, pass_batch: int = 0) -> CompilePlan | None:
-    """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager.
-
-    ``evaluation_batches``: the evaluation batches this process will run in all, which decides
-    ``compile.evaluation=null`` when compiling; ``training_steps``: the optimizer steps it will run, which decide
-    auto's choice on a GPU (STEPS_TO_COMPILE); ``pass_batch``: the images of one training pass, which decide
-    ``compile.regions=null`` (LAYERS_FROM_BATCH). Settings that cannot work on this device are refused, naming the
-    keys.
-    """
+    """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager; ValueError naming
+    the keys for settings that cannot work on this device. This process's ``evaluation_batches`` decide
+    compile.evaluation=null, its ``training_steps`` auto's choice on a GPU, and the images of one training pass
+    (``pass_batch``) compile.regions=null."""
     mode = str(cfg_compile.mode)
     if mode == "eager":
         return None
@@ -170,15 +150,12 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
         raise ValueError(f"regions must be one of {REGION_CHOICES}, got {plan.regions!r}")
     if plan.cuda_graphs:
         model.register_forward_pre_hook(_new_cuda_graph_step)
-    # The graph of "transformer" takes every level's maps: sizes of different levels that happen to be equal
-    # when it is first compiled (a square image's levels, the batch size and a small level's height) must stay
-    # separate symbols, or the next size that breaks the coincidence recompiles the whole transformer. Read when
-    # a graph is compiled, at its first call; process-wide. Per-layer graphs keep torch's default, and so does the
-    # backbone with them: its images and mask then share their batch and size symbols, and it compiles faster.
+    # Sizes that happen to be equal at the transformer's first compile (a square image's sides) must stay separate
+    # symbols, or the next size recompiles it; per-layer graphs keep torch's default, which compiles faster.
+    # Read at each graph's first call; process-wide.
     torch.fx.experimental._config.use_duck_shape = plan.regions == "layers"
-    # The floats the model reads (dropout rates, norm epsilons, default arguments) are constants of the graph.
-    # Made symbolic inputs (Dynamo's default), they were specialized during the transformer's compilation, which
-    # then started again from the beginning: every compile of the transformer traced it twice. Process-wide.
+    # The model's floats (dropout rates, epsilons) as graph constants: symbolic, they were specialized mid-compile,
+    # which traced the transformer twice. Process-wide.
     torch._dynamo.config.specialize_float = True
     if plan.backbone == "static" or plan.evaluation:
         _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
@@ -206,12 +183,9 @@ def _compile_region(owner: torch.nn.Module, region: Region, plan: CompilePlan) -
 
 
 def _options(region: Region, plan: CompilePlan) -> dict:
-    """torch.compile's arguments for one region. Inductor takes a mode or options, not both: reduce-overhead
-    is its CUDA-graph option. For a whole graph with symbolic sizes, Inductor's tiling coalescing analysis is off
-    (meant for static shapes, it can fail an assertion on this graph's size hints and end the compile). For any
-    graph with symbolic sizes, the fusion of two reductions along different axes of one tensor (a layer norm's
-    backward) skips its size thresholds, which guard on the token count: otherwise the first size on the other side
-    of a threshold compiles the graph again."""
+    """torch.compile's arguments for one region (Inductor takes a mode or options, not both). With symbolic sizes,
+    the tiling coalescing analysis is off for a whole graph (it can fail an assertion on its size hints), and
+    mixed-order reduction fusion skips its size thresholds, whose guards on the token count would recompile."""
     options = {"backend": plan.backend, "dynamic": not region.static_sizes, "fullgraph": region.whole}
     inductor = {}
     triton_options = torch._inductor.config.triton
@@ -244,7 +218,6 @@ def _allow_graphs_per_function(graphs: int) -> None:
 
 
 def _new_cuda_graph_step(module, args) -> None:
-    # The graph trees reuse a replay's output memory at the next step; telling them where a step starts
-    # lets each compiled region be replayed several times per model call (the layers, the position encoding
-    # once per level) without a live output being overwritten.
+    # The graph trees reuse a replay's outputs' memory at the next step: marking the step's start lets a region
+    # replay several times per model call (the layers) without overwriting a live output.
     torch.compiler.cudagraph_mark_step_begin()

@@ -1,8 +1,5 @@
-"""The allowed values of the run settings, as lists and as the enumerations the schemas are typed with.
-
-The modules that act on a setting (engine/compile, engine/runtime/distributed.py, engine/runtime/precision.py)
-import their list from here, so that the schema and the code that reads it never disagree; this module imports
-nothing heavier than the standard library and datasets' list of COCOeval backends.
+"""The allowed values of the run settings, as lists (for the code that acts on them) and as the schemas' enumerations.
+Keep its imports light: the standard library and datasets' list of COCOeval backends.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 AMP_CHOICES = ("none", "bf16", "fp16")
 # Inductor's modes that a compiled run may use: plain kernels, or the same kernels replayed as CUDA graphs.
 INDUCTOR_MODES = ("default", "reduce-overhead")
-# Every mode that changes how the model runs: the eager model's CUDA graphs (engine/compile/cuda_graphs.py), or
-# Inductor.
+# Every mode that changes how the model runs: the eager model's CUDA graphs (engine/compile/cuda_graphs.py) or Inductor.
 COMPILE_MODES = ("graphs", *INDUCTOR_MODES)
 # The compile settings that only Inductor reads (the others: mode, evaluation, cache_dir).
 INDUCTOR_KEYS = ("regions", "backbone", "backend")
@@ -30,8 +26,7 @@ DEFAULT_REGIONS = "transformer"
 TRAIN_BACKBONE_CHOICES = ("dynamic", "static", "eager")
 # How gradients are averaged over processes (engine/runtime/distributed.py).
 GRADIENT_SYNCS = ("allreduce", "ddp")
-# Which of a checkpoint's weights evaluation, predict.py and export.py use: its model EMA's where it holds one, or the
-# raw ones (engine/checkpoint/trained_model.py).
+# The weights evaluation, predict.py and export.py take from a checkpoint (engine/checkpoint/trained_model.py).
 CHECKPOINT_WEIGHTS = ("ema", "raw")
 
 Amp = StrEnum("Amp", {name: name for name in AMP_CHOICES})

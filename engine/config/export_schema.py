@@ -1,13 +1,10 @@
-"""The typed config of export.py (configs/export.yaml): which checkpoint, which format, what the graph takes.
+"""The typed config of export.py (configs/export.yaml); ``ExportConfig.__post_init__`` refuses the combinations
+that cannot work. The attention in the exported graph (``msda_node``):
 
-What the choices mean together (``ExportConfig.__post_init__`` refuses the combinations that cannot work):
-
-    format=onnx  msda_node=reference (default): the attention as grid_sample ops, which any ONNX runtime runs
-                 msda_node=tensorrt: the attention as one MultiscaleDeformableAttnPlugin_TRT node per layer,
-                 for TensorRT's plugin; no runtime here runs it, so its parity is not checked
-    format=aoti  msda_node=reference (the CPU's default): Inductor compiles the grid_sample decomposition
-                 msda_node=triton (the GPU's default): the package calls the registered op msda::attention,
-                 so the process that loads it must ``import msda`` (engine/export/aoti.py says why)
+    format=onnx  reference (default): grid_sample ops, for any ONNX runtime | tensorrt: a
+                 MultiscaleDeformableAttnPlugin_TRT node per layer, for TensorRT (its parity is not checked)
+    format=aoti  reference (the CPU's default): grid_sample, compiled | triton (the GPU's default): the op
+                 msda::attention, so the loading process must ``import msda`` (engine/export/aoti.py)
 """
 
 from __future__ import annotations
@@ -35,17 +32,15 @@ DEFAULT_OPSET = 18  # the opset torch.onnx's exporter builds the graph at; other
 # The newest opset torch.onnx declares it exports (torch.onnx._constants.ONNX_MAX_OPSET), and the newest tested: every
 # opset from MIN_OPSET to here writes a file that onnx's checker and onnxruntime take (tests/test_export.py).
 MAX_OPSET = 23
-# The backbone's largest stride: batches are padded to multiples of it (predict.py, the COCO recipe), and an
-# exported graph takes sides that are multiples of it (engine/export/exportable.py).
+# The backbone's largest stride: padded batches and an exported graph's sides are multiples of it.
 SIDE_MULTIPLE = 32
 SUFFIXES = {ExportFormat.onnx: ".onnx", ExportFormat.aoti: ".pt2"}
 
 
 @dataclass
 class ToleranceConfig:
-    """The largest absolute differences the parity check accepts; null: the dtype's default
-    (engine/export/parity.py, DEFAULT_TOLERANCES). ``boxes`` is in normalized coordinates (a fraction of the
-    image's side), for raw and post-processed outputs alike."""
+    """The largest absolute differences the parity check accepts (null: engine/export/parity.py's dtype default);
+    ``boxes`` in normalized coordinates, for raw and post-processed outputs alike."""
 
     logits: Optional[float] = None
     boxes: Optional[float] = None
@@ -138,9 +133,8 @@ def output_path(cfg) -> Path:
 
 
 def export_directory(output: str | None, checkpoint: str) -> str:
-    """configs/export.yaml's hydra.run.dir, where export.log goes: the exported file's folder (the checkpoint's by
-    default), or, when the checkpoint's folder does not exist (the command will say so), the temporary folder,
-    so that a mistyped path leaves no folder behind."""
+    """configs/export.yaml's hydra.run.dir (export.log's folder): the output's folder, else the checkpoint's when it
+    exists, else the temporary folder, so that a mistyped path leaves no folder behind."""
     folder = (Path(output).expanduser() if output else named_checkpoint(checkpoint)).resolve().parent
     if output or folder.is_dir():
         return str(folder)

@@ -41,8 +41,9 @@ class PredictConfig:
             if getattr(self, key) < low:
                 problems.append(f"{key} must be an integer >= {low}, got {getattr(self, key)!r}")
         for key in ("image_size", "max_size"):
-            if getattr(self, key) is not None and getattr(self, key) < 32:
-                problems.append(f"{key} must be null (the checkpoint's) or an integer >= 32, got {getattr(self, key)!r}")
+            value = getattr(self, key)
+            if value is not None and value < 32:
+                problems.append(f"{key} must be null (the checkpoint's) or an integer >= 32, got {value!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:

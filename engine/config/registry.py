@@ -1,13 +1,6 @@
-"""The schemas registered with Hydra, and the check of a composed config.
-
-configs/train.yaml starts its defaults list with ``train_schema`` (TrainConfig), predict.yaml and export.yaml
-with theirs, and each dataset yaml with its own schema (``/schema/dataset@dataset: NAME``), so Hydra composes
-into typed nodes and rejects a bad value at composition, naming the key: ``epochs=abc``, ``optim.lr=fast``,
-``amp=fp8``, ``model.msda=cuda``, an unknown key. ``register_configs()`` must run before composing (train.py,
-predict.py and export.py call it on import, tests/conftest.py for the tests, bench/ before its compose).
-
-What OmegaConf cannot check (ranges, rules between keys) is in the schemas' ``__post_init__`` methods, beside
-each schema. ``check_config`` runs all of them at once; every entry point calls it before doing anything else.
+"""The schemas registered with Hydra (``register_configs``, before any compose), so that a bad value is refused at
+composition naming its key; ``check_config`` then runs the rules of the schemas' ``__post_init__`` methods.
+The yaml files name their schema in their defaults (``train_schema``, ``/schema/dataset@dataset: NAME``).
 """
 
 from __future__ import annotations
@@ -27,20 +20,18 @@ from .train_schema import TrainConfig
 
 
 def run_directory(output_dir: str | None) -> str:
-    """Hydra's run directory (configs/train.yaml, hydra.run.dir): ``output_dir`` when set, so that it holds the
-    run's train.log and .hydra/ too, else outputs/<date>/<time>."""
+    """Hydra's run directory (hydra.run.dir): ``output_dir`` when set, else outputs/<date>/<time>."""
     return output_dir or time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
 
 
 def sweep_directory(output_dir: str | None) -> str:
-    """Hydra's sweep directory for ``-m`` (configs/train.yaml, hydra.sweep.dir): ``output_dir`` when set, so that
-    each job runs in a folder of its own under it (<output_dir>/<job number>), else Hydra's multirun/<date>/<time>."""
+    """Hydra's sweep directory for ``-m`` (hydra.sweep.dir): ``output_dir`` when set, else multirun/<date>/<time>."""
     return output_dir or time.strftime("multirun/%Y-%m-%d/%H-%M-%S")
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and the resolvers of the run
-    directories (train.py's and predict.py's, train.py's multirun, export.py's) (idempotent)."""
+    """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and register the run directories'
+    resolvers (idempotent)."""
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
     if not OmegaConf.has_resolver("sweep_dir"):
@@ -56,13 +47,9 @@ def register_configs() -> None:
 
 
 def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
-    """Apply every rule OmegaConf could not (ranges, rules between keys), raising ValueError naming the key;
-    return ``cfg``.
-    ``schema``: the schema ``cfg`` was composed with (default TrainConfig; PredictConfig for predict.py).
-
-    Types and allowed values were checked when the config was composed; a config composed without the
-    schemas would have skipped that, so it is refused here rather than half-checked.
-    """
+    """Apply every rule OmegaConf could not (ranges, rules between keys, unknown keys), raising ValueError naming
+    the key; return ``cfg``. ``schema``: the one ``cfg`` was composed with (default TrainConfig); TypeError when it
+    was composed without it, as its types were then never checked."""
     if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
         raise TypeError("the config was composed without its schemas: call engine.config.registry.register_configs() "
                         "before hydra.compose / @hydra.main (train.py, predict.py and export.py do this on import)")
@@ -74,10 +61,8 @@ def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """The keys of ``node`` and its groups that their schema does not have, each with the closest known name.
-
-    Hydra refuses a misspelt key, but ``+key=value`` adds one to a typed group, where nothing would read it.
-    """
+    """The keys of ``node`` and its groups that their schema lacks (added with ``+key=``), each with the closest
+    known name."""
     schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return []
@@ -94,8 +79,5 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 
 def plain_config(cfg: DictConfig) -> dict:
-    """The config as plain Python (strings for the enumerations), for checkpoints and json.
-
-    A checkpoint is read back with torch.load(weights_only=True), which refuses our Enum classes.
-    """
+    """The config as plain Python, enumerations as strings (torch.load(weights_only=True) refuses our Enums)."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)

@@ -1,15 +1,10 @@
-"""The train schema: run settings, the optimizer and compile groups, and each setting's role for a resume.
+"""The schema of configs/train.yaml (its ``model`` and ``dataset`` groups typed by models/model_config.py and
+datasets/dataset_config.py), with the rules OmegaConf cannot check in ``__post_init__``.
 
-``TrainConfig`` types configs/train.yaml; its ``model`` and ``dataset`` groups are typed by
-models/model_config.py and datasets/dataset_config.py. What OmegaConf cannot check (ranges, rules between keys)
-is in the ``__post_init__`` methods below (engine/config/registry.py's ``check_config`` runs them all).
-
-Each setting has a role for a resumed run, in its field's metadata (``{"role": ...}``, here and in the
-model and dataset schemas; a group's role covers its keys): ``how_to_run`` (device, precision, compilation,
-loading, intervals, model.msda: a resume may change them and a checkpoint never imposes them), ``length``
-(epochs, max_steps: a resume may extend them), ``invocation`` (resume, output_dir ...: about this command,
-never compared), and, by default, what was trained (another value is another experiment).
-``role_of`` reads them: engine/train/resume.py and engine/checkpoint/contents.py derive their lists from it.
+Each setting's role for a resume is in its field's metadata (``{"role": ...}``, here and in the model and dataset
+schemas; a group's covers its keys), read by ``role_of``: ``how_to_run`` (a resume may change it and a checkpoint
+never imposes it), ``length`` (a resume may extend it), ``invocation`` (never compared), and by default what was
+trained (another value is another experiment).
 """
 
 from __future__ import annotations
@@ -77,23 +72,8 @@ class OptimConfig:
 
 @dataclass
 class CompileConfig:
-    """configs/train.yaml's ``compile`` group: torch.compile of the model (engine/compile/plan.py).
-
-    mode        auto: on a GPU the eager model's CUDA graphs for a short run, compiled with CUDA graphs for a long
-                one (engine.compile.plan.STEPS_TO_COMPILE); eager on the CPU | eager | graphs (the eager model
-                recorded as CUDA graphs, nothing compiled) | default (compiled, no CUDA graphs) | reduce-overhead
-                (compiled, replayed as CUDA graphs)
-    regions     what one graph spans: transformer (the whole transformer with its heads) | layers
-    backbone    dynamic (the backbone compiled too, one graph for every size) | static (a graph per size) | eager
-    backend     torch.compile's backend (aot_eager: trace only, for debugging)
-    evaluation  whether evaluation runs a compiled graph (one per evaluation size); null: when the run evaluates
-                enough batches to repay the compilation (engine.compile.plan.EVALUATION_BATCHES_TO_COMPILE)
-    cache_dir   where compiled kernels and graphs are kept between runs (Inductor's, AOTAutograd's and Triton's
-                caches), so that a second run or a resume skips most of the compilation
-    regions, backbone and backend are null for "the mode's default" (regions by the images per pass,
-    engine.compile.plan.LAYERS_FROM_BATCH; dynamic; inductor), and
-    must stay null with mode=eager.
-    """
+    """configs/train.yaml's ``compile`` group, explained there (engine/compile/plan.py applies it); null: the mode's
+    default, and every key but cache_dir must stay null with mode=eager."""
 
     mode: CompileMode = CompileMode.auto
     regions: Optional[CompileRegions] = None
@@ -124,11 +104,7 @@ class CompileConfig:
 
 @dataclass
 class EmaConfig:
-    """configs/train.yaml's ``ema`` group: model EMA (engine/train/hooks/ema.py).
-
-    decay         the decay of the average, reached after a warm-up (null: no EMA)
-    warmup_steps  the warm-up's time constant, in optimizer steps
-    """
+    """configs/train.yaml's ``ema`` group, explained there: model EMA (engine/train/hooks/ema.py)."""
 
     decay: Optional[float] = None
     warmup_steps: int = 2000
@@ -150,10 +126,8 @@ _INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "
 
 @dataclass
 class TrainConfig:
-    """configs/train.yaml: the run settings, and the typed groups under model, optim and dataset.
-
-    ``dataset`` is typed by the chosen set's own schema (a subclass of DatasetConfig), which its yaml pulls in.
-    """
+    """configs/train.yaml: the run settings and the typed groups; ``dataset`` is typed by the chosen set's own
+    schema (a subclass of DatasetConfig), which its yaml pulls in."""
 
     model: ModelConfig = MISSING
     optim: OptimConfig = MISSING
@@ -232,10 +206,9 @@ LEGACY_COMPILE_KEYS = {"compile_mode": "mode", "compile_regions": "regions", "co
 
 
 def upgrade_recorded_config(recorded: dict) -> dict:
-    """A checkpoint's recorded config in this version's layout: the compile settings of older versions
-    (``compile: bool`` and compile_mode, compile_regions, compile_backbone, compile_backend) become the
-    ``compile`` group, and a model recorded before hybrid matching existed trained without it
-    (``model.hybrid_matching: false``), so that a resume compares like with like and keeps the model."""
+    """A checkpoint's recorded config in this version's layout, so a resume compares like with like: older compile
+    settings (``compile: bool``, LEGACY_COMPILE_KEYS) become the ``compile`` group, and a model recorded before
+    hybrid matching existed gets ``hybrid_matching: false``."""
     if not isinstance(recorded, dict):
         return recorded
     upgraded = dict(recorded)

@@ -1,2 +1,1 @@
-"""How a process runs: its device and peers, batches copied to the device, precision, random generators, run lock,
-stop signals and console."""
+"""How a process runs: device and peers, device batches, precision, generators, run lock, stop signals, console."""

@@ -1,9 +1,5 @@
-"""What an entry point reads from its command line before Hydra composes it.
-
-Hydra creates the run directory, writes .hydra/ and opens the log file there before the job starts, so what must
-be checked before anything is written (a run directory in use, an output that cannot be written) is read from the
-overrides themselves: the last ``key=value`` of a key, as Hydra would take it. The job checks the same again
-(a composed config may set them another way).
+"""What an entry point reads from its overrides before Hydra composes them and writes into the run directory (a
+directory in use, an output that cannot be written); the job checks the composed config again.
 """
 
 from __future__ import annotations
@@ -54,8 +50,8 @@ def check_named_folder(argv: Sequence[str], key: str) -> None:
 
 
 def check_named_files_folder(argv: Sequence[str], key: str) -> None:
-    """The folder of the file ``key=`` names on the command line, if any, can be created and written (output_paths);
-    whether the file itself can be written is the job's to check."""
+    """The folder of the file ``key=`` names on the command line, if any, can be created and written (the file
+    itself is the job's to check)."""
     named = override_value(argv, (key,))
     if named is not None:
         writable_folder(Path(named[1]).expanduser().parent, setting=f"{key}={named[1]}")

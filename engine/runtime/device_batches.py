@@ -28,16 +28,11 @@ def _to(batch, device: torch.device):
 
 class DeviceBatches:
     """(images, masks, targets) batches of ``batches`` (the loader's, pinned on a GPU run) moved to ``device``,
-    one batch ahead.
+    one batch ahead, in the loader's order.
 
-    On a GPU, handing out batch k starts the copy of batch k+1 on a stream of its own, so that the copy runs
-    during step k rather than in front of step k+1 (a batch of 32 COCO images is about 65 MB of uint8 pixels). The
-    training stream waits for a batch's copy on the GPU, not on the host, and its tensors are marked as in use
-    there, so that their memory is not reused while the step reads them. Elsewhere the batch ahead is moved on
-    the one stream there is. The order of the batches is the loader's: one held ahead changes nothing a run
-    computes. A failure while fetching ahead (a damaged image, a dead worker) is raised when the batch it
-    concerns is asked for, never before the step in front of it: an epoch still ends and saves, and a run's last
-    step still finishes.
+    On a GPU, handing out batch k starts batch k+1's copy on a stream of its own, so it runs during step k; the
+    training stream waits for it on the GPU and marks its tensors as in use there. A failure while fetching ahead
+    (a damaged image, a dead worker) is raised when that batch is asked for, so the step before it still finishes.
     """
 
     def __init__(self, batches: Iterator, device: torch.device):

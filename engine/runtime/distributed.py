@@ -1,15 +1,8 @@
-"""Process group set-up for torchrun (env://) and the few collectives the trainer needs.
+"""Process group set-up for torchrun (env://) and the few collectives the trainer needs; the only module that
+calls torch.distributed. In a world of one (plain ``python train.py``) every helper is a no-op.
 
-The only module that calls torch.distributed: the criterion takes num_boxes from the step, the data
-loader takes rank and world size, and the COCO evaluator exchanges detections through ``Ranks``.
-A plain ``python train.py`` is a world of one: every helper here then degrades to a no-op, so the
-trainer has a single code path for one and many processes.
-
-Every collective has a timeout (``dist_timeout_s``, set when the group is made): a rank that stops or
-falls behind turns the others' wait into an error naming the rank that waited and the collective,
-instead of a hang. (On NCCL the gradient all-reduce does not block the host, and with gradient_sync=ddp it
-runs inside backward: there the same timeout ends the run through torch's watchdog, whose message starts
-with the rank.)
+Every collective times out after ``dist_timeout_s`` with a CollectiveError naming the rank and the collective,
+instead of hanging (NCCL's non-blocking all-reduces time out through torch's watchdog instead).
 """
 
 from __future__ import annotations
@@ -71,10 +64,8 @@ def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
 
 
 def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
-    """Join the process group torchrun describes (env://), or return a world of one.
-
-    NCCL on CUDA, gloo on CPU. Safe to call when a group already exists (tests spawn their own).
-    """
+    """Join the process group torchrun describes (env://; NCCL on CUDA, gloo on CPU), or return a world of one.
+    Safe to call when a group already exists (tests make their own)."""
     if not launched_by_torchrun():
         return DistContext(rank=0, world_size=1, local_rank=0, device=resolve_device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -142,11 +133,8 @@ def any_process(flag: bool, ctx: DistContext) -> bool:
 
 
 def start_all_reduce_mean(t: torch.Tensor, ctx: DistContext) -> Callable[[], torch.Tensor]:
-    """Starts the mean of ``t`` over ranks, summing into ``t`` itself; returns a function that gives the mean.
-
-    On NCCL the sum runs on the collectives' stream from this call on, and the function makes the caller's
-    stream wait for it: the GPU waits, not the host (gloo's wait blocks the host).
-    """
+    """Start the mean of ``t`` over ranks, summing into ``t`` itself; returns a function that gives the mean.
+    On NCCL that function makes the caller's stream wait, not the host (gloo's blocks the host)."""
     if not ctx.distributed:
         return lambda: t
     work = _collective("all_reduce", ctx, dist.all_reduce, t, op=dist.ReduceOp.SUM, async_op=True)
@@ -177,13 +165,9 @@ class Ranks:
 
 def data_parallel(model: torch.nn.Module, ctx: DistContext, *, gradient_sync: str = "allreduce",
                   find_unused_parameters: bool = False) -> tuple[torch.nn.Module, Callable[[], None] | None]:
-    """(the module to train, what to call after backward) for ``model`` on this run's processes: the pair
-    engine.train.step.OptimizerStep takes as ``model`` and ``sync_gradients``.
-
-    gradient_sync  allreduce: ``model`` itself and GradientAllReduce(model).sync (one all-reduce after
-                   backward); ddp: ``model`` in DistributedDataParallel, which syncs during backward, and None.
-    A world of one: ``model`` and None.
-    """
+    """(module to train, what to call after backward): engine.train.step.OptimizerStep's ``model`` and
+    ``sync_gradients``. allreduce: (``model``, GradientAllReduce(model).sync); ddp: (``model`` in
+    DistributedDataParallel, None); a world of one: (``model``, None)."""
     if gradient_sync not in GRADIENT_SYNCS:
         raise ValueError(f"gradient_sync must be one of {', '.join(GRADIENT_SYNCS)}, got {gradient_sync!r}")
     if not ctx.distributed:
@@ -194,22 +178,14 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, *, gradient_sync: st
 
 
 def distributed_data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_unused_parameters: bool = False):
-    """``model`` in DistributedDataParallel.
-
-    Gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view): no copy of every
-    gradient into its bucket after backward, which on a host-bound step is one launch per parameter.
-    Buffers are synced once, when DDP is built, and not broadcast before every forward: the model's only
-    buffers are the backbone's frozen batch-norm statistics and the input's normalization constants, never
-    updated, and a broadcast would cost a collective per step and void the former's cached affine
-    (models.frozen_batch_norm).
-    """
+    """``model`` in DistributedDataParallel, its gradients views of the buckets (no copy per parameter), its
+    buffers synced once at construction: they are never updated, and a broadcast per forward would cost a
+    collective per step and void the frozen batch norm's cached affine (models.frozen_batch_norm)."""
     import torch._dynamo
     from torch.nn.parallel import DistributedDataParallel
 
-    # Inside DDP, Dynamo cuts each compiled graph where DDP's buckets would end, so that a piece's all-reduce can
-    # start during the graph's backward. engine.compile's per-layer graphs are smaller than a bucket: the cuts would
-    # double the CUDA-graph replays and their host cost, while DDP's hooks already start each bucket's all-reduce
-    # between layers. Read when a graph is compiled, at the first step.
+    # Dynamo would cut compiled graphs at DDP's bucket ends; the per-layer graphs are smaller than a bucket, so the
+    # cuts would only add CUDA-graph replays. Read when a graph is compiled.
     torch._dynamo.config.optimize_ddp = False
 
     return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -218,22 +194,10 @@ def distributed_data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_
 
 
 class GradientAllReduce:
-    """Data parallelism without DDP's hooks: ``sync()`` after backward averages every gradient over the ranks in
-    one all-reduce per dtype, and the parameters and buffers start as rank 0's (as DDP's constructor makes them).
-
-    Why not DistributedDataParallel: its reducer runs a hook per parameter inside backward (mark ready, copy
-    into the bucket, launch the bucket's all-reduce when full). On a host-bound step that per-parameter host
-    work lands on the critical path; a 2-GPU CUDA-graph step's trace showed 298 AccumulateGrad nodes at about
-    37 us each under DDP. Here the gradients are gathered into one flat buffer (a few batched copy kernels),
-    averaged by one collective on NCCL's stream (the host does not wait for it) and handed back as views of
-    that buffer. What is given up is overlapping the all-reduce with backward: about 160 MB over NVLink.
-
-    A parameter with no gradient on a rank (not used by its batch) counts as a zero gradient there, so every
-    rank's buffer has the same layout and the same collective: after the sync it has the mean, as with DDP's
-    find_unused_parameters=True. One unused on every rank ends with a zero gradient rather than none, so AdamW
-    still decays it; every variant of the model uses all of its parameters. A world of one: ``sync()`` does
-    nothing.
-    """
+    """Data parallelism without DDP's per-parameter hooks, which put host work on a host-bound step's critical
+    path: ``sync()`` after backward averages every gradient in one all-reduce per dtype over a flat buffer and
+    hands them back as views of it (a no-op in a world of one); parameters and buffers start as rank 0's. A missing
+    gradient counts as zero, so every rank runs the same collective, and one unused everywhere still decays."""
 
     def __init__(self, model: torch.nn.Module, ctx: DistContext):
         self.ctx = ctx
@@ -257,8 +221,7 @@ class GradientAllReduce:
             return
         for group in self._groups:
             flat = torch.cat([_in_memory_order(_laid_out_as(p.grad, p)) for p in group])
-            # Divided before the sum, as DDP does (no overflow in a half-precision sum); gloo has no AVG. On NCCL
-            # the caller's stream waits for the sum; the host does not.
+            # Divided before the sum, as DDP does: no half-precision overflow, and gloo has no AVG.
             flat.div_(self.ctx.world_size)
             _collective("gradient all_reduce", self.ctx, dist.all_reduce, flat, op=dist.ReduceOp.SUM)
             for p, grad in zip(group, _views(flat, group)):
@@ -266,9 +229,8 @@ class GradientAllReduce:
 
 
 def _check_same_layout(model: torch.nn.Module, ctx: DistContext) -> None:
-    """Every rank must hold the same parameters and buffers, in the same order, shapes, dtypes and layouts: the flat
-    collectives would otherwise pair up unrelated values (or, on NCCL, wait forever for a longer buffer)."""
-    # Strides too: the flat buffers hold each tensor in its memory order.
+    """ValueError unless every rank holds the same parameters and buffers (order, shapes, dtypes, strides): the
+    flat collectives would otherwise pair unrelated values, or on NCCL wait forever."""
     layout = [(name, tuple(t.shape), str(t.dtype), t.stride())
               for name, t in [*model.named_parameters(), *model.named_buffers()]]
     for rank, other in enumerate(all_gather_object(layout, ctx)):
@@ -320,24 +282,17 @@ def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _no_forward_buffer_sync(ddp_class) -> dict:
-    """DDP's argument for "sync buffers at construction only". Newer torch names it forward_sync_buffers and
-    deprecates broadcast_buffers; older torch has only broadcast_buffers=False, which also skips the sync at
-    construction (harmless here: every rank loads the same statistics)."""
+    """DDP's argument for "sync buffers at construction only": forward_sync_buffers in newer torch; older torch's
+    broadcast_buffers=False also skips that sync, harmless as every rank loads the same statistics."""
     if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
 
 
 def average_over_processes(value: float, ctx: DistContext) -> Callable[[], float | torch.Tensor]:
-    """Starts the mean of a per-process number over ranks; returns a function that gives it, at least 1, as a
-    device tensor (no host read).
-
-    The criterion divides every loss by the number of target boxes averaged this way, as the original.
-    A world of one gives a float. The step starts it before the forward and the criterion asks for the value
-    after the matching, so on NCCL the matching's host sync waits for this rank's forward only, not for every
-    rank to have reached its losses (each such meeting point costs the slowest rank's delay); see
-    start_all_reduce_mean.
-    """
+    """Start the mean over ranks of a per-process number (the criterion's target box count); returns a function
+    giving it, at least 1, as a device tensor (a float in a world of one). Started before the forward, so the
+    matching's host sync waits for this rank's forward only, not for every rank."""
     if not ctx.distributed:
         return lambda: max(1.0, value)
     count = to_device_async(torch.tensor([value], dtype=torch.float32), ctx.device)  # nothing waits for the GPU
@@ -346,13 +301,9 @@ def average_over_processes(value: float, ctx: DistContext) -> Callable[[], float
 
 
 def argv_for_rank(argv: list[str], rank: int) -> list[str]:
-    """Hydra command line for this process.
-
-    Hydra names the run directory after the clock at start-up, and torchrun's processes do not start in the
-    same second, so each would make its own directory. Only rank 0 keeps Hydra's directory; the others point
-    Hydra at the working directory with no ``.hydra/`` and no log file, and take rank 0's directory by
-    broadcast once the process group exists (see ``train.resolve_output_dir``).
-    """
+    """Hydra command line for this process. Ranks would each make a directory named after their start time, so
+    ranks > 0 run Hydra in the working directory without .hydra/ or a log file, and take rank 0's directory by
+    broadcast later (``train.resolve_output_dir``)."""
     if rank == 0:
         return list(argv)
     own = ("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=", "hydra.job_logging=")

@@ -1,10 +1,5 @@
-"""Whether the attention ``model.msda`` chooses can run on the run's device, checked with the settings.
-
-``model.msda=triton`` runs the Triton kernels, which need CUDA tensors (or Triton's CPU interpreter,
-TRITON_INTERPRET=1). Left to the first forward, another device fails there in the operator's words (``impl=``),
-after the data is checked and the run directory written; refused here, it is one message naming the setting, as
-``compile.mode=reduce-overhead`` on a CPU is. The rule is the operator's own (msda.validation.resolve_impl).
-"""
+"""Whether ``model.msda``'s attention can run on the run's device, checked with the settings rather than at the
+first forward (the rule is msda.validation.resolve_impl's)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The folders and files a command is told to write, checked before it does any work.
-
-A run directory under /proc, a folder whose path runs through a file, an export named after an existing folder:
-each would otherwise fail late (after the data is checked, after minutes of tracing) with the operating system's
-bare error, or inside Hydra as it opens its log file there. These checks create the folder, write a scratch file
-into it, and raise one ``OutputPathError`` naming the setting, the path and what is in the way.
+"""The folders and files a command is told to write, checked before it does any work: each check creates the
+folder, writes a scratch file into it, or raises one ``OutputPathError`` naming the setting, the path and the cause.
 """
 
 from __future__ import annotations

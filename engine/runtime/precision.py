@@ -1,9 +1,5 @@
-"""Mixed precision: which autocast dtype a run uses and whether it needs a GradScaler.
-
-amp = bf16 (default): autocast to bfloat16 on CUDA; bf16 has fp32's exponent range, so no loss scaling.
-amp = fp16: autocast to float16 with a GradScaler, which skips steps whose gradients overflowed.
-amp = none: fp32. On the CPU autocast is off whatever amp says: CPU bf16 matmuls are slower than fp32
-and the CPU run exists to check the pipeline, not to be fast.
+"""Mixed precision: amp=bf16 (no loss scaling) or fp16 (with a GradScaler) autocasts on CUDA; amp=none, and any
+amp on the CPU (whose bf16 matmuls are slower than fp32), runs in fp32.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ from engine.config.choices import AMP_CHOICES
 
 log = logging.getLogger(__name__)
 
-# The autocast dtype of each of the amp setting's choices.
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -38,8 +33,7 @@ class Precision:
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
-        # No weight cache: a cast cached across calls would be baked into a CUDA graph recorded while it was
-        # cached (engine/compile/cuda_graphs.py); a weight used twice in one forward is cast twice instead.
+        # No weight cache: a cached cast would be baked into a CUDA graph recorded meanwhile (compile/cuda_graphs.py).
         return torch.autocast(device_type=self.device.type, dtype=self.dtype, cache_enabled=False)
 
     @property

@@ -1,8 +1,6 @@
-"""Random number generators: seeding per run and per epoch, and saving/restoring their states.
-
-Each epoch re-seeds python, numpy and torch from (seed, epoch, rank), so an epoch's augmentation and
-dropout depend only on those three numbers: a run resumed at an epoch boundary draws exactly what an
-uninterrupted one draws. Mid-epoch resumes restore the saved states instead (see train.py).
+"""Random number generators: seeding per run and per epoch, and saving/restoring their states. Each epoch re-seeds
+from (seed, epoch, rank), so a resume at an epoch boundary draws what an uninterrupted run draws; a mid-epoch resume
+restores the saved states.
 """
 
 from __future__ import annotations
@@ -49,20 +47,15 @@ def restore_rng_state(state: dict) -> None:
                          "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
                          "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
     torch.set_rng_state(state["torch"])
-    # CUDA states only when the device count matches: a checkpoint moved to another machine resumes
-    # with fresh CUDA generators rather than failing.
+    # CUDA states only when the device count matches: on another machine a resume gets fresh CUDA generators.
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @contextlib.contextmanager
 def rng_preserved():
-    """Run a block (evaluation) without moving the generators training draws from.
-
-    Validation transforms draw from ``random`` even with a single size; without this, whether and when a
-    run evaluates would change its training batches, and a run resumed from a checkpoint written after an
-    evaluation would not match one that never stopped.
-    """
+    """Run a block (evaluation, whose transforms draw from ``random``) without moving the generators training draws
+    from, so that evaluating never changes the training batches."""
     state = capture_rng_state()
     try:
         yield

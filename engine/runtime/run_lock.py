@@ -1,10 +1,6 @@
-"""One run per run directory: a lock file that a second run pointed at the same directory finds.
-
-Two runs writing one directory would interleave checkpoint.pth, the evaluation json and the TensorBoard
-curves. ``RunLock`` creates ``<run dir>/.run.lock`` (atomically: O_EXCL) holding the owner's pid, host, start
-time and command; a second run refuses, naming that process. A lock whose process no longer runs (a killed
-run) is taken over with a warning; one held on another host cannot be checked from here and is refused,
-saying how to remove it.
+"""One run per run directory: ``<run dir>/.run.lock``, created with O_EXCL, records the owner's pid, host, start time
+and command, and a second run refuses, naming it. A lock whose process is gone is taken over with a warning; one
+held on another host cannot be checked and is refused, saying how to remove it.
 """
 
 from __future__ import annotations
@@ -27,13 +23,14 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".run.lock"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0 only asks)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return True  # exists, belongs to someone else
     return True
 
 
@@ -61,7 +58,7 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                if self._held_by_this_process():
+                if self._owner()[1:] == (os.getpid(), socket.gethostname()):
                     return  # taken before Hydra started (held_before_hydra), which releases it
                 self._take_over_if_stale()
                 continue
@@ -71,21 +68,18 @@ class RunLock:
             return
         raise RunDirectoryInUse(f"{self.path.parent} is being locked and unlocked by another process; try again")
 
-    def _held_by_this_process(self) -> bool:
+    def _owner(self) -> tuple[dict, int | None, str | None]:
+        """The lock file's record, pid and host; ({}, None, None) when unreadable (left by a crash while writing it)."""
         try:
             owner = json.loads(self.path.read_text())
-            return int(owner["pid"]) == os.getpid() and owner["host"] == socket.gethostname()
+            return owner, int(owner["pid"]), str(owner["host"])
         except (OSError, ValueError, KeyError, TypeError):
-            return False
+            return {}, None, None
 
     def _take_over_if_stale(self) -> None:
-        try:
-            owner = json.loads(self.path.read_text())
-            pid, host = int(owner["pid"]), str(owner["host"])
-        except (OSError, ValueError, KeyError, TypeError):
-            owner, pid, host = {}, None, None  # unreadable: left by a crash while writing it
+        owner, pid, host = self._owner()
         here = socket.gethostname()
-        if pid is not None and pid != os.getpid() and (host != here or _alive(pid)):
+        if pid is not None and pid != os.getpid() and (host != here or process_alive(pid)):
             where = f"process {pid}" + (f" on {host}" if host != here else "")
             check = ("" if host == here else f"; this host ({here}) cannot tell whether it still runs: if it does not, "
                      f"delete {self.path}")
@@ -94,17 +88,11 @@ class RunLock:
                 f"({owner.get('command', '?')}){check}. Wait for it to end, stop it, or choose another output_dir")
         log.warning("run directory %s: taking over the lock of %s, which no longer runs", self.path.parent,
                     f"process {pid}" if pid is not None else "a process that left it unreadable")
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        self.path.unlink(missing_ok=True)
 
     def release(self) -> None:
         if self.held:
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
             self.held = False
 
 
@@ -116,10 +104,8 @@ SWEEP_DIRECTORY_KEYS = ("output_dir", "hydra.sweep.dir")
 
 def held_before_hydra(argv: list[str]) -> RunLock | None:
     """The lock of the run directory the command line names (``output_dir=`` or ``hydra.run.dir=``; for a multirun
-    the folder of its jobs), taken before Hydra writes its .hydra/ and the log file there: a second run refused by it
-    leaves the live run's files as they were, and a directory that cannot be written is refused before Hydra fails
-    in it. None when the command line names none (Hydra's dated directory, new for this run). Each job of a multirun
-    also holds its own run directory's lock while it runs."""
+    the folder of its jobs), taken before Hydra writes there, so a refused run leaves the live run's files alone;
+    None when it names none (Hydra's dated directory is new)."""
     multirun = is_multirun(argv)
     named = override_value(argv, SWEEP_DIRECTORY_KEYS if multirun else RUN_DIRECTORY_KEYS)
     if named is None:

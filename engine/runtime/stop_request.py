@@ -1,13 +1,7 @@
-"""Stopping a run cleanly when asked to: SIGTERM (a scheduler's notice before preemption), SIGINT (Ctrl-C) and
-SIGUSR1 (which SLURM can send ahead of time, ``--signal=USR1@120``).
-
-``StopRequest`` turns those signals into a flag that the training loop reads between steps: the current step
-finishes, checkpoint.pth is written with the exact position in the epoch, and the run exits with
-``STOPPED_EXIT_CODE[signal]`` (128 + the signal's number, as a shell reports a process stopped by it). A second
-Ctrl-C stops at once (KeyboardInterrupt), losing only the steps since the last checkpoint (a checkpoint being
-written in the background is finished first: engine/checkpoint/writer.py). The loader's worker
-processes ignore these signals (``ignore_stop_signals``), so that a Ctrl-C sent to the whole process group does
-not kill them under the step the main process is finishing.
+"""Stopping a run cleanly on SIGTERM (preemption notice), SIGINT (Ctrl-C) or SIGUSR1 (SLURM's ``--signal=USR1@120``):
+``StopRequest`` turns them into a flag the loop reads between steps; it saves the exact position and exits with
+128 + the signal's number. A second Ctrl-C stops at once. Loader workers ignore the signals (``ignore_stop_signals``),
+so a Ctrl-C to the process group does not kill them under the step being finished.
 """
 
 from __future__ import annotations
@@ -59,16 +53,14 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def _handle(self, signum, frame) -> None:
-        # Only a flag: the handler may run in the middle of a write to the console, which logging from here
-        # would re-enter (the loop announces the request, ``announce``).
+        # Only a flag: logging here could re-enter a console write the signal interrupted (the loop calls announce).
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now
         if self.signum is None:
             self.signum = signum
 
     def announce(self, *, evaluating: bool = False) -> None:
-        """Log the request, once (the loop calls this when it sees it, between steps, or, ``evaluating``, between
-        an evaluation's batches, which the request stops)."""
+        """Log the request, once; ``evaluating``: seen between an evaluation's batches, which it stops."""
         if self.signum is not None and not self._announced:
             self._announced = True
             doing = ("stopping this evaluation, then writing checkpoint.pth, whose resume runs it first, and stopping"
