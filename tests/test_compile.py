@@ -360,16 +360,17 @@ GPU_STEPS = ((128, 160, 2), (128, 160, 2), (160, 136, 2), (128, 160, 6), (128, 1
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 @pytest.mark.parametrize("mode,regions,backbone", GPU_COMPILE_CASES)
-def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone):
+def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode, regions, backbone, full_fp32):
     """Several steps, three sizes and two padded target counts; with reduce-overhead the regions and the losses are
-    replayed as CUDA graphs."""
+    replayed as CUDA graphs. In full float32: with TF32, a graph per size picks its convolutions' algorithms apart
+    from eager's, and one loss of 11 differed by 0.5% (an H100, backbone=static)."""
     assert_compiled_steps_give_the_losses_of_eager_steps("box_refine", CompilePlan(mode=mode, regions=regions,
                                                                                    backbone=backbone))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 @pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
-def test_hybrid_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, regions):
+def test_hybrid_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, regions, full_fp32):
     """Hybrid matching, replayed as CUDA graphs: the one-to-many losses replay between the one-to-one losses' forward
     and backward, in a region (and CUDA-graph tree) of their own."""
     chosen = CompilePlan(mode="reduce-overhead", regions=regions, backbone="dynamic")

@@ -1,22 +1,9 @@
-"""Resuming a run: which checkpoint, which settings win, and putting the training state back.
+"""Resuming a run: which checkpoint, which settings win (docs/resume-and-faults.md), and the state put back.
 
-The rule (docs/resume-and-faults.md), applied by ``config_for_resume`` and ``restore_training_state``:
-
-- The model is the checkpoint's. Every ``model.*`` key the checkpoint records is kept (the weights and the
-  optimizer state fix the architecture, the classes and the loss), except ``model.msda`` and
-  ``model.pretrained``, which say how to run and come from the command line.
-- Everything else comes from the command line and is applied: the schedule (``epochs``, ``max_steps``,
-  ``optim.*``: a new lr, lr_drop, lr_gamma or weight_decay replaces the checkpoint's from the next step
-  on), the data and its loading (``dataset.*``, ``batch_size``, ``num_workers``, ``seed``) and how to run
-  (``device``, ``amp``, ``compile.*``, the log/eval/checkpoint intervals).
-- Every setting that differs between the checkpoint and the command line is listed in one warning that
-  says which value is used.
-
-``resume=auto`` takes only what belongs to this run: the run directory's own checkpoint.pth (a fixed
-``hydra.run.dir`` or ``output_dir``), else the newest ``outputs/*/*/checkpoint.pth`` of a run with this
-run's settings (all but the schedule's length and how to run, the roles of engine/config/train_schema.py), and it says
-which one it took. A checkpoint of an older version is read in this version's layout
-(engine.config.train_schema.upgrade_recorded_config).
+The model is the checkpoint's (every recorded ``model.*`` key but those that say how to run); everything else comes
+from the command line and is applied, every difference listed in one warning. ``resume=auto`` takes this run
+directory's checkpoint.pth, else the newest ``outputs/*/*/checkpoint.pth`` of a run whose settings differ only in
+the schedule's length and how to run (the roles of engine/config/train_schema.py).
 """
 
 from __future__ import annotations

@@ -176,8 +176,9 @@ class RunTiming(Hook):
         parts = [f"setup {format_duration(record['setup_s'] or 0)}", f"compile {format_duration(record['compile_s'])}",
                  f"warm-up {format_duration(record['warmup_s'])}", f"training {format_duration(record['train_s'])}",
                  f"evaluation {format_duration(record['eval_s'])}"]
+        steady_text = f"{steady:.0f} ms" if steady is not None else "-"
         return (f"{record['steps']} steps in {format_duration(record['total_s'])} ({', '.join(parts)}); steady step "
-                + (f"{steady:.0f} ms" if steady is not None else "-") + f"; {record['graphs_compiled']} graphs compiled")
+                f"{steady_text}; {record['graphs_compiled']} graphs compiled")
 
     def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
         return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
