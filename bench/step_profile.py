@@ -178,8 +178,9 @@ def gpu_time_by_part(trace: dict, *, steps: int) -> dict[str, float]:
     if not work or steps < 1:
         return {}
     totals = dict.fromkeys(PARTS, 0.0)
-    grids = sorted({_grid(e) for e in work if _is_attention(e)})
-    split = _largest_gap(grids)
+    # The encoder's and the decoder's calls of each attention kernel (forward, backward) apart, by its grid.
+    split = {name: _largest_gap(sorted({_grid(e) for e in work if e["name"] == name}))
+             for name in {e["name"] for e in work if _is_attention(e)}}
     for step in _steps(work):
         for part, events in _parts_of_step(step, split).items():
             totals[part] += _union_us(events)
@@ -196,9 +197,17 @@ def _is_attention(event) -> bool:
     return event.get("cat") == "kernel" and "msda" in event["name"]
 
 
+# The foreach kernels of the update: the gradient norm and its clipping, fused AdamW, the EMA's lerp.
+UPDATE_FUNCTORS = ("LpNormFunctor", "BinaryOpScalarTensorFunctor", "FusedAdamMathFunctor", "TernaryOpScalarFunctor")
+
+
 def _is_update(event) -> bool:
-    name = event["name"].lower()
-    return event.get("cat") == "kernel" and ("adam" in name or "lerp" in name or "multi_tensor_apply" in name)
+    return event.get("cat") == "kernel" and "multi_tensor_apply" in event["name"] and any(
+        functor in event["name"] for functor in UPDATE_FUNCTORS)
+
+
+def _is_optimizer(event) -> bool:
+    return event.get("cat") == "kernel" and "FusedAdamMathFunctor" in event["name"]
 
 
 def _grid(event) -> int:
@@ -216,18 +225,18 @@ def _largest_gap(values: list[int]) -> float:
 
 
 def _steps(work: list[dict]) -> list[list[dict]]:
-    """The work cut after each run of update kernels (a step's last)."""
+    """The work cut after each optimizer step's update kernels (fused AdamW, then the EMA's)."""
     steps, current, updating = [], [], False
     for event in work:
-        if updating and not _is_update(event) and event.get("cat") == "kernel":
+        if updating and event.get("cat") == "kernel" and "multi_tensor_apply" not in event["name"]:
             steps.append(current)
             current, updating = [], False
         current.append(event)
-        updating = updating or _is_update(event)
+        updating = updating or _is_optimizer(event)
     return steps + ([current] if current else [])
 
 
-def _parts_of_step(step: list[dict], split: float) -> dict[str, list[dict]]:
+def _parts_of_step(step: list[dict], split: dict[str, float]) -> dict[str, list[dict]]:
     units = _units(step)
     kinds = [_unit_kind(unit, split) for unit in units]
     decoder = [i for i, kind in enumerate(kinds) if kind == "decoder attention"]
@@ -237,6 +246,10 @@ def _parts_of_step(step: list[dict], split: float) -> dict[str, list[dict]]:
     backward_decoder = [i for i in decoder if i > matching]
     parts = {part: [] for part in PARTS}
     latest = None  # the forward's latest attention kind met
+    # The update begins with the gradient norm; every foreach kernel from there on is the update's.
+    first_update = next((i for i, kind in enumerate(kinds) if kind == "update"), len(units))
+    kinds = [("update" if i > first_update and all("multi_tensor_apply" in e["name"] for e in unit) else kind)
+             for i, (unit, kind) in enumerate(zip(units, kinds))]
     for i, (unit, kind) in enumerate(zip(units, kinds)):
         if kind.endswith("attention") and i < matching:
             latest = kind
@@ -275,10 +288,10 @@ def _units(step: list[dict]) -> list[list[dict]]:
     return units
 
 
-def _unit_kind(unit: list[dict], split: float) -> str:
+def _unit_kind(unit: list[dict], split: dict[str, float]) -> str:
     attention = [e for e in unit if _is_attention(e)]
     if attention:
-        return "encoder attention" if max(_grid(e) for e in attention) >= split else "decoder attention"
+        return "encoder attention" if any(_grid(e) >= split[e["name"]] for e in attention) else "decoder attention"
     if all(_is_update(e) for e in unit):
         return "update"
     if all(e.get("cat") != "kernel" for e in unit):

@@ -354,6 +354,8 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                          f"{r['profile']['step_ms']:.1f}"] for r in broken_down])
     if done:
         lines += ["", "Targets:", ""] + [f"- {'met' if ok else 'MISSED'}: {text}" for text, ok in targets(done)]
+    if header.get("notes"):
+        lines += ["", header["notes"]]
     return lines
 
 
