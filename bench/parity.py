@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.parity_verdict import AP_TARGET, summarize  # noqa: E402
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
-from bench.train_runs import CHILDREN, train_run  # noqa: E402
+from bench.train_runs import run_all, train_run  # noqa: E402
 
 CONFIGS = {"triton-eager": ["model.msda=triton", "compile.mode=eager"],
            "triton-graphs": ["model.msda=triton", "compile.mode=graphs"],
@@ -155,13 +153,7 @@ def main() -> None:
     shutil.rmtree(args.work / "runs", ignore_errors=True)
     (args.work / "runs").mkdir(parents=True)
     started = time.perf_counter()
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: stop the runs too
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        try:
-            rows = list(pool.map(lambda run: run_one(args, *run), runs))
-        except BaseException:
-            CHILDREN.stop()
-            raise
+    rows = run_all(lambda *run: run_one(args, *run), runs, parallel=args.parallel)
     header = run_header(cpus=len(os.sched_getaffinity(0)), parallel=args.parallel,
                         wall_s=time.perf_counter() - started,
                         common=[f"device={args.device}", f"num_workers={args.num_workers}", *args.overrides])

@@ -22,18 +22,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
-from bench.train_runs import CHILDREN, train_run  # noqa: E402
+from bench.train_runs import run_all, train_run  # noqa: E402
 
 NAME = "recipe_cpu"
 # The synthetic runs are short (63 steps an epoch): the average follows about the last 100 steps, warmed up over 100.
@@ -142,13 +140,7 @@ def main() -> None:
     (args.work / "runs").mkdir(parents=True)
     runs = [(config, seed) for seed in args.seeds for config in args.configs]
     started = time.perf_counter()
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: stop the runs too
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        try:
-            rows = list(pool.map(lambda run: run_one(args, *run), runs))
-        except BaseException:
-            CHILDREN.stop()
-            raise
+    rows = run_all(lambda *run: run_one(args, *run), runs, parallel=args.parallel)
     header = run_header(cpus=len(os.sched_getaffinity(0)), parallel=args.parallel,
                         wall_s=time.perf_counter() - started, schedule=args.schedule)
     record = {"header": header, "rows": rows, "summary": summarize(rows), "notes": args.notes}

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +47,18 @@ class Children:
 
 
 CHILDREN = Children()
+
+
+def run_all(run_one: Callable[..., dict], runs: list[tuple], *, parallel: int) -> list[dict]:
+    """``run_one(*run)`` for every run, ``parallel`` at once, in order; stopping the benchmark (Ctrl-C, a time limit's
+    SIGTERM) stops the runs too."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        try:
+            return list(pool.map(lambda run: run_one(*run), runs))
+        except BaseException:
+            CHILDREN.stop()
+            raise
 
 
 def train_run(overrides: list[str], *, run_dir: Path, parallel: int) -> dict:

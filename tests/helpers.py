@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -362,3 +363,18 @@ def training_fingerprint(variant: str, **overrides) -> dict:
 def fingerprint_environment() -> dict:
     """Where a fingerprint's bytes are reproducible: the same torch release and CPU instruction set."""
     return {"torch": ".".join(torch.__version__.split(".")[:2]), "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
+# Shapes every kernel is checked on: the original op's case, non-power-of-2 head dims, 1x1 and five levels, a
+# ragged query block, points outside the unit square.
+KERNEL_SHAPES = [
+    pytest.param(dict(), id="original"),
+    pytest.param(dict(D=30, Lq=9), id="D30"),
+    pytest.param(dict(D=71, M=1), id="D71"),
+    pytest.param(dict(D=64, M=1, Lq=3), id="D64"),
+    pytest.param(dict(levels=((1, 1),), D=4, P=3), id="single-1x1-level"),
+    pytest.param(dict(levels=((5, 7), (3, 4), (2, 2), (1, 3), (1, 1)), P=3, D=8), id="L5-P3-1x1"),
+    pytest.param(dict(Lq=67, N=2, M=3, D=16), id="ragged-query-block"),
+    pytest.param(dict(Lq=9, loc_low=-0.6, loc_high=1.6), id="outside-unit-square"),
+    pytest.param(dict(Lq=9, loc_low=-50.0, loc_high=50.0), id="far-outside"),
+]

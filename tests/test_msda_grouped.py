@@ -9,7 +9,15 @@ repeatability and the errors a bad configuration raises.
 
 import pytest
 import torch
-from helpers import MSDA_DEVICES, assert_kernel_close, kernel_inputs, kernel_reference, kernel_results, rel_err
+from helpers import (
+    KERNEL_SHAPES,
+    MSDA_DEVICES,
+    assert_kernel_close,
+    kernel_inputs,
+    kernel_reference,
+    kernel_results,
+    rel_err,
+)
 
 from msda import launch, launch_grouped, launch_table
 
@@ -38,20 +46,8 @@ def grouped_results(inputs, family, backward_kwargs, forward_config=None):
 # ------------------------------------------------------------------------------------------------
 # every backward against the reference
 # ------------------------------------------------------------------------------------------------
-SHAPES = [
-    pytest.param(dict(), id="original"),
-    pytest.param(dict(D=30, Lq=9), id="D30"),
-    pytest.param(dict(D=71, M=1, Lq=4), id="D71"),
-    pytest.param(dict(levels=((1, 1),), D=4, P=3), id="single-1x1-level"),
-    pytest.param(dict(levels=((5, 7), (3, 4), (2, 2), (1, 3), (1, 1)), P=3, D=12), id="L5-P3-1x1"),
-    pytest.param(dict(Lq=67, N=2, M=3, D=16), id="ragged-query-block"),
-    pytest.param(dict(Lq=9, loc_low=-0.6, loc_high=1.6), id="outside-unit-square"),
-    pytest.param(dict(Lq=9, loc_low=-50.0, loc_high=50.0), id="far-outside"),
-]
-
-
 @pytest.mark.parametrize("device", MSDA_DEVICES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("family,kwargs", BACKWARDS)
 def test_matches_reference_fp64(gen, device, shape, family, kwargs):
     inputs = kernel_inputs(gen, device=device, **shape)
