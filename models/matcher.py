@@ -7,6 +7,8 @@ exactly as in the published Deformable DETR. Queries left unassigned are "no obj
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -133,23 +135,17 @@ class HungarianMatcher(nn.Module):
         worst = torch.finfo(torch.float32).max
         # linear_sum_assignment needs float64-compatible numbers on the host: one transfer for everything.
         flat = torch.cat(costs).float().nan_to_num_(nan=worst, posinf=worst).cpu() if costs else torch.empty(0)
-        empty = torch.empty(0, dtype=torch.int64)
-        matched, offset = [], 0
+        blocks, offset = [], 0
         for G, B, Q, sizes, r in layouts:
             T = max(sizes, default=0)
-            if T == 0:
-                matched.append([[(empty, empty) for _ in range(B)] for _ in range(G)])
-                continue
-            C = flat[offset:offset + G * B * T * Q].view(G, B, T, Q).numpy()
-            offset += G * B * T * Q
-            layers = []
-            for g in range(G):
-                per_image = []
-                for b, n in enumerate(sizes):
-                    per_image.append(_assignment(C[g, b, :n] if r == 1 else np.tile(C[g, b, :n], (r, 1))))
-                layers.append(per_image)
-            matched.append(layers)
-        return matched
+            if T:
+                C = flat[offset:offset + G * B * T * Q].view(G, B, T, Q).numpy()
+                offset += G * B * T * Q
+                blocks += [(C[g, b, :n], r) for g in range(G) for b, n in enumerate(sizes)]
+        solved = iter(_solve_blocks(blocks))
+        empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+        return [[[next(solved) if max(sizes, default=0) else empty for _ in range(B)] for _ in range(G)]
+                for G, B, Q, sizes, r in layouts]
 
     @torch.no_grad()
     def forward(self, outputs: dict, targets: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -161,6 +157,27 @@ class HungarianMatcher(nn.Module):
         """
         logits, boxes = outputs["pred_logits"], outputs["pred_boxes"]
         return self.match_groups([(logits[None], boxes[None], targets)])[0][0]
+
+
+def _solve_blocks(blocks: list[tuple[np.ndarray, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """_assignment of each (targets, queries) block with its rows repeated r times, in order. scipy releases the
+    GIL while it solves, so many blocks (hybrid matching has hundreds a step) are solved on several threads while
+    the GPU waits for them; the pool lives for one call, leaving no thread behind when the loader forks workers."""
+    threads = _solver_threads(len(blocks))
+    if threads < 2:
+        return [_repeated_assignment(block) for block in blocks]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(_repeated_assignment, blocks))
+
+
+def _solver_threads(blocks: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(8, cores, blocks // 16)
+
+
+def _repeated_assignment(block: tuple[np.ndarray, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    cost, repeats = block
+    return _assignment(cost if repeats == 1 else np.tile(cost, (repeats, 1)))
 
 
 def _assignment(cost: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

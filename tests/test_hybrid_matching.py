@@ -219,6 +219,36 @@ def test_matching_repeated_targets_copies_their_costs_and_gives_the_pairs_of_the
         criterion.matcher.match_groups([(*groups[0], 0)])
 
 
+def test_many_blocks_are_solved_on_threads_with_the_pairs_of_one_thread(monkeypatch):
+    import models.matcher as matcher_module
+
+    gen = torch.Generator().manual_seed(11)
+    criterion = make_criterion()
+    sizes = torch.randint(0, 6, (8,), generator=gen).tolist()
+    targets = rand_targets(sizes, gen)
+    groups = [(torch.randn(G, 8, Q, 5, generator=gen), torch.rand(G, 8, Q, 4, generator=gen), targets, r)
+              for G, Q, r in ((3, 7, 1), (3, 40, 4))]
+    pools = []
+
+    class CountedPool(matcher_module.ThreadPoolExecutor):
+        def __init__(self, threads):
+            pools.append(threads)
+            super().__init__(threads)
+
+    monkeypatch.setattr(matcher_module, "ThreadPoolExecutor", CountedPool)
+    monkeypatch.setattr(matcher_module, "_solver_threads", lambda blocks: 1)
+    alone = criterion.matcher.match_groups(groups)
+    monkeypatch.setattr(matcher_module, "_solver_threads", lambda blocks: 4)
+    threaded = criterion.matcher.match_groups(groups)
+    assert pools == [4]
+    for (G, Q, r), layers_alone, layers_threaded in zip(((3, 7, 1), (3, 40, 4)), alone, threaded):
+        assert len(layers_threaded) == G
+        for images_alone, images_threaded in zip(layers_alone, layers_threaded):
+            assert [len(i) for i, _ in images_threaded] == [min(Q, n * r) for n in sizes]
+            for (ai, aj), (ti, tj) in zip(images_alone, images_threaded, strict=True):
+                assert torch.equal(ai, ti) and torch.equal(aj, tj)
+
+
 def test_weights_names_and_their_combination_over_passes():
     criterion = make_criterion(dec_layers=3, two_stage=True, hybrid_matching=True, k_one2many=2, lambda_one2many=0.5)
     plain = make_criterion(dec_layers=3, two_stage=True)
