@@ -53,7 +53,7 @@ def recipe_groups(recipe: str, batch: int, gen: torch.Generator, device: str) ->
 def timed_call(matcher, groups: list[tuple], threads: int | None, repeats: int) -> tuple[float, list]:
     chosen = matcher_module._solver_threads
     if threads is not None:
-        matcher_module._solver_threads = lambda blocks: threads
+        matcher_module._solver_threads = lambda costs: threads
     try:
         times = []
         for _ in range(repeats):
@@ -94,7 +94,9 @@ def main() -> None:
             one_ms, one_pairs = timed_call(matcher, groups, 1, repeats)
             picked_ms, picked_pairs = timed_call(matcher, groups, None, repeats)
             blocks = sum(g[0].shape[0] * batch for g in groups)
-            threads = max(1, matcher_module._solver_threads(blocks))
+            costs = sum(g[0].shape[0] * g[0].shape[2] * len(t["boxes"]) * (g[3] if len(g) > 3 else 1)
+                        for g in groups for t in g[2])
+            threads = max(1, matcher_module._solver_threads(costs))
             same = same_pairs(one_pairs, picked_pairs)
             failed |= not same
             record.append({"recipe": recipe, "batch": batch, "blocks": blocks, "threads": threads,

@@ -235,10 +235,11 @@ def test_many_blocks_are_solved_on_threads_with_the_pairs_of_one_thread(monkeypa
             pools.append(threads)
             super().__init__(threads)
 
+    assert matcher_module._solver_threads(999_999) == 0  # small calls stay on one thread
     monkeypatch.setattr(matcher_module, "ThreadPoolExecutor", CountedPool)
-    monkeypatch.setattr(matcher_module, "_solver_threads", lambda blocks: 1)
+    monkeypatch.setattr(matcher_module, "_solver_threads", lambda costs: 1)
     alone = criterion.matcher.match_groups(groups)
-    monkeypatch.setattr(matcher_module, "_solver_threads", lambda blocks: 4)
+    monkeypatch.setattr(matcher_module, "_solver_threads", lambda costs: 4)
     threaded = criterion.matcher.match_groups(groups)
     assert pools == [4]
     for (G, Q, r), layers_alone, layers_threaded in zip(((3, 7, 1), (3, 40, 4)), alone, threaded):
