@@ -86,8 +86,10 @@ def test_with_the_option_off_a_training_step_computes_what_it_computed_before_th
             assert got[part]["sums"] == expected[part]["sums"], part
             assert got[part]["sha256"] == expected[part]["sha256"], part
         else:
+            # Another torch's kernels and another CPU's vector width round otherwise; a change of what is computed
+            # moves a sum by far more.
             for name, (total, magnitude) in expected[part]["sums"].items():
-                assert got[part]["sums"][name] == pytest.approx([total, magnitude], abs=1e-4 * magnitude + 1e-6), \
+                assert got[part]["sums"][name] == pytest.approx([total, magnitude], abs=5e-4 * magnitude + 1e-6), \
                     f"{part} {name}"
 
 
