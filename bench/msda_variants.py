@@ -42,7 +42,7 @@ from bench.msda import DEVICE, LAUNCH_PY, LEVELS, S, apply_table, make_inputs, s
 from bench.msda_variants_report import report_lines, target_checks  # noqa: E402
 from bench.report import out_dir, run_header, write_report  # noqa: E402
 from msda import launch, launch_table  # noqa: E402
-from msda.reference import multi_scale_deformable_attention_reference  # noqa: E402
+from msda.reference import multi_scale_deformable_attention_reference, off_cell_edges  # noqa: E402
 
 NAME = "msda_variants_h200"
 SMOKE = DEVICE == "cpu"
@@ -186,12 +186,16 @@ def check(failures: list) -> list:
         for dist in DISTS:
             inputs = make_inputs(1, S, M, D, DTYPES[dtype_name], dist, seed=1)
             exact = reference(inputs)
+            # float32 and fp64 may sample either side of a cell edge: gradients by location are compared off them
+            away = off_cell_edges(LEVELS, inputs[1])
+            exact[2] = exact[2] * away
             for kind, config in CHECKS:
                 errors, bitwise, raised = [], None, ""
                 try:
                     got = run(kind, config, inputs)
                     got = [got] if kind.endswith("forward") else [None, *got]
-                    errors = [rel_err(g.view_as(x), x) if g is not None else None for g, x in zip(got, exact)]
+                    compared = got if len(got) == 1 else [*got[:2], got[2].view_as(exact[2]) * away, got[3]]
+                    errors = [rel_err(g.view_as(x), x) if g is not None else None for g, x in zip(compared, exact)]
                     if kind.startswith("det"):
                         again = run(kind, config, inputs)
                         bitwise = all(torch.equal(a, b) for a, b in zip(got[1:], again))

@@ -42,3 +42,15 @@ def multi_scale_deformable_attention_reference(
     stacked = torch.stack(sampled_per_level, dim=-2).flatten(-2)  # (N*M, D, Lq, L*P)
     output = (stacked * weights).sum(-1).view(N, M * D, Lq)  # (N, M*D, Lq)
     return output.transpose(1, 2).contiguous()  # (N, Lq, M*D)
+
+
+def off_cell_edges(levels, loc, margin: float = 1e-3) -> torch.Tensor:
+    """(N, Lq, M, L, P, 1) bool: the samples whose pixel coordinates are at least ``margin`` from a cell edge.
+
+    Bilinear sampling's gradient by location jumps where a coordinate crosses a whole pixel (another pair of corners
+    is read). A float32 kernel that rounds a coordinate lying within its rounding of that edge to the other side is
+    right on that side, and the fp64 reference, on this one, differs by the jump: one such sample of a million
+    outweighs all the others in a relative error. Gradients by location are compared away from the edges."""
+    sides = torch.tensor([[w, h] for h, w in levels], dtype=torch.float64, device=loc.device)
+    pixels = loc.double() * sides[None, None, None, :, None, :] - 0.5
+    return ((pixels - pixels.round()).abs() >= margin).all(-1, keepdim=True)

@@ -20,6 +20,7 @@ from helpers import (
 )
 
 from msda import launch, launch_grouped, launch_table
+from msda.reference import off_cell_edges
 
 # (kernel family of the backward, backward keyword arguments)
 BACKWARDS = [
@@ -272,7 +273,11 @@ def test_encoder_shape_on_gpu(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for family, kwargs in [("grouped", dict(scheme="fused")), ("grouped", dict(deterministic=True, scheme="cells"))]:
         results = grouped_results(inputs, family, kwargs)
+        away = off_cell_edges(levels, loc)
+        assert away.float().mean() > 0.99
         for name, r, x in zip(("output", "grad_value", "grad_loc", "grad_weight"), results, exact):
+            if name == "grad_loc":  # float32 and fp64 may sample either side of a cell edge: compared off them
+                r, x = r * away, x * away.to(x.device)
             assert rel_err(r, x) < tolerance, f"{family} {kwargs} {name}: {rel_err(r, x):.2e}"
     runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells",
                             kernels="grouped") for _ in range(3)]
