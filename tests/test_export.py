@@ -28,6 +28,7 @@ import export as exporter
 from engine.checkpoint.trained_model import load_trained_model
 from engine.config.export_schema import MAX_OPSET, MIN_OPSET, default_output
 from engine.errors import ExportParityError
+from engine.export.aoti import has_shared_libstdcxx
 from engine.export.exportable import ExportableDetector, SampleShape, trace
 from engine.export.parity import Tolerance, check_parity, compare_outputs, tolerance_for
 from engine.export.samples import random_batch, recorded_validation_folder, sample_batch
@@ -35,7 +36,9 @@ from models.postprocess import PostProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-HAS_COMPILER = shutil.which(os.environ.get("CXX", "g++")) is not None
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+# A compiler without a shared libstdc++ is refused by export.py (its own test below): no package to test then.
+HAS_COMPILER = CXX is not None and has_shared_libstdcxx(CXX) is not False
 HAS_ONNX = all(importlib.util.find_spec(name) is not None for name in ("onnx", "onnxruntime", "onnxscript"))
 
 
@@ -224,7 +227,7 @@ def test_a_float32_file_onnxruntime_cannot_load_is_not_told_to_export_fp32(tmp_p
 def aoti_export(checkpoint, background_exports) -> Path:
     """The package's path, once its `python export.py` command succeeded (its parity check included)."""
     if not HAS_COMPILER:
-        pytest.skip("AOTInductor needs a C++ compiler (g++, or CXX) to build the package")
+        pytest.skip("AOTInductor needs a C++ compiler with a shared libstdc++ (g++, or CXX) to build the package")
     output = background_exports["aoti"].finished()
     assert "parity at batch 2, 96 x 128: 2 images: scores max |diff|" in output
     return checkpoint.with_name("checkpoint.postprocess.static.pt2")
