@@ -43,9 +43,20 @@ _CHOICES = ("scheme", "deterministic_scheme", "hybrid_split", "forward_kernels",
 # The kernel families default to classic, the deterministic scheme to gather; grouped launches default to
 # grouped_config's shapes.
 # ----------------------------------------------------------------------------------------------------
-# Measured on NVIDIA H200, 2026-12-02, torch 2.11.0+cu130, triton 3.6.0:
-# python bench/msda.py --out /root/out --jobs 14 (table picked from the candidates with at most 4 unrolled steps)
+# Measured on NVIDIA H200, 2026-12-02 and NVIDIA H100 80GB HBM3, 2026-12-06, torch 2.11.0+cu130, triton 3.6.0:
+# python bench/msda.py --jobs 14 (H200); merged: python bench/msda_variants.py --apply-table (H100)
 TUNED: dict = {
+    ('backward_kernels', 32, 4, 4, 4, False): 'grouped',
+    ('cells', 32, 2, True): (64, 4, 4),
+    ('cells', 32, 4, True): (128, 8, 4),
+    ('deterministic_kernels', 32, 2, 4, 4, False): 'grouped',
+    ('deterministic_kernels', 32, 2, 4, 4, True): 'grouped',
+    ('deterministic_kernels', 32, 4, 4, 4, False): 'grouped',
+    ('deterministic_kernels', 32, 4, 4, 4, True): 'grouped',
+    ('deterministic_scheme', 32, 2, 4, 4, False): 'gather',
+    ('deterministic_scheme', 32, 2, 4, 4, True): 'cells',
+    ('deterministic_scheme', 32, 4, 4, 4, False): 'gather',
+    ('deterministic_scheme', 32, 4, 4, 4, True): 'cells',
     ('forward', 128, 2, 4, 4, False): (1, 4, 4, 1),
     ('forward', 128, 2, 4, 4, True): (4, 1, 4, 4),
     ('forward', 128, 4, 4, 4, False): (1, 4, 4, 1),
@@ -58,6 +69,8 @@ TUNED: dict = {
     ('forward', 64, 2, 4, 4, True): (8, 1, 4, 4),
     ('forward', 64, 4, 4, 4, False): (2, 4, 4, 4),
     ('forward', 64, 4, 4, 4, True): (8, 1, 4, 4),
+    ('forward_kernels', 32, 4, 4, 4, False): 'grouped',
+    ('forward_kernels', 32, 4, 4, 4, True): 'grouped',
     ('fused', 128, 2, 4, 4, False): (1, 4, 4),
     ('fused', 128, 2, 4, 4, True): (1, 4, 4),
     ('fused', 128, 4, 4, 4, False): (1, 4, 4),
@@ -82,6 +95,17 @@ TUNED: dict = {
     ('gather', 64, 2, True): (16, 4),
     ('gather', 64, 4, False): (16, 4),
     ('gather', 64, 4, True): (16, 4),
+    ('grouped_forward', 32, 2, 4, 4, False): (16, 2, 4),
+    ('grouped_forward', 32, 2, 4, 4, True): (16, 4, 2),
+    ('grouped_forward', 32, 4, 4, 4, False): (32, 8, 4),
+    ('grouped_forward', 32, 4, 4, 4, True): (16, 8, 2),
+    ('grouped_fused', 32, 2, 4, 4, False): (8, 4, 2),
+    ('grouped_fused', 32, 2, 4, 4, True): (8, 4, 2),
+    ('grouped_fused', 32, 4, 4, 4, False): (8, 4, 2),
+    ('grouped_fused', 32, 4, 4, 4, True): (16, 4, 4),
+    ('grouped_keys', 32, 2, 4, 4, False): (8, 4, 2),
+    ('grouped_keys', 32, 2, 4, 4, True): (8, 4, 2),
+    ('grouped_keys', 32, 4, 4, 4, False): (8, 4, 2),
     ('hybrid', 128, 2, 4, 4, False): (1, 4, 4),
     ('hybrid', 128, 2, 4, 4, True): (1, 4, 4),
     ('hybrid', 128, 4, 4, 4, False): (1, 4, 4),
