@@ -1,17 +1,8 @@
-"""format=aoti: the traced detector compiled by AOTInductor into one .pt2 package (weights included), and the
-loaded package. Another process runs it without this project's model code::
+"""format=aoti: the traced detector compiled by AOTInductor into one .pt2 package, and the loaded package.
 
-    detector = torch._inductor.aoti_load_package("checkpoint.pt2")
-    pred_logits, pred_boxes = detector(images, mask)        # engine/export/exportable.py says what they are
-
-msda_node=reference (the CPU default) compiles the grid_sample decomposition like the rest: the package needs only
-torch. msda_node=triton (the CUDA default) keeps one msda::attention call per layer, a ``torch.library.custom_op``
-that the package calls by name, so the loading process must ``import msda`` first (with triton installed).
-(A ``torch.library.triton_op`` would be compiled into the package, but msda/launch.py's configuration choice is
-not traceable with symbolic sizes.)
-
-The C++ compiler (Inductor's: $CXX, else g++) must have a shared libstdc++: one without puts a static copy into
-the package, and loading it then segfaults. ``check_cxx_compiler`` refuses such a compiler before compiling.
+msda_node=triton keeps each attention as a ``torch.library.custom_op`` called by name, so the loading process must
+``import msda`` first, with triton installed (a ``triton_op`` would be compiled in, but msda/launch.py's
+configuration choice is not traceable with symbolic sizes).
 """
 
 from __future__ import annotations
@@ -23,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._inductor
 
 from engine.errors import AotiCompilerError
 
@@ -50,8 +42,8 @@ def has_shared_libstdcxx(compiler: str) -> bool | None:
 
 
 def check_cxx_compiler(compiler: str | None = None) -> None:
-    """AotiCompilerError when ``compiler`` (default: Inductor's) would link libstdc++ statically (Linux only); a
-    compiler that cannot be asked is left to Inductor's own error."""
+    """AotiCompilerError when ``compiler`` (default: Inductor's) has no shared libstdc++ (Linux only): it would put
+    a static copy into the package, and loading that segfaults. One that cannot be asked is left to Inductor."""
     if not sys.platform.startswith("linux"):
         return
     compiler = compiler or inductor_cxx()
@@ -68,23 +60,17 @@ def check_cxx_compiler(compiler: str | None = None) -> None:
 
 def write_aoti(program: torch.export.ExportedProgram, path: Path, *, quick: bool = False) -> Path:
     """``program`` compiled and packaged at ``path`` (a .pt2 file)."""
-    import torch._inductor
-
     check_cxx_compiler()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        path.unlink()  # an earlier export's package: replaced whole
-    written = torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                       inductor_configs=dict(QUICK_COMPILE) if quick else None)
-    return Path(written)
+    path.unlink(missing_ok=True)  # an earlier export's package: replaced whole
+    return Path(torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                         inductor_configs=dict(QUICK_COMPILE) if quick else None))
 
 
 class AotiRunner:
     """A loaded AOTInductor package, called like the PyTorch detector: tensors in, a tuple of tensors out."""
 
     def __init__(self, path: Path):
-        import torch._inductor
-
         try:
             self.package = torch._inductor.aoti_load_package(str(path))
         except Exception as error:  # the loader raises RuntimeError from C++ for a missing op, a wrong file, ...

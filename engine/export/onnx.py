@@ -1,12 +1,7 @@
 """format=onnx: the traced detector as an ONNX file, and the onnxruntime session the parity check runs it with.
 
-torch.onnx.export's dynamo exporter translates torch.export's ExportedProgram, so the symbolic batch and sides
-become dynamic axes (the TorchScript exporter traces the level sizes as tensors, which the attention refuses).
-The attention goes in as grid_sample (ONNX GridSample), or as TensorRT's plugin node (engine/export/tensorrt.py).
-
-torch.onnx converts its opset-18 graph down to an older ``opset`` but then optimizes it, writing ``Split`` with
-opset 18's ``num_outputs``, which older opsets refuse: ``fit_opset`` rewrites those nodes as Split-13 (part
-sizes as a second input). ``check_opset`` turns a file not valid at ``opset`` into a message naming it.
+torch.onnx.export's dynamo exporter translates the ExportedProgram, so its symbolic sizes become dynamic axes (the
+TorchScript exporter traces the level sizes as tensors, which the attention refuses).
 """
 
 from __future__ import annotations
@@ -21,17 +16,15 @@ import torch
 from engine.config.export_schema import DEFAULT_OPSET
 
 log = logging.getLogger(__name__)
-# The ONNX tool chain's loggers, which log every optimization step at INFO.
-CHATTY_LOGGERS = ("onnxscript", "onnx_ir", "torch.onnx")
 # The first opset whose Split takes num_outputs (the number of equal parts) instead of the parts' sizes.
 SPLIT_NUM_OUTPUTS_OPSET = 18
 
 
 def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names: tuple[str, ...],
                output_names: tuple[str, ...], opset: int, tensorrt: bool = False,
-               metadata: dict[str, str] | None = None) -> Path:
-    """``program`` as an ONNX file at ``path``, ``metadata`` in its metadata_props; a ValueError naming the opset
-    when the file is not valid at ``opset`` (check_opset)."""
+               metadata: dict[str, object] | None = None) -> Path:
+    """``program`` as an ONNX file at ``path``, ``metadata`` (as strings) in its metadata_props; a ValueError
+    naming the opset when the file is not valid at ``opset`` (check_opset)."""
     import onnx
 
     table = None
@@ -39,7 +32,7 @@ def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names
         from .tensorrt import translation_table
 
         table = translation_table()
-    with quieter(CHATTY_LOGGERS):
+    with quieter():
         onnx_program = torch.onnx.export(program, dynamo=True, opset_version=opset, input_names=list(input_names),
                                          output_names=list(output_names), custom_translation_table=table,
                                          optimize=True, verbose=False)
@@ -54,12 +47,12 @@ def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names
 
 
 @contextlib.contextmanager
-def quieter(names: tuple[str, ...], level: int = logging.ERROR):
-    """The loggers ``names`` at ``level`` or above while the block runs."""
-    loggers = [logging.getLogger(name) for name in names]
+def quieter():
+    """The ONNX tool chain's loggers (each optimization step at INFO) at ERROR or above while the block runs."""
+    loggers = [logging.getLogger(name) for name in ("onnxscript", "onnx_ir", "torch.onnx")]
     saved = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(max(level, logger.getEffectiveLevel()))
+        logger.setLevel(max(logging.ERROR, logger.getEffectiveLevel()))
     try:
         yield
     finally:
@@ -68,26 +61,28 @@ def quieter(names: tuple[str, ...], level: int = logging.ERROR):
 
 
 def fit_opset(model, opset: int):
-    """``model`` (an onnx.ModelProto, changed in place and returned) with every node in ``opset``'s form."""
-    if opset < SPLIT_NUM_OUTPUTS_OPSET:
-        _split_sizes_as_input(model, opset)
-    return model
+    """``model`` (an onnx.ModelProto, changed in place and returned) with every node in ``opset``'s form.
 
+    torch.onnx converts its opset-18 graph down to ``opset`` but then optimizes it, writing Split with opset 18's
+    ``num_outputs``, which older opsets refuse: each such Split gets its parts' sizes as a second input instead
+    (opset 18's rule: equal parts, the last smaller)."""
+    from onnx import numpy_helper
 
-def _split_sizes_as_input(model, opset: int) -> None:
-    """Each Split's ``num_outputs`` as its parts' sizes (opset 18's rule: equal parts, the last smaller)."""
-    from onnx import helper, numpy_helper
-
+    if opset >= SPLIT_NUM_OUTPUTS_OPSET:
+        return model
     graph = model.graph
-    sizes_of = static_shapes(graph)
+    # name -> shape (None for a dimension known only at run time) of every value the graph records a shape for
+    shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        tensor = value.type.tensor_type
+        if value.name not in shapes and tensor.HasField("shape"):
+            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
     for node in graph.node:
-        if node.op_type != "Split" or node.domain not in ("", "ai.onnx"):
+        num_outputs = next((a for a in node.attribute if a.name == "num_outputs"), None)
+        if node.op_type != "Split" or node.domain not in ("", "ai.onnx") or num_outputs is None:
             continue
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if "num_outputs" not in attributes:
-            continue
-        parts, axis = int(attributes["num_outputs"]), int(attributes.get("axis", 0))
-        shape = sizes_of.get(node.input[0])
+        parts, axis = num_outputs.i, next((a.i for a in node.attribute if a.name == "axis"), 0)
+        shape = shapes.get(node.input[0])
         size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
         if size is None:
             raise ValueError(f"opset={opset}: the graph splits {node.input[0]!r} along a dimension whose size is known "
@@ -97,21 +92,10 @@ def _split_sizes_as_input(model, opset: int) -> None:
         name = f"{node.name or node.output[0]}_sizes"
         graph.initializer.append(numpy_helper.from_array(
             np.array([part] * (parts - 1) + [size - part * (parts - 1)], dtype=np.int64), name))
-        kept = [a for a in node.attribute if a.name != "num_outputs"]
-        del node.attribute[:]
-        node.attribute.extend(kept)
+        node.attribute.remove(num_outputs)
         del node.input[1:]
         node.input.append(name)
-
-
-def static_shapes(graph) -> dict[str, list[int | None]]:
-    """name -> shape (None for a dimension known only at run time) of every value the graph records a shape for."""
-    shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
-    for value in (*graph.input, *graph.output, *graph.value_info):
-        tensor = value.type.tensor_type
-        if value.name not in shapes and tensor.HasField("shape"):
-            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-    return shapes
+    return model
 
 
 def check_opset(path: Path, opset: int) -> None:

@@ -1,14 +1,9 @@
 """Does an exported model compute what the PyTorch model computes? The check every export ends with.
 
-Both run on the same sample batch (engine/export/samples.py); the largest absolute differences of the class
-logits and of the normalized boxes must be within DEFAULT_TOLERANCES for the dtype (or tolerance.logits /
-tolerance.boxes), well above rounding differences and well below what an export bug (a size baked in, a swapped
-input) causes. With post-processing in the graph, scores are compared (a probability moves by at most a quarter of
-its logit's difference), and labels and boxes only at ranks clear of their neighbours by more than twice the
-largest score difference (closer ranks may trade places legitimately).
-
-On CUDA both sides run with TF32 off (cuDNN's default in eager PyTorch and in an AOTInductor package alike;
-onnxruntime is asked for use_tf32=0), else TF32's rounding would be the difference measured.
+Both run on the same sample batch; the largest absolute differences of the class logits (or, post-processed, the
+scores: a probability moves by at most a quarter of its logit's difference) and of the normalized boxes must be
+within the tolerance, well above rounding differences and well below what an export bug causes. Post-processed
+labels and boxes are compared only at ranks clear of their neighbours' scores (closer ranks may trade places).
 """
 
 from __future__ import annotations
@@ -49,11 +44,9 @@ def tolerance_for(dtype: str, *, logits: float | None = None, boxes: float | Non
 
 @dataclass
 class ParityReport:
-    """differences   output name -> largest absolute difference (NaN or inf counts as infinite)
-    tolerance     what they were held to
-    images        how many images were compared
-    label_mismatches, ranks_compared, ranks  post-processed outputs only: labels that differ at the ranks
-                  compared, and how many of all ranks were"""
+    """The largest absolute difference per output (NaN or inf counts as infinite), the tolerance they were held to,
+    how many images were compared; post-processed outputs only: labels that differ at the ranks compared, and how
+    many of all ranks were."""
 
     differences: dict[str, float]
     tolerance: Tolerance
@@ -70,8 +63,7 @@ class ParityReport:
         failed = [f"{name} differ by up to {value:.3g} (tolerance {self.limit(name):.3g})"
                   for name, value in self.differences.items() if not value <= self.limit(name)]
         if self.label_mismatches:
-            failed.append(f"{self.label_mismatches} labels differ at ranks whose scores are clear of their "
-                          "neighbours")
+            failed.append(f"{self.label_mismatches} labels differ at ranks whose scores are clear of their neighbours")
         return failed
 
     def describe(self) -> str:
@@ -86,10 +78,7 @@ class ParityReport:
 def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in float64; a NaN or infinite difference counts as infinite (an export must not produce them)."""
     difference = (a.detach().double().cpu() - b.detach().double().cpu()).abs()
-    if difference.numel() == 0:
-        return 0.0
-    difference = torch.where(torch.isfinite(difference), difference, torch.full_like(difference, float("inf")))
-    return float(difference.max())
+    return float(difference.nan_to_num(nan=torch.inf, posinf=torch.inf).max()) if difference.numel() else 0.0
 
 
 def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
@@ -99,10 +88,8 @@ def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
     if len(reference) != len(exported):
         raise ValueError(f"the exported model returned {len(exported)} outputs, the PyTorch model {len(reference)}")
     if len(reference) == 2:
-        (logits, boxes), (ref_logits, ref_boxes) = exported, reference
-        return ParityReport(differences={"logits": largest_difference(logits, ref_logits),
-                                         "boxes": largest_difference(boxes, ref_boxes)},
-                            tolerance=tolerance, images=ref_logits.shape[0])
+        differences = {name: largest_difference(a, b) for name, a, b in zip(("logits", "boxes"), exported, reference)}
+        return ParityReport(differences=differences, tolerance=tolerance, images=reference[0].shape[0])
     if target_sizes is None:
         raise ValueError("comparing post-processed outputs needs target_sizes (B, 2), the boxes' image sizes")
     scores, labels, boxes = (t.detach().cpu() for t in exported)
@@ -112,9 +99,8 @@ def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
     h, w = target_sizes.detach().cpu().double().unbind(1)
     scale = torch.stack([w, h, w, h], dim=1)[:, None, :]  # (B, 1, 4)
     box_difference = largest_difference((boxes.double() / scale)[stable], (ref_boxes.double() / scale)[stable])
-    mismatches = int((labels[stable] != ref_labels[stable]).sum())
     return ParityReport(differences={"scores": score_difference, "boxes": box_difference}, tolerance=tolerance,
-                        images=ref_scores.shape[0], label_mismatches=mismatches,
+                        images=ref_scores.shape[0], label_mismatches=int((labels[stable] != ref_labels[stable]).sum()),
                         ranks_compared=int(stable.sum()), ranks=stable.numel())
 
 
@@ -130,7 +116,7 @@ def clear_ranks(scores: torch.Tensor, *, margin: float) -> torch.Tensor:
 
 @contextlib.contextmanager
 def exact_float32():
-    """TF32 off for matmuls and cuDNN convolutions, restored after."""
+    """TF32 off for matmuls and cuDNN convolutions (else its rounding is the difference measured), restored after."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:

@@ -22,7 +22,7 @@ from engine.runtime.output_paths import writable_file
 from models.postprocess import PostProcess
 
 from .exportable import ExportableDetector, SampleShape, smallest_multiple, trace
-from .parity import ParityReport, check_parity, tolerance_for
+from .parity import check_parity, tolerance_for
 from .samples import recorded_validation_folder, sample_batch
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,10 @@ def export(cfg: DictConfig) -> dict:
     dtype = DTYPES[str(cfg.dtype)]
     detector = ExportableDetector(trained.model.to(dtype),
                                   PostProcess(num_select=cfg.max_detections) if cfg.postprocess else None)
-    height, width = cfg.image_size or evaluation_size(trained.val_size, trained.max_size,
-                                                      least=SIDE_MULTIPLE * smallest_multiple(trained.model))
+    # The default: the checkpoint's evaluation sides rounded up to 32, at least what the smallest feature level needs.
+    least = SIDE_MULTIPLE * smallest_multiple(trained.model)
+    height, width = cfg.image_size or [max(least, round_up(side, SIDE_MULTIPLE))
+                                       for side in (trained.val_size, trained.max_size)]
     shape = SampleShape(batch=cfg.batch_size, height=height, width=width)
     folder = recorded_validation_folder(read_recorded_config(cfg.checkpoint))
     sample = sample_batch(shape, folder=folder)
@@ -68,32 +70,27 @@ def export(cfg: DictConfig) -> dict:
     log.info("wrote %s (%.1f MB): traced in %.1f s, %s in %.1f s", path, path.stat().st_size / 2**20, traced,
              "translated" if cfg.format == ExportFormat.onnx else "compiled", written)
 
+    reports = []
     if runner is None:
         log.warning("msda_node=tensorrt: %s holds TensorRT's MultiscaleDeformableAttnPlugin_TRT nodes, which no "
                     "runtime here implements: the file was NOT run and NOT checked against the PyTorch model (only "
                     "its graph was written). Build it with TensorRT (trtexec --onnx=%s) and compare its outputs with "
                     "a msda_node=reference export on the same images", path, path)
-        reports = []
     else:
-        reports = check_export(cfg, runner, detector, shape=shape, sample=sample, folder=folder, path=path,
-                               dtype=dtype, device=device)
+        tolerance = tolerance_for(str(cfg.dtype), logits=cfg.tolerance.logits, boxes=cfg.tolerance.boxes)
+        shapes = [shape]
+        if cfg.dynamic:  # and another batch and sides, where a size fixed by mistake shows
+            shapes.append(SampleShape(batch=max(1, shape.batch - 1), height=shape.height + SIDE_MULTIPLE,
+                                      width=max(least, shape.width - SIDE_MULTIPLE)))
+        for check_shape in shapes:
+            batch = sample if check_shape == shape else sample_batch(check_shape, folder=folder)
+            inputs = batch.inputs(postprocess=cfg.postprocess, dtype=dtype, device=device)
+            where = f"batch {check_shape.batch}, {check_shape.height} x {check_shape.width}"
+            report = check_parity(runner, detector, inputs, tolerance=tolerance, what=f"{path} at {where}")
+            log.info("parity at %s: %s", where, report.describe())
+            reports.append(report)
     return {"output": path, "format": str(cfg.format), "msda_node": str(node), "sample": sample.source,
             "parity": reports, "seconds": {"trace": traced, "write": written}}
-
-
-def check_export(cfg: DictConfig, runner, detector: ExportableDetector, *, shape: SampleShape, sample, folder,
-                 path: Path, dtype: torch.dtype, device: torch.device) -> list[ParityReport]:
-    """A ParityReport per shape of parity_shapes, logged; ExportParityError at the first that fails."""
-    tolerance = tolerance_for(str(cfg.dtype), logits=cfg.tolerance.logits, boxes=cfg.tolerance.boxes)
-    reports = []
-    for check_shape in parity_shapes(shape, detector, dynamic=cfg.dynamic):
-        batch = sample if check_shape == shape else sample_batch(check_shape, folder=folder)
-        inputs = batch.inputs(postprocess=cfg.postprocess, dtype=dtype, device=device)
-        report = check_parity(runner, detector, inputs, tolerance=tolerance,
-                              what=f"{path} at {_describe(check_shape)}")
-        log.info("parity at %s: %s", _describe(check_shape), report.describe())
-        reports.append(report)
-    return reports
 
 
 def check_output(cfg: DictConfig, path: Path) -> None:
@@ -109,20 +106,12 @@ def check_output(cfg: DictConfig, path: Path) -> None:
 
 def attention_node(cfg: DictConfig, device: torch.device) -> MsdaNode:
     """``cfg.msda_node``, or the format's default on ``device`` (configs/export.yaml)."""
-    node = cfg.msda_node
-    if node is None:
-        node = MsdaNode.triton if cfg.format == ExportFormat.aoti and device.type == "cuda" else MsdaNode.reference
-    node = MsdaNode(str(node))
+    default = MsdaNode.triton if cfg.format == ExportFormat.aoti and device.type == "cuda" else MsdaNode.reference
+    node = MsdaNode(str(cfg.msda_node or default))
     if node == MsdaNode.triton and device.type != "cuda":
         raise ValueError(f"msda_node=triton puts the Triton kernels' op in the package, which runs on CUDA, but the "
                          f"export is on {device}: set device=cuda, or msda_node=reference for a CPU package")
     return node
-
-
-def evaluation_size(val_size: int, max_size: int, *, least: int = SIDE_MULTIPLE) -> tuple[int, int]:
-    """The default sample (height, width): the checkpoint's evaluation short and long sides rounded up to a
-    multiple of 32, and at least ``least`` (the side the model's smallest feature level needs)."""
-    return max(least, round_up(val_size, SIDE_MULTIPLE)), max(least, round_up(max_size, SIDE_MULTIPLE))
 
 
 def write_and_load(cfg: DictConfig, program, detector: ExportableDetector, *, path: Path, node: MsdaNode,
@@ -135,28 +124,13 @@ def write_and_load(cfg: DictConfig, program, detector: ExportableDetector, *, pa
         return AotiRunner(path)
     from engine.export.onnx import OnnxRunner, write_onnx
 
-    metadata = {"deformable_detr.checkpoint": str(trained.checkpoint), "deformable_detr.step": str(trained.step),
-                "deformable_detr.dtype": str(cfg.dtype), "deformable_detr.msda_node": str(node),
-                "deformable_detr.inputs": ", ".join(detector.input_names),
-                "deformable_detr.outputs": ", ".join(detector.output_names),
-                "deformable_detr.categories": str(trained.categories)}
+    metadata = {"checkpoint": trained.checkpoint, "step": trained.step, "dtype": cfg.dtype, "msda_node": node,
+                "inputs": ", ".join(detector.input_names), "outputs": ", ".join(detector.output_names),
+                "categories": trained.categories}
     if node == MsdaNode.tensorrt:
-        metadata["deformable_detr.parity"] = ("not checked: the attention is TensorRT's plugin node, which no "
-                                              "runtime at export time implemented")
+        metadata["parity"] = ("not checked: the attention is TensorRT's plugin node, which no runtime at export "
+                              "time implemented")
     write_onnx(program, path, input_names=detector.input_names, output_names=detector.output_names,
-               opset=cfg.opset, tensorrt=node == MsdaNode.tensorrt, metadata=metadata)
+               opset=cfg.opset, tensorrt=node == MsdaNode.tensorrt,
+               metadata={f"deformable_detr.{key}": value for key, value in metadata.items()})
     return None if node == MsdaNode.tensorrt else OnnxRunner(path, device=device)
-
-
-def parity_shapes(shape: SampleShape, detector: ExportableDetector, *, dynamic: bool) -> list[SampleShape]:
-    """The sample's shape, and for a dynamic graph another batch and sides, so that a size fixed by mistake shows."""
-    if not dynamic:
-        return [shape]
-    least = SIDE_MULTIPLE * smallest_multiple(detector.model)
-    other = SampleShape(batch=max(1, shape.batch - 1), height=shape.height + SIDE_MULTIPLE,
-                        width=max(least, shape.width - SIDE_MULTIPLE))
-    return [shape, other]
-
-
-def _describe(shape: SampleShape) -> str:
-    return f"batch {shape.batch}, {shape.height} x {shape.width}"

@@ -51,41 +51,26 @@ def recorded_validation_folder(config: dict | None) -> Path | None:
 
 
 def sample_batch(shape: SampleShape, *, folder: Path | None, seed: int = 0) -> SampleBatch:
-    """``shape.batch`` images of ``folder`` (cycled when there are fewer), else noise."""
-    paths = validation_images(folder, limit=shape.batch)
+    """The first ``shape.batch`` images of ``folder`` (sorted by path; cycled when there are fewer), else noise."""
+    try:
+        paths = find_images(folder)[:shape.batch] if folder is not None else []
+    except ValueError:  # a folder without images: the batch is noise then
+        paths = []
     if not paths:
         return random_batch(shape, seed=seed)
     images = torch.zeros(shape.batch, 3, shape.height, shape.width)
     mask = torch.ones(shape.batch, shape.height, shape.width, dtype=torch.bool)
     sizes = []
     for index, path in zip(range(shape.batch), itertools.cycle(paths)):
-        picture, original = fitted_image(path, index=index, height=shape.height, width=shape.width)
-        h, w = picture.shape[-2:]
-        images[index, :, :h, :w] = picture
+        pixels = F.pil_to_tensor(read_image(path, image_id=index, expected_size=(None, None)))  # (3, H, W) uint8
+        height, width = (int(s) for s in pixels.shape[-2:])
+        scale = min(shape.height / height, shape.width / width)  # fitted, its aspect ratio kept
+        h, w = min(shape.height, max(1, round(height * scale))), min(shape.width, max(1, round(width * scale)))
+        images[index, :, :h, :w] = InputPixels().normalize(F.resize(pixels, [h, w], antialias=True))
         mask[index, :h, :w] = False
-        sizes.append(original)
+        sizes.append((height, width))
     return SampleBatch(images=images, mask=mask, target_sizes=torch.tensor(sizes, dtype=torch.int64),
                        source=f"{len(paths)} validation image(s) of {folder}")
-
-
-def validation_images(folder: Path | None, *, limit: int) -> list[Path]:
-    """The first ``limit`` images of ``folder`` (sorted by path); none without a folder or images."""
-    if folder is None:
-        return []
-    try:
-        return find_images(folder)[:limit]
-    except ValueError:  # a folder without images: the batch is noise then
-        return []
-
-
-def fitted_image(path: Path, *, index: int, height: int, width: int) -> tuple[torch.Tensor, tuple[int, int]]:
-    """((3, h, w) float32 normalized, resized to fit ``height`` x ``width``; (H, W) of the picture as read)."""
-    pixels = F.pil_to_tensor(read_image(path, image_id=index, expected_size=(None, None)))  # (3, H, W) uint8
-    original = tuple(int(s) for s in pixels.shape[-2:])
-    scale = min(height / original[0], width / original[1])
-    size = [min(height, max(1, round(original[0] * scale))), min(width, max(1, round(original[1] * scale)))]
-    pixels = F.resize(pixels, size, antialias=True)
-    return InputPixels().normalize(pixels), original
 
 
 def random_batch(shape: SampleShape, *, seed: int = 0) -> SampleBatch:

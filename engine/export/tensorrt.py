@@ -1,31 +1,21 @@
 """The deformable attention as TensorRT's ``MultiscaleDeformableAttnPlugin_TRT`` node, for msda_node=tensorrt.
 
-TensorRT's ONNX parser builds a plugin from a node's op_type and its ``plugin_version`` ("1"; version "2" has the
-same inputs) and ``plugin_namespace`` ("", TensorRT's own) attributes; the domain "trt" only satisfies ONNX. The
-plugin takes, in this order:
-
-    value               (N, S, M, D)        float32 or float16
-    spatial_shapes      (L, 2) int32        (H_l, W_l) per level
-    level_start_index   (L,) int32          offset of each level in S
-    sampling_locations  (N, Lq, M, L, P, 2) value's dtype, normalized (x, y) in [0, 1]
-    attention_weights   (N, Lq, M, L, P)    value's dtype, softmaxed
-and returns (N, Lq, M, D) in value's dtype, reshaped to (N, Lq, M * D) as msda::attention returns. The model is
-exported with model.msda=triton, so each attention call is one msda::attention node, which
-``translate_attention`` replaces. No runtime here implements the node: such a file is checked for its graph only.
+TensorRT's ONNX parser finds the plugin by op_type, ``plugin_version`` ("1"; "2" has the same inputs) and
+``plugin_namespace`` ("": TensorRT's own); the domain "trt" only satisfies ONNX. The plugin takes value
+(N, S, M, D) float32 or float16, spatial_shapes (L, 2) int32 (H_l, W_l), level_start_index (L,) int32,
+sampling_locations (N, Lq, M, L, P, 2) (x, y) in [0, 1] and softmaxed attention_weights (N, Lq, M, L, P) in value's
+dtype, and returns (N, Lq, M, D). ``translate_attention`` replaces each msda::attention node (model.msda=triton) with
+it; no runtime here implements it, so such a file is checked for its graph only.
 """
 
 from __future__ import annotations
 
 import onnx
+import torch
 from onnx.defs import OpSchema
 from onnxscript import ir
 from onnxscript import opset18 as op
-from onnxscript.values import Opset
-
-try:  # where onnxscript keeps Op, by version
-    from onnxscript._internal.values import Op
-except ImportError:  # pragma: no cover - older onnxscript
-    from onnxscript.values import Op
+from onnxscript.values import Op, Opset
 
 PLUGIN_NAME = "MultiscaleDeformableAttnPlugin_TRT"
 PLUGIN_VERSION = "1"
@@ -77,8 +67,6 @@ def translate_attention(value, sampling_locations, attention_weights, flat_level
 
 def translation_table() -> dict:
     """torch.onnx.export's custom_translation_table for msda_node=tensorrt."""
-    import torch
-
     import msda  # noqa: F401  (registers msda::attention)
 
     return {torch.ops.msda.attention.default: translate_attention}

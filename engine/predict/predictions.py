@@ -37,9 +37,6 @@ class Predictions:
         self.detections: list[dict] = []
         self.all_detections: dict[int, dict[str, torch.Tensor]] = {}  # image id -> every kept detection
 
-    def file_name(self, path: str | Path) -> str:
-        return Path(path).resolve().relative_to(self.root).as_posix()
-
     def add(self, *, image_id: int, path: str, orig_size: tuple[int, int], result: dict[str, torch.Tensor],
             pixels: torch.Tensor | None = None) -> None:
         """One image's post-processed detections: {"scores" (k,), "labels" (k,), "boxes" (k, 4) xyxy pixels};
@@ -47,7 +44,8 @@ class Predictions:
         if self.draw and pixels is None:
             raise ValueError(f"Predictions.add: drawing needs the pixels of {path} (ImageFolder(keep_pixels=True))")
         height, width = orig_size
-        self.images.append({"id": image_id, "file_name": self.file_name(path), "width": width, "height": height})
+        file_name = Path(path).resolve().relative_to(self.root).as_posix()
+        self.images.append({"id": image_id, "file_name": file_name, "width": width, "height": height})
         result = {k: v.detach().float().cpu() if k != "labels" else v.detach().cpu() for k, v in result.items()}
         # A predicted box may reach past the image's edge, where there is nothing to detect.
         result["boxes"] = clip_boxes_to_image(result["boxes"], (height, width))
@@ -57,9 +55,9 @@ class Predictions:
             self.detections.append({**detection, "bbox": [round(v, 2) for v in detection["bbox"]],
                                     "score": round(detection["score"], 5)})
         if self.draw:
-            self._draw(path, pixels, result["boxes"][keep], result["labels"][keep], result["scores"][keep])
+            self._draw(file_name, pixels, result["boxes"][keep], result["labels"][keep], result["scores"][keep])
 
-    def _draw(self, path: str, image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor,
+    def _draw(self, file_name: str, image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor,
               scores: torch.Tensor) -> None:
         height, width = image.shape[-2:]
         scale = max(1.0, display_scale(height=height, width=width))  # small images enlarged: readable labels
@@ -71,7 +69,7 @@ class Predictions:
                  for c, s in zip(labels.tolist(), scores.tolist())]
         picture = draw_detections(image, ground_truth=torch.zeros(0, 4), boxes=boxes, labels=names)
         # The file's own name and format: x.png and x.jpg in one folder are two pictures.
-        destination = self.output_dir / PICTURES / self.file_name(path)
+        destination = self.output_dir / PICTURES / file_name
         destination.parent.mkdir(parents=True, exist_ok=True)
         jpeg = destination.suffix.lower() in (".jpg", ".jpeg")
         F.to_pil_image(picture).save(destination, **({"quality": 90} if jpeg else {}))

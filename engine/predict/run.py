@@ -41,7 +41,7 @@ PAD_TO_MULTIPLE = 32
 
 
 def predict(cfg: DictConfig) -> dict:
-    """Run ``cfg.checkpoint`` on ``cfg.images``; returns {"output_dir", "images", "detections", "eval"}."""
+    """Run ``cfg.checkpoint`` on ``cfg.images``; returns {"output_dir", "images", "detections", "eval", "skipped"}."""
     cfg = check_config(cfg, PredictConfig)
     output_dir = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
     writable_folder(output_dir, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
@@ -123,8 +123,7 @@ def image_ids(paths: list[Path], *, root: Path, gt: COCO | None) -> list[int]:
     next_id = max(gt.imgs, default=0) + 1 if gt is not None else 1
     ids, unmatched = [], 0
     for path in paths:
-        relative = path.resolve().relative_to(root).as_posix()
-        found = by_name.get(relative, by_name.get(path.name))
+        found = by_name.get(path.resolve().relative_to(root).as_posix(), by_name.get(path.name))
         if found is None:
             found, next_id, unmatched = next_id, next_id + 1, unmatched + 1
         ids.append(found)
