@@ -74,7 +74,7 @@ class Progress:
 
 
 def _duration(seconds: float) -> str:
-    return "?" if seconds != seconds else format_duration(seconds)
+    return "?" if math.isnan(seconds) else format_duration(seconds)
 
 
 class EvaluationProgress:
@@ -115,11 +115,9 @@ class EvaluationProgress:
         if self.total_images is not None and images >= self.total_images:
             return  # the pass is done: its closing line follows
         self._last_report = now
-        rate, eta = self.images_per_s(images), self.eta_seconds(images)
-        if self.total_images is None:
-            done = f"{images} images"
-        else:
-            done = f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]"
+        rate = self.images_per_s(images)
+        done = (f"{images} images" if self.total_images is None
+                else f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]")
         share = f" (this process's share of {self.share_of})" if self.share_of is not None else ""
         log.info("evaluation %s%s %s img/s | ETA %s", done, share, "?" if math.isnan(rate) else f"{rate:.1f}",
-                 _duration(eta))
+                 _duration(self.eta_seconds(images)))
