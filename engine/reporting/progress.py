@@ -20,12 +20,10 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Steps done in this process against ``total_steps``, with rate and ETA for the run and the epoch.
-
-    The rate leaves out compilation, warm-up and evaluation (``excluded_s``), which would otherwise promise hours
-    for a run that takes minutes. The ETA adds the evaluations still to come (``evaluation_steps``: the steps after
-    which one runs), each at what the last ones took, or before the first at an estimate from ``val_images``.
-    """
+    """Steps done in this process against ``total_steps``, with rate and ETA for the run and the epoch. The rate
+    leaves out compilation, warm-up and evaluation (``excluded_s``), which would otherwise promise hours for a run
+    that takes minutes. The ETA adds the evaluations still to come (``evaluation_steps``: the steps after which one
+    runs), each at what the last ones took, or before the first at an estimate from ``val_images``."""
 
     def __init__(self, *, total_steps: int, start_step: int, enabled: bool, steps_per_epoch: int | None = None,
                  evaluation_steps: tuple[int, ...] = (), val_images: int = 0):

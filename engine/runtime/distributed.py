@@ -242,8 +242,7 @@ def _by_dtype(tensors) -> dict[torch.dtype, list[torch.Tensor]]:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill numel() consecutive places of its storage, in some order of its dimensions
-    (contiguous, channels_last, ...)."""
+    """Whether ``t`` fills numel() consecutive places of its storage in some order of its dims (as channels_last)."""
     expected = 1
     for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
         if stride != expected:
@@ -253,8 +252,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _in_memory_order(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as one dimension: a dense ``t``'s in the order they sit in memory (a view), others' in index
-    order."""
+    """``t`` as one dimension: a dense ``t`` in the order it sits in memory (a view), any other in index order."""
     if not t.is_contiguous() and _dense(t):
         return t.as_strided((t.numel(),), (1,))
     return t.reshape(-1)
