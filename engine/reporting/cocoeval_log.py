@@ -17,9 +17,7 @@ SUMMARY_LINE = re.compile(r"^\s*Average (Precision\s+\(AP\)|Recall\s+\(AR\) @\[ 
 def log_cocoeval_output(text: str, log: logging.Logger) -> None:
     """Each non-empty line of ``text``: INFO on console and file if it is a summary-table line, else file only."""
     for line in text.splitlines():
-        if not line.strip():
-            continue
         if SUMMARY_LINE.match(line):
             log.info("%s", line.rstrip())
-        else:
+        elif line.strip():
             log.info("COCOeval: %s", line.strip(), extra=FILE_ONLY)

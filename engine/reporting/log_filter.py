@@ -9,17 +9,13 @@ import logging
 FILE_ONLY = {"file_only": True}
 
 
-class _NotFileOnly(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not getattr(record, "file_only", False)
-
-
-_filter = _NotFileOnly()
+def _not_file_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, "file_only", False)
 
 
 def keep_file_only_off_console(logger: logging.Logger | None = None) -> None:
     """Filter FILE_ONLY records out of ``logger``'s (default: the root logger's) console handlers."""
     for handler in (logger or logging.getLogger()).handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            if _filter not in handler.filters:
-                handler.addFilter(_filter)
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and _not_file_only not in handler.filters:
+            handler.addFilter(_not_file_only)

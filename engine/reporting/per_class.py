@@ -10,10 +10,8 @@ TAG = "eval_per_class"
 def format_per_class_table(per_class: dict[str, float | None]) -> str:
     """Lines "name  AP", in the order given (category id order); "-" where no ground truth was evaluated."""
     width = max([len("category"), *(len(name) for name in per_class)])
-    lines = [f"{'category':<{width}}  AP (IoU .50:.95)"]
-    for name, ap in per_class.items():
-        lines.append(f"{name:<{width}}  {'-' if ap is None else f'{ap:.4f}'}")
-    return "\n".join(lines)
+    rows = [f"{name:<{width}}  {'-' if ap is None else f'{ap:.4f}'}" for name, ap in per_class.items()]
+    return "\n".join([f"{'category':<{width}}  AP (IoU .50:.95)", *rows])
 
 
 def report_per_class(per_class: dict[str, float | None], *, writer, step: int, log: logging.Logger) -> None:

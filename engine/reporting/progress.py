@@ -20,12 +20,10 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Steps done in this process against ``total_steps``, with rate and ETA for the run and the epoch.
-
-    The rate leaves out compilation, warm-up and evaluation (``excluded_s``), which would otherwise promise hours
-    for a run that takes minutes. The ETA adds the evaluations still to come (``evaluation_steps``: the steps after
-    which one runs), each at what the last ones took, or before the first at an estimate from ``val_images``.
-    """
+    """Steps done in this process against ``total_steps``, with rate and ETA for the run and the epoch. The rate
+    leaves out compilation, warm-up and evaluation (``excluded_s``), which would otherwise promise hours for a run
+    that takes minutes. The ETA adds the evaluations still to come (``evaluation_steps``: the steps after which one
+    runs), each at what the last ones took, or before the first at an estimate from ``val_images``."""
 
     def __init__(self, *, total_steps: int, start_step: int, enabled: bool, steps_per_epoch: int | None = None,
                  evaluation_steps: tuple[int, ...] = (), val_images: int = 0):
@@ -74,7 +72,7 @@ class Progress:
 
 
 def _duration(seconds: float) -> str:
-    return "?" if seconds != seconds else format_duration(seconds)
+    return "?" if math.isnan(seconds) else format_duration(seconds)
 
 
 class EvaluationProgress:
@@ -115,11 +113,9 @@ class EvaluationProgress:
         if self.total_images is not None and images >= self.total_images:
             return  # the pass is done: its closing line follows
         self._last_report = now
-        rate, eta = self.images_per_s(images), self.eta_seconds(images)
-        if self.total_images is None:
-            done = f"{images} images"
-        else:
-            done = f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]"
+        rate = self.images_per_s(images)
+        done = (f"{images} images" if self.total_images is None
+                else f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]")
         share = f" (this process's share of {self.share_of})" if self.share_of is not None else ""
         log.info("evaluation %s%s %s img/s | ETA %s", done, share, "?" if math.isnan(rate) else f"{rate:.1f}",
-                 _duration(eta))
+                 _duration(self.eta_seconds(images)))

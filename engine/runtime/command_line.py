@@ -9,27 +9,23 @@ from pathlib import Path
 
 from .output_paths import writable_folder
 
-# Values that leave a path setting unset.
-UNSET = ("", "null")
-# Hydra's flags for a multirun: the command runs one job per combination of the swept values.
-MULTIRUN_FLAGS = ("-m", "--multirun")
-
 
 def override_value(argv: Sequence[str], keys: Sequence[str]) -> tuple[str, str] | None:
     """(key, value) of the last override of one of ``keys`` on the command line (``+``/``++`` prefixes allowed), or
-    None when none sets one. A value Hydra resolves itself (an interpolation) is not read here."""
+    None when none sets one or the last leaves it unset ("" or null). A value Hydra resolves itself (an
+    interpolation) is not read here."""
     found = None
     for argument in argv[1:]:
         key, equals, value = argument.lstrip("+~").partition("=")
         if equals and key in keys:
-            found = None if value in UNSET or "${" in value else (key, value)
+            found = None if value in ("", "null") or "${" in value else (key, value)
     return found
 
 
 def is_multirun(argv: Sequence[str]) -> bool:
     """Whether Hydra runs the command as a multirun (``-m``, ``--multirun`` or ``hydra.mode=MULTIRUN``)."""
     mode = override_value(argv, ("hydra.mode",))
-    return any(a in MULTIRUN_FLAGS for a in argv[1:]) or (mode is not None and mode[1].upper() == "MULTIRUN")
+    return any(a in ("-m", "--multirun") for a in argv[1:]) or (mode is not None and mode[1].upper() == "MULTIRUN")
 
 
 def is_sweep(key: str, value: str) -> bool:

@@ -1,8 +1,7 @@
-"""One message per fault, and the exit codes (docs/resume-and-faults.md).
-
-A fault the user can fix (engine.errors.USER_FAULTS) is one console message, its traceback in the log file only
-(on the console too with HYDRA_FULL_ERROR=1); exit 1. A stop signal N after saving exits 128 + N, a second Ctrl-C
-130. Anything else is a bug: its traceback goes to the log file and Hydra prints it.
+"""One message per fault, and the exit codes (docs/resume-and-faults.md). A fault the user can fix
+(engine.errors.USER_FAULTS) is one console message, its traceback in the log file only (on the console too with
+HYDRA_FULL_ERROR=1); exit 1. A stop signal N after saving exits 128 + N, a second Ctrl-C 130. Anything else is a
+bug: its traceback goes to the log file and Hydra prints it.
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
                          dated: bool = False,
                          interrupted: str = "stopped at once by a second Ctrl-C: the steps since the last checkpoint "
                                             "are lost") -> None:
-    """Run ``job`` (module docstring): returns when it succeeds, else exits or re-raises.
-
-    run_dir      Hydra's run directory, removed when a fault leaves it untouched (remove_if_untouched, ``dated``)
-    interrupted  the message for a KeyboardInterrupt
-    """
+    """Run ``job`` (module docstring): returns when it succeeds, else exits or re-raises. ``run_dir``: Hydra's run
+    directory, removed when a fault leaves it untouched (remove_if_untouched, ``dated``); ``interrupted``: the message
+    for a KeyboardInterrupt."""
     # Kept while the handlers below end the loader's workers too: a pin-memory thread can die of that.
     with loader_thread_tracebacks_to_log(log):
         try:
@@ -55,14 +52,14 @@ def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log
             sys.exit(INTERRUPTED_EXIT_CODE)
         except USER_FAULTS as fault:
             log.error("%s", fault)
-            log.error("the traceback of the error above:", exc_info=True, extra=FILE_ONLY)
+            log.exception("the traceback of the error above:", extra=FILE_ONLY)
             end_child_processes()
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             remove_if_untouched(run_dir, dated=dated)
             sys.exit(FAULT_EXIT_CODE)
         except Exception:
-            log.error("the run failed:", exc_info=True, extra=FILE_ONLY)  # Hydra prints it on the console
+            log.exception("the run failed:", extra=FILE_ONLY)  # Hydra prints it on the console
             end_child_processes()
             raise
 

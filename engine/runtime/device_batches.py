@@ -27,13 +27,11 @@ def _to(batch, device: torch.device):
 
 
 class DeviceBatches:
-    """(images, masks, targets) batches of ``batches`` (the loader's, pinned on a GPU run) moved to ``device``,
-    one batch ahead, in the loader's order.
-
-    On a GPU, handing out batch k starts batch k+1's copy on a stream of its own, so it runs during step k; the
-    training stream waits for it on the GPU and marks its tensors as in use there. A failure while fetching ahead
-    (a damaged image, a dead worker) is raised when that batch is asked for, so the step before it still finishes.
-    """
+    """(images, masks, targets) batches of ``batches`` (the loader's, pinned on a GPU run) moved to ``device``, one
+    batch ahead, in the loader's order. On a GPU, handing out batch k starts batch k+1's copy on a stream of its own,
+    so it runs during step k; the training stream waits for it on the GPU and marks its tensors as in use there. A
+    failure while fetching ahead (a damaged image, a dead worker) is raised when that batch is asked for, so the step
+    before it still finishes."""
 
     def __init__(self, batches: Iterator, device: torch.device):
         self._batches = batches

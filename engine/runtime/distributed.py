@@ -1,8 +1,7 @@
 """Process group set-up for torchrun (env://) and the few collectives the trainer needs; the only module that
-calls torch.distributed. In a world of one (plain ``python train.py``) every helper is a no-op.
-
-Every collective times out after ``dist_timeout_s`` with a CollectiveError naming the rank and the collective,
-instead of hanging (NCCL's non-blocking all-reduces time out through torch's watchdog instead).
+calls torch.distributed. In a world of one (plain ``python train.py``) every helper is a no-op. A collective that
+fails or outlasts ``dist_timeout_s`` raises a CollectiveError naming the rank and the collective instead of hanging
+(NCCL's non-blocking all-reduces time out through torch's watchdog instead).
 """
 
 from __future__ import annotations
@@ -41,10 +40,6 @@ class DistContext:
         return self.world_size > 1
 
 
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def env_rank() -> int:
     """This process's rank as the launcher set it (0 outside torchrun); readable before init."""
     return int(os.environ.get("RANK", "0"))
@@ -66,7 +61,7 @@ def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
 def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
     """Join the process group torchrun describes (env://; NCCL on CUDA, gloo on CPU), or return a world of one.
     Safe to call when a group already exists (tests make their own)."""
-    if not launched_by_torchrun():
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # not launched by torchrun
         return DistContext(rank=0, world_size=1, local_rank=0, device=resolve_device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device, local_rank=local_rank)
@@ -74,8 +69,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
         torch.cuda.set_device(dev)
     owns_group = not dist.is_initialized()
     if owns_group:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, init_method="env://",
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
                        owns_group=owns_group, timeout_s=timeout_s)
@@ -167,30 +161,29 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, *, gradient_sync: st
                   find_unused_parameters: bool = False) -> tuple[torch.nn.Module, Callable[[], None] | None]:
     """(module to train, what to call after backward): engine.train.step.OptimizerStep's ``model`` and
     ``sync_gradients``. allreduce: (``model``, GradientAllReduce(model).sync); ddp: (``model`` in
-    DistributedDataParallel, None); a world of one: (``model``, None)."""
+    DistributedDataParallel, None); a world of one: (``model``, None).
+
+    DDP's gradients are views of its buckets (no copy per parameter) and its buffers are synced at construction
+    only: they are never updated, and a broadcast per forward would cost a collective per step and void the frozen
+    batch norm's cached affine (models.frozen_batch_norm). Older torch lacks forward_sync_buffers; its
+    broadcast_buffers=False skips the construction sync too, harmless as every rank loads the same statistics."""
     if gradient_sync not in GRADIENT_SYNCS:
         raise ValueError(f"gradient_sync must be one of {', '.join(GRADIENT_SYNCS)}, got {gradient_sync!r}")
     if not ctx.distributed:
         return model, None
     if gradient_sync == "allreduce":
         return model, GradientAllReduce(model, ctx).sync
-    return distributed_data_parallel(model, ctx, find_unused_parameters=find_unused_parameters), None
-
-
-def distributed_data_parallel(model: torch.nn.Module, ctx: DistContext, *, find_unused_parameters: bool = False):
-    """``model`` in DistributedDataParallel, its gradients views of the buckets (no copy per parameter), its
-    buffers synced once at construction: they are never updated, and a broadcast per forward would cost a
-    collective per step and void the frozen batch norm's cached affine (models.frozen_batch_norm)."""
-    import torch._dynamo
+    from torch._dynamo import config as dynamo_config
     from torch.nn.parallel import DistributedDataParallel
 
     # Dynamo would cut compiled graphs at DDP's bucket ends; the per-layer graphs are smaller than a bucket, so the
     # cuts would only add CUDA-graph replays. Read when a graph is compiled.
-    torch._dynamo.config.optimize_ddp = False
-
-    return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                                   find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
-                                   **_no_forward_buffer_sync(DistributedDataParallel))
+    dynamo_config.optimize_ddp = False
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                  find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
+                                  **({"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}))
+    return ddp, None
 
 
 class GradientAllReduce:
@@ -249,8 +242,7 @@ def _by_dtype(tensors) -> dict[torch.dtype, list[torch.Tensor]]:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill numel() consecutive places of its storage, in some order of its dimensions
-    (contiguous, channels_last, ...)."""
+    """Whether ``t`` fills numel() consecutive places of its storage in some order of its dims (as channels_last)."""
     expected = 1
     for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
         if stride != expected:
@@ -260,12 +252,10 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _in_memory_order(t: torch.Tensor) -> torch.Tensor:
-    """A dense ``t``'s elements as one dimension, in the order they sit in memory (a view; a copy if not dense)."""
-    if t.is_contiguous():
-        return t.reshape(-1)
-    if not _dense(t):
-        t = t.contiguous()
-    return t.as_strided((t.numel(),), (1,))
+    """``t`` as one dimension: a dense ``t`` in the order it sits in memory (a view), any other in index order."""
+    if not t.is_contiguous() and _dense(t):
+        return t.as_strided((t.numel(),), (1,))
+    return t.reshape(-1)
 
 
 def _laid_out_as(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
@@ -279,14 +269,6 @@ def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` cut into tensors shaped and laid out as ``like``'s (dense), in order (views, no copy)."""
     return [piece.as_strided(t.shape, t.stride()) if _dense(t) else piece.view(t.shape)
             for piece, t in zip(flat.split([t.numel() for t in like]), like)]
-
-
-def _no_forward_buffer_sync(ddp_class) -> dict:
-    """DDP's argument for "sync buffers at construction only": forward_sync_buffers in newer torch; older torch's
-    broadcast_buffers=False also skips that sync, harmless as every rank loads the same statistics."""
-    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
 
 
 def average_over_processes(value: float, ctx: DistContext) -> Callable[[], float | torch.Tensor]:

@@ -17,8 +17,7 @@ def writable_folder(path: str | os.PathLike, *, setting: str) -> Path:
     path = Path(path).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        tempfile.TemporaryFile(dir=path).close()
     except OSError as error:
         raise OutputPathError(f"{setting}: cannot create or write into the folder {path}: {why(path, error)}. "
                               "Choose a folder you can write to") from error

@@ -41,16 +41,12 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.acquire()
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-    def _record(self) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "command": " ".join(sys.argv)[:500]}
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,7 +59,8 @@ class RunLock:
                 self._take_over_if_stale()
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump(self._record(), f)
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500]}, f)
             self.held = True
             return
         raise RunDirectoryInUse(f"{self.path.parent} is being locked and unlocked by another process; try again")
@@ -96,18 +93,12 @@ class RunLock:
             self.held = False
 
 
-# The overrides that name a run directory before Hydra makes it (configs/train.yaml: hydra.run.dir is output_dir),
-# and, for a multirun (-m), the folder of its jobs' run directories (hydra.sweep.dir is output_dir).
-RUN_DIRECTORY_KEYS = ("output_dir", "hydra.run.dir")
-SWEEP_DIRECTORY_KEYS = ("output_dir", "hydra.sweep.dir")
-
-
 def held_before_hydra(argv: list[str]) -> RunLock | None:
-    """The lock of the run directory the command line names (``output_dir=`` or ``hydra.run.dir=``; for a multirun
-    the folder of its jobs), taken before Hydra writes there, so a refused run leaves the live run's files alone;
-    None when it names none (Hydra's dated directory is new)."""
+    """The lock of the run directory the command line names (``output_dir=``, or the ``hydra.run.dir=`` it stands
+    for; for a multirun, the folder of its jobs: ``hydra.sweep.dir=``), taken before Hydra writes there, so a refused
+    run leaves the live run's files alone; None when it names none (Hydra's dated directory is new)."""
     multirun = is_multirun(argv)
-    named = override_value(argv, SWEEP_DIRECTORY_KEYS if multirun else RUN_DIRECTORY_KEYS)
+    named = override_value(argv, ("output_dir", "hydra.sweep.dir" if multirun else "hydra.run.dir"))
     if named is None:
         return None
     key, directory = named

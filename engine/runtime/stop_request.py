@@ -33,7 +33,7 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._announced = False
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -48,10 +48,6 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signum is not None
 
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else ""
-
     def _handle(self, signum, frame) -> None:
         # Only a flag: logging here could re-enter a console write the signal interrupted (the loop calls announce).
         if self.signum is not None and signum == signal.SIGINT:
@@ -65,7 +61,7 @@ class StopRequest:
             self._announced = True
             doing = ("stopping this evaluation, then writing checkpoint.pth, whose resume runs it first, and stopping"
                      if evaluating else "finishing this step, then writing checkpoint.pth and stopping")
-            log.warning("%s received: %s%s", self.name, doing,
+            log.warning("%s received: %s%s", signal.Signals(self.signum).name, doing,
                         " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else "")
 
 
