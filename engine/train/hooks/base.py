@@ -1,8 +1,6 @@
-"""What the training loop tells the parts of a run that are not the step itself, and in which order.
+"""What the training loop tells its hooks (all a run does besides the step itself), and in which order.
 
-The loop (engine/train/loop.py) only steps; everything else a run does (timing, the step log, the profiler, the
-lr schedule, checkpoints, evaluation, stop signals, model EMA) is a ``Hook`` in the one ordered list that
-engine/train/run.py builds. The loop calls every hook, in that order, at these points:
+The loop (engine/train/loop.py) calls every hook, in the order of engine/train/run.py's list, at these points:
 
     start()                   once, before the first step (a resumed run's pending evaluation runs here)
     before_step(number)       before step ``number`` (counted from 1 over the whole run) fetches its batch
