@@ -162,7 +162,7 @@ class IntervalReporter(Hook):
         if not len(self.step_log):
             return
         average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
-        interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.requested_here)
+        interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.request.requested)
         bad = interval.first_non_finite(self.checked)
         if bad is not None:
             index, row = bad
