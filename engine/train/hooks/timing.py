@@ -1,11 +1,9 @@
 """Where a run's wall time went, as the user waits for it: setup, compilation, warm-up, training, evaluation.
 
-The loop tells ``RunTiming`` when each step and each evaluation starts and ends; compilation is taken from
-the CompileClock (engine/compile/clock.py) and charged to "compile" wherever it happened. The rest of the first
-two steps at each new batch size is "warm-up": kernels autotuned at their first run, cuDNN's plans, a CUDA
-graph recorded at the second. So "train" and "eval" are the time the run would have taken with every graph
-already compiled and warm. At the end the record goes to ``timing.json`` in the run directory and into one
-log line; bench/ttr.py reads the file.
+Compilation, wherever it happened, is charged to "compile" (engine/compile/clock.py). The rest of the first two steps
+at each new batch size is "warm-up": kernels autotuned at their first run, cuDNN's plans, a CUDA graph recorded at the
+second. So "train" and "eval" are what the run would have taken with every graph compiled and warm. The record goes
+to ``timing.json`` (which bench/ttr.py reads) and into one log line.
 """
 
 from __future__ import annotations
@@ -52,8 +50,7 @@ class RunTiming(Hook):
     evaluations: int = 0
     checkpoint_s: float = 0.0
     steps: int = 0
-    # The warm steps that compiled nothing since the last step that compiled a graph, in order: (wall s, loader wait
-    # s, images, pixels per image, end time, step number)
+    # The warm steps since the last graph compiled: (wall s, loader wait s, images, pixels per image, end, number)
     warm_steps: list[tuple[float, float, int, int, float, int]] = field(default_factory=list)
     _last_step_end: float | None = None
     _before: CompileTotals | None = None
@@ -73,8 +70,7 @@ class RunTiming(Hook):
                                     step=done.number)
 
     def pause(self) -> None:
-        """Between steps, what is not a step (evaluation, checkpoints) is timed apart: the next step's wall time
-        starts now."""
+        """What is not a step (evaluation, checkpoints) is timed apart: the next step's wall time starts now."""
         self._last_step_end = time.perf_counter()
 
     def report_compilation(self, compiled: CompileTotals, *, what: str, step: int) -> None:
@@ -114,18 +110,15 @@ class RunTiming(Hook):
             self.first_step_s = now - self.started
         if compiled.graphs and not profiled:
             # A new graph changes what a step runs: the warm steps before it are not what the run's steps are like
-            # from now on. Not at a
-            # profiled step, which is left out of them anyway: a graph first recorded inside the profile at a run's
-            # end (a batch size first met there) would otherwise leave the run without steady figures.
+            # from now on. Not at a profiled step, left out of them anyway: a graph first recorded inside the profile
+            # at a run's end (a batch size first met there) would otherwise leave the run without steady figures.
             self.warm_steps.clear()
-        warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
-        warm = not warming and not compiled.graphs and compiled.seconds < 1e-3
-        if warming:
+        if self._sizes_seen[size] <= 2:  # warming up
             self.warmup_s += max(0.0, wall - compiled.seconds)
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
-            if warm and not profiled:
+            if not compiled.graphs and compiled.seconds < 1e-3 and not profiled:
                 self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time(), self.steps + 1))
         self.steps += 1
         return compiled
