@@ -44,10 +44,6 @@ class Interval:
     wall_s: float
     stop_requested: bool = False    # some process was asked to stop (engine/runtime/stop_request.py)
 
-    @property
-    def last(self) -> dict[str, float]:
-        return self.rows[-1]
-
     def first_non_finite(self, names: tuple[str, ...]) -> tuple[int, dict[str, float]] | None:
         """(global step index, row) of the first step where one of ``names`` is NaN/inf, else None."""
         for i, row in enumerate(self.rows):
@@ -63,17 +59,12 @@ class StepLog:
         self._values: list[torch.Tensor] = []
         self._spans: list[ComputeSpan] = []
         self._data_ms: list[float] = []
-        self._images = 0
-        self._first_step = 0
+        self._images = self._first_step = 0
         self._t_flush = time.perf_counter()
         self._t_last_end = self._t_flush  # when the last step ended (its launches, on a GPU)
         self._paused_wall_s = 0.0  # this interval's time before its last pause
 
-    def __len__(self) -> int:
-        return len(self._values)
-
     def add(self, done: StepDone) -> None:
-        """A step's result (engine.train.hooks.base.StepDone)."""
         if not self._values:
             self._first_step = done.number - 1
         self._values.append(done.values)
@@ -83,12 +74,10 @@ class StepLog:
         self._t_last_end = time.perf_counter()
 
     def flush(self, names: tuple[str, ...], average=None, *, stop: bool = False) -> Interval | None:
-        """Read the interval's results (one device->host transfer); None when no step was run.
-
-        ``average`` maps a device tensor to its mean over processes (engine.runtime.distributed), so that every
-        rank sees the same values and takes the same decisions. ``stop`` (this process was asked to stop)
-        travels in the same tensor, as one more row: every process learns at the same step whether any was.
-        """
+        """Read the interval's results (one device->host transfer); None when no step was run. ``average`` maps a
+        device tensor to its mean over processes (engine.runtime.distributed): every rank takes the same decisions.
+        ``stop`` (this process was asked to stop) travels in the same tensor, as one more row: every process learns
+        at the same step whether any was."""
         if not self._values:
             return None
         stacked = torch.stack(self._values)  # (steps, len(names))
@@ -118,11 +107,9 @@ class StepLog:
 
 
 class IntervalReporter(Hook):
-    """The steps of each log interval, read and reported at its end, at an epoch's end and at a stop; whether any
-    process was asked to stop travels in the same read (``stopping``).
-
-    describe_kept   what a run that stops without saving keeps (engine/train/hooks/saving.py), for its message
-    """
+    """Reads and reports each log interval's steps at its end, at an epoch's end and at a stop; whether any process
+    was asked to stop travels in the same read. ``describe_kept``: what a run that stops without saving keeps
+    (saving.py), for its message."""
 
     def __init__(self, *, step: OptimizerStep, ctx: DistContext, writer: ScalarWriter, progress: Progress,
                  timing: RunTiming, plan: RunPlan, stopping: StopControl, fp16_skips_overflows: bool,
@@ -155,10 +142,10 @@ class IntervalReporter(Hook):
     def report(self, *, epoch: int) -> None:
         """Read the interval's results (the one sync of the interval), stop on a non-finite loss, log, and tell the
         stop control whether any process was asked to stop. Nothing when no step ran since the last report."""
-        if not len(self.step_log):
-            return
         average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
         interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.request.requested)
+        if interval is None:
+            return
         bad = interval.first_non_finite(self.checked)
         if bad is not None:
             raise NonFiniteLossError(self._non_finite_message(*bad, epoch=epoch))
@@ -169,7 +156,7 @@ class IntervalReporter(Hook):
 
     def _log_interval(self, interval: Interval, *, epoch: int, step: int) -> None:
         weights = self.step.criterion.weight_dict
-        last = interval.last
+        last = interval.rows[-1]
         lrs = group_lrs(self.step.optimizer)
         weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_SUFFIX.search(k)}
         scalars = {"loss": last["loss"], **weighted, **{f"{k}_unscaled": last[k] for k in weighted},
