@@ -42,10 +42,9 @@ class StopControl(Hook):
 
     def close(self, ending: Ending) -> None:
         if ending is Ending.STOPPED:
-            pos = self.position
-            pending = pos.pending_evaluation
-            raise self.stopped(epoch=pos.epoch, step=pos.step, total_steps=self.total_steps, latest=self.latest,
-                               evaluation=pending["epoch"] if pending else None)
+            pending = self.position.pending_evaluation
+            raise self.stopped(epoch=self.position.epoch, step=self.position.step, total_steps=self.total_steps,
+                               latest=self.latest, evaluation=pending["epoch"] if pending else None)
 
     def due(self) -> bool:
         """Stop after this step: announced once, then acted on where every process knows of it."""
