@@ -31,6 +31,7 @@ class CheckpointSaver(Hook):
                  config_record: dict, categories: dict, checkpoint_every: int, checkpoint_minutes: float | None,
                  timing: RunTiming, position: Position, plan: RunPlan, extra_state: dict | None = None):
         self.output_dir, self.is_main = Path(output_dir), is_main
+        self.latest = self.output_dir / LATEST
         self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
         self.config_record, self.categories = config_record, categories
         self.checkpoint_every, self.checkpoint_minutes = checkpoint_every, checkpoint_minutes
@@ -64,10 +65,6 @@ class CheckpointSaver(Hook):
         else:  # already failing: a write error is logged, not raised over the first
             self.writer.wait_quietly()
 
-    @property
-    def latest(self) -> Path:
-        return self.output_dir / LATEST
-
     def save(self, *, epoch_done: bool) -> None:
         """checkpoint.pth at the position (and the epoch's own file when one is due), with the evaluation a stop
         interrupted, if any, for the resume to run first."""
@@ -88,7 +85,7 @@ class CheckpointSaver(Hook):
                                         also_as=self.latest)
             else:
                 held = self.writer.save(state, self.latest)
-            self.timing.add_checkpoint(held)
+            self.timing.checkpoint_s += held
         self._last_save = time.monotonic()
 
     def due(self) -> bool:
@@ -99,11 +96,10 @@ class CheckpointSaver(Hook):
 
     def wait(self) -> None:
         """Until the write in flight is on disk (its error raised); the time counts as the checkpoint's."""
-        self.timing.add_checkpoint(self.writer.wait())
+        self.timing.checkpoint_s += self.writer.wait()
 
     def describe_kept(self) -> str:
         """What a run stopped without saving keeps, for its message (once any write in flight has ended)."""
         self.writer.wait_quietly()
-        latest = self.latest
-        return (f"the last good checkpoint, {latest}, is kept (resume={latest})" if latest.exists()
+        return (f"the last good checkpoint, {self.latest}, is kept (resume={self.latest})" if self.latest.exists()
                 else "no checkpoint had been written yet")

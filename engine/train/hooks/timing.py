@@ -137,9 +137,6 @@ class RunTiming(Hook):
         """What an evaluation took on average, its compilation left out (None before the first)."""
         return self.eval_s / self.evaluations if self.evaluations else None
 
-    def add_checkpoint(self, wall_s: float) -> None:
-        self.checkpoint_s += wall_s
-
     def steady(self) -> dict | None:
         """The second half of the warm steps that compiled nothing since the last graph compiled, what a long run's
         steps are like: their median wall time, images per second, share of the wall time spent waiting for the
