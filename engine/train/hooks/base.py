@@ -60,24 +60,15 @@ class ComputeSpan:
 
 @dataclass(frozen=True)
 class StepDone:
-    """What an optimizer step did.
+    """What an optimizer step did."""
 
-    number   the step's number, counted from 1 over the whole run (a resumed run goes on counting)
-    epoch    the epoch it belongs to, counted from 0
-    values   the step's result vector on the device (engine.train.step.OptimizerStep)
-    size     the batch's shape (B, C, H, W) on this process
-    images   the step's images over all processes
-    data_s   how long the loop waited for the batch
-    compute  the step's own time (``ComputeSpan``), the batch's wait left out
-    """
-
-    number: int
-    epoch: int
-    values: torch.Tensor
-    size: tuple
-    images: int
-    data_s: float
-    compute: ComputeSpan
+    number: int             # counted from 1 over the whole run (a resumed run goes on counting)
+    epoch: int              # counted from 0
+    values: torch.Tensor    # the step's result vector on the device (engine.train.step.OptimizerStep)
+    size: tuple             # the batch's shape (B, C, H, W) on this process
+    images: int             # the step's images over all processes
+    data_s: float           # how long the loop waited for the batch
+    compute: ComputeSpan    # the step's own time, the batch's wait left out
 
 
 @dataclass(frozen=True)
