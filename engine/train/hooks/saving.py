@@ -20,12 +20,9 @@ from .timing import RunTiming
 
 
 class CheckpointSaver(Hook):
-    """Writes the training's state (rank 0 only); every method may be called on every rank.
-
-    config_record  the composed config as a plain dict
-    categories     category id -> name, so that predict.py and export.py name the classes
-    extra_state    key -> an object with ``state_dict()`` (model EMA), saved under its key and restored by resume
-    """
+    """Writes the training's state (rank 0 only); every method may be called on every rank. ``categories`` (id ->
+    name) lets predict.py and export.py name the classes; ``extra_state`` maps a key to an object with
+    ``state_dict()`` (model EMA), saved under that key and restored by resume."""
 
     def __init__(self, *, output_dir: Path, is_main: bool, model: torch.nn.Module, optimizer, lr_scheduler, scaler,
                  config_record: dict, categories: dict, checkpoint_every: int, checkpoint_minutes: float | None,
