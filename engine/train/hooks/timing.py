@@ -138,10 +138,9 @@ class RunTiming(Hook):
         return self.eval_s / self.evaluations if self.evaluations else None
 
     def steady(self) -> dict | None:
-        """The second half of the warm steps that compiled nothing since the last graph compiled, what a long run's
-        steps are like: their median wall time, images per second, share of the wall time spent waiting for the
-        loader, padded pixels per image, the wall-clock window they ran in (time.time()) and the number of the first
-        of them."""
+        """The second half of the warm steps since the last graph compiled, what a long run's steps are like: their
+        median wall time, images/s, share of time waiting for the loader, padded pixels per image, the wall-clock
+        window they ran in (time.time()) and the first one's number."""
         late = self.warm_steps[len(self.warm_steps) // 2:]
         if not late:
             return None
@@ -157,9 +156,8 @@ class RunTiming(Hook):
                 "first_step_s": self.first_step_s, "compile_s": compiled.seconds, "warmup_s": self.warmup_s,
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
                 "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
-                "graphs_compiled": compiled.graphs,
-                "graphs_by_function": compiled.by_function, **({"profile": self.profile} if self.profile else {}),
-                **extra}
+                "graphs_compiled": compiled.graphs, "graphs_by_function": compiled.by_function,
+                **({"profile": self.profile} if self.profile else {}), **extra}
 
     def summary(self, record: dict) -> str:
         steady = record["steady_step_ms"]
