@@ -114,11 +114,10 @@ class IntervalReporter(Hook):
     def __init__(self, *, step: OptimizerStep, ctx: DistContext, writer: ScalarWriter, progress: Progress,
                  timing: RunTiming, plan: RunPlan, stopping: StopControl, fp16_skips_overflows: bool,
                  describe_kept: Callable[[], str]):
-        self.step, self.ctx = step, ctx
+        self.step, self.ctx, self.describe_kept = step, ctx, describe_kept
         self.writer, self.progress, self.timing, self.plan, self.stopping = writer, progress, timing, plan, stopping
         # fp16's GradScaler skips overflowing steps itself: only the loss is checked then.
         self.checked = ("loss",) if fp16_skips_overflows else ("loss", "grad_norm")
-        self.describe_kept = describe_kept
         self.step_log = StepLog()
         self.losses: list[float] = []
         self._step, self._epoch = plan.start_step, 0  # the last step added, and its epoch

@@ -81,11 +81,10 @@ class StepProfiler(Hook):
             # On the CPU, Kineto (torch's tracer) only prints that there is no GPU ("gpuGetDeviceCount failed") and
             # that the trace started and stopped. It reads the level as it starts; a level the user set is kept.
             os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)
-        activity = ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU
         try:
             if self._cuda:
                 torch.cuda.synchronize(self.device)  # the steps before are not this profile's
-            self._profile = profile(activities=[activity])
+            self._profile = profile(activities=[ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU])
             self._profile.__enter__()
         except Exception as error:  # noqa: BLE001 - a profiler that cannot start costs the run nothing
             self._give_up(f"torch.profiler could not start: {error}")
