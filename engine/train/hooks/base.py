@@ -1,18 +1,9 @@
 """What the training loop tells its hooks (all a run does besides the step itself), and in which order.
 
-The loop (engine/train/loop.py) calls every hook, in the order of engine/train/run.py's list, at these points:
-
-    start()                   once, before the first step (a resumed run's pending evaluation runs here)
-    before_step(number)       before step ``number`` (counted from 1 over the whole run) fetches its batch
-    after_step(done)          after the step, with what it did (``StepDone``)
-    epoch_end(end)            after an epoch's last step, or where the run's steps end inside it (``EpochEnd``)
-    pause()                   time that is not a step's has passed (a checkpoint, an evaluation, a profile's start or
-                              end): the next step's time starts now
-    close(ending)             once at the end: DONE, STOPPED (a stop signal: save the position and stop) or FAILED;
-                              close(FAILED) follows any other close that raised, and may find the hook in any state
-
-A hook that spent time that is not a step's returns True from its call; the loop then calls ``pause`` on every hook
-once that point's calls are over. A hook that wants the run to stop after this step raises ``StopRequested``.
+The loop (engine/train/loop.py) calls every hook, in the order of engine/train/run.py's list, at the points
+``Hook``'s methods say. A hook that spent time that is not a step's returns True from its call; the loop then calls
+``pause`` on every hook once that point's calls are over. A hook that wants the run to stop after this step raises
+``StopRequested``.
 """
 
 from __future__ import annotations
@@ -80,22 +71,24 @@ class EpochEnd:
 
 
 class Hook:
-    """A part of a run the loop calls (the module docstring); each method does nothing unless overridden."""
+    """A part of a run the loop calls, at these points in this order; each method does nothing unless overridden."""
 
     def start(self) -> bool | None:
-        return None
+        """Once, before the first step (a resumed run's pending evaluation runs here)."""
 
     def before_step(self, number: int) -> bool | None:
-        return None
+        """Before step ``number`` (counted from 1 over the whole run) fetches its batch."""
 
     def after_step(self, done: StepDone) -> bool | None:
-        return None
+        """After the step, with what it did."""
 
     def epoch_end(self, end: EpochEnd) -> bool | None:
-        return None
+        """After an epoch's last step, or where the run's steps end inside it."""
 
     def pause(self) -> None:
-        return None
+        """Time that is not a step's has passed (a checkpoint, an evaluation, a profile's start or end): the next
+        step's time starts now."""
 
     def close(self, ending: Ending) -> None:
-        return None
+        """Once at the end: DONE, STOPPED (a stop signal: save the position and stop) or FAILED. close(FAILED)
+        follows any other close that raised, and may find the hook in any state."""
