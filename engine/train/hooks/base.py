@@ -26,9 +26,8 @@ class StopRequested(Exception):
 
 
 class ComputeSpan:
-    """The time of one step's work: CUDA events around it on a GPU (the GPU stream's time from the step's first to its
-    last operation), the host's clock elsewhere. Started when made; ``end()`` after the step; ``ms()`` reads it (on
-    a GPU, once the end event has completed: StepLog reads it at a flush, after the interval's one sync)."""
+    """One step's time: CUDA events around its work on a GPU (the stream's time from its first to its last operation),
+    the host's clock elsewhere. Started when made; ``end()`` after the step; ``ms()`` once the end event completed."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"

@@ -2,10 +2,9 @@
 evaluation, predict.py and export.py use in place of the raw weights.
 
 Update n moves the average towards the weights by ``1 - d_n``, ``d_n = decay * (1 - exp(-n / warmup))`` (RT-DETR's
-schedule): the early averages follow the weights closely, before they mean anything. Every floating tensor of the
-state is averaged (a constant buffer stays what it is), in one foreach operation on the device: no host sync. Every
-process holds the same weights, so the same average. checkpoint.pth holds it under ``ema``: a resumed run's average
-is the uninterrupted run's.
+schedule): early averages follow the weights closely, before they mean anything. Every floating tensor of the state
+is averaged (a constant buffer stays as it is) in one foreach operation on the device: no host sync. Every process
+holds the same weights, so the same average. checkpoint.pth holds it under ``ema``, so a resume goes on with it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Once per log interval: losses checked for NaN/inf, then the progress line and TensorBoard.
-
-Each step leaves its result vector (engine.train.step.OptimizerStep) and its ``ComputeSpan`` on the device;
-``StepLog.flush`` stacks the interval's vectors, averages them over processes and reads them in the interval's one
-sync. The step time it reports is the mean ComputeSpan: a step's work and any gap in it (the matching on the host),
-not the data loading. A non-finite loss stops the run before the next checkpoint: checkpoint.pth stays good.
+"""Once per log interval: losses checked for NaN/inf, then the progress line and TensorBoard. ``StepLog.flush`` reads
+the steps' result vectors (engine.train.step.OptimizerStep), averaged over processes, in the interval's one sync. Its
+step time is the mean ComputeSpan: a step's work and any gap in it (the matching on the host), not the data loading.
+A non-finite loss stops the run before the next checkpoint: checkpoint.pth stays good.
 """
 
 from __future__ import annotations
@@ -74,10 +72,9 @@ class StepLog:
         self._t_last_end = time.perf_counter()
 
     def flush(self, names: tuple[str, ...], average=None, *, stop: bool = False) -> Interval | None:
-        """Read the interval's results (one device->host transfer); None when no step was run. ``average`` maps a
-        device tensor to its mean over processes (engine.runtime.distributed): every rank takes the same decisions.
-        ``stop`` (this process was asked to stop) travels in the same tensor, as one more row: every process learns
-        at the same step whether any was."""
+        """Read the interval's results in one device->host transfer (None when no step ran). ``average`` maps a device
+        tensor to its mean over processes: every rank takes the same decisions. ``stop`` (this process was asked to
+        stop) travels as one more row: every process learns at the same step whether any was."""
         if not self._values:
             return None
         stacked = torch.stack(self._values)  # (steps, len(names))

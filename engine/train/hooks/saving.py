@@ -71,8 +71,7 @@ class CheckpointSaver(Hook):
                      "lr_scheduler": self.lr_scheduler.state_dict(), "grad_scaler": self.scaler.state_dict(),
                      "epoch": position.epoch, "steps_in_epoch": position.steps_in_epoch, "step": position.step,
                      "config": self.config_record, "categories": self.categories, "rng": capture_rng_state(),
-                     # The images of a step, so that a resume with another total batch counts the steps done
-                     # (engine/train/resume.py, position_in_this_run).
+                     # for a resume with another total batch to count the steps done (resume.py, position_in_this_run)
                      "step_images": self.plan.batch.total,
                      **{key: part.state_dict() for key, part in self.extra_state.items()}}
             if position.pending_evaluation is not None:

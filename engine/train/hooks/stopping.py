@@ -1,8 +1,6 @@
-"""When a stop signal stops training: every process at the same step, after that step is saved.
-
-The signal handler only sets a flag (engine/runtime/stop_request.py). One process acts on its own flag at once;
-several learn of any one's request in the log interval's all-reduce (interval_report.py): every rank stops at the
-same step without a sync of its own.
+"""When a stop signal stops training: every process at the same step, after that step is saved. The signal handler
+only sets a flag (engine/runtime/stop_request.py). One process acts on its own flag at once; several learn of any
+one's request in the log interval's all-reduce (interval_report.py), with no sync of their own.
 """
 
 from __future__ import annotations
