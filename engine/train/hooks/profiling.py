@@ -1,12 +1,11 @@
-"""``profile_steps=[FIRST,LAST]``: torch.profiler over those optimizer steps, its trace in the run directory and the
-share of their time the GPU was busy in the log and timing.json.
+"""``profile_steps=[FIRST,LAST]``: torch.profiler over those optimizer steps, its trace in the run directory, the share
+of their time the GPU was busy in the log and timing.json (bench/step_profile.py analyses such traces further).
 
 On a GPU it records the GPU's activity alone: recording the host's too would slow the host, and a GPU waiting for it
 would look idler than in an unprofiled run. The busy share is the time at least one GPU activity ran over the steps'
-host wall time, the GPU's queue empty at both ends; on the CPU the trace holds the host's operations, with no busy
-share. A range that crosses an epoch's end or the run's is profiled up to there (never the epoch's checkpoint and
-evaluation). Profiled steps are left out of the steady step figures; a failing profiler costs a warning, never the
-run. bench/step_profile.py analyses such traces further.
+host wall time, the GPU's queue empty at both ends; on the CPU the trace holds the host's operations. A range that
+crosses an epoch's end or the run's is profiled up to there (never the epoch's checkpoint and evaluation). Profiled
+steps are left out of the steady step figures; a failing profiler costs a warning, never the run.
 """
 
 from __future__ import annotations
@@ -158,6 +157,5 @@ class StepProfiler(Hook):
     def _give_up(self, why: str) -> None:
         self._profile = None
         self.timing.profiling = False
-        self.summary = {"profiled_steps": list(self.steps), "error": why}
-        self.timing.profile = self.summary
+        self.timing.profile = self.summary = {"profiled_steps": list(self.steps), "error": why}
         log.warning("%s; the run goes on unprofiled", why)
