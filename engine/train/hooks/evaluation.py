@@ -88,6 +88,5 @@ class EpochEvaluation(Hook):
             raise StopRequested from None
         compiled = self.timing.clock.totals().since(before)
         self.timing.add_evaluation(time.perf_counter() - t0, compiled)
-        if compiled.graphs or compiled.seconds >= 1.0:
-            self.timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step)
+        self.timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step)
         self.stats = evaluation.stats

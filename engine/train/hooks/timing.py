@@ -1,9 +1,8 @@
-"""Where a run's wall time went, as the user waits for it: setup, compilation, warm-up, training, evaluation.
-
-Compilation, wherever it happened, is charged to "compile" (engine/compile/clock.py). The rest of the first two steps
-at each new batch size is "warm-up": kernels autotuned at their first run, cuDNN's plans, a CUDA graph recorded at the
-second. So "train" and "eval" are what the run would have taken with every graph compiled and warm. The record goes
-to ``timing.json`` (which bench/ttr.py reads) and into one log line.
+"""Where a run's wall time went, as the user waits for it: setup, compilation (engine/compile/clock.py, wherever it
+happened), warm-up, training, evaluation. Warm-up is the rest of the first two steps at each new batch size: kernels
+autotuned at their first run, cuDNN's plans, a CUDA graph recorded at the second. So "train" and "eval" are what the
+run would have taken with every graph compiled and warm. The record goes to ``timing.json`` (which bench/ttr.py
+reads) and into one log line.
 """
 
 from __future__ import annotations
@@ -65,17 +64,16 @@ class RunTiming(Hook):
 
     def after_step(self, done: StepDone) -> None:
         compiled = self.step_ended(self._before, size=done.size, data_s=done.data_s, profiled=self._step_profiled)
-        if compiled.graphs or compiled.seconds >= 1.0:
-            self.report_compilation(compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})",
-                                    step=done.number)
+        self.report_compilation(compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})",
+                                step=done.number)
 
     def pause(self) -> None:
         """What is not a step (evaluation, checkpoints) is timed apart: the next step's wall time starts now."""
         self._last_step_end = time.perf_counter()
 
     def report_compilation(self, compiled: CompileTotals, *, what: str, step: int) -> None:
-        """One line per step (or evaluation) that compiled, and the run's compile totals in TensorBoard."""
-        if not self.report:
+        """A line for a step or evaluation that compiled a graph or for 1 s or more; the run's totals in TensorBoard."""
+        if not self.report or (not compiled.graphs and compiled.seconds < 1.0):
             return
         total = self.compile
         log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, describe_work(compiled),
@@ -160,13 +158,12 @@ class RunTiming(Hook):
                 **({"profile": self.profile} if self.profile else {}), **extra}
 
     def summary(self, record: dict) -> str:
-        steady = record["steady_step_ms"]
+        steady = f"{record['steady_step_ms']:.0f} ms" if record["steady_step_ms"] is not None else "-"
         parts = [f"setup {format_duration(record['setup_s'] or 0)}", f"compile {format_duration(record['compile_s'])}",
                  f"warm-up {format_duration(record['warmup_s'])}", f"training {format_duration(record['train_s'])}",
                  f"evaluation {format_duration(record['eval_s'])}"]
-        steady_text = f"{steady:.0f} ms" if steady is not None else "-"
         return (f"{record['steps']} steps in {format_duration(record['total_s'])} ({', '.join(parts)}); steady step "
-                f"{steady_text}; {record['graphs_compiled']} graphs compiled")
+                f"{steady}; {record['graphs_compiled']} graphs compiled")
 
     def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
         return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
