@@ -1,20 +1,9 @@
-"""What the training loop tells the parts of a run that are not the step itself, and in which order.
+"""What the training loop tells its hooks (all a run does besides the step itself), and in which order.
 
-The loop (engine/train/loop.py) only steps; everything else a run does (timing, the step log, the profiler, the
-lr schedule, checkpoints, evaluation, stop signals, model EMA) is a ``Hook`` in the one ordered list that
-engine/train/run.py builds. The loop calls every hook, in that order, at these points:
-
-    start()                   once, before the first step (a resumed run's pending evaluation runs here)
-    before_step(number)       before step ``number`` (counted from 1 over the whole run) fetches its batch
-    after_step(done)          after the step, with what it did (``StepDone``)
-    epoch_end(end)            after an epoch's last step, or where the run's steps end inside it (``EpochEnd``)
-    pause()                   time that is not a step's has passed (a checkpoint, an evaluation, a profile's start or
-                              end): the next step's time starts now
-    close(ending)             once at the end: DONE, STOPPED (a stop signal: save the position and stop) or FAILED;
-                              close(FAILED) follows any other close that raised, and may find the hook in any state
-
-A hook that spent time that is not a step's returns True from its call; the loop then calls ``pause`` on every hook
-once that point's calls are over. A hook that wants the run to stop after this step raises ``StopRequested``.
+The loop (engine/train/loop.py) calls every hook, in the order of engine/train/run.py's list, at the points
+``Hook``'s methods say. A hook that spent time that is not a step's returns True from its call; the loop then calls
+``pause`` on every hook once that point's calls are over. A hook that wants the run to stop after this step raises
+``StopRequested``.
 """
 
 from __future__ import annotations
@@ -37,9 +26,8 @@ class StopRequested(Exception):
 
 
 class ComputeSpan:
-    """The time of one step's work: CUDA events around it on a GPU (the GPU stream's time from the step's first to its
-    last operation), the host's clock elsewhere. Started when made; ``end()`` after the step; ``ms()`` reads it (on
-    a GPU, once the end event has completed: StepLog reads it at a flush, after the interval's one sync)."""
+    """One step's time: CUDA events around its work on a GPU (the stream's time from its first to its last operation),
+    the host's clock elsewhere. Started when made; ``end()`` after the step; ``ms()`` once the end event completed."""
 
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
@@ -62,24 +50,15 @@ class ComputeSpan:
 
 @dataclass(frozen=True)
 class StepDone:
-    """What an optimizer step did.
+    """What an optimizer step did."""
 
-    number   the step's number, counted from 1 over the whole run (a resumed run goes on counting)
-    epoch    the epoch it belongs to, counted from 0
-    values   the step's result vector on the device (engine.train.step.OptimizerStep)
-    size     the batch's shape (B, C, H, W) on this process
-    images   the step's images over all processes
-    data_s   how long the loop waited for the batch
-    compute  the step's own time (``ComputeSpan``), the batch's wait left out
-    """
-
-    number: int
-    epoch: int
-    values: torch.Tensor
-    size: tuple
-    images: int
-    data_s: float
-    compute: ComputeSpan
+    number: int             # counted from 1 over the whole run (a resumed run goes on counting)
+    epoch: int              # counted from 0
+    values: torch.Tensor    # the step's result vector on the device (engine.train.step.OptimizerStep)
+    size: tuple             # the batch's shape (B, C, H, W) on this process
+    images: int             # the step's images over all processes
+    data_s: float           # how long the loop waited for the batch
+    compute: ComputeSpan    # the step's own time, the batch's wait left out
 
 
 @dataclass(frozen=True)
@@ -91,22 +70,24 @@ class EpochEnd:
 
 
 class Hook:
-    """A part of a run the loop calls (the module docstring); each method does nothing unless overridden."""
+    """A part of a run the loop calls, at these points in this order; each method does nothing unless overridden."""
 
     def start(self) -> bool | None:
-        return None
+        """Once, before the first step (a resumed run's pending evaluation runs here)."""
 
     def before_step(self, number: int) -> bool | None:
-        return None
+        """Before step ``number`` (counted from 1 over the whole run) fetches its batch."""
 
     def after_step(self, done: StepDone) -> bool | None:
-        return None
+        """After the step, with what it did."""
 
     def epoch_end(self, end: EpochEnd) -> bool | None:
-        return None
+        """After an epoch's last step, or where the run's steps end inside it."""
 
     def pause(self) -> None:
-        return None
+        """Time that is not a step's has passed (a checkpoint, an evaluation, a profile's start or end): the next
+        step's time starts now."""
 
     def close(self, ending: Ending) -> None:
-        return None
+        """Once at the end: DONE, STOPPED (a stop signal: save the position and stop) or FAILED. close(FAILED)
+        follows any other close that raised, and may find the hook in any state."""

@@ -1,12 +1,10 @@
-"""Model EMA (``ema.decay``): an exponential moving average of the model's weights, updated after every optimizer
-step, which evaluation, predict.py and export.py use in place of the raw weights.
+"""Model EMA (``ema.decay``): a moving average of the model's weights, updated after every optimizer step, which
+evaluation, predict.py and export.py use in place of the raw weights.
 
-After update n the average moves towards the weights by ``1 - d_n``, with ``d_n = decay * (1 - exp(-n / warmup))``:
-the early averages follow the weights closely, before they mean anything, and the decay reaches ``decay`` after a
-few ``warmup`` steps (RT-DETR's schedule). Every floating tensor of the model's state is averaged (a buffer that never
-changes stays what it is), in one foreach operation on the device: no host sync. Several processes hold the same
-weights after every step, so each holds the same average. The average is saved in checkpoint.pth under ``ema``
-and restored by a resume, so that a resumed run's average is the uninterrupted run's.
+Update n moves the average towards the weights by ``1 - d_n``, ``d_n = decay * (1 - exp(-n / warmup))`` (RT-DETR's
+schedule): early averages follow the weights closely, before they mean anything. Every floating tensor of the state
+is averaged (a constant buffer stays as it is) in one foreach operation on the device: no host sync. Every process
+holds the same weights, so the same average. checkpoint.pth holds it under ``ema``, so a resume goes on with it.
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelEma(Hook):
-    """The moving average of ``model``'s floating state (parameters and buffers), as a hook: ``after_step`` updates it.
-
-    decay         the decay it ramps up to (0 < decay < 1)
-    warmup_steps  the ramp's time constant, in updates
-    """
+    """The average of ``model``'s floating parameters and buffers; ``after_step`` updates it. ``decay``: the decay it
+    ramps up to; ``warmup_steps``: the ramp's time constant, in updates."""
 
     def __init__(self, model: torch.nn.Module, *, decay: float, warmup_steps: int):
         if not 0.0 < decay < 1.0:
@@ -42,14 +37,10 @@ class ModelEma(Hook):
         self.live = [state[name].detach() for name in self.names]
         self.average = [t.clone() for t in self.live]
 
-    def current_decay(self) -> float:
-        """The decay of the next update."""
-        return self.decay * (1.0 - math.exp(-(self.updates + 1) / self.warmup_steps))
-
     @torch.no_grad()
     def after_step(self, done: StepDone) -> None:
-        weight = 1.0 - self.current_decay()
-        torch._foreach_lerp_(self.average, self.live, weight)
+        decay = self.decay * (1.0 - math.exp(-(self.updates + 1) / self.warmup_steps))
+        torch._foreach_lerp_(self.average, self.live, 1.0 - decay)
         self.updates += 1
 
     @contextlib.contextmanager

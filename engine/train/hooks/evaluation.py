@@ -1,8 +1,6 @@
-"""Evaluation during training, as a hook: after every ``eval_every`` epochs and after the last step, its time kept apart
-from training's and its compilation (the first evaluation of a size records or compiles its graph) reported.
-
-A stop signal during an evaluation stops it within a batch; the checkpoint then asks the resumed run to run that
-evaluation first (``Position.pending_evaluation``), which ``start`` does.
+"""Evaluation during training: after every ``eval_every`` epochs and after the last step, timed apart from training,
+its compilation reported. A stop signal stops it within a batch; the checkpoint then asks the resumed run to run it
+first (``Position.pending_evaluation``), which ``start`` does.
 """
 
 from __future__ import annotations
@@ -23,19 +21,15 @@ from .base import Ending, EpochEnd, Hook, StopRequested
 from .ema import ModelEma
 from .saving import CheckpointSaver
 from .stopping import StopControl
+from .timing import RunTiming
 
 log = logging.getLogger(__name__)
-from .timing import RunTiming
 
 
 class EpochEvaluation(Hook):
     """Runs the run's Validation at the epochs' ends the plan says; ``stats`` holds the last figures (None before any).
-
-    saver     rewrites the checkpoint once a resumed run's pending evaluation has run
-    stopping  asked after each evaluation batch whether to stop
-    ema       the run's model EMA, or None: with one, the raw weights are evaluated first (TensorBoard's eval_raw/*
-              and a log line), then the average, whose figures are the evaluation's (eval/*, the json, ``stats``)
-    """
+    With an ``ema``, the raw weights are evaluated first (TensorBoard's eval_raw/* and a log line), then the average,
+    whose figures are the evaluation's (eval/*, the json, ``stats``)."""
 
     def __init__(self, validation: Validation, *, output_dir: Path, writer: ScalarWriter, timing: RunTiming,
                  ctx: DistContext, position: Position, plan: RunPlan, saver: CheckpointSaver, stopping: StopControl,
@@ -47,9 +41,8 @@ class EpochEvaluation(Hook):
 
     def start(self) -> bool:
         if self.validation.loader.num_workers > 0:
-            # The validation loader's workers are forked now, before any checkpoint is written: forked while the
-            # writer thread has the file open, they would inherit it and keep a replaced checkpoint's disk space
-            # taken until the run ends. Its first evaluation then starts with its workers ready.
+            # Fork the validation workers now, before any checkpoint is written: forked while the writer thread has
+            # a file open, they would inherit it and hold a replaced checkpoint's disk space until the run ends.
             iter(self.validation.loader)
         pending = self.position.pending_evaluation
         if pending is None:
@@ -76,12 +69,12 @@ class EpochEvaluation(Hook):
         pending evaluation and asks the run to stop."""
         step = self.position.step
         before, t0 = self.timing.clock.totals(), time.perf_counter()
-        what = f"after epoch {epoch}, step {step}"
+        what, json_path = f"after epoch {epoch}, step {step}", self.output_dir / f"eval_epoch{epoch:04d}.json"
         run = functools.partial(self.validation.run, writer=self.writer, step=step, epoch=epoch,
                                 epoch_complete=complete, should_stop=self.stopping.during_evaluation)
         try:
             if self.ema is None:
-                evaluation = run(json_path=self.output_dir / f"eval_epoch{epoch:04d}.json", what=what)
+                evaluation = run(json_path=json_path, what=what)
             else:
                 raw = run(json_path=None, what=what, record=False)
                 if self.ctx.is_main:
@@ -89,13 +82,11 @@ class EpochEvaluation(Hook):
                     log.info("evaluation %s of the raw weights: %s", what,
                              " ".join(f"{k} {v:.4f}" for k, v in raw.stats.items()))
                 with self.ema.applied():
-                    evaluation = run(json_path=self.output_dir / f"eval_epoch{epoch:04d}.json",
-                                     what=f"{what} of the model EMA")
+                    evaluation = run(json_path=json_path, what=f"{what} of the model EMA")
         except EvaluationStopped:
             self.position.pending_evaluation = {"epoch": epoch, "epoch_complete": complete}
             raise StopRequested from None
         compiled = self.timing.clock.totals().since(before)
         self.timing.add_evaluation(time.perf_counter() - t0, compiled)
-        if compiled.graphs or compiled.seconds >= 1.0:
-            self.timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step)
+        self.timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step)
         self.stats = evaluation.stats

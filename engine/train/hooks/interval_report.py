@@ -1,12 +1,7 @@
-"""What the loop reports once per log interval: losses checked for NaN/inf, then the progress line and
-TensorBoard.
-
-Each step leaves its result vector (engine.train.step.OptimizerStep) on the device and, on CUDA, a pair of CUDA
-events around its work (engine.train.hooks.base.ComputeSpan). ``StepLog.flush`` makes the one transfer of the interval:
-it stacks the vectors, averages them over processes, reads them to the host and reads the events' elapsed times.
-The step time it reports is the mean over the interval of the GPU stream's time from a step's first to its last
-operation, so it covers the step's work and any gap in it (the matching on the host), and not the data loading. A
-non-finite loss found there stops the run before the next checkpoint, so checkpoint.pth stays the last good state.
+"""Once per log interval: losses checked for NaN/inf, then the progress line and TensorBoard. ``StepLog.flush`` reads
+the steps' result vectors (engine.train.step.OptimizerStep), averaged over processes, in the interval's one sync. Its
+step time is the mean ComputeSpan: a step's work and any gap in it (the matching on the host), not the data loading.
+A non-finite loss stops the run before the next checkpoint: checkpoint.pth stays good.
 """
 
 from __future__ import annotations
@@ -47,10 +42,6 @@ class Interval:
     wall_s: float
     stop_requested: bool = False    # some process was asked to stop (engine/runtime/stop_request.py)
 
-    @property
-    def last(self) -> dict[str, float]:
-        return self.rows[-1]
-
     def first_non_finite(self, names: tuple[str, ...]) -> tuple[int, dict[str, float]] | None:
         """(global step index, row) of the first step where one of ``names`` is NaN/inf, else None."""
         for i, row in enumerate(self.rows):
@@ -66,17 +57,12 @@ class StepLog:
         self._values: list[torch.Tensor] = []
         self._spans: list[ComputeSpan] = []
         self._data_ms: list[float] = []
-        self._images = 0
-        self._first_step = 0
+        self._images = self._first_step = 0
         self._t_flush = time.perf_counter()
         self._t_last_end = self._t_flush  # when the last step ended (its launches, on a GPU)
         self._paused_wall_s = 0.0  # this interval's time before its last pause
 
-    def __len__(self) -> int:
-        return len(self._values)
-
     def add(self, done: StepDone) -> None:
-        """A step's result (engine.train.hooks.base.StepDone)."""
         if not self._values:
             self._first_step = done.number - 1
         self._values.append(done.values)
@@ -86,17 +72,13 @@ class StepLog:
         self._t_last_end = time.perf_counter()
 
     def flush(self, names: tuple[str, ...], average=None, *, stop: bool = False) -> Interval | None:
-        """Read the interval's results (one device->host transfer); None when no step was run.
-
-        ``average`` maps a device tensor to its mean over processes (engine.runtime.distributed), so that every
-        rank sees the same values and takes the same decisions. ``stop`` (this process was asked to stop)
-        travels in the same tensor, as one more row: every process learns at the same step whether any was.
-        """
+        """Read the interval's results in one device->host transfer (None when no step ran). ``average`` maps a device
+        tensor to its mean over processes: every rank takes the same decisions. ``stop`` (this process was asked to
+        stop) travels as one more row: every process learns at the same step whether any was."""
         if not self._values:
             return None
         stacked = torch.stack(self._values)  # (steps, len(names))
-        flag = torch.full_like(stacked[:1], float(stop))  # (1, len(names))
-        stacked = torch.cat([stacked, flag])  # (steps + 1, len(names))
+        stacked = torch.cat([stacked, torch.full_like(stacked[:1], float(stop))])  # and the stop flag's row
         if average is not None:
             stacked = average(stacked)
         *values, flag_row = stacked.tolist()  # the interval's one sync
@@ -112,30 +94,27 @@ class StepLog:
         return interval
 
     def restart_clock(self) -> None:
-        """Exclude what happened since the last step (evaluation, checkpoints, a profiler's start or export) from the
-        interval's images/s. The interval's steps before it still count, with their time up to the last one's end:
-        a pause inside an interval would otherwise leave its earlier images over the time after it alone. On a GPU
-        that end is when the host had queued the step, whose work may finish during the pause: such an interval's
-        images/s can read high by up to one step's GPU time."""
+        """Leave what happened since the last step (evaluation, checkpoints, a profiler's start or export) out of the
+        interval's images/s. Its steps before it still count, with their time up to the last one's end (not their
+        images over the time after it alone). On a GPU that end is when the host had queued the step, whose work may
+        finish during the pause: such an interval's images/s can read high by up to one step's GPU time."""
         if self._values:
             self._paused_wall_s += max(0.0, self._t_last_end - self._t_flush)
         self._t_flush = time.perf_counter()
 
-class IntervalReporter(Hook):
-    """The steps of each log interval, read and reported at its end, at an epoch's end and at a stop; whether any
-    process was asked to stop travels in the same read (``stopping``).
 
-    describe_kept   what a run that stops without saving keeps (engine/train/hooks/saving.py), for its message
-    """
+class IntervalReporter(Hook):
+    """Reads and reports each log interval's steps at its end, at an epoch's end and at a stop; whether any process
+    was asked to stop travels in the same read. ``describe_kept``: what a run that stops without saving keeps
+    (saving.py), for its message."""
 
     def __init__(self, *, step: OptimizerStep, ctx: DistContext, writer: ScalarWriter, progress: Progress,
                  timing: RunTiming, plan: RunPlan, stopping: StopControl, fp16_skips_overflows: bool,
                  describe_kept: Callable[[], str]):
-        self.step, self.optimizer, self.ctx = step, step.optimizer, ctx
+        self.step, self.ctx, self.describe_kept = step, ctx, describe_kept
         self.writer, self.progress, self.timing, self.plan, self.stopping = writer, progress, timing, plan, stopping
         # fp16's GradScaler skips overflowing steps itself: only the loss is checked then.
         self.checked = ("loss",) if fp16_skips_overflows else ("loss", "grad_norm")
-        self.describe_kept = describe_kept
         self.step_log = StepLog()
         self.losses: list[float] = []
         self._step, self._epoch = plan.start_step, 0  # the last step added, and its epoch
@@ -159,15 +138,13 @@ class IntervalReporter(Hook):
     def report(self, *, epoch: int) -> None:
         """Read the interval's results (the one sync of the interval), stop on a non-finite loss, log, and tell the
         stop control whether any process was asked to stop. Nothing when no step ran since the last report."""
-        if not len(self.step_log):
-            return
         average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
-        interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.requested_here)
+        interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.request.requested)
+        if interval is None:
+            return
         bad = interval.first_non_finite(self.checked)
         if bad is not None:
-            index, row = bad
-            what = "loss" if not math.isfinite(row["loss"]) else "gradient norm"
-            raise NonFiniteLossError(self._non_finite_message(what, row, epoch=epoch, step=index))
+            raise NonFiniteLossError(self._non_finite_message(*bad, epoch=epoch))
         self.losses.extend(r["loss"] for r in interval.rows)
         if self.ctx.is_main:
             self._log_interval(interval, epoch=epoch, step=self._step)
@@ -175,8 +152,8 @@ class IntervalReporter(Hook):
 
     def _log_interval(self, interval: Interval, *, epoch: int, step: int) -> None:
         weights = self.step.criterion.weight_dict
-        last = interval.last
-        lrs = group_lrs(self.optimizer)
+        last = interval.rows[-1]
+        lrs = group_lrs(self.step.optimizer)
         weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_SUFFIX.search(k)}
         scalars = {"loss": last["loss"], **weighted, **{f"{k}_unscaled": last[k] for k in weighted},
                    "lr": lrs.get("rest", next(iter(lrs.values()))), "step_time_ms": interval.step_ms,
@@ -189,13 +166,12 @@ class IntervalReporter(Hook):
         self.writer.add("train", scalars, step)
         self.progress.report(step=step, epoch=epoch, epochs=self.plan.epochs, loss=last["loss"], parts=weighted,
                              lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
-                             images_per_s=interval.images_per_s,
-                             excluded_s=self.timing.not_training_s + self.timing.eval_s,
-                             evaluation_s=self.timing.evaluation_s)
+                             images_per_s=interval.images_per_s, evaluation_s=self.timing.evaluation_s,
+                             excluded_s=self.timing.not_training_s + self.timing.eval_s)
 
-    def _non_finite_message(self, what: str, row: dict, *, epoch: int, step: int) -> str:
+    def _non_finite_message(self, step: int, row: dict, *, epoch: int) -> str:
+        what, value = ("loss", row["loss"]) if not math.isfinite(row["loss"]) else ("gradient norm", row["grad_norm"])
         kept = self.describe_kept()  # the last good checkpoint may still be being written
         losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_SUFFIX.search(k))
-        return (f"non-finite {what} ({row['loss'] if what == 'loss' else row['grad_norm']}) at epoch {epoch + 1}, "
-                f"step {step + 1} ({losses}); that update was skipped and the run stops without saving: {kept}. "
-                f"Try a lower optim.lr, amp=none, or check the data")
+        return (f"non-finite {what} ({value}) at epoch {epoch + 1}, step {step + 1} ({losses}); that update was "
+                f"skipped and the run stops without saving: {kept}. Try a lower optim.lr, amp=none, or check the data")

@@ -1,4 +1,4 @@
-"""The lr schedule, stepped at the end of each completed epoch."""
+"""The lr schedule, stepped at the end of each completed epoch (before its checkpoint is written)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from .base import EpochEnd, Hook
 
 
 class EpochLrSchedule(Hook):
-    """Steps ``lr_scheduler`` at the end of each completed epoch (before its checkpoint is written)."""
-
     def __init__(self, lr_scheduler: torch.optim.lr_scheduler.LRScheduler):
         self.lr_scheduler = lr_scheduler
 

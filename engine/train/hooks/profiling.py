@@ -1,13 +1,11 @@
-"""``profile_steps=[FIRST,LAST]``: torch.profiler over those optimizer steps, its trace in the run directory and the
-share of their time the GPU was busy in the log and in timing.json.
+"""``profile_steps=[FIRST,LAST]``: torch.profiler over those optimizer steps, its trace in the run directory, the share
+of their time the GPU was busy in the log and timing.json (bench/step_profile.py analyses such traces further).
 
-On a GPU the profiler records the GPU's activity alone (kernels, copies, memsets): recording the host's operations
-too would slow the host, and a GPU that waits for the host would look idler than it is in an unprofiled run. The
-busy share is the time in which at least one GPU activity ran over the steps' wall time on the host's clock, the
-GPU's queue empty at both ends. On the CPU the trace records the host's operations and there is no busy share. A
-range that crosses an epoch's end is profiled up to there (never the epoch's checkpoint and evaluation); one that
-goes past the run's end, up to its end. The profiled steps are left out of the run's steady step figures. A
-profiler that fails costs a warning, never the run. bench/step_profile.py analyses such traces further.
+On a GPU it records the GPU's activity alone: recording the host's too would slow the host, and a GPU waiting for it
+would look idler than in an unprofiled run. The busy share is the time at least one GPU activity ran over the steps'
+host wall time, the GPU's queue empty at both ends; on the CPU the trace holds the host's operations. A range that
+crosses an epoch's end or the run's is profiled up to there (never the epoch's checkpoint and evaluation). Profiled
+steps are left out of the steady step figures; a failing profiler costs a warning, never the run.
 """
 
 from __future__ import annotations
@@ -65,10 +63,8 @@ class StepProfiler(Hook):
         self.suffix = f".rank{rank}" if world_size > 1 else ""
         self.summary: dict | None = None
         self._cuda = device.type == "cuda"
-        self._profile = None
-        self._first = self._last = 0
-        self._started = 0.0
-        self._compiled_before = None
+        self._profile = self._compiled_before = None
+        self._first = self._last = self._started = 0
         first, last = trains
         if self.steps is not None and report and not (first <= self.steps[1] and self.steps[0] <= last):
             trained = f"steps {first} to {last}" if first <= last else "no step"
@@ -81,15 +77,13 @@ class StepProfiler(Hook):
         from torch.profiler import ProfilerActivity, profile
 
         if not self._cuda:
-            # Kineto, torch's tracer, prints lines of its own on the console: on the CPU they only say that there is
-            # no GPU ("gpuGetDeviceCount failed") and that the trace started and stopped. It reads the level when it
-            # starts; a level the user set is kept.
+            # On the CPU, Kineto (torch's tracer) only prints that there is no GPU ("gpuGetDeviceCount failed") and
+            # that the trace started and stopped. It reads the level as it starts; a level the user set is kept.
             os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)
-        activity = ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU
         try:
             if self._cuda:
                 torch.cuda.synchronize(self.device)  # the steps before are not this profile's
-            self._profile = profile(activities=[activity])
+            self._profile = profile(activities=[ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU])
             self._profile.__enter__()
         except Exception as error:  # noqa: BLE001 - a profiler that cannot start costs the run nothing
             self._give_up(f"torch.profiler could not start: {error}")
@@ -105,20 +99,18 @@ class StepProfiler(Hook):
         self._last = done.number
         if done.number < self.steps[1]:
             return False
-        self._finish()
-        return True
+        return self._finish()
 
     def epoch_end(self, end: EpochEnd) -> bool:
-        if self._profile is None:
-            return False
-        self._finish()
-        return True
+        return self._finish()
 
     def close(self, ending: Ending) -> None:
-        if self._profile is not None:
-            self._finish()
+        self._finish()
 
-    def _finish(self) -> None:
+    def _finish(self) -> bool:
+        """End the profile, if one records; whether one did."""
+        if self._profile is None:
+            return False
         profile, self._profile = self._profile, None
         self.timing.profiling = False
         first, last = self._first, self._last
@@ -134,7 +126,7 @@ class StepProfiler(Hook):
             os.replace(partial, trace)
         except Exception as error:  # noqa: BLE001 - a failed profile costs the run nothing
             self._give_up(f"profiling steps {first}-{last} failed: {error}")
-            return
+            return True
         steps = last - first + 1
         busy = device_activity(events) if self._cuda else []
         work_us = busy_time(busy, min(a for a, _ in busy), max(b for _, b in busy)) if busy else None
@@ -146,6 +138,7 @@ class StepProfiler(Hook):
         self.timing.profile = self.summary
         if self.report:
             self._log()
+        return True
 
     def _log(self) -> None:
         summary = self.summary
@@ -164,6 +157,5 @@ class StepProfiler(Hook):
     def _give_up(self, why: str) -> None:
         self._profile = None
         self.timing.profiling = False
-        self.summary = {"profiled_steps": list(self.steps), "error": why}
-        self.timing.profile = self.summary
+        self.timing.profile = self.summary = {"profiled_steps": list(self.steps), "error": why}
         log.warning("%s; the run goes on unprofiled", why)

@@ -1,8 +1,6 @@
-"""The run's checkpoints: what a checkpoint of the training holds, when it is written, and waiting for it.
-
-checkpoint.pth is rewritten at each epoch's end (also kept as checkpoint_epochNNNN.pth every
-``checkpoint_every`` epochs), mid-epoch every ``checkpoint_minutes`` and at a stop. Rank 0 writes, in the
-background (engine/checkpoint/writer.py): the state is copied to host memory and training goes on.
+"""The run's checkpoints: checkpoint.pth is rewritten at each epoch's end (also kept as checkpoint_epochNNNN.pth every
+``checkpoint_every`` epochs), mid-epoch every ``checkpoint_minutes`` at a log interval's end, and at a stop. Rank 0
+writes in the background (engine/checkpoint/writer.py): the state is copied to host memory and training goes on.
 """
 
 from __future__ import annotations
@@ -22,19 +20,15 @@ from .timing import RunTiming
 
 
 class CheckpointSaver(Hook):
-    """Writes the training's state (rank 0 only); every method may be called on every rank. As a hook: mid-epoch at a
-    log interval's end once ``checkpoint_minutes`` have passed, at each epoch's end, and at a stop.
-
-    config_record  the composed config as a plain dict, stored in every checkpoint
-    categories     category id -> name, recorded so that predict.py and export.py name the classes
-    extra_state    more of the training's state, saved under its key and restored by resume: an object with
-                   ``state_dict()`` per key (model EMA)
-    """
+    """Writes the training's state (rank 0 only); every method may be called on every rank. ``categories`` (id ->
+    name) lets predict.py and export.py name the classes; ``extra_state`` maps a key to an object with
+    ``state_dict()`` (model EMA), saved under that key and restored by resume."""
 
     def __init__(self, *, output_dir: Path, is_main: bool, model: torch.nn.Module, optimizer, lr_scheduler, scaler,
                  config_record: dict, categories: dict, checkpoint_every: int, checkpoint_minutes: float | None,
                  timing: RunTiming, position: Position, plan: RunPlan, extra_state: dict | None = None):
         self.output_dir, self.is_main = Path(output_dir), is_main
+        self.latest = self.output_dir / LATEST
         self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
         self.config_record, self.categories = config_record, categories
         self.checkpoint_every, self.checkpoint_minutes = checkpoint_every, checkpoint_minutes
@@ -49,7 +43,7 @@ class CheckpointSaver(Hook):
         """At a log interval's end (its losses checked: a checkpoint holds no step with a non-finite loss)."""
         if not self.plan.due_for_log(done.number):
             return False
-        self.check()
+        self.writer.check()  # raises the error of a write that has ended; never blocks
         if not self.due():
             return False
         self.save(epoch_done=False)
@@ -65,12 +59,8 @@ class CheckpointSaver(Hook):
             self.wait()  # the stop's message says the file holds this step
         elif ending is Ending.DONE:
             self.wait()
-        else:
-            self.wait_quietly()
-
-    @property
-    def latest(self) -> Path:
-        return self.output_dir / LATEST
+        else:  # already failing: a write error is logged, not raised over the first
+            self.writer.wait_quietly()
 
     def save(self, *, epoch_done: bool) -> None:
         """checkpoint.pth at the position (and the epoch's own file when one is due), with the evaluation a stop
@@ -81,8 +71,7 @@ class CheckpointSaver(Hook):
                      "lr_scheduler": self.lr_scheduler.state_dict(), "grad_scaler": self.scaler.state_dict(),
                      "epoch": position.epoch, "steps_in_epoch": position.steps_in_epoch, "step": position.step,
                      "config": self.config_record, "categories": self.categories, "rng": capture_rng_state(),
-                     # The images of a step, so that a resume with another total batch counts the steps done
-                     # (engine/train/resume.py, position_in_this_run).
+                     # for a resume with another total batch to count the steps done (resume.py, position_in_this_run)
                      "step_images": self.plan.batch.total,
                      **{key: part.state_dict() for key, part in self.extra_state.items()}}
             if position.pending_evaluation is not None:
@@ -92,31 +81,21 @@ class CheckpointSaver(Hook):
                                         also_as=self.latest)
             else:
                 held = self.writer.save(state, self.latest)
-            self.timing.add_checkpoint(held)
+            self.timing.checkpoint_s += held
         self._last_save = time.monotonic()
 
     def due(self) -> bool:
-        """Mid-epoch: ``checkpoint_minutes`` have passed since the last save (rank 0 alone: it writes, no
-        collective)."""
+        """Mid-epoch, ``checkpoint_minutes`` since the last save (rank 0 alone: it writes, no collective)."""
         minutes = self.checkpoint_minutes
         return (self.is_main and minutes is not None and time.monotonic() - self._last_save >= 60 * minutes
                 and self.position.steps_in_epoch < self.plan.steps_per_epoch)
 
     def wait(self) -> None:
         """Until the write in flight is on disk (its error raised); the time counts as the checkpoint's."""
-        self.timing.add_checkpoint(self.writer.wait())
-
-    def check(self) -> None:
-        """Raise the error of a write that has ended; never blocks."""
-        self.writer.check()
-
-    def wait_quietly(self) -> None:
-        """``wait`` for a run that is already failing: a write error is logged, not raised over the first."""
-        self.writer.wait_quietly()
+        self.timing.checkpoint_s += self.writer.wait()
 
     def describe_kept(self) -> str:
         """What a run stopped without saving keeps, for its message (once any write in flight has ended)."""
-        self.wait_quietly()
-        latest = self.latest
-        return (f"the last good checkpoint, {latest}, is kept (resume={latest})" if latest.exists()
+        self.writer.wait_quietly()
+        return (f"the last good checkpoint, {self.latest}, is kept (resume={self.latest})" if self.latest.exists()
                 else "no checkpoint had been written yet")

@@ -1,8 +1,6 @@
-"""When a stop signal stops training: every process at the same step, after that step is saved.
-
-The signal handler only sets a flag (engine/runtime/stop_request.py). One process acts on its own flag at once;
-several processes learn of any process's request in the log interval's all-reduce
-(engine/train/hooks/interval_report.py), so that every rank stops at the same step without a sync of its own.
+"""When a stop signal stops training: every process at the same step, after that step is saved. The signal handler
+only sets a flag (engine/runtime/stop_request.py). One process acts on its own flag at once; several learn of any
+one's request in the log interval's all-reduce (interval_report.py), with no sync of their own.
 """
 
 from __future__ import annotations
@@ -21,23 +19,16 @@ log = logging.getLogger(__name__)
 
 
 class StopControl(Hook):
-    """Whether the run stops after the current step, and the message and exception it stops with: after a step it
-    asks the loop to stop (StopRequested), and it ends the run's STOPPED close with TrainingStopped, once the hooks
-    before it have saved ``position`` into ``latest``."""
+    """Whether the run stops after the current step (StopRequested), and the TrainingStopped that ends its STOPPED
+    close, once the hooks before it have saved ``position`` into ``latest``."""
 
     def __init__(self, request: StopRequest, *, distributed: bool, is_main: bool,
                  any_process: Callable[[bool], bool] = bool, position: Position | None = None, total_steps: int = 0,
                  latest: Path | None = None):
-        self.request = request
+        self.request, self.distributed, self.is_main = request, distributed, is_main
         self.position, self.total_steps, self.latest = position, total_steps, latest
-        self.distributed = distributed
-        self.is_main = is_main
         self.any_process = any_process  # whether any process says so (a collective on several)
         self.agreed = False  # every process has learnt of a stop request (at a log interval)
-
-    @property
-    def requested_here(self) -> bool:
-        return self.request.requested
 
     def heard(self, any_process_requested: bool) -> None:
         """A log interval's verdict: some process was asked to stop."""
@@ -49,10 +40,9 @@ class StopControl(Hook):
 
     def close(self, ending: Ending) -> None:
         if ending is Ending.STOPPED:
-            pos = self.position
-            pending = pos.pending_evaluation
-            raise self.stopped(epoch=pos.epoch, step=pos.step, total_steps=self.total_steps, latest=self.latest,
-                               evaluation=pending["epoch"] if pending else None)
+            pending = self.position.pending_evaluation
+            raise self.stopped(epoch=self.position.epoch, step=self.position.step, total_steps=self.total_steps,
+                               latest=self.latest, evaluation=pending["epoch"] if pending else None)
 
     def due(self) -> bool:
         """Stop after this step: announced once, then acted on where every process knows of it."""

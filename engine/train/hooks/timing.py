@@ -1,11 +1,8 @@
-"""Where a run's wall time went, as the user waits for it: setup, compilation, warm-up, training, evaluation.
-
-The loop tells ``RunTiming`` when each step and each evaluation starts and ends; compilation is taken from
-the CompileClock (engine/compile/clock.py) and charged to "compile" wherever it happened. The rest of the first
-two steps at each new batch size is "warm-up": kernels autotuned at their first run, cuDNN's plans, a CUDA
-graph recorded at the second. So "train" and "eval" are the time the run would have taken with every graph
-already compiled and warm. At the end the record goes to ``timing.json`` in the run directory and into one
-log line; bench/ttr.py reads the file.
+"""Where a run's wall time went, as the user waits for it: setup, compilation (engine/compile/clock.py, wherever it
+happened), warm-up, training, evaluation. Warm-up is the rest of the first two steps at each new batch size: kernels
+autotuned at their first run, cuDNN's plans, a CUDA graph recorded at the second. So "train" and "eval" are what the
+run would have taken with every graph compiled and warm. The record goes to ``timing.json`` (which bench/ttr.py
+reads) and into one log line.
 """
 
 from __future__ import annotations
@@ -52,8 +49,7 @@ class RunTiming(Hook):
     evaluations: int = 0
     checkpoint_s: float = 0.0
     steps: int = 0
-    # The warm steps that compiled nothing since the last step that compiled a graph, in order: (wall s, loader wait
-    # s, images, pixels per image, end time, step number)
+    # The warm steps since the last graph compiled: (wall s, loader wait s, images, pixels per image, end, number)
     warm_steps: list[tuple[float, float, int, int, float, int]] = field(default_factory=list)
     _last_step_end: float | None = None
     _before: CompileTotals | None = None
@@ -68,18 +64,16 @@ class RunTiming(Hook):
 
     def after_step(self, done: StepDone) -> None:
         compiled = self.step_ended(self._before, size=done.size, data_s=done.data_s, profiled=self._step_profiled)
-        if compiled.graphs or compiled.seconds >= 1.0:
-            self.report_compilation(compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})",
-                                    step=done.number)
+        self.report_compilation(compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})",
+                                step=done.number)
 
     def pause(self) -> None:
-        """Between steps, what is not a step (evaluation, checkpoints) is timed apart: the next step's wall time
-        starts now."""
+        """What is not a step (evaluation, checkpoints) is timed apart: the next step's wall time starts now."""
         self._last_step_end = time.perf_counter()
 
     def report_compilation(self, compiled: CompileTotals, *, what: str, step: int) -> None:
-        """One line per step (or evaluation) that compiled, and the run's compile totals in TensorBoard."""
-        if not self.report:
+        """A line for a step or evaluation that compiled a graph or for 1 s or more; the run's totals in TensorBoard."""
+        if not self.report or (not compiled.graphs and compiled.seconds < 1.0):
             return
         total = self.compile
         log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, describe_work(compiled),
@@ -114,18 +108,15 @@ class RunTiming(Hook):
             self.first_step_s = now - self.started
         if compiled.graphs and not profiled:
             # A new graph changes what a step runs: the warm steps before it are not what the run's steps are like
-            # from now on. Not at a
-            # profiled step, which is left out of them anyway: a graph first recorded inside the profile at a run's
-            # end (a batch size first met there) would otherwise leave the run without steady figures.
+            # from now on. Not at a profiled step, left out of them anyway: a graph first recorded inside the profile
+            # at a run's end (a batch size first met there) would otherwise leave the run without steady figures.
             self.warm_steps.clear()
-        warming = self._sizes_seen[size] < 2
         self._sizes_seen[size] += 1
-        warm = not warming and not compiled.graphs and compiled.seconds < 1e-3
-        if warming:
+        if self._sizes_seen[size] <= 2:  # warming up
             self.warmup_s += max(0.0, wall - compiled.seconds)
         else:
             self.train_s += max(0.0, wall - compiled.seconds)
-            if warm and not profiled:
+            if not compiled.graphs and compiled.seconds < 1e-3 and not profiled:
                 self.warm_steps.append((wall, data_s, size[0], size[-2] * size[-1], time.time(), self.steps + 1))
         self.steps += 1
         return compiled
@@ -144,14 +135,10 @@ class RunTiming(Hook):
         """What an evaluation took on average, its compilation left out (None before the first)."""
         return self.eval_s / self.evaluations if self.evaluations else None
 
-    def add_checkpoint(self, wall_s: float) -> None:
-        self.checkpoint_s += wall_s
-
     def steady(self) -> dict | None:
-        """The second half of the warm steps that compiled nothing since the last graph compiled, what a long run's
-        steps are like: their median wall time, images per second, share of the wall time spent waiting for the
-        loader, padded pixels per image, the wall-clock window they ran in (time.time()) and the number of the first
-        of them."""
+        """The second half of the warm steps since the last graph compiled, what a long run's steps are like: their
+        median wall time, images/s, share of time waiting for the loader, padded pixels per image, the wall-clock
+        window they ran in (time.time()) and the first one's number."""
         late = self.warm_steps[len(self.warm_steps) // 2:]
         if not late:
             return None
@@ -167,18 +154,16 @@ class RunTiming(Hook):
                 "first_step_s": self.first_step_s, "compile_s": compiled.seconds, "warmup_s": self.warmup_s,
                 "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
                 "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
-                "graphs_compiled": compiled.graphs,
-                "graphs_by_function": compiled.by_function, **({"profile": self.profile} if self.profile else {}),
-                **extra}
+                "graphs_compiled": compiled.graphs, "graphs_by_function": compiled.by_function,
+                **({"profile": self.profile} if self.profile else {}), **extra}
 
     def summary(self, record: dict) -> str:
-        steady = record["steady_step_ms"]
+        steady = f"{record['steady_step_ms']:.0f} ms" if record["steady_step_ms"] is not None else "-"
         parts = [f"setup {format_duration(record['setup_s'] or 0)}", f"compile {format_duration(record['compile_s'])}",
                  f"warm-up {format_duration(record['warmup_s'])}", f"training {format_duration(record['train_s'])}",
                  f"evaluation {format_duration(record['eval_s'])}"]
-        steady_text = f"{steady:.0f} ms" if steady is not None else "-"
         return (f"{record['steps']} steps in {format_duration(record['total_s'])} ({', '.join(parts)}); steady step "
-                f"{steady_text}; {record['graphs_compiled']} graphs compiled")
+                f"{steady}; {record['graphs_compiled']} graphs compiled")
 
     def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
         return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
