@@ -91,7 +91,7 @@ def prepare_init_from(cfg_model) -> InitFrom:
         if key in cfg_model:
             cfg_model[key] = wanted[key]
     differing = [f"{k}={recorded[k]!r} (config: {current[k]!r})" for k in SIZE_KEYS
-                 if k in recorded and k in current and recorded[k] != current[k]]
+                 if k in recorded and recorded[k] != current[k]]
     hint = f"; the checkpoint records {', '.join(differing)}" if differing else ""
     return InitFrom(path=path, state=state, size_hint=hint)
 
