@@ -1,6 +1,5 @@
-"""A detector from a checkpoint, ours or an official one, the one path eval_only, predict.py and export.py take:
-``checkpoint_model`` takes the recorded architecture and the class head's size and loads the weights strictly;
-``load_trained_model`` adds the recorded class names and inference size (COCO's for an official checkpoint)."""
+"""A detector from a checkpoint, ours or an official one: the one path eval_only (``checkpoint_model``), predict.py
+and export.py (``load_trained_model``, which adds the recorded class names and inference size) take."""
 
 from __future__ import annotations
 

@@ -36,9 +36,8 @@ class Validation:
 
     def run(self, *, writer, json_path: str | Path, step: int, what: str, should_stop=None, record: bool = True,
             **info) -> Evaluation:
-        """Evaluate (``should_stop`` as evaluate_coco takes it), then on rank 0 with ``record``, record it: in
-        TensorBoard (eval/*, eval_per_class/*, the pictures), ``json_path`` (with ``info``) and the log ("evaluation
-        <what> (N images): AP ..." and the per-class table)."""
+        """Evaluate (``should_stop`` as evaluate_coco takes it); then on rank 0, with ``record``, record it in
+        TensorBoard, ``json_path`` (with ``info``) and the log."""
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.loader,
                                    coco_gt=self.coco_gt, device=self.ranks.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=self.ranks,
