@@ -7,7 +7,7 @@ import argparse
 import enum
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Collection
 
 import torch
 
@@ -17,7 +17,6 @@ from engine.errors import CheckpointError
 from models.deformable_detr import ONE2MANY_PARAMETERS
 
 log = logging.getLogger(__name__)
-
 
 TRAINING_STATE = ("optimizer", "lr_scheduler", "grad_scaler", "epoch", "steps_in_epoch", "step", "rng")
 # A checkpoint's model EMA (engine/train/hooks/ema.py): {"model": floating tensors by name, "updates": steps averaged}.
@@ -39,11 +38,8 @@ def recorded_model_config(ckpt: dict) -> dict:
     if isinstance(config, dict) and isinstance(config.get("model"), dict):
         return dict(config["model"])
     args = ckpt.get("args")
-    if isinstance(args, argparse.Namespace):
-        return vars(args).copy()
-    if isinstance(args, dict):
-        return dict(args)
-    return {}
+    args = vars(args) if isinstance(args, argparse.Namespace) else args
+    return dict(args) if isinstance(args, dict) else {}
 
 
 def shown(value) -> str:
@@ -52,16 +48,14 @@ def shown(value) -> str:
 
 
 def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
-                                keys: Iterable[str] | None = None) -> dict:
+                                keys: Collection[str] | None = None) -> dict:
     """``cfg_model`` with the values the checkpoint records (our config or the official args; only ``keys`` when
     given) put in, except the how-to-run ones: the weights fix the architecture. ``pretrained`` becomes none, as the
     checkpoint replaces the ImageNet backbone weights."""
-    recorded = recorded_model_config(ckpt)
-    if keys is not None:
-        wanted = set(keys)
-        recorded = {k: v for k, v in recorded.items() if k in wanted}
     merged = dict(cfg_model)
-    for key, value in recorded.items():
+    for key, value in recorded_model_config(ckpt).items():
+        if keys is not None and key not in keys:
+            continue
         if key in merged and role_of(f"model.{key}") != HOW_TO_RUN and merged[key] != value:
             log.info("model.%s=%s as recorded in %s (config said %s)", key, shown(value), path, shown(merged[key]))
             merged[key] = value
@@ -73,7 +67,7 @@ def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.P
 def model_state_dict(ckpt: dict) -> dict:
     """``ckpt['model']`` with the ``module.`` prefix of a DDP-wrapped save removed."""
     state = ckpt["model"]
-    if state and all(k.startswith("module.") for k in state):  # saved from a DDP wrapper
+    if state and all(k.startswith("module.") for k in state):
         state = {k[len("module."):]: v for k, v in state.items()}
     return state
 
@@ -100,11 +94,8 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
             f"model.num_feature_levels and the other sizes against the checkpoint")
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if k not in fresh]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing (e.g. {missing[:3]})")
-    if result.unexpected_keys:
-        problems.append(f"{len(result.unexpected_keys)} unexpected (e.g. {result.unexpected_keys[:3]})")
+    problems = [f"{len(keys)} {kind} (e.g. {keys[:3]})"
+                for kind, keys in (("missing", missing), ("unexpected", result.unexpected_keys)) if keys]
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit the model: parameters {'; '.join(problems)}. Check the variant "
@@ -115,8 +106,7 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
 
 
 def read_recorded_config(path: str | os.PathLike) -> dict | None:
-    """The config a checkpoint of ours records, or None (unreadable, or not ours); memory-mapped, so its tensors
-    are not read."""
+    """The config a checkpoint of ours records, or None (unreadable, or not ours); memory-mapped: no tensor read."""
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(named_checkpoint(path), map_location="cpu", weights_only=True, mmap=True)

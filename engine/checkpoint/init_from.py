@@ -1,11 +1,8 @@
 """``model.init_from=PATH``: start a new run (epoch 0, fresh optimizer) from the weights of one of our checkpoints
 or an official one. Tensors of matching name and shape are loaded; the class heads (``class_embed.*``) keep their
-fresh initialization when num_classes differs; any other shape difference is a CheckpointError. Around ``build_model``::
-
-    init = prepare_init_from(cfg.model)     # reads the file; puts its variant into cfg.model
-    model, criterion, postprocess = build_model(cfg.model)
-    init.load_into(model)                   # loads what fits, logs what was loaded / re-initialized / skipped
-"""
+fresh initialization when num_classes differs; any other shape difference is a CheckpointError. Before
+``build_model``, ``prepare_init_from(cfg.model)`` reads the file and puts its variant into cfg.model; after it,
+``InitFrom.load_into(model)`` loads what fits and logs what was loaded, re-initialized and skipped."""
 
 from __future__ import annotations
 
@@ -82,7 +79,9 @@ def prepare_init_from(cfg_model) -> InitFrom:
     wanted = model_config_for_checkpoint(current, ckpt, path=path, keys=VARIANT_KEYS)
     recorded = recorded_model_config(ckpt)
     state = model_state_dict(ckpt)
-    for key, value in variant_from_names(state).items():
+    from_names = {"with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
+                  "two_stage": any(k.startswith("transformer.enc_output.") for k in state)}
+    for key, value in from_names.items():
         if key not in recorded and wanted[key] != value:
             log.info("model.%s=%r from the parameter names in %s (config said %r)", key, value, path, wanted[key])
             wanted[key] = value
@@ -92,15 +91,9 @@ def prepare_init_from(cfg_model) -> InitFrom:
         if key in cfg_model:
             cfg_model[key] = wanted[key]
     differing = [f"{k}={recorded[k]!r} (config: {current[k]!r})" for k in SIZE_KEYS
-                 if k in recorded and k in current and recorded[k] != current[k]]
+                 if k in recorded and recorded[k] != current[k]]
     hint = f"; the checkpoint records {', '.join(differing)}" if differing else ""
     return InitFrom(path=path, state=state, size_hint=hint)
-
-
-def variant_from_names(state: dict) -> dict[str, bool]:
-    """with_box_refine / two_stage as the parameter names of an official-layout state dict show them."""
-    return {"with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
-            "two_stage": any(k.startswith("transformer.enc_output.") for k in state)}
 
 
 def load_matching(model: torch.nn.Module, state: dict, *, path: Path, size_hint: str = "") -> InitReport:

@@ -3,8 +3,7 @@
 Ours is a dict: ``model`` (the unwrapped model's state_dict, official names), ``optimizer``, ``lr_scheduler`` and
 ``grad_scaler`` (state_dicts), ``epoch`` (completed), ``steps_in_epoch`` (batches done in the epoch in progress),
 ``step`` (optimizer steps in the run), ``config`` (the composed run config, plain) and ``rng`` (engine.runtime.rng).
-An official one is {"model": state_dict, "args": argparse.Namespace, ...}.
-"""
+An official one is {"model": state_dict, "args": argparse.Namespace, ...}."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """How many classes the model predicts, and whether the data's category ids fit in them: class c is category id c
-(91 outputs for COCO's ids up to 90), so a larger id would fail inside the matcher or never be detected.
-"""
+(91 outputs for COCO's ids up to 90), so a larger id would fail inside the matcher or never be detected."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A detector from a checkpoint, ours or an official one, the one path eval_only, predict.py and export.py take:
-``checkpoint_model`` takes the recorded architecture and the class head's size and loads the weights strictly;
-``load_trained_model`` adds the recorded class names and inference size (COCO's for an official checkpoint).
-"""
+"""A detector from a checkpoint, ours or an official one: the one path eval_only (``checkpoint_model``), predict.py
+and export.py (``load_trained_model``, which adds the recorded class names and inference size) take."""
 
 from __future__ import annotations
 
@@ -46,12 +44,11 @@ class CheckpointModel:
 
     def load_into(self, model: torch.nn.Module) -> None:
         """The checkpoint's weights (``weights``) into ``model`` (built from ``model_config``), strictly."""
-        if not self.uses_ema:
-            load_model_weights(model, self.ckpt, path=self.path)
-            return
-        log.info("the model EMA's weights of %s (checkpoint_weights=raw for its trained ones)", self.path)
-        averaged = {**model_state_dict(self.ckpt), **self.ckpt[EMA_KEY]["model"]}
-        load_model_weights(model, {"model": averaged}, path=self.path)
+        ckpt = self.ckpt
+        if self.uses_ema:
+            log.info("the model EMA's weights of %s (checkpoint_weights=raw for its trained ones)", self.path)
+            ckpt = {"model": {**model_state_dict(ckpt), **ckpt[EMA_KEY]["model"]}}
+        load_model_weights(model, ckpt, path=self.path)
 
 
 def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = None,
@@ -74,8 +71,8 @@ def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = No
 @dataclass
 class TrainedModel:
     """A loaded DeformableDETR in eval mode, its PostProcess (outputs -> per image {"scores", "labels", "boxes" xyxy
-    in the given sizes}), category names (``name`` gives "class N" for an id without one), and the resize
-    (``val_size`` short side, ``max_size`` long side) the checkpoint's run evaluated at."""
+    in the given sizes}), category names by id, and the resize (``val_size`` short side, ``max_size`` long side) the
+    checkpoint's run evaluated at."""
 
     model: torch.nn.Module
     postprocess: torch.nn.Module
@@ -85,9 +82,6 @@ class TrainedModel:
     max_size: int
     checkpoint: Path
     step: int
-
-    def name(self, category_id: int) -> str:
-        return self.categories.get(int(category_id), f"class {int(category_id)}")
 
 
 def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.device, msda: str | None = None,
@@ -99,16 +93,16 @@ def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.devic
     source.load_into(model)
     model.to(device).eval()
     val_size, max_size = recorded_sizes(source.ckpt)
-    names = categories if categories is not None else recorded_categories(source.ckpt,
-                                                                           source.model_config["num_classes"])
+    if categories is None:
+        categories = recorded_categories(source.ckpt, source.model_config["num_classes"])
     return TrainedModel(model=model, postprocess=postprocess.to(device), model_config=source.model_config,
-                        categories=names, val_size=val_size, max_size=max_size, checkpoint=source.path,
+                        categories=categories, val_size=val_size, max_size=max_size, checkpoint=source.path,
                         step=source.step)
 
 
 def recorded_sizes(ckpt: dict) -> tuple[int, int]:
     """(val_size, max_size) of the run that saved ``ckpt``; COCO's (800, 1333) where it records none."""
-    dataset = (ckpt.get("config") or {}).get("dataset") if isinstance(ckpt.get("config"), dict) else None
+    dataset = ckpt["config"].get("dataset") if isinstance(ckpt.get("config"), dict) else None
     if isinstance(dataset, dict) and dataset.get("val_size") and dataset.get("max_size"):
         return int(dataset["val_size"]), int(dataset["max_size"])
     return COCO_VAL_SIZE, COCO_MAX_SIZE

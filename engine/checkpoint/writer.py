@@ -1,7 +1,6 @@
 """Checkpoints written by a thread while training goes on (torch.save and fsync release the GIL), from a host copy
 taken at once (the next step changes the weights in place). One write is in flight at most: the next save, a stop
-and the end of the run wait for it and raise its error, as does the first ``check`` after it failed.
-"""
+and the end of the run wait for it and raise its error, as does the first ``check`` after it failed."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def host_copy(obj, _copies: dict | None = None):
 
 
 class CheckpointWriter:
-    """``save`` returns once the state is copied; ``wait`` blocks until the file is on disk and raises the
-    write's error."""
+    """``save`` returns once the state is copied; ``wait`` blocks until the file is on disk and raises its error."""
 
     def __init__(self):
         self._thread: threading.Thread | None = None
@@ -48,9 +46,8 @@ class CheckpointWriter:
         was held (waiting for the previous write, copying the state)."""
         t0 = time.perf_counter()
         self.wait()
-        snapshot = host_copy(state)
         # Not a daemon: a process that exits with a write in flight finishes it first.
-        self._thread = threading.Thread(target=self._write, args=(snapshot, Path(path), also_as),
+        self._thread = threading.Thread(target=self._write, args=(host_copy(state), Path(path), also_as),
                                         name="checkpoint-writer")
         self._thread.start()
         return time.perf_counter() - t0
@@ -61,7 +58,9 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._raise_error()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
         return time.perf_counter() - t0
 
     def check(self) -> None:
@@ -92,8 +91,3 @@ class CheckpointWriter:
                 publish_as(saved, also_as)
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
             self._error = error
-
-    def _raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error

@@ -1,4 +1,4 @@
-"""Inference over a validation loader and COCO bbox AP, gathered over ranks, written as json."""
+"""Inference over a validation loader and COCO bbox AP, gathered over ranks."""
 
 from __future__ import annotations
 
@@ -29,25 +29,17 @@ class EvaluationStopped(Exception):
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One pass over the validation set; all but ``detections`` and the timings the same on every rank.
+    """One pass over the validation set; all but ``detections`` and the timings the same on every rank."""
 
-    stats        {"AP", "AP50", "AP75", "APs", "APm", "APl"} (COCOeval stats[0..5])
-    per_class    {category name: AP (IoU .50:.95) or None where the images hold none}, category id order
-    num_images   images scored
-    detections   image id -> [{"image_id", "category_id", "bbox" xywh in the file's pixels, "score"}], only for
-                 the images of ``keep_detections`` (all of them would be too many)
-    inference_s  this process's wall time of its pass (compilation included)
-    cocoeval_s   this process's wall time from the end of its pass to the figures (gather, COCOeval, broadcast)
-    cocoeval_backend  the COCOeval that ran: "faster" (faster-coco-eval) or "pycocotools"
-    """
-
-    stats: dict[str, float]
-    per_class: dict[str, float | None]
-    num_images: int
+    stats: dict[str, float]  # "AP", "AP50", "AP75", "APs", "APm", "APl" (COCOeval stats[0..5])
+    per_class: dict[str, float | None]  # category name -> AP (IoU .50:.95), None where the images hold none; id order
+    num_images: int  # images scored
+    # image id -> [{"image_id", "category_id", "bbox" xywh in the file's pixels, "score"}], only for the images of
+    # ``keep_detections`` (all of them would be too many)
     detections: dict[int, list[dict]]
-    inference_s: float
-    cocoeval_s: float
-    cocoeval_backend: str
+    inference_s: float  # this process's wall time of its pass (compilation included)
+    cocoeval_s: float  # this process's wall time from the end of its pass to the figures (gather, COCOeval, broadcast)
+    cocoeval_backend: str  # the COCOeval that ran: "faster" (faster-coco-eval) or "pycocotools"
 
 
 @torch.no_grad()
@@ -56,22 +48,22 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
                   precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None,
                   compiled: bool = False, backend: str = "auto",
                   progress_every_s: float = PROGRESS_EVERY_S, should_stop=None) -> Evaluation:
-    """COCO bbox AP of ``model`` on ``loader`` (see Evaluation); ``keep_detections``: the image ids whose
-    detections are returned. The random generators are left as they were.
+    """COCO bbox AP of ``model`` on ``loader`` (see Evaluation), with the detections of the ``keep_detections``
+    image ids; the random generators are left as they were. ``backend``: datasets.cocoeval_backend's choices.
 
-    ``model`` is the unwrapped DeformableDETR, run through ``detect``: compiled with ``compiled``, else with Dynamo
-    off, so that no compiled training region compiles again without gradients. Each rank infers its share; the
-    evaluator gathers every rank's detections before scoring. ``backend``: datasets.cocoeval_backend's choices.
-
-    ``should_stop(final)`` is asked after each batch (False) and after the last (True, before the gather): True
-    raises EvaluationStopped. Every rank must give the same answer to the final question.
-    """
+    ``model`` (the unwrapped DeformableDETR) runs ``detect`` compiled with ``compiled``, else with Dynamo off, so that
+    no compiled training region compiles again without gradients. Each rank infers its share; the evaluator gathers
+    every rank's detections before scoring. ``should_stop(final)`` is asked after each batch (False) and after the
+    last (True, before the gather): True raises EvaluationStopped. Every rank must answer the final question alike."""
     was_training = model.training
     model.eval()
     evaluator = CocoEvaluator(coco_gt, ranks=ranks, backend=backend)  # an unknown backend fails before inference
     is_main = ranks is None or ranks.is_main
     world_size = 1 if ranks is None else ranks.ctx.world_size
-    total = _num_images(loader)
+    try:
+        total = len(loader.dataset)
+    except (AttributeError, TypeError):  # a loader without a sized dataset
+        total = None
     share = None if total is None else -(-total // world_size)  # as the evaluation sampler splits them
     progress = EvaluationProgress(total_images=share, every_s=progress_every_s, enabled=is_main,
                                   share_of=total if world_size > 1 else None)
@@ -98,10 +90,9 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     finally:  # what COCOeval printed reaches train.log also when it fails
         if is_main:
             log_cocoeval_output(evaluator.cocoeval_output, log)
-    scored = time.perf_counter()
+    inference_s, cocoeval_s = inferred - started, time.perf_counter() - inferred
     model.train(was_training)
     num_images = len(evaluator.results)
-    inference_s, cocoeval_s = inferred - started, scored - inferred
     if is_main:
         if not evaluator.num_detections:
             log.warning("evaluation: no detections on any of the %d images; every AP is 0", num_images)
@@ -110,11 +101,3 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     kept = {int(i): evaluator.results[int(i)] for i in keep_detections if int(i) in evaluator.results}
     return Evaluation(stats=stats, per_class=evaluator.per_class, num_images=num_images, detections=kept,
                       inference_s=inference_s, cocoeval_s=cocoeval_s, cocoeval_backend=evaluator.backend)
-
-
-def _num_images(loader) -> int | None:
-    """Images in the loader's dataset, or None for a loader without a sized dataset."""
-    try:
-        return len(loader.dataset)
-    except (AttributeError, TypeError):
-        return None

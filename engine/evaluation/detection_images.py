@@ -1,7 +1,6 @@
 """Validation images with their detections and ground truth drawn into TensorBoard after each evaluation: the
 same few images every time, one tag each, so the image slider shows the detector improving. Drawn from the
-detections the evaluation already holds, on rank 0 only.
-"""
+detections the evaluation already holds, on rank 0 only."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def pick_image_ids(coco_gt, count: int) -> list[int]:
     """``count`` image ids spread evenly over the sorted ids of the images holding (non-crowd) ground truth, or
     of all images when none does: the annotation file alone decides."""
     ids = sorted(coco_gt.imgs)
-    with_objects = [i for i in ids if any(not a.get("iscrowd", 0) for a in coco_gt.imgToAnns.get(i, []))]
-    pool = with_objects or ids
+    pool = [i for i in ids if any(not a.get("iscrowd", 0) for a in coco_gt.imgToAnns.get(i, []))] or ids
     count = min(count, len(pool))
     return [pool[(k * len(pool)) // count] for k in range(count)]
 
@@ -60,8 +58,7 @@ class DetectionImages:
     """Draws ``num_images`` fixed validation images of ``dataset`` (a CocoDetection) with detections >= ``min_score``.
 
     ``render(detections)`` -> {image id: (3, H, W) uint8}; ``write`` adds them to TensorBoard as
-    ``eval_images/image_id_<id>``. ``detections``: image id -> COCO results (Evaluation.detections).
-    """
+    ``eval_images/image_id_<id>``. ``detections``: image id -> COCO results (Evaluation.detections)."""
 
     def __init__(self, *, dataset, num_images: int, min_score: float):
         if isinstance(num_images, bool) or not isinstance(num_images, int) or num_images < 0:

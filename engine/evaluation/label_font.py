@@ -1,6 +1,5 @@
 """The font detection labels are drawn in: one with wide coverage found on the system (PIL's default has no glyph
-for "â" or "猫"), and the category id instead of a class name the font cannot draw (never a row of empty boxes).
-"""
+for "â" or "猫"), and the category id instead of a class name the font cannot draw (never a row of empty boxes)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from engine.reporting.per_class import report_per_class
 from engine.runtime.distributed import Ranks
 from engine.runtime.precision import Precision
 
 from .coco import Evaluation, evaluate_coco
 from .detection_images import DetectionImages
-from .record import record_evaluation
+from .record import write_eval_json
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,18 @@ class Validation:
 
     def run(self, *, writer, json_path: str | Path, step: int, what: str, should_stop=None, record: bool = True,
             **info) -> Evaluation:
-        """Evaluate, then on rank 0 with ``record``, record_evaluation; ``should_stop`` as evaluate_coco takes it."""
+        """Evaluate (``should_stop`` as evaluate_coco takes it); then on rank 0, with ``record``, record it in
+        TensorBoard, ``json_path`` (with ``info``) and the log."""
         evaluation = evaluate_coco(model=self.model, postprocess=self.postprocess, loader=self.loader,
                                    coco_gt=self.coco_gt, device=self.ranks.ctx.device, precision=self.precision,
                                    keep_detections=self.detection_images.image_ids, ranks=self.ranks,
                                    compiled=self.compiled, backend=self.backend, should_stop=should_stop)
         if record and self.ranks.is_main:
-            record_evaluation(evaluation, writer=writer, json_path=json_path, step=step, what=what,
-                              detection_images=self.detection_images, log=log, **info)
+            writer.add("eval", evaluation.stats, step)
+            write_eval_json(json_path, stats=evaluation.stats, step=step, num_images=evaluation.num_images,
+                            per_class=evaluation.per_class, **info)
+            log.info("evaluation %s (%d images): %s", what, evaluation.num_images,
+                     " ".join(f"{k} {v:.4f}" for k, v in evaluation.stats.items()))
+            report_per_class(evaluation.per_class, writer=writer, step=step, log=log)
+            self.detection_images.write(writer, evaluation.detections, step)
         return evaluation
