@@ -53,14 +53,40 @@ class InitFrom:
     size_hint: str = ""  # the checkpoint's recorded sizes that differ from the config, for error messages
 
     def load_into(self, model: torch.nn.Module) -> InitReport | None:
-        """Load every tensor of matching name and shape into ``model``; None when model.init_from is not set."""
+        """Copy every tensor of matching name and shape into ``model`` (see the module docstring); None when
+        model.init_from is not set."""
         if self.path is None:
             return None
         if self.state is None:
             raise RuntimeError(f"model.init_from={self.path}: load_into was already called (it loads once)")
-        report = load_matching(model, self.state, path=self.path, size_hint=self.size_hint)
+        state, path = self.state, self.path
+        own = model.state_dict()
+        report = InitReport()
+        matching, mismatched = {}, []
+        for name, tensor in own.items():
+            if name not in state:
+                report.not_in_checkpoint.append(name)
+            elif tuple(state[name].shape) == tuple(tensor.shape):
+                matching[name] = state[name]
+                report.loaded.append(name)
+            elif CLASS_HEAD.search(name) and tuple(state[name].shape[1:]) == tuple(tensor.shape[1:]):
+                report.reinitialized.append(name)  # only the class count differs
+                report.num_classes = (int(state[name].shape[0]), int(tensor.shape[0]))
+            else:
+                mismatched.append(f"{name} {_shape(state[name])} in the checkpoint, {_shape(tensor)} in the model")
+        report.skipped = [name for name in state if name not in own]
+        if mismatched:
+            raise CheckpointError(
+                f"model.init_from={path}: {len(mismatched)} parameters have other shapes than this model's "
+                f"({'; '.join(mismatched[:NAMES_SHOWN])}{'; ...' if len(mismatched) > NAMES_SHOWN else ''}). Only "
+                f"the classification heads may differ (num_classes); set the model sizes (model.hidden_dim, "
+                f"model.num_queries, ... or model=...) to the checkpoint's{self.size_hint}")
+        if not report.loaded:
+            raise CheckpointError(f"model.init_from={path}: none of its {len(state)} tensors has a name of this "
+                                  f"model (e.g. {list(state)[:3]}); expected a Deformable DETR checkpoint")
+        model.load_state_dict(matching, strict=False)
         self.state = None  # the model holds the weights now; do not keep a second copy for the whole run
-        log.info(describe(report, path=self.path))
+        log.info(describe(report, path=path))
         return report
 
 
@@ -94,36 +120,6 @@ def prepare_init_from(cfg_model) -> InitFrom:
                  if k in recorded and recorded[k] != current[k]]
     hint = f"; the checkpoint records {', '.join(differing)}" if differing else ""
     return InitFrom(path=path, state=state, size_hint=hint)
-
-
-def load_matching(model: torch.nn.Module, state: dict, *, path: Path, size_hint: str = "") -> InitReport:
-    """Copy the tensors of ``state`` whose name and shape match into ``model``; see the module docstring."""
-    own = model.state_dict()
-    report = InitReport()
-    matching, mismatched = {}, []
-    for name, tensor in own.items():
-        if name not in state:
-            report.not_in_checkpoint.append(name)
-        elif tuple(state[name].shape) == tuple(tensor.shape):
-            matching[name] = state[name]
-            report.loaded.append(name)
-        elif CLASS_HEAD.search(name) and tuple(state[name].shape[1:]) == tuple(tensor.shape[1:]):
-            report.reinitialized.append(name)  # only the class count differs
-            report.num_classes = (int(state[name].shape[0]), int(tensor.shape[0]))
-        else:
-            mismatched.append(f"{name} {_shape(state[name])} in the checkpoint, {_shape(tensor)} in the model")
-    report.skipped = [name for name in state if name not in own]
-    if mismatched:
-        raise CheckpointError(
-            f"model.init_from={path}: {len(mismatched)} parameters have other shapes than this model's "
-            f"({'; '.join(mismatched[:NAMES_SHOWN])}{'; ...' if len(mismatched) > NAMES_SHOWN else ''}). Only "
-            f"the classification heads may differ (num_classes); set the model sizes (model.hidden_dim, "
-            f"model.num_queries, ... or model=...) to the checkpoint's{size_hint}")
-    if not report.loaded:
-        raise CheckpointError(f"model.init_from={path}: none of its {len(state)} tensors has a name of this "
-                              f"model (e.g. {list(state)[:3]}); expected a Deformable DETR checkpoint")
-    model.load_state_dict(matching, strict=False)
-    return report
 
 
 def describe(report: InitReport, *, path: Path) -> str:
