@@ -92,20 +92,16 @@ def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.devic
     model, _, postprocess = build_model(source.model_config)
     source.load_into(model)
     model.to(device).eval()
-    val_size, max_size = recorded_sizes(source.ckpt)
+    # The run's resize as its config records it, else COCO's.
+    dataset = source.ckpt["config"].get("dataset") if isinstance(source.ckpt.get("config"), dict) else None
+    val_size, max_size = COCO_VAL_SIZE, COCO_MAX_SIZE
+    if isinstance(dataset, dict) and dataset.get("val_size") and dataset.get("max_size"):
+        val_size, max_size = int(dataset["val_size"]), int(dataset["max_size"])
     if categories is None:
         categories = recorded_categories(source.ckpt, source.model_config["num_classes"])
     return TrainedModel(model=model, postprocess=postprocess.to(device), model_config=source.model_config,
                         categories=categories, val_size=val_size, max_size=max_size, checkpoint=source.path,
                         step=source.step)
-
-
-def recorded_sizes(ckpt: dict) -> tuple[int, int]:
-    """(val_size, max_size) of the run that saved ``ckpt``; COCO's (800, 1333) where it records none."""
-    dataset = ckpt["config"].get("dataset") if isinstance(ckpt.get("config"), dict) else None
-    if isinstance(dataset, dict) and dataset.get("val_size") and dataset.get("max_size"):
-        return int(dataset["val_size"]), int(dataset["max_size"])
-    return COCO_VAL_SIZE, COCO_MAX_SIZE
 
 
 def recorded_categories(ckpt: dict, num_classes: int) -> dict[int, str]:
