@@ -1,9 +1,6 @@
 """Checkpoint files: atomic writes (stray temporaries cleaned up), room on the disk, loading with clear errors.
-
-Ours is a dict: ``model`` (the unwrapped model's state_dict, official names), ``optimizer``, ``lr_scheduler`` and
-``grad_scaler`` (state_dicts), ``epoch`` (completed), ``steps_in_epoch`` (batches done in the epoch in progress),
-``step`` (optimizer steps in the run), ``config`` (the composed run config, plain) and ``rng`` (engine.runtime.rng).
-An official one is {"model": state_dict, "args": argparse.Namespace, ...}."""
+Ours is a dict whose keys engine/train/hooks/saving.py writes; an official one is {"model": state_dict, "args":
+argparse.Namespace, ...}."""
 
 from __future__ import annotations
 
@@ -42,21 +39,18 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError of its writer
+        try:
+            free_mb = shutil.disk_usage(path.parent).free / 2**20
+        except OSError:
+            free_mb = float("nan")
         kept = (f"{path} still holds the previous checkpoint" if path.exists()
                 else "no checkpoint had been written there yet")
         raise CheckpointWriteError(
-            f"could not write checkpoint {path} ({_write_failure(error)}; {_free_mb(path.parent):.0f} MB free on its "
+            f"could not write checkpoint {path} ({_write_failure(error)}; {free_mb:.0f} MB free on its "
             f"disk); {kept}. Free disk space or set output_dir to another disk, then resume") from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def _free_mb(directory: Path) -> float:
-    try:
-        return shutil.disk_usage(directory).free / 2**20
-    except OSError:
-        return float("nan")
 
 
 def _write_failure(error: Exception) -> str:
@@ -90,7 +84,7 @@ def _temporary_name(path: Path) -> Path:
 
 
 # .<name>.<pid>.tmp, as _temporary_name makes them
-_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.tmp")
+_TEMPORARY = re.compile(r"\..+\.(?P<pid>\d+)\.tmp")
 
 
 def remove_stray_temporaries(directory: str | os.PathLike) -> list[Path]:
@@ -126,9 +120,8 @@ def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
     except OSError as error:
-        raise CheckpointWriteError(
-            f"wrote checkpoint {src} but could not publish it as {dst} ({error.strerror or error}); {src} holds "
-            f"the latest state: resume={src}") from None
+        raise CheckpointWriteError(f"wrote checkpoint {src} but could not publish it as {dst} "
+                                   f"({error.strerror or error}); {src} holds the latest state: resume={src}") from None
     return dst
 
 
@@ -136,9 +129,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     """Read a checkpoint (a file, or a run directory's latest) onto the CPU with weights_only=True, allowing the
     official checkpoints' argparse.Namespace; CheckpointError naming the path and what was expected."""
     given, path = Path(path), named_checkpoint(path)
-    expected = ("a torch.save file holding a dict with a 'model' state_dict "
-                "(a checkpoint of this trainer or an official Deformable DETR checkpoint), or a run directory "
-                f"holding its {LATEST}")
+    expected = ("a torch.save file holding a dict with a 'model' state_dict (a checkpoint of this trainer or an "
+                f"official Deformable DETR checkpoint), or a run directory holding its {LATEST}")
     if not path.is_file():
         if path != given:
             raise CheckpointError(f"checkpoint {given} is a directory without a {LATEST} (expected {expected})")
@@ -148,9 +140,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load fails in many ways on a foreign file (KeyError for text); name the file
-        raise CheckpointError(
-            f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, corrupt or not "
-            f"{expected}") from e
+        raise CheckpointError(f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, "
+                              f"corrupt or not {expected}") from e
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
         got = type(obj).__name__ if not isinstance(obj, dict) else f"dict with keys {sorted(obj)[:10]}"
         raise CheckpointError(f"checkpoint {path} holds {got}; expected {expected}")
