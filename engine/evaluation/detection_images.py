@@ -91,9 +91,8 @@ class DetectionImages:
             font = label_font()
             labels = [f"{font.label(self.names.get(d['category_id'], str(d['category_id'])), d['category_id'])} "
                       f"{d['score']:.2f}" for d in kept]
-            pictures[image_id] = draw_detections(
-                image, ground_truth=_xyxy([a["bbox"] for a in anns], scale),
-                boxes=_xyxy([d["bbox"] for d in kept], scale), labels=labels)
+            pictures[image_id] = draw_detections(image, ground_truth=_xyxy([a["bbox"] for a in anns], scale),
+                                                 boxes=_xyxy([d["bbox"] for d in kept], scale), labels=labels)
         return pictures
 
     def write(self, writer, detections: dict[int, list[dict]], step: int) -> None:

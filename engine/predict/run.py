@@ -144,9 +144,8 @@ def evaluate_predictions(predictions: Predictions, gt: COCO, *, output_dir: Path
     evaluator.update(scored)
     stats = evaluator.summarize()
     log_cocoeval_output(evaluator.cocoeval_output, log)
-    write_eval_json(output_dir / "eval.json", stats=stats, per_class=evaluator.per_class,
-                    num_images=len(scored), checkpoint=str(Path(cfg.checkpoint).resolve()),
-                    annotations=str(Path(cfg.annotations).resolve()))
+    write_eval_json(output_dir / "eval.json", stats=stats, per_class=evaluator.per_class, num_images=len(scored),
+                    checkpoint=str(Path(cfg.checkpoint).resolve()), annotations=str(Path(cfg.annotations).resolve()))
     log.info("evaluation on %s (%d images): %s", cfg.annotations, len(scored),
              " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
     return stats

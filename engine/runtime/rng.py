@@ -43,9 +43,8 @@ def restore_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # setstate needs tuples, a reader may give lists
     n = state["numpy"]
-    np.random.set_state({"bit_generator": n["bit_generator"],
-                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    np.random.set_state({"bit_generator": n["bit_generator"], "has_gauss": n["has_gauss"], "gauss": n["gauss"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]}})
     torch.set_rng_state(state["torch"])
     # CUDA states only when the device count matches: on another machine a resume gets fresh CUDA generators.
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():

@@ -105,9 +105,8 @@ def held_before_hydra(argv: list[str]) -> RunLock | None:
     if is_sweep(key, directory):
         if not multirun:
             return None  # Hydra refuses a sweep without -m, naming it
-        raise SettingsError(f"{key}={directory}: a multirun (-m) takes one {key}, and runs each job in a folder of "
-                            f"its own under it ({key}/0, {key}/1, ...); to name each job's folder, run the jobs one "
-                            "by one")
+        raise SettingsError(f"{key}={directory}: a multirun (-m) takes one {key}, and runs each job in a folder of its "
+                            f"own under it ({key}/0, {key}/1, ...); to name each job's folder, run the jobs one by one")
     lock = RunLock(writable_folder(directory, setting=f"{key}={directory}"))
     lock.acquire()
     return lock
