@@ -97,9 +97,7 @@ class StepProfiler(Hook):
         if self._profile is None:
             return False
         self._last = done.number
-        if done.number < self.steps[1]:
-            return False
-        return self._finish()
+        return done.number >= self.steps[1] and self._finish()
 
     def epoch_end(self, end: EpochEnd) -> bool:
         return self._finish()
