@@ -1,15 +1,12 @@
 """One optimizer step, the only one: train.py, bench/ and the tests all call ``OptimizerStep``.
 
-forward under autocast -> Hungarian matching and losses -> backward (in equal passes when the batch is larger
-than one pass may take: the gradients add up) -> gradient clipping -> AdamW.
+forward under autocast -> Hungarian matching and losses -> backward (in equal passes when the batch is larger than
+one pass may take: the gradients add up) -> gradient clipping -> AdamW.
 
-The step reads nothing back from the GPU except the cost matrices for the matching (one copy, see
-models.matcher): the losses, the gradient norm and whether the update was skipped stay on the device
-as one vector per step, which engine/train/hooks/interval_report.py reads once per log interval. A step whose gradient
-norm is not finite (a NaN/inf loss gives NaN gradients) is skipped on the device, as GradScaler skips
-fp16 overflows: the fused AdamW is handed a ``found_inf`` flag and leaves weights, moments and its
-step count untouched. On several processes the gradients are averaged before the norm, so the norm
-and the decision are the same on every rank.
+Nothing is read back from the GPU but the matching's cost matrices (models.matcher): the step's values stay on the
+device for engine/train/hooks/interval_report.py to read once per log interval. A step whose gradient norm is not
+finite (a NaN/inf loss) is skipped on the device, as GradScaler skips fp16 overflows: the fused AdamW gets a
+``found_inf`` flag. The gradients are averaged over processes before the norm, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -28,18 +25,17 @@ class OptimizerStep:
     """``step(images, masks, targets)`` -> (2 + len(loss_names),) float32 device vector:
     [weighted total loss, gradient norm (before clipping), each loss in ``loss_names`` order, unweighted].
 
-    model            the module to train (plain, DDP-wrapped or compiled)
-    sync_gradients   called after backward, before clipping: averages the gradients over processes when the
-                     model is not DDP-wrapped (engine.runtime.distributed.GradientAllReduce.sync); None: nothing to do
-    criterion        models.criterion.SetCriterion; weight_dict says which losses make the total
-    optimizer        AdamW; fused=True lets a non-finite step be skipped without a host sync
-    clip_max_norm    total L2 norm of the gradients is clipped to this (0: measured, not clipped)
-    average_num_boxes  maps this process's number of target boxes to the value every loss is divided by, or
-                     to a function giving it that the criterion calls after the matching: the mean over
-                     processes, at least 1 (engine.runtime.distributed.average_over_processes; the default is this
-                     process's count, at least 1)
-    images_per_pass  the most images one forward and backward pass takes (engine/train/run_plan.py): a larger
-                     batch is split into equal passes whose gradients add up before the update; None: one pass
+    model              the module to train (plain, DDP-wrapped or compiled)
+    criterion          models.criterion.SetCriterion; weight_dict says which losses make the total
+    optimizer          AdamW; fused=True lets a non-finite step be skipped without a host sync
+    clip_max_norm      the gradients' total L2 norm is clipped to this (0: measured, not clipped)
+    average_num_boxes  this process's target box count -> what every loss is divided by, or a function the criterion
+                       calls for it after the matching (engine.runtime.distributed.average_over_processes: the mean
+                       over processes, at least 1); default: this process's count, at least 1
+    sync_gradients     called after backward, before clipping: averages the gradients over processes when the model
+                       is not DDP-wrapped (engine.runtime.distributed.GradientAllReduce.sync); None: nothing to do
+    images_per_pass    the most images one forward and backward pass takes: a larger batch is split into equal
+                       passes whose gradients add up; None: one pass
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -65,10 +61,8 @@ class OptimizerStep:
         self._weights: torch.Tensor | None = None
 
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
-        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
-        # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
-        # Started before the forward; the criterion takes the value after the matching. It counts the boxes of
-        # the whole step, so that the passes' losses add up to the loss of the whole batch.
+        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them). The box
+        # count, started before the forward, is the whole step's: the passes' losses add up to the batch's.
         with record_function("step.losses"):
             num_boxes = _resolved_once(self.average_num_boxes(float(sum(len(t["labels"]) for t in targets))))
         self.optimizer.zero_grad(set_to_none=True)
