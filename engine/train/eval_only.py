@@ -3,7 +3,6 @@ validation split, written to eval.json and TensorBoard."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -14,21 +13,18 @@ from engine.config.registry import check_config
 from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import DistContext, Ranks, init_distributed, shutdown_distributed
+from engine.runtime.distributed import DistContext, Ranks
 from engine.runtime.precision import Precision
 
 from .build import build_run_model
 from .run_setup import (
     build_datasets,
     build_loader,
-    holding_the_run_directory,
+    in_run_directory,
     prepare_compilation,
-    resolve_output_dir,
     size_buckets,
     warn_unbounded_sizes,
 )
-
-log = logging.getLogger(__name__)
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> dict:
@@ -41,13 +37,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
         raise ValueError("eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official "
                          "Deformable DETR one)")
     cfg = check_config(cfg)
-    ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
-    try:
-        output_dir = resolve_output_dir(cfg, ctx)
-        with holding_the_run_directory(output_dir, ctx):
-            return _evaluate_in(cfg, ctx, output_dir)
-    finally:
-        shutdown_distributed(ctx)
+    with in_run_directory(cfg) as (ctx, output_dir):
+        return _evaluate_in(cfg, ctx, output_dir)
 
 
 def _evaluate_in(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> dict:

@@ -21,14 +21,7 @@ from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.progress import Progress
 from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import (
-    DistContext,
-    Ranks,
-    any_process,
-    broadcast_object,
-    init_distributed,
-    shutdown_distributed,
-)
+from engine.runtime.distributed import DistContext, Ranks, any_process, broadcast_object
 from engine.runtime.stop_request import StopRequest
 
 from .build import TrainingSetup, build_training
@@ -53,9 +46,8 @@ from .run_plan import Position, RunPlan, plan_run, step_batch
 from .run_setup import (
     build_datasets,
     build_loader,
-    holding_the_run_directory,
+    in_run_directory,
     prepare_compilation,
-    resolve_output_dir,
     size_buckets,
     warn_unbounded_sizes,
 )
@@ -68,13 +60,8 @@ def train(cfg: DictConfig, *, started: float | None = None) -> dict:
     "timing"}. ``started``: the job's start (time.perf_counter), from which timing.json counts; default now."""
     started = time.perf_counter() if started is None else started
     cfg = check_config(cfg)
-    ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
-    try:
-        output_dir = resolve_output_dir(cfg, ctx)
-        with holding_the_run_directory(output_dir, ctx), StopRequest() as stop:
-            return run_training(cfg, ctx, output_dir, stop, started=started)
-    finally:
-        shutdown_distributed(ctx)
+    with in_run_directory(cfg) as (ctx, output_dir), StopRequest() as stop:
+        return run_training(cfg, ctx, output_dir, stop, started=started)
 
 
 def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest, *, started: float) -> dict:
@@ -119,7 +106,6 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
     if ckpt is not None:  # epochs counted from 1, as the progress line counts them: the one in progress, or the next
         log.info("resumed from %s at step %d: epoch %d/%d, %d of its %d steps of %d images done", resume_path,
                  position.step, position.epoch + 1, plan.epochs, position.steps_in_epoch, steps_per_epoch, batch.total)
-    record = plain_config(cfg)
     if ctx.is_main:
         warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
@@ -128,7 +114,7 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
                  setup.precision.name, running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size),
                  steps_per_epoch, cfg.epochs)
     hooks = build_hooks(cfg, ctx, output_dir, setup, plan=plan, position=position, timing=timing, stop=stop,
-                        val_loader=val_loader, val_set=data["val"], config_record=record, ckpt=ckpt)
+                        val_loader=val_loader, val_set=data["val"], ckpt=ckpt)
     try:
         TrainingLoop(step=setup.step, loader=train_loader, position=position, plan=plan, hooks=hooks.ordered(),
                      ctx=ctx).run()
@@ -187,7 +173,7 @@ class RunHooks:
 
 
 def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: TrainingSetup, *, plan: RunPlan,
-                position: Position, timing: RunTiming, stop: StopRequest, val_loader, val_set, config_record: dict,
+                position: Position, timing: RunTiming, stop: StopRequest, val_loader, val_set,
                 ckpt: dict | None) -> RunHooks:
     """Every part of the run besides the step, wired for this run (``ckpt``: the checkpoint it resumes, or None)."""
     stopping = StopControl(stop, distributed=ctx.distributed, is_main=ctx.is_main,
@@ -198,7 +184,7 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
     coco_gt = val_set.coco
     saver = CheckpointSaver(output_dir=output_dir, is_main=ctx.is_main, model=setup.model,
                             optimizer=setup.optimizer, lr_scheduler=setup.lr_scheduler,
-                            scaler=setup.precision.scaler, config_record=config_record,
+                            scaler=setup.precision.scaler, config_record=plain_config(cfg),
                             categories=category_names(coco_gt, coco_gt.getCatIds()),
                             checkpoint_every=cfg.checkpoint_every, checkpoint_minutes=cfg.checkpoint_minutes,
                             timing=timing, position=position, plan=plan,
