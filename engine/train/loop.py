@@ -1,9 +1,8 @@
 """The training loop: epochs of optimizer steps, and the run's hooks called at fixed points around them.
 
-The loop only steps: it fetches each batch, runs the step and keeps the position; everything else a run does is a
-hook in the list engine/train/run.py builds (engine/train/hooks/base.py says when each is called). The training batches
-are one stream over all epochs (datasets/batch_plan.py), so the loader's workers prefetch across an epoch's end; a
-resumed run starts the stream at its step, with its generators as they were at the checkpoint.
+The loop only fetches each batch, runs the step and keeps the position; everything else is a hook of the list
+engine/train/run.py builds (engine/train/hooks/base.py says when each is called). The training batches are one
+stream over all epochs (datasets/batch_plan.py), so the loader's workers prefetch across an epoch's end.
 """
 
 from __future__ import annotations
