@@ -1,8 +1,5 @@
 """One optimizer step, the only one: train.py, bench/ and the tests all call ``OptimizerStep``.
 
-forward under autocast -> Hungarian matching and losses -> backward (in equal passes when the batch is larger than
-one pass may take: the gradients add up) -> gradient clipping -> AdamW.
-
 Nothing is read back from the GPU but the matching's cost matrices (models.matcher): the step's values stay on the
 device for engine/train/hooks/interval_report.py to read once per log interval. A step whose gradient norm is not
 finite (a NaN/inf loss) is skipped on the device, as GradScaler skips fp16 overflows: the fused AdamW gets a
@@ -11,6 +8,7 @@ finite (a NaN/inf loss) is skipped on the device, as GradScaler skips fp16 overf
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -29,9 +27,9 @@ class OptimizerStep:
     criterion          models.criterion.SetCriterion; weight_dict says which losses make the total
     optimizer          AdamW; fused=True lets a non-finite step be skipped without a host sync
     clip_max_norm      the gradients' total L2 norm is clipped to this (0: measured, not clipped)
-    average_num_boxes  this process's target box count -> what every loss is divided by, or a function the criterion
-                       calls for it after the matching (engine.runtime.distributed.average_over_processes: the mean
-                       over processes, at least 1); default: this process's count, at least 1
+    average_num_boxes  this process's target box count -> what every loss is divided by (default: the count, at
+                       least 1), or a function the criterion calls for it after the matching (the mean over
+                       processes: engine.runtime.distributed.average_over_processes)
     sync_gradients     called after backward, before clipping: averages the gradients over processes when the model
                        is not DDP-wrapped (engine.runtime.distributed.GradientAllReduce.sync); None: nothing to do
     images_per_pass    the most images one forward and backward pass takes: a larger batch is split into equal
@@ -46,11 +44,8 @@ class OptimizerStep:
             raise ValueError(f"clip_max_norm must be >= 0 (0 disables clipping), got {clip_max_norm}")
         if images_per_pass is not None and images_per_pass < 1:
             raise ValueError(f"images_per_pass must be >= 1 or None, got {images_per_pass}")
+        self.model, self.criterion, self.optimizer, self.precision = model, criterion, optimizer, precision
         self.images_per_pass = images_per_pass
-        self.model = model
-        self.criterion = criterion
-        self.optimizer = optimizer
-        self.precision = precision
         self.max_norm = clip_max_norm if clip_max_norm > 0 else float("inf")
         self.average_num_boxes = average_num_boxes or (lambda n: max(1.0, n))
         self.sync_gradients = sync_gradients
@@ -64,7 +59,9 @@ class OptimizerStep:
         # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them). The box
         # count, started before the forward, is the whole step's: the passes' losses add up to the batch's.
         with record_function("step.losses"):
-            num_boxes = _resolved_once(self.average_num_boxes(float(sum(len(t["labels"]) for t in targets))))
+            num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
+            if callable(num_boxes):  # the mean over processes, still being reduced: read by the first pass only
+                num_boxes = functools.cache(num_boxes)
         self.optimizer.zero_grad(set_to_none=True)
         passes = self._passes(len(targets))
         size = len(targets) // passes
@@ -156,18 +153,3 @@ class OptimizerStep:
         if self.loss_names is None:
             raise RuntimeError("value_names are known after the first step")
         return ("loss", "grad_norm", *self.loss_names)
-
-
-def _resolved_once(num_boxes: NumBoxes) -> NumBoxes:
-    """A count given as a function (the mean over processes, still being reduced) is read once, by the first
-    pass's criterion, and reused by the others."""
-    if not callable(num_boxes):
-        return num_boxes
-    value = []
-
-    def once():
-        if not value:
-            value.append(num_boxes())
-        return value[0]
-
-    return once
