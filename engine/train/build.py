@@ -11,7 +11,11 @@ import torch
 
 from engine.checkpoint.init_from import InitFrom
 from engine.compile.plan import CompilePlan, compile_model, resolve_compile
-from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
+from engine.runtime.distributed import (
+    DistContext,
+    average_over_processes,
+    data_parallel,
+)
 from engine.runtime.msda_device import check_msda_device
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
@@ -35,10 +39,10 @@ class RunModel:
 
 def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
                     evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0) -> RunModel:
-    """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there.
+    """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there: for ``training`` its
+    training regions and losses too, else evaluation's graph only (when the plan compiles evaluation). Compiled in
+    place, names unchanged: weights load afterwards.
 
-    training             compile the training regions and the losses too (else evaluation's graph only, when the
-                         plan compiles evaluation); the weights are loaded afterwards either way: names are unchanged
     init                 model.init_from's weights, loaded into the fresh model before it moves
     evaluation_batches   the evaluation batches this process will run, which decide compile.evaluation=null
     training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
@@ -77,20 +81,13 @@ class TrainingSetup:
     def model(self) -> torch.nn.Module:
         return self.run_model.model
 
-    @property
-    def compile_plan(self) -> CompilePlan | None:
-        return self.run_model.compile_plan
-
 
 def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt: dict | None = None,
                    ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0,
                    training_steps: int = 0) -> TrainingSetup:
-    """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes.
-
-    init                 model.init_from's weights, loaded into the fresh model (a new run)
-    ckpt, ckpt_path      a checkpoint to resume: weights, optimizer, schedule and scaler restored (engine.train.resume)
-    evaluation_batches, training_steps   as build_run_model takes them
-    """
+    """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes. ``init``: a new run's
+    model.init_from weights; ``ckpt``, ``ckpt_path``: a checkpoint to resume (weights, optimizer, schedule and scaler,
+    engine.train.resume); ``evaluation_batches``, ``training_steps``: as build_run_model takes them."""
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
     batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     run_model = build_run_model(cfg.model, cfg.compile, ctx=ctx, training=True, init=init,

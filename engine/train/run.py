@@ -94,8 +94,7 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
                             if buckets is not None else ""))
     position = Position.of_checkpoint(ckpt, world_size=ctx.world_size)
     if ckpt is not None:  # counted in this run's steps, which may take another number of images
-        position, renumbered = position_in_this_run(position, steps_per_epoch=steps_per_epoch,
-                                                    step_images=batch.total,
+        position, renumbered = position_in_this_run(position, steps_per_epoch=steps_per_epoch, step_images=batch.total,
                                                     checkpoint_step_images=checkpoint_step_images(ckpt))
         if renumbered and ctx.is_main:
             log.warning("resuming %s: %s", resume_path, renumbered)
@@ -107,12 +106,12 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
         log.info("resumed from %s at step %d: epoch %d/%d, %d of its %d steps of %d images done", resume_path,
                  position.step, position.epoch + 1, plan.epochs, position.steps_in_epoch, steps_per_epoch, batch.total)
     if ctx.is_main:
-        warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
+        warn_unbounded_sizes(cfg, buckets, setup.run_model.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
         log.info("run directory %s | %d process%s on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
                  "epoch, %d epochs", output_dir, ctx.world_size, "es" if ctx.world_size > 1 else "", ctx.device,
-                 setup.precision.name, running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size),
-                 steps_per_epoch, cfg.epochs)
+                 setup.precision.name, running_as(setup.run_model.compile_plan), n_params / 1e6,
+                 batch.describe(ctx.world_size), steps_per_epoch, cfg.epochs)
     hooks = build_hooks(cfg, ctx, output_dir, setup, plan=plan, position=position, timing=timing, stop=stop,
                         val_loader=val_loader, val_set=data["val"], ckpt=ckpt)
     try:
@@ -162,11 +161,10 @@ class RunHooks:
     writer: ScalarWriter  # the run's TensorBoard, which the hooks write to
 
     def ordered(self) -> list[Hook]:
-        # The timing first (a step's time ends before any hook works), the profiler next (its trace's export is not
-        # a step's time), the report before the saver (a checkpoint holds no step with a non-finite loss), the lr
-        # schedule and the EMA before the saver (a checkpoint holds the next epoch's lr and this step's average),
-        # the evaluation after the saver (a failed evaluation loses no training), the stop control last (it ends a
-        # stopped run).
+        # The timing first (a step's time ends before any hook works), the profiler next (its trace's export is not a
+        # step's time); before the saver the report (a checkpoint holds no step with a non-finite loss), the lr
+        # schedule and the EMA (a checkpoint holds the next epoch's lr and this step's average); after it the
+        # evaluation (a failed one loses no training); the stop control last (it ends a stopped run).
         optional = [self.ema] if self.ema is not None else []
         return [self.timing, self.profiler, self.reporter, self.lr_schedule, *optional, self.saver, self.evaluation,
                 self.stopping]
@@ -196,7 +194,7 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
     reporter = IntervalReporter(step=setup.step, ctx=ctx, writer=writer, progress=progress, timing=timing, plan=plan,
                                 stopping=stopping, fp16_skips_overflows=setup.precision.scaler.is_enabled(),
                                 describe_kept=saver.describe_kept)
-    plan_compiled = setup.compile_plan
+    plan_compiled = setup.run_model.compile_plan
     validation = Validation(model=setup.model, postprocess=setup.run_model.postprocess, loader=val_loader,
                             coco_gt=coco_gt, precision=setup.precision, ranks=Ranks(ctx),
                             compiled=plan_compiled is not None and plan_compiled.evaluation, backend=cfg.eval_backend,
