@@ -26,7 +26,13 @@ from engine.checkpoint.contents import load_model_weights, read_recorded_config
 from engine.checkpoint.io import LATEST
 from engine.config.registry import plain_config
 from engine.config.run_files import named_checkpoint
-from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
+from engine.config.train_schema import (
+    HOW_TO_RUN,
+    INVOCATION,
+    LENGTH,
+    role_of,
+    upgrade_recorded_config,
+)
 from engine.errors import CheckpointError, LoaderWorkerDied
 from models.model_config import MODEL_KEYS
 
@@ -70,11 +76,8 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
 
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
-    """Keys that make the checkpoint's run another run than this one (all but the resumable changes).
-
-    Another batch_size is not one where both runs set the same total_batch_size: each step then takes the same
-    images, and batch_size only says how many go through the model in one pass, a memory setting.
-    """
+    """Keys that make the checkpoint's run another run than this one (all but the resumable changes). Another
+    batch_size is not one where both set the same total_batch_size: it is then only the images of one pass."""
     keys = [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
     total = recorded.get("total_batch_size")
     if "batch_size" in keys and total is not None and total == current.get("total_batch_size"):
@@ -83,11 +86,8 @@ def run_identity_differences(recorded: dict, current: dict) -> list[str]:
 
 
 def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path, config: dict) -> Path | None:
-    """The checkpoint that ``resume`` names; ``config`` is this run's (plain_config) for resume=auto.
-
-    None/empty: start fresh. A path: that file, or that run directory's checkpoint.pth (it must exist).
-    ``auto``: see the module docstring; None when nothing belongs to this run.
-    """
+    """The checkpoint ``resume`` names: None for None/empty, a path's file or its run directory's checkpoint.pth (it
+    must exist), or resume=auto's (the module docstring; ``config``: this run's plain_config), None if there is none."""
     if not resume:
         return None
     if resume != "auto":
@@ -123,11 +123,9 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
 
 
 def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, report: bool = True) -> DictConfig:
-    """The config a run resumed from ``ckpt`` uses: the checkpoint's model, everything else from ``cfg``.
-
-    ``report`` (rank 0) logs the settings that differ, each with the value used. Raises ValueError when
-    the checkpoint has already done what the schedule asks, so a resumed run never starts only to stop.
-    """
+    """The config a run resumed from ``ckpt`` uses: the checkpoint's model, everything else from ``cfg``; ``report``
+    (rank 0) logs the settings that differ, each with the value used. Raises ValueError when the checkpoint has
+    already done what the schedule asks, so a resumed run never starts only to stop."""
     recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
     effective = copy.deepcopy(cfg)
     for key, value in (recorded.get("model") or {}).items():
@@ -148,8 +146,7 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
             else:
                 lines.append(f"{key}: {new!r} from the command line, applied (the checkpoint had {old!r})")
         if lines:
-            log.warning("resuming %s with settings that differ from the checkpoint's:\n  %s", path,
-                        "\n  ".join(lines))
+            log.warning("resuming %s with settings that differ from the checkpoint's:\n  %s", path, "\n  ".join(lines))
     if ckpt.get("pending_evaluation"):  # stopped during an evaluation: the resume runs it, whatever is left
         return effective
     if ckpt["epoch"] >= effective.epochs:
@@ -195,9 +192,8 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
 
 
 def checkpoint_step_images(ckpt: dict) -> int | None:
-    """The images of one optimizer step of the run that wrote ``ckpt``: recorded in it (``step_images``), else, for
-    a checkpoint of an older version, its total_batch_size, else its batch_size (one process's step: the number of
-    processes was not recorded). None when the checkpoint records none of these."""
+    """The images of one optimizer step of the run that wrote ``ckpt``: its ``step_images``, else (an older version)
+    its total_batch_size, else its batch_size (one process's: the processes were not counted), else None."""
     if ckpt.get("step_images"):
         return int(ckpt["step_images"])
     recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
@@ -208,12 +204,9 @@ def checkpoint_step_images(ckpt: dict) -> int | None:
 def position_in_this_run(position: Position, *, steps_per_epoch: int, step_images: int,
                          checkpoint_step_images: int | None) -> tuple[Position, str | None]:
     """A resumed checkpoint's ``position`` counted in this run's steps (epochs done x steps per epoch + steps done of
-    the epoch in progress, which the plan and the progress line count on), and what changed (None: nothing).
-
-    When the checkpoint's steps took other images than this run's (another total_batch_size, or batch_size without
-    one), the epoch in progress goes on after the images it had trained, in whole steps of this run (a part step's
-    images are trained again).
-    """
+    the epoch in progress, which the plan and the progress line count on), and what changed (None: nothing). When
+    the checkpoint's steps took other images than this run's, the epoch in progress goes on after the images it had
+    trained, in whole steps of this run (a part step's images are trained again)."""
     old_images = checkpoint_step_images or step_images
     steps_in_epoch = position.steps_in_epoch
     if old_images != step_images:
