@@ -17,10 +17,8 @@ def group_base_lrs(cfg_optim) -> dict[str, float]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg_optim) -> torch.optim.AdamW:
-    """Fused AdamW over the published parameter groups; ``cfg_optim`` is configs/optim/adamw.yaml.
-
-    Build it after the model is on its device (the fused kernel runs where the parameters are).
-    """
+    """Fused AdamW over the published parameter groups (``cfg_optim``: configs/optim/adamw.yaml). Build it after
+    the model is on its device: the fused kernel runs where the parameters are."""
     backbone_names, linear_proj_names = list(cfg_optim.lr_backbone_names), list(cfg_optim.lr_linear_proj_names)
     base = group_base_lrs(cfg_optim)
     params = {key: [] for key in base}

@@ -1,11 +1,10 @@
 """Where a run stands (``Position``), what it will do (``RunPlan``) and what an optimizer step takes (``StepBatch``):
 computed once, from the settings, the data and the checkpoint it resumes, and passed to everything that needs it.
 
-``total_batch_size`` is the optimizer step's batch over all processes (the original trained every published model
-at 32), shared equally by the processes. ``batch_size`` is the most images a process puts through the model in one
-forward and backward pass, what its GPU's memory holds: a larger share is split into equal passes whose gradients add
-up before the update (gradient accumulation). With ``total_batch_size`` null the step is ``batch_size`` images per
-process, as the original's per-GPU batch.
+``total_batch_size`` is the step's batch over all processes (the original trained every published model at 32),
+shared equally by them; ``batch_size`` is the most images a process's GPU takes in one forward and backward pass: a
+larger share is split into equal passes whose gradients add up (gradient accumulation). With ``total_batch_size``
+null the step is ``batch_size`` images per process, as the original's per-GPU batch.
 """
 
 from __future__ import annotations
