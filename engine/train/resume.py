@@ -76,8 +76,8 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
 
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
-    """Keys that make the checkpoint's run another run than this one (all but the resumable changes). Another
-    batch_size is not one where both set the same total_batch_size: it is then only the images of one pass."""
+    """Keys that make the checkpoint's run another run than this one (all but the resumable changes). batch_size is
+    not one where both set the same total_batch_size: it then only says how many images one pass takes."""
     keys = [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
     total = recorded.get("total_batch_size")
     if "batch_size" in keys and total is not None and total == current.get("total_batch_size"):

@@ -3,7 +3,8 @@
 Nothing is read back from the GPU but the matching's cost matrices (models.matcher): the step's values stay on the
 device for engine/train/hooks/interval_report.py to read once per log interval. A step whose gradient norm is not
 finite (a NaN/inf loss) is skipped on the device, as GradScaler skips fp16 overflows: the fused AdamW gets a
-``found_inf`` flag. The gradients are averaged over processes before the norm, so every rank decides alike.
+``found_inf`` flag and leaves weights, moments and step count untouched. The gradients are averaged over processes
+before the norm, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -91,8 +92,7 @@ class OptimizerStep:
         return torch.cat([loss.reshape(1), grad_norm.reshape(1), parts])
 
     def _forward_backward(self, images, masks, targets, num_boxes) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass: its weighted loss and its unweighted losses (K,), detached, its gradients added to the
-        parameters' ``.grad``."""
+        """One pass: its weighted loss and unweighted losses (K,), detached; its gradients add to the params' .grad."""
         with record_function("step.forward"), self.precision.autocast():
             outputs = self.model(images, masks)
         with record_function("step.losses"):
