@@ -3,6 +3,8 @@ validation split, written to eval.json and TensorBoard."""
 
 from __future__ import annotations
 
+import contextlib
+
 from omegaconf import DictConfig
 
 from engine.checkpoint.num_classes import resolve_num_classes
@@ -54,10 +56,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
                                 ranks=Ranks(ctx), compiled=plan is not None and plan.evaluation,
                                 backend=cfg.eval_backend,
                                 detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main))
-        writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)
-        try:
+        with contextlib.closing(ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)) as writer:
             evaluation = validation.run(writer=writer, json_path=output_dir / "eval.json", step=source.step,
                                         what=f"of {source.path}", checkpoint=str(source.path.resolve()))
-        finally:
-            writer.close()
         return {"output_dir": output_dir, "eval": evaluation.stats}
