@@ -1,13 +1,9 @@
 """One assembly of what runs: the model on its device, compiled as the run's plan says, and for training the
-optimizer, schedule, precision, data parallelism and step.
-
-train.py (training and eval_only), bench/ and the tests all build through these functions, from a composed
-config, so that a benchmark times the step a run takes, compiled as a run compiles it.
-"""
+optimizer, schedule, precision, data parallelism and step. train.py, bench/ and the tests all build through it, so
+that a benchmark times the step a run takes, compiled as a run compiles it."""
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -15,7 +11,11 @@ import torch
 
 from engine.checkpoint.init_from import InitFrom
 from engine.compile.plan import CompilePlan, compile_model, resolve_compile
-from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
+from engine.runtime.distributed import (
+    DistContext,
+    average_over_processes,
+    data_parallel,
+)
 from engine.runtime.msda_device import check_msda_device
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
@@ -26,31 +26,23 @@ from .resume import restore_training_state
 from .run_plan import step_batch
 from .step import OptimizerStep
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class RunModel:
-    """The model of a run on its device, and how it was compiled.
+    """The model of a run on its device, and how it was compiled."""
 
-    model        the unwrapped DeformableDETR (checkpoints, evaluation); compiled regions are in it
-    criterion    its SetCriterion (on the device when built for training)
-    postprocess  boxes and scores from its outputs
-    compile_plan what was compiled, or None (eager)
-    """
-
-    model: torch.nn.Module
-    criterion: torch.nn.Module
-    postprocess: torch.nn.Module
-    compile_plan: CompilePlan | None
+    model: torch.nn.Module  # the unwrapped DeformableDETR (checkpoints, evaluation); compiled regions are in it
+    criterion: torch.nn.Module  # its SetCriterion (on the device when built for training)
+    postprocess: torch.nn.Module  # boxes and scores from its outputs
+    compile_plan: CompilePlan | None  # what was compiled, or None (eager)
 
 
 def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
                     evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0) -> RunModel:
-    """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there.
+    """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there: for ``training`` its
+    training regions and losses too, else evaluation's graph only (when the plan compiles evaluation). Compiled in
+    place, names unchanged: weights load afterwards.
 
-    training             compile the training regions and the losses too (else evaluation's graph only, when the
-                         plan compiles evaluation); the weights are loaded afterwards either way: names are unchanged
     init                 model.init_from's weights, loaded into the fresh model before it moves
     evaluation_batches   the evaluation batches this process will run, which decide compile.evaluation=null
     training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
@@ -61,8 +53,7 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     if init is not None:
         init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
     model.to(ctx.device)
-    channels_last = ctx.device.type == "cuda"
-    if channels_last:
+    if ctx.device.type == "cuda":
         model.use_channels_last()  # before the optimizer and a resumed state take the parameters' layout
     plan = resolve_compile(cfg_compile, device=ctx.device, evaluation_batches=evaluation_batches,
                            training_steps=training_steps, pass_batch=pass_batch)
@@ -78,35 +69,25 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
 
 @dataclass
 class TrainingSetup:
-    """What ``build_training`` assembles: the run's model, its optimizer and schedule, precision and step.
-
-    step         OptimizerStep over the module to train (DDP-wrapped under torchrun with gradient_sync=ddp)
-    """
+    """What ``build_training`` assembles: the run's model, its optimizer and schedule, precision and step."""
 
     run_model: RunModel
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
-    step: OptimizerStep
+    step: OptimizerStep  # over the module to train (DDP-wrapped under torchrun with gradient_sync=ddp)
 
     @property
     def model(self) -> torch.nn.Module:
         return self.run_model.model
 
-    @property
-    def compile_plan(self) -> CompilePlan | None:
-        return self.run_model.compile_plan
-
 
 def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt: dict | None = None,
                    ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0,
                    training_steps: int = 0) -> TrainingSetup:
-    """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes.
-
-    init                 model.init_from's weights, loaded into the fresh model (a new run)
-    ckpt, ckpt_path      a checkpoint to resume: weights, optimizer, schedule and scaler restored (engine.train.resume)
-    evaluation_batches, training_steps   as build_run_model takes them
-    """
+    """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes. ``init``: a new run's
+    model.init_from weights; ``ckpt``, ``ckpt_path``: a checkpoint to resume (weights, optimizer, schedule and scaler,
+    engine.train.resume); ``evaluation_batches``, ``training_steps``: as build_run_model takes them."""
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
     batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     run_model = build_run_model(cfg.model, cfg.compile, ctx=ctx, training=True, init=init,
@@ -128,7 +109,7 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
         torch.backends.cuda.matmul.allow_tf32 = True
     if ckpt is not None:  # before data_parallel, which starts every rank from rank 0's weights
         restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                         scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
+                               scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
     trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
                                             find_unused_parameters=cfg.find_unused_parameters)
     step = OptimizerStep(model=trained, criterion=criterion, optimizer=optimizer, precision=precision,

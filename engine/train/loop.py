@@ -1,10 +1,6 @@
-"""The training loop: epochs of optimizer steps, and the run's hooks called at fixed points around them.
-
-The loop only steps: it fetches each batch, runs the step and keeps the position; everything else a run does is a
-hook in the list engine/train/run.py builds (engine/train/hooks/base.py says when each is called). The training batches
-are one stream over all epochs (datasets/batch_plan.py), so the loader's workers prefetch across an epoch's end; a
-resumed run starts the stream at its step, with its generators as they were at the checkpoint.
-"""
+"""The training loop: it fetches each batch, runs the step and keeps the position; all else is a hook of the list
+engine/train/run.py builds (engine/train/hooks/base.py says when each is called). The training batches are one stream
+over all epochs (datasets/batch_plan.py), so the loader's workers prefetch across an epoch's end."""
 
 from __future__ import annotations
 
@@ -24,10 +20,8 @@ from .step import OptimizerStep
 
 
 class TrainingLoop:
-    """Runs ``plan`` from ``position`` with ``step`` on ``loader``'s batches, calling ``hooks`` in their order.
-
-    loader   datasets.build_data_loader(train=True): its batch_sampler is the stream of all epochs
-    """
+    """Runs ``plan`` from ``position`` with ``step`` on ``loader``'s batches, calling ``hooks`` in their order
+    (``loader``: datasets.build_data_loader(train=True), whose batch_sampler is the stream of all epochs)."""
 
     def __init__(self, *, step: OptimizerStep, loader, position: Position, plan: RunPlan, hooks: list[Hook],
                  ctx: DistContext):

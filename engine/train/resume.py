@@ -26,7 +26,13 @@ from engine.checkpoint.contents import load_model_weights, read_recorded_config
 from engine.checkpoint.io import LATEST
 from engine.config.registry import plain_config
 from engine.config.run_files import named_checkpoint
-from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
+from engine.config.train_schema import (
+    HOW_TO_RUN,
+    INVOCATION,
+    LENGTH,
+    role_of,
+    upgrade_recorded_config,
+)
 from engine.errors import CheckpointError, LoaderWorkerDied
 from models.model_config import MODEL_KEYS
 
@@ -61,11 +67,8 @@ def resumable_change(key: str) -> bool:
 
 
 def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint's value, command line's value) for every setting both record with another value.
-
-    ``model.num_classes: null`` on the command line means "from the data", which the checkpoint answers:
-    not a difference.
-    """
+    """(key, checkpoint's value, command line's value) for every setting both record with another value; a null
+    model.num_classes on the command line ("from the data", which the checkpoint answers) is no difference."""
     old, new = flatten(upgrade_recorded_config(recorded)), flatten(current)
     return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys())
             if role_of(key) != INVOCATION and old[key] != new[key]
@@ -73,27 +76,18 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
 
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
-    """Keys that make the checkpoint's run another run than this one (all but the resumable changes)."""
+    """Keys that make the checkpoint's run another run than this one (all but the resumable changes). batch_size is
+    not one where both set the same total_batch_size: it then only says how many images one pass takes."""
     keys = [key for key, _, _ in setting_differences(recorded, current) if not resumable_change(key)]
-    if "batch_size" in keys and same_step_split_otherwise(recorded, current):
+    total = recorded.get("total_batch_size")
+    if "batch_size" in keys and total is not None and total == current.get("total_batch_size"):
         keys.remove("batch_size")
     return keys
 
 
-def same_step_split_otherwise(recorded: dict, current: dict) -> bool:
-    """Whether both runs set the same total_batch_size: each optimizer step then takes the same images, and
-    batch_size only says how many go through the model in one pass (engine/train/step_batch.py), a memory setting.
-    Without total_batch_size, batch_size is the step's batch per process, and another value is another run."""
-    total = flatten(upgrade_recorded_config(recorded)).get("total_batch_size")
-    return total is not None and total == current.get("total_batch_size")
-
-
 def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root: Path, config: dict) -> Path | None:
-    """The checkpoint that ``resume`` names; ``config`` is this run's (plain_config) for resume=auto.
-
-    None/empty: start fresh. A path: that file, or that run directory's checkpoint.pth (it must exist).
-    ``auto``: see the module docstring; None when nothing belongs to this run.
-    """
+    """The checkpoint ``resume`` names: None for None/empty, a path's file or its run directory's checkpoint.pth (it
+    must exist), or resume=auto's (the module docstring; ``config``: this run's plain_config), None if there is none."""
     if not resume:
         return None
     if resume != "auto":
@@ -129,15 +123,13 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
 
 
 def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, report: bool = True) -> DictConfig:
-    """The config a run resumed from ``ckpt`` uses: the checkpoint's model, everything else from ``cfg``.
-
-    ``report`` (rank 0) logs the settings that differ, each with the value used. Raises ValueError when
-    the checkpoint has already done what the schedule asks, so a resumed run never starts only to stop.
-    """
+    """The config a run resumed from ``ckpt`` uses: the checkpoint's model, everything else from ``cfg``; ``report``
+    (rank 0) logs the settings that differ, each with the value used. Raises ValueError when the checkpoint has
+    already done what the schedule asks, so a resumed run never starts only to stop."""
     recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
     effective = copy.deepcopy(cfg)
     for key, value in (recorded.get("model") or {}).items():
-        if key in MODEL_KEYS and role_of(f"model.{key}") != HOW_TO_RUN:
+        if _kept_from_checkpoint(f"model.{key}"):
             try:
                 effective.model[key] = value  # typed node: the recorded value is checked like an override
             except OmegaConfBaseException as error:
@@ -154,8 +146,7 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
             else:
                 lines.append(f"{key}: {new!r} from the command line, applied (the checkpoint had {old!r})")
         if lines:
-            log.warning("resuming %s with settings that differ from the checkpoint's:\n  %s", path,
-                        "\n  ".join(lines))
+            log.warning("resuming %s with settings that differ from the checkpoint's:\n  %s", path, "\n  ".join(lines))
     if ckpt.get("pending_evaluation"):  # stopped during an evaluation: the resume runs it, whatever is left
         return effective
     if ckpt["epoch"] >= effective.epochs:
@@ -182,12 +173,9 @@ def _state_laid_out_as_parameters(optimizer: torch.optim.Optimizer) -> None:
 
 def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            lr_scheduler, scaler, cfg_optim, path: str | os.PathLike) -> None:
-    """Load weights, optimizer, scheduler and scaler from ``ckpt``; then apply a changed schedule.
-
-    ``model`` is the unwrapped module. Errors name the file. When the command line's schedule settings
-    (SCHEDULE_KEYS) are the checkpoint's, the restored state is left exactly as saved, so the resumed run
-    computes what an uninterrupted one would.
-    """
+    """Load weights, optimizer, scheduler and scaler from ``ckpt`` into ``model`` (unwrapped); errors name the file.
+    A changed schedule (SCHEDULE_KEYS) is then applied; an unchanged one leaves the state exactly as saved, so the
+    resumed run computes what an uninterrupted one would."""
     load_model_weights(model, ckpt, path=path)
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -204,9 +192,8 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
 
 
 def checkpoint_step_images(ckpt: dict) -> int | None:
-    """The images of one optimizer step of the run that wrote ``ckpt``: recorded in it (``step_images``), else, for
-    a checkpoint of an older version, its total_batch_size, else its batch_size (one process's step: the number of
-    processes was not recorded). None when the checkpoint records none of these."""
+    """The images of one optimizer step of the run that wrote ``ckpt``: its ``step_images``, else (an older version)
+    its total_batch_size, else its batch_size (one process's: the processes were not counted), else None."""
     if ckpt.get("step_images"):
         return int(ckpt["step_images"])
     recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
@@ -216,16 +203,10 @@ def checkpoint_step_images(ckpt: dict) -> int | None:
 
 def position_in_this_run(position: Position, *, steps_per_epoch: int, step_images: int,
                          checkpoint_step_images: int | None) -> tuple[Position, str | None]:
-    """A resumed checkpoint's ``position`` counted in this run's steps, and what changed when that is not the
-    checkpoint's own count (None when it is).
-
-    A run's step is its completed epochs times its steps per epoch plus the steps done in the epoch in progress:
-    its plan (its length, its evaluations at the epochs' ends) and its progress line count on that. When the
-    checkpoint's steps took as many images as this run's, its count is kept; when they took others (another
-    total_batch_size, or batch_size without one), the epoch in progress goes on after the images the checkpoint had
-    trained of it, in whole steps of this run (the images of a part step are trained again), and the step numbers go
-    on from there.
-    """
+    """A resumed checkpoint's ``position`` counted in this run's steps (epochs done x steps per epoch + steps done of
+    the epoch in progress, which the plan and the progress line count on), and what changed (None: nothing). When
+    the checkpoint's steps took other images than this run's, the epoch in progress goes on after the images it had
+    trained, in whole steps of this run (a part step's images are trained again)."""
     old_images = checkpoint_step_images or step_images
     steps_in_epoch = position.steps_in_epoch
     if old_images != step_images:
@@ -245,13 +226,9 @@ def position_in_this_run(position: Position, *, steps_per_epoch: int, step_image
 
 
 def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) -> None:
-    """Give a restored optimizer and StepLR the schedule of ``cfg_optim``, at the epoch they have reached.
-
-    Each group's lr becomes base * lr_gamma ** (epochs done // lr_drop), with base the group's lr from
-    ``cfg_optim`` (engine/train/optim.py), as if the run had had these settings from the start.
-    """
-    base = group_base_lrs(lr=cfg_optim.lr, lr_backbone=cfg_optim.lr_backbone,
-                          linear_proj_mult=cfg_optim.lr_linear_proj_mult)
+    """Give a restored optimizer and StepLR the schedule of ``cfg_optim`` at the epoch they have reached, as if the
+    run had had it from the start: each group's lr becomes its base lr * lr_gamma ** (epochs done // lr_drop)."""
+    base = group_base_lrs(cfg_optim)
     lr_scheduler.step_size, lr_scheduler.gamma = cfg_optim.lr_drop, cfg_optim.lr_gamma
     drops = lr_scheduler.last_epoch // lr_scheduler.step_size
     for i, group in enumerate(optimizer.param_groups):
@@ -262,30 +239,18 @@ def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) ->
     lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
-def resume_hint(output_dir: str | os.PathLike) -> str:
-    """Where a run that stopped can go on from, for its error message."""
-    latest = Path(output_dir) / LATEST
-    if latest.is_file():
-        return f"The run's last checkpoint is {latest}: continue with resume={latest}"
-    return "No checkpoint of this run had been written yet: start it again"
-
-
-def last_checkpoint_hint(output_dir: str | os.PathLike) -> str:
-    """What a run stopped by bad data can go on from, for the error message."""
-    latest = Path(output_dir) / LATEST
-    if latest.is_file():
-        return (f"The run's last checkpoint is {latest}: fix or remove the file (and its annotations), then "
-                f"continue with resume={latest}")
-    return ("No checkpoint of this run has been written yet: fix or remove the file (and its annotations) and "
-            "start again")
-
-
 def explained_failure(error: BaseException, output_dir: str | os.PathLike) -> BaseException | None:
     """A training run's failure in the user's words where the data caused it (a damaged image, a dead loader worker),
     with where to go on from; None for any other error."""
+    latest = Path(output_dir) / LATEST
     if isinstance(error, ImageReadError):  # a damaged image met while training
-        return ImageReadError(f"{worker_error_message(error)}\n{last_checkpoint_hint(output_dir)}")
+        fix = "fix or remove the file (and its annotations)"
+        hint = (f"The run's last checkpoint is {latest}: {fix}, then continue with resume={latest}" if latest.is_file()
+                else f"No checkpoint of this run has been written yet: {fix} and start again")
+        return ImageReadError(f"{worker_error_message(error)}\n{hint}")
     if is_worker_death(error):
+        hint = (f"The run's last checkpoint is {latest}: continue with resume={latest}" if latest.is_file()
+                else "No checkpoint of this run had been written yet: start it again")
         return LoaderWorkerDied(f"a data loader worker process died ({worker_error_message(error)}): it was killed, or "
-                                f"ran out of memory (fewer num_workers use less)\n{resume_hint(output_dir)}")
+                                f"ran out of memory (fewer num_workers use less)\n{hint}")
     return None

@@ -21,14 +21,7 @@ from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.progress import Progress
 from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import (
-    DistContext,
-    Ranks,
-    any_process,
-    broadcast_object,
-    init_distributed,
-    shutdown_distributed,
-)
+from engine.runtime.distributed import DistContext, Ranks, any_process, broadcast_object
 from engine.runtime.stop_request import StopRequest
 
 from .build import TrainingSetup, build_training
@@ -53,9 +46,8 @@ from .run_plan import Position, RunPlan, plan_run, step_batch
 from .run_setup import (
     build_datasets,
     build_loader,
-    holding_the_run_directory,
+    in_run_directory,
     prepare_compilation,
-    resolve_output_dir,
     size_buckets,
     warn_unbounded_sizes,
 )
@@ -68,13 +60,8 @@ def train(cfg: DictConfig, *, started: float | None = None) -> dict:
     "timing"}. ``started``: the job's start (time.perf_counter), from which timing.json counts; default now."""
     started = time.perf_counter() if started is None else started
     cfg = check_config(cfg)
-    ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
-    try:
-        output_dir = resolve_output_dir(cfg, ctx)
-        with holding_the_run_directory(output_dir, ctx), StopRequest() as stop:
-            return run_training(cfg, ctx, output_dir, stop, started=started)
-    finally:
-        shutdown_distributed(ctx)
+    with in_run_directory(cfg) as (ctx, output_dir), StopRequest() as stop:
+        return run_training(cfg, ctx, output_dir, stop, started=started)
 
 
 def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest, *, started: float) -> dict:
@@ -107,8 +94,7 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
                             if buckets is not None else ""))
     position = Position.of_checkpoint(ckpt, world_size=ctx.world_size)
     if ckpt is not None:  # counted in this run's steps, which may take another number of images
-        position, renumbered = position_in_this_run(position, steps_per_epoch=steps_per_epoch,
-                                                    step_images=batch.total,
+        position, renumbered = position_in_this_run(position, steps_per_epoch=steps_per_epoch, step_images=batch.total,
                                                     checkpoint_step_images=checkpoint_step_images(ckpt))
         if renumbered and ctx.is_main:
             log.warning("resuming %s: %s", resume_path, renumbered)
@@ -119,16 +105,15 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
     if ckpt is not None:  # epochs counted from 1, as the progress line counts them: the one in progress, or the next
         log.info("resumed from %s at step %d: epoch %d/%d, %d of its %d steps of %d images done", resume_path,
                  position.step, position.epoch + 1, plan.epochs, position.steps_in_epoch, steps_per_epoch, batch.total)
-    record = plain_config(cfg)
     if ctx.is_main:
-        warn_unbounded_sizes(cfg, buckets, setup.compile_plan, training=True)
+        warn_unbounded_sizes(cfg, buckets, setup.run_model.compile_plan, training=True)
         n_params = sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
         log.info("run directory %s | %d process%s on %s, %s%s | %.1fM trainable parameters | %s | %d steps per "
                  "epoch, %d epochs", output_dir, ctx.world_size, "es" if ctx.world_size > 1 else "", ctx.device,
-                 setup.precision.name, running_as(setup.compile_plan), n_params / 1e6, batch.describe(ctx.world_size),
-                 steps_per_epoch, cfg.epochs)
+                 setup.precision.name, running_as(setup.run_model.compile_plan), n_params / 1e6,
+                 batch.describe(ctx.world_size), steps_per_epoch, cfg.epochs)
     hooks = build_hooks(cfg, ctx, output_dir, setup, plan=plan, position=position, timing=timing, stop=stop,
-                        val_loader=val_loader, val_set=data["val"], config_record=record, ckpt=ckpt)
+                        val_loader=val_loader, val_set=data["val"], ckpt=ckpt)
     try:
         TrainingLoop(step=setup.step, loader=train_loader, position=position, plan=plan, hooks=hooks.ordered(),
                      ctx=ctx).run()
@@ -176,18 +161,17 @@ class RunHooks:
     writer: ScalarWriter  # the run's TensorBoard, which the hooks write to
 
     def ordered(self) -> list[Hook]:
-        # The timing first (a step's time ends before any hook works), the profiler next (its trace's export is not
-        # a step's time), the report before the saver (a checkpoint holds no step with a non-finite loss), the lr
-        # schedule and the EMA before the saver (a checkpoint holds the next epoch's lr and this step's average),
-        # the evaluation after the saver (a failed evaluation loses no training), the stop control last (it ends a
-        # stopped run).
+        # The timing first (a step's time ends before any hook works), the profiler next (its trace's export is not a
+        # step's time); before the saver the report (a checkpoint holds no step with a non-finite loss), the lr
+        # schedule and the EMA (a checkpoint holds the next epoch's lr and this step's average); after it the
+        # evaluation (a failed one loses no training); the stop control last (it ends a stopped run).
         optional = [self.ema] if self.ema is not None else []
         return [self.timing, self.profiler, self.reporter, self.lr_schedule, *optional, self.saver, self.evaluation,
                 self.stopping]
 
 
 def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: TrainingSetup, *, plan: RunPlan,
-                position: Position, timing: RunTiming, stop: StopRequest, val_loader, val_set, config_record: dict,
+                position: Position, timing: RunTiming, stop: StopRequest, val_loader, val_set,
                 ckpt: dict | None) -> RunHooks:
     """Every part of the run besides the step, wired for this run (``ckpt``: the checkpoint it resumes, or None)."""
     stopping = StopControl(stop, distributed=ctx.distributed, is_main=ctx.is_main,
@@ -198,7 +182,7 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
     coco_gt = val_set.coco
     saver = CheckpointSaver(output_dir=output_dir, is_main=ctx.is_main, model=setup.model,
                             optimizer=setup.optimizer, lr_scheduler=setup.lr_scheduler,
-                            scaler=setup.precision.scaler, config_record=config_record,
+                            scaler=setup.precision.scaler, config_record=plain_config(cfg),
                             categories=category_names(coco_gt, coco_gt.getCatIds()),
                             checkpoint_every=cfg.checkpoint_every, checkpoint_minutes=cfg.checkpoint_minutes,
                             timing=timing, position=position, plan=plan,
@@ -210,7 +194,7 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
     reporter = IntervalReporter(step=setup.step, ctx=ctx, writer=writer, progress=progress, timing=timing, plan=plan,
                                 stopping=stopping, fp16_skips_overflows=setup.precision.scaler.is_enabled(),
                                 describe_kept=saver.describe_kept)
-    plan_compiled = setup.compile_plan
+    plan_compiled = setup.run_model.compile_plan
     validation = Validation(model=setup.model, postprocess=setup.run_model.postprocess, loader=val_loader,
                             coco_gt=coco_gt, precision=setup.precision, ranks=Ranks(ctx),
                             compiled=plan_compiled is not None and plan_compiled.evaluation, backend=cfg.eval_backend,

@@ -1,12 +1,10 @@
-"""Where a run stands (``Position``) and what it will do (``RunPlan``): computed once, from the settings, the data
-and the checkpoint it resumes, and passed to everything that needs it.
+"""Where a run stands (``Position``), what it will do (``RunPlan``) and what an optimizer step takes (``StepBatch``):
+computed once, from the settings, the data and the checkpoint it resumes, and passed to everything that needs it.
 
-How many images an optimizer step takes (``StepBatch``): ``total_batch_size`` is the batch of the optimizer step
-over all processes (the original trained every published model at 32): each of the run's processes takes an equal
-share of it, the loader's batch. ``batch_size`` is the most images a process puts through the model in one forward
-and backward pass, what its GPU's memory holds: a share larger than that is split into equal passes whose gradients
-add up before the update (gradient accumulation), which gives the step of the whole share. With
-``total_batch_size`` null the step is ``batch_size`` images per process, as the original's per-GPU batch.
+``total_batch_size`` is the step's batch over all processes (the original trained every published model at 32),
+shared equally by them; ``batch_size`` is the most images a process's GPU takes in one forward and backward pass: a
+larger share is split into equal passes whose gradients add up (gradient accumulation). With ``total_batch_size``
+null the step is ``batch_size`` images per process, as the original's per-GPU batch.
 """
 
 from __future__ import annotations
@@ -17,12 +15,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StepBatch:
-    """total: images per optimizer step, all processes; per_process: each process's share (the loader's batch);
-    passes: forward and backward passes a process makes per step, of ``per_pass`` images each."""
-
-    total: int
-    per_process: int
-    passes: int
+    total: int  # images per optimizer step, all processes
+    per_process: int  # each process's share (the loader's batch)
+    passes: int  # forward and backward passes a process makes per step, of ``per_pass`` images each
 
     @property
     def per_pass(self) -> int:
@@ -74,30 +69,18 @@ class Position:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The run's schedule.
-
-    batch             the optimizer step's images and how each process puts them through the model
-    steps_per_epoch   optimizer steps in an epoch (the loader's batches of a process)
-    epochs            epochs of the schedule
-    total_steps       optimizer steps of the whole schedule: its epochs, capped by max_steps
-    evaluation_steps  the steps after which the run evaluates: every eval_every-th epoch's end, and its last step
-    evaluations       how many evaluations this run makes from where it starts
-    start_step        the step the run starts from (0, or a resumed checkpoint's)
-    eval_every        epochs per evaluation
-    log_every         steps per log interval
-    seed              the run's seed (each epoch's generators are seeded from it)
-    """
+    """The run's schedule."""
 
     batch: StepBatch
-    steps_per_epoch: int
+    steps_per_epoch: int  # optimizer steps in an epoch (the loader's batches of a process)
     epochs: int
-    total_steps: int
-    evaluation_steps: tuple[int, ...]
-    evaluations: int
-    start_step: int
-    eval_every: int
-    log_every: int
-    seed: int
+    total_steps: int  # of the whole schedule: its epochs, capped by max_steps
+    evaluation_steps: tuple[int, ...]  # the steps after which the run evaluates (plan_run)
+    evaluations: int  # how many evaluations this run makes from where it starts
+    start_step: int  # 0, or a resumed checkpoint's step
+    eval_every: int  # epochs per evaluation
+    log_every: int  # steps per log interval
+    seed: int  # each epoch's generators are seeded from it
 
     def due_for_log(self, step: int) -> bool:
         """Whether step ``step`` (from 1) ends a log interval: every log_every steps, and the run's last."""

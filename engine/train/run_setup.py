@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -15,7 +16,13 @@ from datasets import build_data_loader, build_dataset, build_size_buckets
 from engine.compile.cache import use_compile_cache
 from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
-from engine.runtime.distributed import DistContext, barrier, broadcast_object
+from engine.runtime.distributed import (
+    DistContext,
+    barrier,
+    broadcast_object,
+    init_distributed,
+    shutdown_distributed,
+)
 from engine.runtime.output_paths import writable_folder
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
@@ -40,9 +47,17 @@ def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
     return Path(broadcast_object(chosen, ctx))
 
 
-def holding_the_run_directory(output_dir: Path, ctx: DistContext):
-    """Rank 0 holds the run directory's lock for the job (engine/runtime/run_lock.py)."""
-    return RunLock(output_dir) if ctx.is_main else contextlib.nullcontext()
+@contextlib.contextmanager
+def in_run_directory(cfg: DictConfig) -> Iterator[tuple[DistContext, Path]]:
+    """(ctx, output_dir): the job's processes, shut down on the way out, and its run directory, whose lock rank 0
+    holds meanwhile (engine/runtime/run_lock.py)."""
+    ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
+    try:
+        output_dir = resolve_output_dir(cfg, ctx)
+        with RunLock(output_dir) if ctx.is_main else contextlib.nullcontext():
+            yield ctx, output_dir
+    finally:
+        shutdown_distributed(ctx)
 
 
 def prepare_compilation(cfg: DictConfig) -> None:

@@ -1,19 +1,15 @@
 """One optimizer step, the only one: train.py, bench/ and the tests all call ``OptimizerStep``.
 
-forward under autocast -> Hungarian matching and losses -> backward (in equal passes when the batch is larger
-than one pass may take: the gradients add up) -> gradient clipping -> AdamW.
-
-The step reads nothing back from the GPU except the cost matrices for the matching (one copy, see
-models.matcher): the losses, the gradient norm and whether the update was skipped stay on the device
-as one vector per step, which engine/train/hooks/interval_report.py reads once per log interval. A step whose gradient
-norm is not finite (a NaN/inf loss gives NaN gradients) is skipped on the device, as GradScaler skips
-fp16 overflows: the fused AdamW is handed a ``found_inf`` flag and leaves weights, moments and its
-step count untouched. On several processes the gradients are averaged before the norm, so the norm
-and the decision are the same on every rank.
+Nothing is read back from the GPU but the matching's cost matrices (models.matcher): the step's values stay on the
+device for engine/train/hooks/interval_report.py to read once per log interval. A step whose gradient norm is not
+finite (a NaN/inf loss) is skipped on the device, as GradScaler skips fp16 overflows: the fused AdamW gets a
+``found_inf`` flag and leaves weights, moments and step count untouched. The gradients are averaged over processes
+before the norm, so every rank decides alike.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -28,18 +24,17 @@ class OptimizerStep:
     """``step(images, masks, targets)`` -> (2 + len(loss_names),) float32 device vector:
     [weighted total loss, gradient norm (before clipping), each loss in ``loss_names`` order, unweighted].
 
-    model            the module to train (plain, DDP-wrapped or compiled)
-    sync_gradients   called after backward, before clipping: averages the gradients over processes when the
-                     model is not DDP-wrapped (engine.runtime.distributed.GradientAllReduce.sync); None: nothing to do
-    criterion        models.criterion.SetCriterion; weight_dict says which losses make the total
-    optimizer        AdamW; fused=True lets a non-finite step be skipped without a host sync
-    clip_max_norm    total L2 norm of the gradients is clipped to this (0: measured, not clipped)
-    average_num_boxes  maps this process's number of target boxes to the value every loss is divided by, or
-                     to a function giving it that the criterion calls after the matching: the mean over
-                     processes, at least 1 (engine.runtime.distributed.average_over_processes; the default is this
-                     process's count, at least 1)
-    images_per_pass  the most images one forward and backward pass takes (engine/train/run_plan.py): a larger
-                     batch is split into equal passes whose gradients add up before the update; None: one pass
+    model              the module to train (plain, DDP-wrapped or compiled)
+    criterion          models.criterion.SetCriterion; weight_dict says which losses make the total
+    optimizer          AdamW; fused=True lets a non-finite step be skipped without a host sync
+    clip_max_norm      the gradients' total L2 norm is clipped to this (0: measured, not clipped)
+    average_num_boxes  this process's target box count -> what every loss is divided by (default: the count, at
+                       least 1), or a function the criterion calls for it after the matching (the mean over
+                       processes: engine.runtime.distributed.average_over_processes)
+    sync_gradients     called after backward, before clipping: averages the gradients over processes when the model
+                       is not DDP-wrapped (engine.runtime.distributed.GradientAllReduce.sync); None: nothing to do
+    images_per_pass    the most images one forward and backward pass takes: a larger batch is split into equal
+                       passes whose gradients add up; None: one pass
     """
 
     def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -50,11 +45,8 @@ class OptimizerStep:
             raise ValueError(f"clip_max_norm must be >= 0 (0 disables clipping), got {clip_max_norm}")
         if images_per_pass is not None and images_per_pass < 1:
             raise ValueError(f"images_per_pass must be >= 1 or None, got {images_per_pass}")
+        self.model, self.criterion, self.optimizer, self.precision = model, criterion, optimizer, precision
         self.images_per_pass = images_per_pass
-        self.model = model
-        self.criterion = criterion
-        self.optimizer = optimizer
-        self.precision = precision
         self.max_norm = clip_max_norm if clip_max_norm > 0 else float("inf")
         self.average_num_boxes = average_num_boxes or (lambda n: max(1.0, n))
         self.sync_gradients = sync_gradients
@@ -65,12 +57,12 @@ class OptimizerStep:
         self._weights: torch.Tensor | None = None
 
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
-        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them).
-        # The count is averaged over processes first, then clamped to >= 1 (a rank may have no boxes at all).
-        # Started before the forward; the criterion takes the value after the matching. It counts the boxes of
-        # the whole step, so that the passes' losses add up to the loss of the whole batch.
+        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them). The box
+        # count, started before the forward, is the whole step's: the passes' losses add up to the batch's.
         with record_function("step.losses"):
-            num_boxes = _resolved_once(self.average_num_boxes(float(sum(len(t["labels"]) for t in targets))))
+            num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
+            if callable(num_boxes):  # the mean over processes, still being reduced: read by the first pass only
+                num_boxes = functools.cache(num_boxes)
         self.optimizer.zero_grad(set_to_none=True)
         passes = self._passes(len(targets))
         size = len(targets) // passes
@@ -100,8 +92,7 @@ class OptimizerStep:
         return torch.cat([loss.reshape(1), grad_norm.reshape(1), parts])
 
     def _forward_backward(self, images, masks, targets, num_boxes) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass: its weighted loss and its unweighted losses (K,), detached, its gradients added to the
-        parameters' ``.grad``."""
+        """One pass: its weighted loss and unweighted losses (K,), detached; its gradients add to the params' .grad."""
         with record_function("step.forward"), self.precision.autocast():
             outputs = self.model(images, masks)
         with record_function("step.losses"):
@@ -162,18 +153,3 @@ class OptimizerStep:
         if self.loss_names is None:
             raise RuntimeError("value_names are known after the first step")
         return ("loss", "grad_norm", *self.loss_names)
-
-
-def _resolved_once(num_boxes: NumBoxes) -> NumBoxes:
-    """A count given as a function (the mean over processes, still being reduced) is read once, by the first
-    pass's criterion, and reused by the others."""
-    if not callable(num_boxes):
-        return num_boxes
-    value = []
-
-    def once():
-        if not value:
-            value.append(num_boxes())
-        return value[0]
-
-    return once
