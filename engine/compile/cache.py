@@ -14,20 +14,19 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
 _set_here: dict[str, str] = {}
 
 
-def _torch_default(variable: str) -> str | None:
-    """The value torch sets ``variable`` to itself (importing torch._inductor.config sets TORCHINDUCTOR_CACHE_DIR)."""
+def _chosen_by_user(variable: str) -> bool:
+    """Whether ``variable`` holds neither our value nor torch's own default (importing torch._inductor.config sets
+    TORCHINDUCTOR_CACHE_DIR)."""
+    value = os.environ.get(variable)
+    if value is None or value == _set_here.get(variable):
+        return False
     if variable != "TORCHINDUCTOR_CACHE_DIR":
-        return None
+        return True
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # another torch: no default of its own to tell apart
-        return None
-    return os.path.abspath(default_cache_dir())
-
-
-def _chosen_by_user(variable: str) -> bool:
-    value = os.environ.get(variable)
-    return value is not None and value not in (_set_here.get(variable), _torch_default(variable))
+        return True
+    return value != os.path.abspath(default_cache_dir())
 
 
 def use_compile_cache(cache_dir: str) -> Path:
