@@ -1,13 +1,7 @@
 """The ``compile`` settings as a plan for this device (``resolve_compile``), applied to the regions a model declares
-(``compile_model``); configs/train.yaml explains each setting.
-
-Compiled, the regions are the transformer with its heads (one graph, ``DeformableDETR.predict``, or a graph per layer
-kind: ``compile.regions``), the position encoding, the backbone (``DeformableDETR.features``) and, in training, the
-losses after the matching. Each compiled call costs the host hundreds of microseconds: below ``LAYERS_FROM_BATCH``
-images per pass the GPU waits for that, so the transformer is one graph; from there, per-layer graphs compile faster.
-Training regions have symbolic sizes (one graph for every size bucket and batch) unless the backbone is static; the
-losses are padded to a few target counts (models.criterion.target_slots); evaluation's ``detect`` is a graph per size.
-State_dict keys are unchanged: checkpoints of a compiled run load anywhere.
+(``compile_model``; ``CompilePlan.describe`` names them); configs/train.yaml explains each setting. Training regions
+have symbolic sizes (one graph for every size bucket and batch) unless the backbone is static; evaluation's
+``detect`` is a graph per size. State_dict keys are unchanged: checkpoints of a compiled run load anywhere.
 """
 
 from __future__ import annotations
@@ -35,13 +29,13 @@ log = logging.getLogger(__name__)
 # compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below, its compilation
 # costs more than it saves over the eager model's CUDA graphs (bench/results/ttr_h200.md).
 STEPS_TO_COMPILE = 35000
-# compile.regions=null compiles the transformer a layer at a time from this many images per pass (the loader's
-# batch, or its share under gradient accumulation), and as one graph below it.
+# compile.regions=null compiles the transformer a layer at a time from this many images per pass (the loader's batch,
+# or its share under gradient accumulation). Below, the GPU waits for each compiled call's hundreds of microseconds on
+# the host, so the transformer is one graph; from there, per-layer graphs compile faster.
 LAYERS_FROM_BATCH = 16
-# Dynamo's recompile limit (graphs per function before it falls back to eager), raised for the per-size graphs of a
-# static backbone and of evaluation; process-wide.
+# Dynamo's recompile limit (graphs per function before it falls back to eager; cache_size_limit before torch renamed
+# it), raised process-wide for the per-size graphs of a static backbone and of evaluation.
 STATIC_BACKBONE_GRAPHS = 64
-# The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 # compile.evaluation=null compiles evaluation from this many evaluation batches per process in the run: a graph costs
 # tens of seconds per evaluation size to compile and saves milliseconds per batch.
@@ -157,10 +151,10 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     # The model's floats (dropout rates, epsilons) as graph constants: symbolic, they were specialized mid-compile,
     # which traced the transformer twice. Process-wide.
     torch._dynamo.config.specialize_float = True
-    if plan.backbone == "static" or plan.evaluation:
-        _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
-    regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone, evaluation=plan.evaluation)
-    for region in regions:
+    limit = getattr(torch._dynamo.config, RECOMPILE_LIMIT)
+    if (plan.backbone == "static" or plan.evaluation) and limit < STATIC_BACKBONE_GRAPHS:
+        setattr(torch._dynamo.config, RECOMPILE_LIMIT, STATIC_BACKBONE_GRAPHS)
+    for region in model.compile_regions(regions=plan.regions, backbone=plan.backbone, evaluation=plan.evaluation):
         _compile_region(model, region, plan)
     if criterion is not None:
         for region in criterion.compile_regions():
@@ -209,12 +203,6 @@ def _starting_a_step(compiled):
         return compiled(*args, **kwargs)
 
     return call
-
-
-def _allow_graphs_per_function(graphs: int) -> None:
-    """Dynamo's recompile limit (process-wide) raised to at least ``graphs``."""
-    if getattr(torch._dynamo.config, RECOMPILE_LIMIT) < graphs:
-        setattr(torch._dynamo.config, RECOMPILE_LIMIT, graphs)
 
 
 def _new_cuda_graph_step(module, args) -> None:
