@@ -1,12 +1,11 @@
-"""The schemas registered with Hydra (``register_configs``, before any compose), so that a bad value is refused at
-composition naming its key; ``check_config`` then runs the rules of the schemas' ``__post_init__`` methods.
-The yaml files name their schema in their defaults (``train_schema``, ``/schema/dataset@dataset: NAME``).
-"""
+"""The schemas registered with Hydra (``register_configs``, before any compose) under the names the yaml files'
+defaults use, so that a bad value is refused at composition naming its key; ``check_config`` runs the other rules."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import time
 
 from hydra.core.config_store import ConfigStore
@@ -19,23 +18,17 @@ from .predict_schema import PredictConfig
 from .train_schema import TrainConfig
 
 
-def run_directory(output_dir: str | None) -> str:
-    """Hydra's run directory (hydra.run.dir): ``output_dir`` when set, else outputs/<date>/<time>."""
-    return output_dir or time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
-
-
-def sweep_directory(output_dir: str | None) -> str:
-    """Hydra's sweep directory for ``-m`` (hydra.sweep.dir): ``output_dir`` when set, else multirun/<date>/<time>."""
-    return output_dir or time.strftime("multirun/%Y-%m-%d/%H-%M-%S")
+def dated_directory(parent: str, output_dir: str | None) -> str:
+    """Hydra's run (parent outputs) or ``-m`` sweep (multirun) directory: ``output_dir``, else parent/<date>/<time>."""
+    return output_dir or time.strftime(f"{parent}/%Y-%m-%d/%H-%M-%S")
 
 
 def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and register the run directories'
     resolvers (idempotent)."""
-    if not OmegaConf.has_resolver("run_dir"):
-        OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
-    if not OmegaConf.has_resolver("sweep_dir"):
-        OmegaConf.register_new_resolver("sweep_dir", sweep_directory, use_cache=True)
+    for name, parent in (("run_dir", "outputs"), ("sweep_dir", "multirun")):
+        if not OmegaConf.has_resolver(name):  # cached: one directory per process
+            OmegaConf.register_new_resolver(name, functools.partial(dated_directory, parent), use_cache=True)
     if not OmegaConf.has_resolver("export_dir"):
         OmegaConf.register_new_resolver("export_dir", export_directory)
     store = ConfigStore.instance()

@@ -1,10 +1,9 @@
 """The schema of configs/train.yaml (its ``model`` and ``dataset`` groups typed by models/model_config.py and
 datasets/dataset_config.py), with the rules OmegaConf cannot check in ``__post_init__``.
 
-Each setting's role for a resume is in its field's metadata (``{"role": ...}``, here and in the model and dataset
-schemas; a group's covers its keys), read by ``role_of``: ``how_to_run`` (a resume may change it and a checkpoint
-never imposes it), ``length`` (a resume may extend it), ``invocation`` (never compared), and by default what was
-trained (another value is another experiment).
+A setting's role for a resume is in its field's metadata (here and in the model and dataset schemas; a group's covers
+its keys), read by ``role_of``: HOW_TO_RUN (a resume may change it and a checkpoint never imposes it), LENGTH (a
+resume may extend it), INVOCATION (never compared), and by default IDENTITY (another value is another experiment).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from .choices import (
     GradientSync,
 )
 
-# Roles of settings (the module docstring); the default role is what was trained.
 HOW_TO_RUN, LENGTH, INVOCATION, IDENTITY = "how_to_run", "length", "invocation", "identity"
 
 
@@ -185,11 +183,9 @@ class TrainConfig:
             raise ValueError("bad run settings (configs/train.yaml; fix the override): " + "; ".join(problems))
 
 
-def role_of(key: str, schema: type = None) -> str:
-    """The role (module docstring) of the dotted setting ``key``, e.g. "compile.mode" or "model.msda": that of
-    its nearest field with one, walking down from TrainConfig; IDENTITY where none has one, or the key is
-    unknown (a checkpoint's key this version does not have)."""
-    schema = TrainConfig if schema is None else schema
+def role_of(key: str, schema: type = TrainConfig) -> str:
+    """The role of the dotted setting ``key`` (e.g. "compile.mode"): that of its nearest field with one, from
+    TrainConfig down; IDENTITY where none has one, or the key is unknown (a checkpoint's from another version)."""
     head, _, rest = key.partition(".")
     spec = {f.name: f for f in dataclasses.fields(schema)}.get(head)
     if spec is None:
