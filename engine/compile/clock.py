@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo
+from torch._dynamo.utils import get_compilation_metrics
 
-# record_capture's names: this prefix and the recorded method's name.
-CAPTURE_PREFIX = "graphed_"
+CAPTURE_PREFIX = "graphed_"  # record_capture's names: this prefix and the recorded method's name
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,6 @@ class CompileClock:
 
     def totals(self) -> CompileTotals:
         """Seconds and graphs so far (a compile in progress counts up to now)."""
-        from torch._dynamo.utils import get_compilation_metrics
-
         with self._lock:
             for metrics in get_compilation_metrics():
                 # Frame ids start again after torch._dynamo.reset(): the start time tells two "0/0"s apart.
