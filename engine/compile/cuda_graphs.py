@@ -7,8 +7,7 @@ criterion's replay between the model's forward and backward, so each has a pool 
 that neither reads back from the GPU nor copies from the host, and autocast without its weight cache, which would
 freeze the weights seen at recording. A training recording lets go of its autograd graph, whose gradient accumulators
 would otherwise meet the step's backward on another stream (PyTorch's AccumulateGrad stream warning). A backward
-replay's gradients are copies: a parameter may keep its ``.grad``, which the next replay would overwrite.
-"""
+replay's gradients are copies: a parameter may keep its ``.grad``, which the next replay would overwrite."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def warmed_up_stream(call) -> torch.cuda.Stream:
-    """The current device's capture stream, after WARMUP_CALLS of ``call()`` on it. One stream for every recording:
-    the allocator reuses a pool's free blocks only on the stream that made them, so sizes recorded on different
-    streams could not share memory."""
+    """The device's capture stream after WARMUP_CALLS of ``call()`` on it. One for every recording: the allocator
+    reuses a pool's free blocks only on the stream that made them, so sizes on different streams could not share."""
     device = torch.cuda.current_device()
     if device not in _capture_streams:
         _capture_streams[device] = torch.cuda.Stream()
@@ -55,9 +53,7 @@ class _FlatOutputs(nn.Module):
 
     def __init__(self, owner: nn.Module, method):
         super().__init__()
-        self.owner = owner
-        self.method = method
-        self.spec = None
+        self.owner, self.method, self.spec = owner, method, None
 
     def forward(self, *args: torch.Tensor):
         flat, self.spec = tree_flatten(self.method(self.owner, *args))
@@ -65,10 +61,9 @@ class _FlatOutputs(nn.Module):
 
 
 class GraphedMethod:
-    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs in
-    ``pool``, one recording per size (the arguments' shapes, dtypes and requires_grad, and autocast): forward and
-    backward for training calls (``backward``), else forward only for calls without gradients. Other calls, and
-    calls with a non-tensor argument (a mask of None), run eagerly."""
+    """``method`` (the class's function) of ``owner`` replayed as CUDA graphs in ``pool``, one recording per size (the
+    arguments' shapes, dtypes and requires_grad, and autocast): forward and backward for training calls (``backward``),
+    else forward only for calls without gradients. Other calls, and those with a non-tensor argument, run eagerly."""
 
     def __init__(self, owner: nn.Module, method, *, backward: bool, pool):
         self.owner, self.method, self.backward, self.pool = owner, method, backward, pool
@@ -196,14 +191,6 @@ class _Replay(torch.autograd.Function):
                 into.copy_(value)
         recording.backward_graph.replay()
         return (None, *(g.clone() if g is not None else None for g in recording.grads))
-
-
-def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Module | None = None) -> None:
-    """Replay, in place, ``model``'s regions (training ``forward`` and, with ``evaluation``, ``detect``) as CUDA graphs
-    in one pool, and ``criterion``'s in a pool each."""
-    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), pool_per_region=False)
-    if criterion is not None:
-        graph_regions(criterion, criterion.compile_regions(graphs=True), pool_per_region=True)
 
 
 def graph_regions(owner: nn.Module, regions, *, pool_per_region: bool) -> None:
