@@ -1,6 +1,5 @@
 """The errors a user can fix. Each derives from ``UserError`` so that the console (engine/runtime/console.py) prints
-it as one message without importing the modules that raise it. This module imports nothing.
-"""
+it as one message without importing the modules that raise it. This module imports nothing."""
 
 from __future__ import annotations
 
@@ -49,6 +48,5 @@ class ExportParityError(UserError, ValueError):
     """The exported model's outputs differ from the PyTorch model's by more than the tolerance; the message says how."""
 
 
-# What the console reports as one message: ours, and the built-in errors that datasets/, models/ and the libraries
-# raise for bad settings and files.
+# What the console reports as one message: ours, and the built-in errors raised for bad settings and files.
 USER_FAULTS: tuple[type[BaseException], ...] = (UserError, ValueError, OSError)

@@ -26,8 +26,7 @@ DEFAULT_OPSET = 18  # the opset torch.onnx's exporter builds the graph at; other
 # The newest opset torch.onnx declares it exports (torch.onnx._constants.ONNX_MAX_OPSET), and the newest tested: every
 # opset from MIN_OPSET to here writes a file that onnx's checker and onnxruntime take (tests/test_export.py).
 MAX_OPSET = 23
-# The backbone's largest stride: padded batches and an exported graph's sides are multiples of it.
-SIDE_MULTIPLE = 32
+SIDE_MULTIPLE = 32  # the backbone's largest stride: padded batches' and exported graphs' sides are multiples of it
 SUFFIXES = {ExportFormat.onnx: ".onnx", ExportFormat.aoti: ".pt2"}
 
 
@@ -103,9 +102,8 @@ class ExportConfig:
 
 def default_output(*, checkpoint: str | Path, format: str, dtype: str = "fp32", msda_node: str | None = None,
                    postprocess: bool = False, dynamic: bool = True) -> Path:
-    """Where an export goes when ``output`` is null: beside the checkpoint, named after it, with a tag for each
-    setting that differs from the default, so that variants do not overwrite each other
-    (outputs/run/checkpoint.onnx, outputs/run/checkpoint.fp16.tensorrt.onnx, outputs/run/checkpoint.pt2)."""
+    """Where an export goes when ``output`` is null: beside the checkpoint, named after it and tagged with each
+    non-default setting, so that variants do not overwrite each other (checkpoint.fp16.tensorrt.onnx)."""
     path = named_checkpoint(checkpoint)
     tags = [tag for tag, differs in ((str(dtype), str(dtype) != "fp32"),
                                      (str(msda_node), msda_node is not None and str(msda_node) != "reference"),

@@ -24,8 +24,7 @@ def dated_directory(parent: str, output_dir: str | None) -> str:
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and register the run directories'
-    resolvers (idempotent)."""
+    """Put the schemas in Hydra's ConfigStore and register the run directories' resolvers (idempotent)."""
     for name, parent in (("run_dir", "outputs"), ("sweep_dir", "multirun")):
         if not OmegaConf.has_resolver(name):  # cached: one directory per process
             OmegaConf.register_new_resolver(name, functools.partial(dated_directory, parent), use_cache=True)
@@ -40,22 +39,19 @@ def register_configs() -> None:
 
 
 def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
-    """Apply every rule OmegaConf could not (ranges, rules between keys, unknown keys), raising ValueError naming
-    the key; return ``cfg``. ``schema``: the one ``cfg`` was composed with (default TrainConfig); TypeError when it
-    was composed without it, as its types were then never checked."""
+    """``cfg`` after the rules OmegaConf could not apply (ranges, rules between keys, unknown keys): ValueError naming
+    the key; TypeError if ``cfg`` was composed without ``schema`` (default TrainConfig), its types then unchecked."""
     if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
         raise TypeError("the config was composed without its schemas: call engine.config.registry.register_configs() "
                         "before hydra.compose / @hydra.main (train.py, predict.py and export.py do this on import)")
-    unknown = unknown_keys(cfg)
-    if unknown:
+    if unknown := unknown_keys(cfg):
         raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))
     OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules
     return cfg
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """The keys of ``node`` and its groups that their schema lacks (added with ``+key=``), each with the closest
-    known name."""
+    """The keys of ``node`` and its groups that their schema lacks (added with ``+key=``), with the closest names."""
     schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return []
