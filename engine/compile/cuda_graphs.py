@@ -176,7 +176,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recording: _TrainingRecording, *inputs):
         ctx.recording = recording
-        for into, value in zip(recording.static, inputs):  # the arguments; the parameters are the recording's own
+        for into, value in zip(recording.static, inputs):  # the arguments; parameters are passed for autograd only
             if into.data_ptr() != value.data_ptr():
                 into.copy_(value)
         recording.forward_graph.replay()

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 # compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below, its compilation
 # costs more than it saves over the eager model's CUDA graphs (bench/results/ttr_h200.md).
 STEPS_TO_COMPILE = 35000
-# compile.regions=null compiles the transformer a layer at a time from this many images per forward pass, which compiles
-# faster; below, the GPU would wait for each compiled call's hundreds of microseconds on the host, so it is one graph.
+# compile.regions=null compiles the transformer a layer at a time (quicker to compile) from this many images per
+# forward pass; below, the GPU would wait for each compiled call's hundreds of microseconds on the host: one graph.
 LAYERS_FROM_BATCH = 16
 # Dynamo's recompile limit (graphs per function before it falls back to eager; cache_size_limit before torch renamed
 # it), raised process-wide for the per-size graphs of a static backbone and of evaluation.

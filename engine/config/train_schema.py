@@ -1,7 +1,7 @@
 """The schema of configs/train.yaml, with the rules OmegaConf cannot check in ``__post_init__``. A setting's role for
-a resume is in its field's metadata (here and in the model and dataset schemas; a group's covers its keys), read by
-``role_of``: HOW_TO_RUN (a resume may change it and a checkpoint never imposes it), LENGTH (a resume may extend it),
-INVOCATION (never compared), and by default IDENTITY (another value is another experiment)."""
+a resume is its field's ``metadata["role"]`` (here and in the model and dataset schemas; a group's covers its keys),
+read by ``role_of``: HOW_TO_RUN (a resume may change it and a checkpoint never imposes it), LENGTH (a resume may
+extend it), INVOCATION (never compared), and by default IDENTITY (another value is another experiment)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class OptimConfig:
 
 @dataclass
 class CompileConfig:
-    """configs/train.yaml's ``compile`` group, explained there (engine/compile/plan.py applies it)."""
+    """configs/train.yaml's ``compile`` group (engine/compile/plan.py applies it); null: the mode's default."""
 
     mode: CompileMode = CompileMode.auto
     regions: Optional[CompileRegions] = None
