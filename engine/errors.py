@@ -1,11 +1,5 @@
-"""The errors a user can fix, and their one base class.
-
-Every fault whose message tells the user what to change (a checkpoint, a disk, another run in the directory,
-a failed collective, a diverged run, a compiler that cannot build an export) derives from ``UserError``, so
-that the console (engine/runtime/console.py) prints it as one message without importing the modules that
-raise it. Python's own ValueError and OSError raised for bad settings and files (by datasets/, models/ and
-the libraries) are user faults too; the console names them beside ``UserError``. This module imports nothing.
-"""
+"""The errors a user can fix. Each derives from ``UserError`` so that the console (engine/runtime/console.py) prints
+it as one message without importing the modules that raise it. This module imports nothing."""
 
 from __future__ import annotations
 
@@ -47,13 +41,11 @@ class NonFiniteLossError(UserError, RuntimeError):
 
 
 class AotiCompilerError(UserError, ValueError):
-    """The C++ compiler would build an AOTInductor package that crashes when it is loaded
-    (engine/export/aoti.py says why)."""
+    """The C++ compiler would build an AOTInductor package that crashes when loaded (engine/export/aoti.py says why)."""
 
 
 class ExportParityError(UserError, ValueError):
-    """The exported model's outputs differ from the PyTorch model's by more than the tolerance: the message says
-    what differed, by how much, and what to try."""
+    """The exported model's outputs differ from the PyTorch model's by more than the tolerance; the message says how."""
 
 
 # What the console reports as one message: ours, and the built-in errors raised for bad settings and files.

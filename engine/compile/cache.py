@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import torch._inductor.config
 
 # Each cache's environment variable -> its folder under compile.cache_dir; a variable the user set wins.
@@ -14,20 +15,18 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
 _set_here: dict[str, str] = {}
 
 
-def _torch_default(variable: str) -> str | None:
-    """The value torch sets ``variable`` to itself (importing torch._inductor.config sets TORCHINDUCTOR_CACHE_DIR)."""
+def _chosen_by_user(variable: str) -> bool:
+    """Whether ``variable`` holds neither our value nor torch's own default (which importing torch._inductor sets)."""
+    value = os.environ.get(variable)
+    if value is None or value == _set_here.get(variable):
+        return False
     if variable != "TORCHINDUCTOR_CACHE_DIR":
-        return None
+        return True
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # another torch: no default of its own to tell apart
-        return None
-    return os.path.abspath(default_cache_dir())
-
-
-def _chosen_by_user(variable: str) -> bool:
-    value = os.environ.get(variable)
-    return value is not None and value not in (_set_here.get(variable), _torch_default(variable))
+        return True
+    return value != os.path.abspath(default_cache_dir())
 
 
 def use_compile_cache(cache_dir: str) -> Path:
@@ -35,17 +34,14 @@ def use_compile_cache(cache_dir: str) -> Path:
     anything compiles: both read their variables when they first need them."""
     root = Path(os.path.expanduser(cache_dir)).resolve()
     for variable, folder in CACHE_VARIABLES.items():
-        if _chosen_by_user(variable):
-            continue
-        _set_here[variable] = os.environ[variable] = str(root / folder)
+        if not _chosen_by_user(variable):
+            _set_here[variable] = os.environ[variable] = str(root / folder)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ValueError(f"compile.cache_dir={cache_dir}: cannot create {root} ({error.strerror}); point it at a "
                          "writable directory") from error
     torch._inductor.config.fx_graph_cache = True
-    import torch._functorch.config as functorch_config
-
-    if hasattr(functorch_config, "enable_autograd_cache"):
-        functorch_config.enable_autograd_cache = True
+    if hasattr(torch._functorch.config, "enable_autograd_cache"):
+        torch._functorch.config.enable_autograd_cache = True
     return root

@@ -1,8 +1,5 @@
-"""What compilation costs a run: seconds, and graphs per compiled function (``co_name``: features, predict ...).
-
-``CompileClock`` adds up the time Dynamo's compile callbacks bracket in this process and that of the eager model's
-CUDA graph recordings (``record_capture``); the run reports it as "compile", apart from training and the ETA.
-"""
+"""What compilation costs a run, reported as "compile" apart from training and the ETA: the seconds and graphs per
+function (``co_name``) of Dynamo's compiles in this process and of the eager model's CUDA graph recordings."""
 
 from __future__ import annotations
 
@@ -13,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo
+from torch._dynamo.utils import get_compilation_metrics
 
-# record_capture's names: this prefix and the recorded method's name.
-CAPTURE_PREFIX = "graphed_"
+CAPTURE_PREFIX = "graphed_"  # record_capture's names: this prefix and the recorded method's name
 
 
 @dataclass(frozen=True)
@@ -47,18 +44,14 @@ class CompileClock:
         """The process's clock, its callbacks (re)registered: torch._dynamo.reset() clears them."""
         if cls._instance is None:
             cls._instance = cls()
-        cls._instance._register()
-        return cls._instance
-
-    def _register(self) -> None:
-        callbacks = getattr(torch._dynamo, "callback", None)
-        handler = getattr(callbacks, "callback_handler", None)
-        if handler is None:
-            return
-        if self._start not in handler.start_callbacks:
-            handler.register_start_callback(self._start)
-        if self._end not in handler.end_callbacks:
-            handler.register_end_callback(self._end)
+        clock = cls._instance
+        handler = getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
+        if handler is not None:
+            if clock._start not in handler.start_callbacks:
+                handler.register_start_callback(clock._start)
+            if clock._end not in handler.end_callbacks:
+                handler.register_end_callback(clock._end)
+        return clock
 
     def _start(self, *args) -> None:
         with self._lock:
@@ -78,8 +71,6 @@ class CompileClock:
 
     def totals(self) -> CompileTotals:
         """Seconds and graphs so far (a compile in progress counts up to now)."""
-        from torch._dynamo.utils import get_compilation_metrics
-
         with self._lock:
             for metrics in get_compilation_metrics():
                 # Frame ids start again after torch._dynamo.reset(): the start time tells two "0/0"s apart.
@@ -95,8 +86,7 @@ class CompileClock:
 
 
 def describe_work(totals: CompileTotals) -> str:
-    """What a step's compile totals did: "compiled N graphs", "recorded N CUDA graphs" (a recording of a method at
-    one size, its forward and backward counted as one), or both."""
+    """A step's compile work: "compiled N graphs", "recorded N CUDA graphs" (one per method and size), or both."""
     recorded = sum(n for name, n in totals.by_function.items() if name.startswith(CAPTURE_PREFIX))
     compiled = totals.graphs - recorded
     parts = [f"compiled {compiled} graphs"] if compiled else []

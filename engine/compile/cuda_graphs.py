@@ -1,20 +1,13 @@
-"""CUDA graphs of the eager model, nothing compiled: ``compile.mode=graphs``, and ``auto``'s choice on a GPU for
-short runs (engine/compile/plan.py). One launch replays a host-bound step's thousands of small eager kernels.
+"""CUDA graphs of the eager model, nothing compiled (``compile.mode=graphs``, and ``auto``'s choice for short runs on
+a GPU): one launch replays a host-bound step's thousands of small eager kernels. The matching (it reads its costs on
+the host) and the optimizer stay eager.
 
-Recorded per input size (batch, height, width) and precision: in training ``forward`` and the losses after the
-matching (``SetCriterion.stacked_losses``, per padded target count: models.criterion.target_slots), forward and
-backward each; in evaluation ``detect``, forward only. The matching (it reads its costs on the host) and the
-optimizer stay eager.
-
-The model's graphs share one memory pool: a caller must be done with a replay's outputs before the next call. The
-criterion's regions replay between the model's (or each other's) forward and backward, so each has its own pool.
-Capture needs a model that neither reads back from the GPU nor copies from the host while it runs, and autocast
-without its weight cache (engine/runtime/precision.py), which would freeze the weights seen at recording.
-
-A training recording runs on a stream of its own and lets go of the autograd graph it built, whose gradient
-accumulators would otherwise meet the step's backward on another stream (PyTorch's AccumulateGrad stream warning).
-A backward replay's gradients are copies: a parameter may keep its ``.grad``, which the next replay would overwrite.
-"""
+The model's graphs share one memory pool, so a caller must be done with a replay's outputs before the next call; the
+criterion's replay between the model's forward and backward, so each has a pool of its own. Capture needs a model
+that neither reads back from the GPU nor copies from the host, and autocast without its weight cache, which would
+freeze the weights seen at recording. A training recording lets go of its autograd graph, whose gradient accumulators
+would otherwise meet the step's backward on another stream (PyTorch's AccumulateGrad stream warning). A backward
+replay's gradients are copies: a parameter may keep its ``.grad``, which the next replay would overwrite."""
 
 from __future__ import annotations
 
@@ -29,37 +22,38 @@ from .clock import CAPTURE_PREFIX, CompileClock
 
 log = logging.getLogger(__name__)
 
-# Sizes recorded per method; a size past them runs eagerly (logged once). Size buckets keep a run to a few
-# (datasets/size_buckets.py); with buckets off every image size would record graphs and keep their memory.
+# Sizes recorded per method (each keeps its memory); later sizes run eagerly. Size buckets keep a run to a few.
 MAX_SIZES = 32
 # No size is recorded once this share of the GPU's memory is taken: the rest is for the eager steps of later sizes.
 GRAPH_MEMORY_SHARE = 0.5
 # Eager calls before recording: a size's first call autotunes and loads kernels, which must not be recorded.
 WARMUP_CALLS = 2
-# Another thread's CUDA calls during a recording (the loader's pin-memory thread allocating pinned memory for a
-# large batch) must not void it: only this thread's are checked.
+# Another thread's CUDA calls (the loader's pin-memory thread) must not void a recording: check only this thread's.
 CAPTURE_ERROR_MODE = "thread_local"
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def capture_stream() -> torch.cuda.Stream:
-    """The one stream every recording on the current device warms up and records on: the allocator reuses a pool's
-    free blocks only on the stream that made them, so sizes recorded on different streams could not share memory."""
+def warmed_up_stream(call) -> torch.cuda.Stream:
+    """The device's capture stream after WARMUP_CALLS of ``call()`` on it. One for every recording: the allocator
+    reuses a pool's free blocks only on the stream that made them, so sizes on different streams could not share."""
     device = torch.cuda.current_device()
     if device not in _capture_streams:
         _capture_streams[device] = torch.cuda.Stream()
-    return _capture_streams[device]
+    stream = _capture_streams[device]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return stream
 
 
 class _FlatOutputs(nn.Module):
-    """One method of ``owner`` as a module returning a flat tuple of tensors, what capture takes; its parameters
-    are the owner's, so that the backward graph produces their gradients."""
+    """One method of ``owner`` returning a flat tuple of tensors; its parameters (the owner's) get the gradients."""
 
     def __init__(self, owner: nn.Module, method):
         super().__init__()
-        self.owner = owner
-        self.method = method
-        self.spec = None
+        self.owner, self.method, self.spec = owner, method, None
 
     def forward(self, *args: torch.Tensor):
         flat, self.spec = tree_flatten(self.method(self.owner, *args))
@@ -67,10 +61,9 @@ class _FlatOutputs(nn.Module):
 
 
 class GraphedMethod:
-    """``method`` of ``owner`` (the class's function, e.g. ``DeformableDETR.forward``) replayed as CUDA graphs in
-    ``pool``, one recording per size (its tensor arguments' shapes, dtypes and requires_grad, and autocast).
-    ``backward``: record forward and backward, for training calls, else forward only, for calls without gradients;
-    other calls, and calls with a non-tensor argument (a mask of None), run eagerly."""
+    """``method`` (the class's function) of ``owner`` replayed as CUDA graphs in ``pool``, one recording per size (the
+    arguments' shapes, dtypes and requires_grad, and autocast): forward and backward for training calls (``backward``),
+    else forward only for calls without gradients. Other calls, and those with a non-tensor argument, run eagerly."""
 
     def __init__(self, owner: nn.Module, method, *, backward: bool, pool):
         self.owner, self.method, self.backward, self.pool = owner, method, backward, pool
@@ -86,8 +79,7 @@ class GraphedMethod:
                torch.get_autocast_dtype("cuda"))
         replay = self._graphs.get(key)
         if replay is None:
-            full = self._full(args[0].device)
-            if full:
+            if full := self._full(args[0].device):
                 if not self._told_full:
                     self._told_full = True
                     log.warning("%s: %s; new sizes run eagerly (fewer dataset.size_buckets, or a smaller "
@@ -122,7 +114,8 @@ class GraphedMethod:
         flat = _FlatOutputs(self.owner, self.method)
         # The graphs' own inputs, leaves: recording must not reach the autograd graph the arguments came from.
         static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-        replay = self._record_training(flat, static) if self.backward else self._record_inference(flat, static)
+        replay = (_TrainingRecording(flat, static, pool=self.pool) if self.backward
+                  else self._record_inference(flat, static))
         torch.cuda.current_stream().synchronize()
         seconds = time.perf_counter() - started
         CompileClock.get().record_capture(self.name, seconds)
@@ -130,21 +123,8 @@ class GraphedMethod:
                  " ".join("x".join(map(str, a.shape)) or "1" for a in args), seconds)
         return replay
 
-    def _record_training(self, flat: _FlatOutputs, static: tuple):
-        recording = _TrainingRecording(flat, static, pool=self.pool)
-
-        def replay(*args):
-            return tree_unflatten(list(_Replay.apply(recording, *args, *recording.params)), flat.spec)
-
-        return replay
-
     def _record_inference(self, flat: _FlatOutputs, static: tuple):
-        stream = capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_CALLS):
-                flat(*static)
-        torch.cuda.current_stream().wait_stream(stream)
+        stream = warmed_up_stream(lambda: flat(*static))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             outputs = flat(*static)
@@ -160,49 +140,34 @@ class GraphedMethod:
 
 class _TrainingRecording:
     """The forward and backward graphs of ``flat`` at the size of ``static`` (its inputs, leaves), and the buffers
-    they read and write; the module docstring says why the recording keeps no autograd graph."""
+    they read and write; called, a replay inside the caller's autograd graph."""
 
     def __init__(self, flat: _FlatOutputs, static: tuple, *, pool):
-        self.static = static
+        self.flat, self.static = flat, static
         self.params = tuple(p for p in flat.parameters() if p.requires_grad)
         surface = [a for a in static if a.requires_grad] + list(self.params)  # what gradients are taken for
-        stream = capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the first calls autotune and load kernels: never inside a recording
-            for _ in range(WARMUP_CALLS):
-                outputs = [o for o in flat(*static) if o.requires_grad]
-                torch.autograd.grad(outputs, surface, grad_outputs=[torch.empty_like(o) for o in outputs],
-                                    allow_unused=True)
-                del outputs
-        torch.cuda.current_stream().wait_stream(stream)
+
+        def warm_up():  # the backward too: its first calls autotune and load kernels as well
+            outputs = [o for o in flat(*static) if o.requires_grad]
+            torch.autograd.grad(outputs, surface, grad_outputs=[torch.empty_like(o) for o in outputs],
+                                allow_unused=True)
+
+        stream = warmed_up_stream(warm_up)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             outputs = flat(*static)
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
-        with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream,
-                              capture_error_mode=CAPTURE_ERROR_MODE):
+        with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             grads = torch.autograd.grad([o for o in outputs if o.requires_grad], surface,
                                         grad_outputs=[g for g in self.grad_outputs if g is not None],
                                         allow_unused=True)
         self.outputs = tuple(o.detach() for o in outputs)  # the recording's autograd graph goes with ``outputs``
-        del outputs
         given = iter(grads)
         # One gradient buffer (or None) per input of _Replay after the recording: the arguments, then parameters.
         self.grads = tuple(next(given) if a.requires_grad else None for a in static) + tuple(given)
 
-    def forward(self, args: tuple) -> tuple:
-        for into, value in zip(self.static, args):
-            if into.data_ptr() != value.data_ptr():
-                into.copy_(value)
-        self.forward_graph.replay()
-        return tuple(o.detach() for o in self.outputs)
-
-    def backward(self, grad_outputs: tuple) -> tuple:
-        for into, value in zip(self.grad_outputs, grad_outputs):
-            if into is not None and value is not None:
-                into.copy_(value)
-        self.backward_graph.replay()
-        return tuple(g.clone() if g is not None else None for g in self.grads)
+    def __call__(self, *args):
+        return tree_unflatten(list(_Replay.apply(self, *args, *self.params)), self.flat.spec)
 
 
 class _Replay(torch.autograd.Function):
@@ -211,27 +176,26 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recording: _TrainingRecording, *inputs):
         ctx.recording = recording
-        return recording.forward(inputs[:len(recording.static)])
+        for into, value in zip(recording.static, inputs):  # the arguments; parameters are passed for autograd only
+            if into.data_ptr() != value.data_ptr():
+                into.copy_(value)
+        recording.forward_graph.replay()
+        return tuple(o.detach() for o in recording.outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
-        return (None, *ctx.recording.backward(grad_outputs))
-
-
-def graph_model(model: nn.Module, *, evaluation: bool = True, criterion: nn.Module | None = None) -> nn.Module:
-    """Replay ``model``'s regions (``compile_regions(graphs=True)``: training ``forward`` and, with ``evaluation``,
-    ``detect``) as CUDA graphs in one pool, and ``criterion``'s in a pool each; in place, through ``use_compiled``
-    (state_dict keys unchanged). Returns the model."""
-    graph_regions(model, model.compile_regions(graphs=True, evaluation=evaluation), pool_per_region=False)
-    if criterion is not None:
-        graph_regions(criterion, criterion.compile_regions(graphs=True), pool_per_region=True)
-    return model
+        recording = ctx.recording
+        for into, value in zip(recording.grad_outputs, grad_outputs):
+            if into is not None and value is not None:
+                into.copy_(value)
+        recording.backward_graph.replay()
+        return (None, *(g.clone() if g is not None else None for g in recording.grads))
 
 
 def graph_regions(owner: nn.Module, regions, *, pool_per_region: bool) -> None:
-    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs, all in one new memory
-    pool, or (``pool_per_region``: regions whose replays interleave) each region in a new pool of its own."""
+    """Replay ``regions`` of ``owner`` (its ``compile_regions(graphs=True)``) as CUDA graphs through ``use_compiled``,
+    all in one new memory pool or, ``pool_per_region`` (regions whose replays interleave), each in a new pool."""
     shared = torch.cuda.graph_pool_handle()
     for region in regions:
         method = getattr(type(owner), region.name)

@@ -1,14 +1,6 @@
 """The ``compile`` settings as a plan for this device (``resolve_compile``), applied to the regions a model declares
-(``compile_model``); configs/train.yaml explains each setting.
-
-Compiled, the regions are the transformer with its heads (one graph, ``DeformableDETR.predict``, or a graph per layer
-kind: ``compile.regions``), the position encoding, the backbone (``DeformableDETR.features``) and, in training, the
-losses after the matching. Each compiled call costs the host hundreds of microseconds: below ``LAYERS_FROM_BATCH``
-images per pass the GPU waits for that, so the transformer is one graph; from there, per-layer graphs compile faster.
-Training regions have symbolic sizes (one graph for every size bucket and batch) unless the backbone is static; the
-losses are padded to a few target counts (models.criterion.target_slots); evaluation's ``detect`` is a graph per size.
-State_dict keys are unchanged: checkpoints of a compiled run load anywhere.
-"""
+(``compile_model``; ``CompilePlan.describe`` names them); configs/train.yaml explains each setting. Training regions
+have symbolic sizes unless the backbone is static. State_dict keys are unchanged: checkpoints load anywhere."""
 
 from __future__ import annotations
 
@@ -35,13 +27,12 @@ log = logging.getLogger(__name__)
 # compile.mode=auto on a GPU compiles with Inductor from this many training steps per process: below, its compilation
 # costs more than it saves over the eager model's CUDA graphs (bench/results/ttr_h200.md).
 STEPS_TO_COMPILE = 35000
-# compile.regions=null compiles the transformer a layer at a time from this many images per pass (the loader's
-# batch, or its share under gradient accumulation), and as one graph below it.
+# compile.regions=null compiles the transformer a layer at a time (quicker to compile) from this many images per
+# forward pass; below, the GPU would wait for each compiled call's hundreds of microseconds on the host: one graph.
 LAYERS_FROM_BATCH = 16
-# Dynamo's recompile limit (graphs per function before it falls back to eager), raised for the per-size graphs of a
-# static backbone and of evaluation; process-wide.
+# Dynamo's recompile limit (graphs per function before it falls back to eager; cache_size_limit before torch renamed
+# it), raised process-wide for the per-size graphs of a static backbone and of evaluation.
 STATIC_BACKBONE_GRAPHS = 64
-# The name of Dynamo's recompile limit in this torch (renamed from cache_size_limit).
 RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 # compile.evaluation=null compiles evaluation from this many evaluation batches per process in the run: a graph costs
 # tens of seconds per evaluation size to compile and saves milliseconds per batch.
@@ -100,10 +91,9 @@ class CompilePlan:
 
 def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0,
                     training_steps: int = 0, pass_batch: int = 0) -> CompilePlan | None:
-    """The plan for ``cfg_compile`` (the typed ``compile`` group) on ``device``, or None for eager; ValueError naming
-    the keys for settings that cannot work on this device. This process's ``evaluation_batches`` decide
-    compile.evaluation=null, its ``training_steps`` auto's choice on a GPU, and the images of one training pass
-    (``pass_batch``) compile.regions=null."""
+    """The plan for the ``compile`` group on ``device``, or None for eager; ValueError naming the keys of settings
+    that cannot work on this device. This process's ``evaluation_batches`` decide compile.evaluation=null, its
+    ``training_steps`` auto's choice on a GPU, and the images of one training pass (``pass_batch``) regions=null."""
     mode = str(cfg_compile.mode)
     if mode == "eager":
         return None
@@ -132,14 +122,15 @@ def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: in
 
 
 def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None):
-    """Compile, in place, the regions ``model`` (a DeformableDETR) declares for ``plan``, and the criterion's
-    (training); returns the model."""
+    """Compile in place the regions ``model`` (a DeformableDETR) and ``criterion`` (training) declare; returns model."""
     if plan.mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {plan.mode!r}")
     if plan.mode == "graphs":
-        from .cuda_graphs import graph_model
+        from .cuda_graphs import graph_regions
 
-        graph_model(model, evaluation=plan.evaluation, criterion=criterion)
+        graph_regions(model, model.compile_regions(graphs=True, evaluation=plan.evaluation), pool_per_region=False)
+        if criterion is not None:
+            graph_regions(criterion, criterion.compile_regions(graphs=True), pool_per_region=True)
         log.info("%s", plan.describe(losses=criterion is not None))
         return model
     if plan.cuda_graphs and plan.backend != "inductor":
@@ -150,17 +141,16 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
         raise ValueError(f"regions must be one of {REGION_CHOICES}, got {plan.regions!r}")
     if plan.cuda_graphs:
         model.register_forward_pre_hook(_new_cuda_graph_step)
-    # Sizes that happen to be equal at the transformer's first compile (a square image's sides) must stay separate
-    # symbols, or the next size recompiles it; per-layer graphs keep torch's default, which compiles faster.
-    # Read at each graph's first call; process-wide.
+    # Sizes equal at the transformer's first compile (a square image's sides) must stay separate symbols, or the next
+    # size recompiles it; per-layer graphs keep torch's default, which compiles faster. Process-wide.
     torch.fx.experimental._config.use_duck_shape = plan.regions == "layers"
     # The model's floats (dropout rates, epsilons) as graph constants: symbolic, they were specialized mid-compile,
     # which traced the transformer twice. Process-wide.
     torch._dynamo.config.specialize_float = True
-    if plan.backbone == "static" or plan.evaluation:
-        _allow_graphs_per_function(STATIC_BACKBONE_GRAPHS)
-    regions = model.compile_regions(regions=plan.regions, backbone=plan.backbone, evaluation=plan.evaluation)
-    for region in regions:
+    limit = getattr(torch._dynamo.config, RECOMPILE_LIMIT)
+    if (plan.backbone == "static" or plan.evaluation) and limit < STATIC_BACKBONE_GRAPHS:
+        setattr(torch._dynamo.config, RECOMPILE_LIMIT, STATIC_BACKBONE_GRAPHS)
+    for region in model.compile_regions(regions=plan.regions, backbone=plan.backbone, evaluation=plan.evaluation):
         _compile_region(model, region, plan)
     if criterion is not None:
         for region in criterion.compile_regions():
@@ -209,12 +199,6 @@ def _starting_a_step(compiled):
         return compiled(*args, **kwargs)
 
     return call
-
-
-def _allow_graphs_per_function(graphs: int) -> None:
-    """Dynamo's recompile limit (process-wide) raised to at least ``graphs``."""
-    if getattr(torch._dynamo.config, RECOMPILE_LIMIT) < graphs:
-        setattr(torch._dynamo.config, RECOMPILE_LIMIT, graphs)
 
 
 def _new_cuda_graph_step(module, args) -> None:

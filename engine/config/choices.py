@@ -1,6 +1,4 @@
-"""The allowed values of the run settings, as lists (for the code that acts on them) and as the schemas' enumerations.
-Keep its imports light: the standard library and datasets' list of COCOeval backends.
-"""
+"""The allowed values of the run settings, as tuples and as the schemas' enumerations. Keep its imports light."""
 
 from __future__ import annotations
 
@@ -9,25 +7,16 @@ from enum import StrEnum
 
 from datasets.cocoeval_backend import BACKENDS as COCOEVAL_BACKENDS
 
-# auto | cpu | cuda | cuda:N
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-# Autocast dtypes (engine/runtime/precision.py maps them to torch dtypes).
-AMP_CHOICES = ("none", "bf16", "fp16")
-# Inductor's modes that a compiled run may use: plain kernels, or the same kernels replayed as CUDA graphs.
-INDUCTOR_MODES = ("default", "reduce-overhead")
-# Every mode that changes how the model runs: the eager model's CUDA graphs (engine/compile/cuda_graphs.py) or Inductor.
-COMPILE_MODES = ("graphs", *INDUCTOR_MODES)
-# The compile settings that only Inductor reads (the others: mode, evaluation, cache_dir).
-INDUCTOR_KEYS = ("regions", "backbone", "backend")
-# What one compiled graph spans (DeformableDETR.compile_regions).
-REGION_CHOICES = ("layers", "transformer")
+AMP_CHOICES = ("none", "bf16", "fp16")  # autocast dtypes (engine/runtime/precision.py maps them to torch dtypes)
+INDUCTOR_MODES = ("default", "reduce-overhead")  # Inductor's plain kernels, or the same replayed as CUDA graphs
+COMPILE_MODES = ("graphs", *INDUCTOR_MODES)  # every mode but eager: the eager model's CUDA graphs, or Inductor
+INDUCTOR_KEYS = ("regions", "backbone", "backend")  # the compile settings that only Inductor reads
+REGION_CHOICES = ("layers", "transformer")  # what one compiled graph spans (DeformableDETR.compile_regions)
 DEFAULT_REGIONS = "transformer"
-# The backbone compiled as one graph for every size ("dynamic"), as one graph per size ("static"), or left eager.
-TRAIN_BACKBONE_CHOICES = ("dynamic", "static", "eager")
-# How gradients are averaged over processes (engine/runtime/distributed.py).
-GRADIENT_SYNCS = ("allreduce", "ddp")
-# The weights evaluation, predict.py and export.py take from a checkpoint (engine/checkpoint/trained_model.py).
-CHECKPOINT_WEIGHTS = ("ema", "raw")
+TRAIN_BACKBONE_CHOICES = ("dynamic", "static", "eager")  # one graph for every size, a graph per size, or eager
+GRADIENT_SYNCS = ("allreduce", "ddp")  # how gradients are averaged over processes (engine/runtime/distributed.py)
+CHECKPOINT_WEIGHTS = ("ema", "raw")  # the checkpoint weights that evaluation, predict.py and export.py use
 
 Amp = StrEnum("Amp", {name: name for name in AMP_CHOICES})
 CompileMode = StrEnum("CompileMode", {name: name for name in ("auto", "eager", *COMPILE_MODES)})

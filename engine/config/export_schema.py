@@ -1,11 +1,5 @@
-"""The typed config of export.py (configs/export.yaml); ``ExportConfig.__post_init__`` refuses the combinations
-that cannot work. The attention in the exported graph (``msda_node``):
-
-    format=onnx  reference (default): grid_sample ops, for any ONNX runtime | tensorrt: a
-                 MultiscaleDeformableAttnPlugin_TRT node per layer, for TensorRT (its parity is not checked)
-    format=aoti  reference (the CPU's default): grid_sample, compiled | triton (the GPU's default): the op
-                 msda::attention, so the loading process must ``import msda`` (engine/export/aoti.py)
-"""
+"""The typed config of export.py (configs/export.yaml explains each setting, ``msda_node`` per format among them);
+``ExportConfig.__post_init__`` refuses the combinations that cannot work."""
 
 from __future__ import annotations
 
@@ -32,8 +26,7 @@ DEFAULT_OPSET = 18  # the opset torch.onnx's exporter builds the graph at; other
 # The newest opset torch.onnx declares it exports (torch.onnx._constants.ONNX_MAX_OPSET), and the newest tested: every
 # opset from MIN_OPSET to here writes a file that onnx's checker and onnxruntime take (tests/test_export.py).
 MAX_OPSET = 23
-# The backbone's largest stride: padded batches and an exported graph's sides are multiples of it.
-SIDE_MULTIPLE = 32
+SIDE_MULTIPLE = 32  # the backbone's largest stride: padded batches' and exported graphs' sides are multiples of it
 SUFFIXES = {ExportFormat.onnx: ".onnx", ExportFormat.aoti: ".pt2"}
 
 
@@ -90,12 +83,6 @@ class ExportConfig:
                 problems.append(f"tolerance.{key} must be null (the dtype's default) or a number > 0, got {value!r}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        problems += self._combination_problems()
-        if problems:
-            raise ValueError("bad export settings (configs/export.yaml; fix the override): " + "; ".join(problems))
-
-    def _combination_problems(self) -> list[str]:
-        problems = []
         onnx = self.format == ExportFormat.onnx
         if onnx and self.msda_node == MsdaNode.triton:
             problems.append("msda_node=triton is for format=aoti (the package calls the Triton op); an ONNX file "
@@ -109,14 +96,14 @@ class ExportConfig:
         if onnx and self.quick_compile:
             problems.append("quick_compile=true is for format=aoti (it compiles the package's kernels quicker); "
                             "an ONNX export compiles nothing")
-        return problems
+        if problems:
+            raise ValueError("bad export settings (configs/export.yaml; fix the override): " + "; ".join(problems))
 
 
 def default_output(*, checkpoint: str | Path, format: str, dtype: str = "fp32", msda_node: str | None = None,
                    postprocess: bool = False, dynamic: bool = True) -> Path:
-    """Where an export goes when ``output`` is null: beside the checkpoint, named after it, with a tag for each
-    setting that differs from the default, so that variants do not overwrite each other
-    (outputs/run/checkpoint.onnx, outputs/run/checkpoint.fp16.tensorrt.onnx, outputs/run/checkpoint.pt2)."""
+    """Where an export goes when ``output`` is null: beside the checkpoint, named after it and tagged with each
+    non-default setting, so that variants do not overwrite each other (checkpoint.fp16.tensorrt.onnx)."""
     path = named_checkpoint(checkpoint)
     tags = [tag for tag, differs in ((str(dtype), str(dtype) != "fp32"),
                                      (str(msda_node), msda_node is not None and str(msda_node) != "reference"),

@@ -1,12 +1,11 @@
-"""The schemas registered with Hydra (``register_configs``, before any compose), so that a bad value is refused at
-composition naming its key; ``check_config`` then runs the rules of the schemas' ``__post_init__`` methods.
-The yaml files name their schema in their defaults (``train_schema``, ``/schema/dataset@dataset: NAME``).
-"""
+"""The schemas registered with Hydra (``register_configs``, before any compose) under the names the yaml files'
+defaults use, so that a bad value is refused at composition naming its key; ``check_config`` runs the other rules."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import time
 
 from hydra.core.config_store import ConfigStore
@@ -19,23 +18,16 @@ from .predict_schema import PredictConfig
 from .train_schema import TrainConfig
 
 
-def run_directory(output_dir: str | None) -> str:
-    """Hydra's run directory (hydra.run.dir): ``output_dir`` when set, else outputs/<date>/<time>."""
-    return output_dir or time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
-
-
-def sweep_directory(output_dir: str | None) -> str:
-    """Hydra's sweep directory for ``-m`` (hydra.sweep.dir): ``output_dir`` when set, else multirun/<date>/<time>."""
-    return output_dir or time.strftime("multirun/%Y-%m-%d/%H-%M-%S")
+def dated_directory(parent: str, output_dir: str | None) -> str:
+    """Hydra's run (parent outputs) or ``-m`` sweep (multirun) directory: ``output_dir``, else parent/<date>/<time>."""
+    return output_dir or time.strftime(f"{parent}/%Y-%m-%d/%H-%M-%S")
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore under the names the yaml files use, and register the run directories'
-    resolvers (idempotent)."""
-    if not OmegaConf.has_resolver("run_dir"):
-        OmegaConf.register_new_resolver("run_dir", run_directory, use_cache=True)  # one directory per process
-    if not OmegaConf.has_resolver("sweep_dir"):
-        OmegaConf.register_new_resolver("sweep_dir", sweep_directory, use_cache=True)
+    """Put the schemas in Hydra's ConfigStore and register the run directories' resolvers (idempotent)."""
+    for name, parent in (("run_dir", "outputs"), ("sweep_dir", "multirun")):
+        if not OmegaConf.has_resolver(name):  # cached: one directory per process
+            OmegaConf.register_new_resolver(name, functools.partial(dated_directory, parent), use_cache=True)
     if not OmegaConf.has_resolver("export_dir"):
         OmegaConf.register_new_resolver("export_dir", export_directory)
     store = ConfigStore.instance()
@@ -47,22 +39,19 @@ def register_configs() -> None:
 
 
 def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
-    """Apply every rule OmegaConf could not (ranges, rules between keys, unknown keys), raising ValueError naming
-    the key; return ``cfg``. ``schema``: the one ``cfg`` was composed with (default TrainConfig); TypeError when it
-    was composed without it, as its types were then never checked."""
+    """``cfg`` after the rules OmegaConf could not apply (ranges, rules between keys, unknown keys): ValueError naming
+    the key; TypeError if ``cfg`` was composed without ``schema`` (default TrainConfig), its types then unchecked."""
     if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
         raise TypeError("the config was composed without its schemas: call engine.config.registry.register_configs() "
                         "before hydra.compose / @hydra.main (train.py, predict.py and export.py do this on import)")
-    unknown = unknown_keys(cfg)
-    if unknown:
+    if unknown := unknown_keys(cfg):
         raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))
     OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules
     return cfg
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """The keys of ``node`` and its groups that their schema lacks (added with ``+key=``), each with the closest
-    known name."""
+    """The keys of ``node`` and its groups that their schema lacks (added with ``+key=``), with the closest names."""
     schema = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(schema):
         return []

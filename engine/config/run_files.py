@@ -1,5 +1,4 @@
-"""The file of a run directory that other commands name: its latest checkpoint, which ``checkpoint=`` and
-``resume=`` take the directory for."""
+"""The file of a run directory that ``checkpoint=`` and ``resume=`` take the directory for: its latest checkpoint."""
 
 from __future__ import annotations
 

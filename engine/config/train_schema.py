@@ -1,11 +1,7 @@
-"""The schema of configs/train.yaml (its ``model`` and ``dataset`` groups typed by models/model_config.py and
-datasets/dataset_config.py), with the rules OmegaConf cannot check in ``__post_init__``.
-
-Each setting's role for a resume is in its field's metadata (``{"role": ...}``, here and in the model and dataset
-schemas; a group's covers its keys), read by ``role_of``: ``how_to_run`` (a resume may change it and a checkpoint
-never imposes it), ``length`` (a resume may extend it), ``invocation`` (never compared), and by default what was
-trained (another value is another experiment).
-"""
+"""The schema of configs/train.yaml, with the rules OmegaConf cannot check in ``__post_init__``. A setting's role for
+a resume is its field's ``metadata["role"]`` (here and in the model and dataset schemas; a group's covers its keys),
+read by ``role_of``: HOW_TO_RUN (a resume may change it and a checkpoint never imposes it), LENGTH (a resume may
+extend it), INVOCATION (never compared), and by default IDENTITY (another value is another experiment)."""
 
 from __future__ import annotations
 
@@ -31,7 +27,6 @@ from .choices import (
     GradientSync,
 )
 
-# Roles of settings (the module docstring); the default role is what was trained.
 HOW_TO_RUN, LENGTH, INVOCATION, IDENTITY = "how_to_run", "length", "invocation", "identity"
 
 
@@ -72,8 +67,7 @@ class OptimConfig:
 
 @dataclass
 class CompileConfig:
-    """configs/train.yaml's ``compile`` group, explained there (engine/compile/plan.py applies it); null: the mode's
-    default, and every key but cache_dir must stay null with mode=eager."""
+    """configs/train.yaml's ``compile`` group (engine/compile/plan.py applies it); null: the mode's default."""
 
     mode: CompileMode = CompileMode.auto
     regions: Optional[CompileRegions] = None
@@ -126,8 +120,7 @@ _INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "
 
 @dataclass
 class TrainConfig:
-    """configs/train.yaml: the run settings and the typed groups; ``dataset`` is typed by the chosen set's own
-    schema (a subclass of DatasetConfig), which its yaml pulls in."""
+    """configs/train.yaml; ``dataset`` is typed by the chosen set's schema (a DatasetConfig) that its yaml pulls in."""
 
     model: ModelConfig = MISSING
     optim: OptimConfig = MISSING
@@ -185,11 +178,9 @@ class TrainConfig:
             raise ValueError("bad run settings (configs/train.yaml; fix the override): " + "; ".join(problems))
 
 
-def role_of(key: str, schema: type = None) -> str:
-    """The role (module docstring) of the dotted setting ``key``, e.g. "compile.mode" or "model.msda": that of
-    its nearest field with one, walking down from TrainConfig; IDENTITY where none has one, or the key is
-    unknown (a checkpoint's key this version does not have)."""
-    schema = TrainConfig if schema is None else schema
+def role_of(key: str, schema: type = TrainConfig) -> str:
+    """The role of the dotted setting ``key`` (e.g. "compile.mode"): that of its nearest field with one, from
+    TrainConfig down; IDENTITY where none has one, or the key is unknown (a checkpoint's from another version)."""
     head, _, rest = key.partition(".")
     spec = {f.name: f for f in dataclasses.fields(schema)}.get(head)
     if spec is None:
@@ -206,9 +197,8 @@ LEGACY_COMPILE_KEYS = {"compile_mode": "mode", "compile_regions": "regions", "co
 
 
 def upgrade_recorded_config(recorded: dict) -> dict:
-    """A checkpoint's recorded config in this version's layout, so a resume compares like with like: older compile
-    settings (``compile: bool``, LEGACY_COMPILE_KEYS) become the ``compile`` group, and a model recorded before
-    hybrid matching existed gets ``hybrid_matching: false``."""
+    """A checkpoint's recorded config in this version's layout, so a resume compares like with like: old compile
+    settings (``compile: bool``, LEGACY_COMPILE_KEYS) as the ``compile`` group; hybrid_matching=false if absent."""
     if not isinstance(recorded, dict):
         return recorded
     upgraded = dict(recorded)
