@@ -286,7 +286,9 @@ def test_a_step_in_passes_adds_up_to_the_step_in_one_pass(variant):
     targets = rand_targets([3, 1], torch.Generator().manual_seed(0))
     expected, got = whole(images, mask, targets), passes(images, mask, targets)
     assert "loss_ce_one2many" in whole.value_names and "loss_bbox_0_one2many" in whole.value_names
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # [total, gradient norm, losses...]: the norm sums every gradient's square, each gradient as close as below.
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(got[[0, *range(2, len(got))]], expected[[0, *range(2, len(got))]], rtol=1e-4, atol=1e-5)
     for (name, e), g in zip(whole.model.named_parameters(), passes.model.parameters()):
         if e.grad is not None:
             torch.testing.assert_close(g.grad, e.grad, rtol=1e-3, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
