@@ -16,7 +16,8 @@ INFERENCE_SPEED_UP = 3.0
 
 
 def format_duration(seconds: float) -> str:
-    return str(datetime.timedelta(seconds=max(0, round(seconds))))
+    """H:MM:SS; "?" for NaN (no rate yet)."""
+    return "?" if math.isnan(seconds) else str(datetime.timedelta(seconds=max(0, round(seconds))))
 
 
 class Progress:
@@ -64,15 +65,11 @@ class Progress:
         epoch_eta = ""
         if self.steps_per_epoch:
             left = min(self.total_steps, (epoch + 1) * self.steps_per_epoch) - step
-            epoch_eta = f", epoch {_duration(self.step_seconds(step, excluded_s) * left)}"
+            epoch_eta = f", epoch {format_duration(self.step_seconds(step, excluded_s) * left)}"
         parts_txt = " ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in parts.items())
         log.info("epoch %d/%d step %d/%d [%3.0f%%] loss %.4f (%s) lr %.2e | step %.0f ms data %.0f ms "
                  "%.1f img/s | ETA %s (run%s)%s", epoch + 1, epochs, step, self.total_steps, pct, loss, parts_txt,
-                 lr, step_ms, data_ms, images_per_s, _duration(eta), with_evaluations, epoch_eta)
-
-
-def _duration(seconds: float) -> str:
-    return "?" if math.isnan(seconds) else format_duration(seconds)
+                 lr, step_ms, data_ms, images_per_s, format_duration(eta), with_evaluations, epoch_eta)
 
 
 class EvaluationProgress:
@@ -118,4 +115,4 @@ class EvaluationProgress:
                 else f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]")
         share = f" (this process's share of {self.share_of})" if self.share_of is not None else ""
         log.info("evaluation %s%s %s img/s | ETA %s", done, share, "?" if math.isnan(rate) else f"{rate:.1f}",
-                 _duration(self.eta_seconds(images)))
+                 format_duration(self.eta_seconds(images)))
