@@ -159,8 +159,7 @@ class _TrainingRecording:
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
         with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             grads = torch.autograd.grad([o for o in outputs if o.requires_grad], surface,
-                                        grad_outputs=[g for g in self.grad_outputs if g is not None],
-                                        allow_unused=True)
+                                        grad_outputs=[g for g in self.grad_outputs if g is not None], allow_unused=True)
         self.outputs = tuple(o.detach() for o in outputs)  # the recording's autograd graph goes with ``outputs``
         given = iter(grads)
         # One gradient buffer (or None) per input of _Replay after the recording: the arguments, then parameters.

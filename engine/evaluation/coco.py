@@ -44,10 +44,9 @@ class Evaluation:
 
 @torch.no_grad()
 @rng_preserved()
-def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device,
-                  precision: Precision, keep_detections: Iterable[int] = (), ranks: Ranks | None = None,
-                  compiled: bool = False, backend: str = "auto",
-                  progress_every_s: float = PROGRESS_EVERY_S, should_stop=None) -> Evaluation:
+def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device, precision: Precision,
+                  keep_detections: Iterable[int] = (), ranks: Ranks | None = None, compiled: bool = False,
+                  backend: str = "auto", progress_every_s: float = PROGRESS_EVERY_S, should_stop=None) -> Evaluation:
     """COCO bbox AP of ``model`` on ``loader`` (see Evaluation), with the detections of the ``keep_detections``
     image ids; the random generators are left as they were. ``backend``: datasets.cocoeval_backend's choices.
 

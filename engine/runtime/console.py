@@ -32,8 +32,7 @@ PIN_MEMORY_THREAD = "_pin_memory_loop"
 T = TypeVar("T")
 
 
-def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger,
-                         dated: bool = False,
+def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger, dated: bool = False,
                          interrupted: str = "stopped at once by a second Ctrl-C: the steps since the last checkpoint "
                                             "are lost") -> None:
     """Run ``job`` (module docstring): returns when it succeeds, else exits or re-raises. ``run_dir``: Hydra's run

@@ -11,11 +11,7 @@ import torch
 
 from engine.checkpoint.init_from import InitFrom
 from engine.compile.plan import CompilePlan, compile_model, resolve_compile
-from engine.runtime.distributed import (
-    DistContext,
-    average_over_processes,
-    data_parallel,
-)
+from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.msda_device import check_msda_device
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
@@ -39,15 +35,12 @@ class RunModel:
 
 def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
                     evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0) -> RunModel:
-    """``cfg_model`` built on ctx's device and compiled as ``cfg_compile`` resolves there: for ``training`` its
-    training regions and losses too, else evaluation's graph only (when the plan compiles evaluation). Compiled in
-    place, names unchanged: weights load afterwards.
-
-    init                 model.init_from's weights, loaded into the fresh model before it moves
-    evaluation_batches   the evaluation batches this process will run, which decide compile.evaluation=null
-    training_steps       the optimizer steps this run will make, which decide compile.mode=auto on a GPU
-    pass_batch           the images of one training pass, which decide compile.regions=null
-    """
+    """``cfg_model`` built on ctx's device, ``init``'s weights (model.init_from) loaded before it moves, and
+    compiled in place as ``cfg_compile`` resolves there (names unchanged: weights load afterwards): for ``training``
+    its training regions and losses too, else only evaluation's graph, if the plan compiles it. The counts decide
+    the plan's open choices: this process's ``evaluation_batches`` (compile.evaluation=null), the run's
+    ``training_steps`` (compile.mode=auto on a GPU) and ``pass_batch``, the images of one training pass
+    (compile.regions=null)."""
     check_msda_device(cfg_model["msda"], ctx.device)  # before anything is built for a device it cannot run on
     model, criterion, postprocess = build_model(cfg_model)
     if init is not None:

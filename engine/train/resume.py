@@ -26,13 +26,7 @@ from engine.checkpoint.contents import load_model_weights, read_recorded_config
 from engine.checkpoint.io import LATEST
 from engine.config.registry import plain_config
 from engine.config.run_files import named_checkpoint
-from engine.config.train_schema import (
-    HOW_TO_RUN,
-    INVOCATION,
-    LENGTH,
-    role_of,
-    upgrade_recorded_config,
-)
+from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
 from engine.errors import CheckpointError, LoaderWorkerDied
 from models.model_config import MODEL_KEYS
 

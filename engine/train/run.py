@@ -180,10 +180,9 @@ def build_hooks(cfg: DictConfig, ctx: DistContext, output_dir: Path, setup: Trai
     ema = build_ema(cfg.ema, setup.model, ckpt)
     # The saver before the others: it finds a disk without room for a checkpoint before anything is written.
     coco_gt = val_set.coco
-    saver = CheckpointSaver(output_dir=output_dir, is_main=ctx.is_main, model=setup.model,
-                            optimizer=setup.optimizer, lr_scheduler=setup.lr_scheduler,
-                            scaler=setup.precision.scaler, config_record=plain_config(cfg),
-                            categories=category_names(coco_gt, coco_gt.getCatIds()),
+    saver = CheckpointSaver(output_dir=output_dir, is_main=ctx.is_main, model=setup.model, optimizer=setup.optimizer,
+                            lr_scheduler=setup.lr_scheduler, scaler=setup.precision.scaler,
+                            config_record=plain_config(cfg), categories=category_names(coco_gt, coco_gt.getCatIds()),
                             checkpoint_every=cfg.checkpoint_every, checkpoint_minutes=cfg.checkpoint_minutes,
                             timing=timing, position=position, plan=plan,
                             extra_state={EMA_KEY: ema} if ema is not None else None)

@@ -16,13 +16,7 @@ from datasets import build_data_loader, build_dataset, build_size_buckets
 from engine.compile.cache import use_compile_cache
 from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
-from engine.runtime.distributed import (
-    DistContext,
-    barrier,
-    broadcast_object,
-    init_distributed,
-    shutdown_distributed,
-)
+from engine.runtime.distributed import DistContext, barrier, broadcast_object, init_distributed, shutdown_distributed
 from engine.runtime.output_paths import writable_folder
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
