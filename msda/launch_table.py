@@ -69,8 +69,6 @@ TUNED: dict = {
     ('forward', 64, 2, 4, 4, True): (8, 1, 4, 4),
     ('forward', 64, 4, 4, 4, False): (2, 4, 4, 4),
     ('forward', 64, 4, 4, 4, True): (8, 1, 4, 4),
-    ('forward_kernels', 32, 4, 4, 4, False): 'grouped',
-    ('forward_kernels', 32, 4, 4, 4, True): 'grouped',
     ('fused', 128, 2, 4, 4, False): (1, 4, 4),
     ('fused', 128, 2, 4, 4, True): (1, 4, 4),
     ('fused', 128, 4, 4, 4, False): (1, 4, 4),
