@@ -39,6 +39,7 @@ class CheckpointWriter:
 
     def __init__(self):
         self._thread: threading.Thread | None = None
+        self._written = threading.Event()
         self._error: BaseException | None = None
 
     def save(self, state: dict, path: str | os.PathLike, *, also_as: str | os.PathLike | None = None) -> float:
@@ -46,6 +47,7 @@ class CheckpointWriter:
         was held (waiting for the previous write, copying the state)."""
         t0 = time.perf_counter()
         self.wait()
+        self._written.clear()
         # Not a daemon: a process that exits with a write in flight finishes it first.
         self._thread = threading.Thread(target=self._write, args=(host_copy(state), Path(path), also_as),
                                         name="checkpoint-writer")
@@ -56,6 +58,9 @@ class CheckpointWriter:
         """Block until the write in flight is on disk; raise its error. The seconds waited."""
         t0 = time.perf_counter()
         if self._thread is not None:
+            # The write's end, then the thread's: an exception a signal handler raises into Thread.join (a dead loader
+            # worker's) can make Python 3.11 take the running thread for ended, and its exit then aborts mid-write.
+            self._written.wait()
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
@@ -91,3 +96,5 @@ class CheckpointWriter:
                 publish_as(saved, also_as)
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
             self._error = error
+        finally:
+            self._written.set()
