@@ -2,8 +2,7 @@
 
 msda_node=triton keeps each attention as a ``torch.library.custom_op`` called by name, so the loading process must
 ``import msda`` first, with triton installed (a ``triton_op`` would be compiled in, but msda/launch.py's
-configuration choice is not traceable with symbolic sizes).
-"""
+configuration choice is not traceable with symbolic sizes)."""
 
 from __future__ import annotations
 

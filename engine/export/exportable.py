@@ -5,8 +5,7 @@ multiples of 32, smaller images padded at the bottom and right; mask (B, H, W) b
 postprocess=true, target_sizes (B, 2) int64 (h, w), the size the boxes are given in. Outputs: pred_logits
 (B, Q, num_classes; sigmoid per class, no background class) and pred_boxes (B, Q, 4; normalized cx, cy, w, h of the
 unpadded region), or with postprocess=true the top k = max_detections (query, class) pairs: scores (B, k), labels
-(B, k) int64 and boxes (B, k, 4) x0, y0, x1, y1 in target_sizes' pixels.
-"""
+(B, k) int64 and boxes (B, k, 4) x0, y0, x1, y1 in target_sizes' pixels."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """format=onnx: the traced detector as an ONNX file, and the onnxruntime session the parity check runs it with.
 
 torch.onnx.export's dynamo exporter translates the ExportedProgram, so its symbolic sizes become dynamic axes (the
-TorchScript exporter traces the level sizes as tensors, which the attention refuses).
-"""
+TorchScript exporter traces the level sizes as tensors, which the attention refuses)."""
 
 from __future__ import annotations
 

@@ -76,12 +76,9 @@ class CheckpointSaver(Hook):
                      **{key: part.state_dict() for key, part in self.extra_state.items()}}
             if position.pending_evaluation is not None:
                 state["pending_evaluation"] = position.pending_evaluation
-            if epoch_done and position.epoch % self.checkpoint_every == 0:
-                held = self.writer.save(state, self.output_dir / epoch_checkpoint_name(position.epoch),
-                                        also_as=self.latest)
-            else:
-                held = self.writer.save(state, self.latest)
-            self.timing.checkpoint_s += held
+            epoch_file = epoch_done and position.epoch % self.checkpoint_every == 0  # published as latest once written
+            path = self.output_dir / epoch_checkpoint_name(position.epoch) if epoch_file else self.latest
+            self.timing.checkpoint_s += self.writer.save(state, path, also_as=self.latest if epoch_file else None)
         self._last_save = time.monotonic()
 
     def due(self) -> bool:
