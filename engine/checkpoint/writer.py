@@ -70,7 +70,7 @@ class CheckpointWriter:
 
     def check(self) -> None:
         """Raise the error of a write that has ended; never blocks."""
-        if self._thread is not None and not self._thread.is_alive():
+        if self._thread is not None and self._written.is_set():
             self.wait()
 
     def wait_quietly(self) -> None:
@@ -87,7 +87,7 @@ class CheckpointWriter:
 
     @property
     def writing(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._written.is_set()
 
     def _write(self, state: dict, path: Path, also_as) -> None:
         try:
