@@ -5,12 +5,12 @@
 #
 # Steps (bench/README.md says what each benchmark answers): tests (the whole pytest suite on that GPU), msda
 # (bench/msda.py, its launch table written into this copy's msda/launch_table.py for the later steps), msda-variants
-# (bench/msda_variants.py), matching (bench/matching.py), e2e, ttr, parity, export-latency, throughput (bench/<name>.py), ddp (bench/ddp.py),
-# nccl-tests (rank parity on 2 GPUs). throughput, ddp and nccl-tests see every GPU: give them a call, or a place in
-# the queue, of their own. Extra arguments for a step come from the environment: MSDA_ARGS, VARIANTS_ARGS, MATCHING_ARGS, E2E_ARGS,
-# TTR_ARGS, PARITY_ARGS, EXPORT_ARGS, THROUGHPUT_ARGS, DDP_ARGS, TEST_ARGS. Python packages the machine lacks
-# (hydra-core, omegaconf, antlr4, pycocotools, faster-coco-eval) are installed from .whl/ when that folder holds
-# their wheels.
+# (bench/msda_variants.py), matching, e2e, ttr, parity, export-latency, throughput (bench/<name>.py), ddp
+# (bench/ddp.py), nccl-tests (rank parity on 2 GPUs). throughput, ddp and nccl-tests see every GPU: give them a call,
+# or a place in the queue, of their own. Extra arguments for a step come from the environment: MSDA_ARGS,
+# VARIANTS_ARGS, MATCHING_ARGS, E2E_ARGS, TTR_ARGS, PARITY_ARGS, EXPORT_ARGS, THROUGHPUT_ARGS, DDP_ARGS, TEST_ARGS.
+# Python packages the machine lacks (hydra-core, omegaconf, antlr4, pycocotools, faster-coco-eval) are installed
+# from .whl/ when that folder holds their wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder for results}

@@ -50,10 +50,15 @@ def recipe_groups(recipe: str, batch: int, gen: torch.Generator, device: str) ->
     return groups
 
 
-def timed_call(matcher, groups: list[tuple], threads: int | None, repeats: int) -> tuple[float, list]:
-    chosen = matcher_module._solver_threads
-    if threads is not None:
-        matcher_module._solver_threads = lambda costs: threads
+def timed_call(matcher, groups: list[tuple], threads: int | None, repeats: int) -> tuple[float, list, int]:
+    """(median ms, the pairs, the threads used) of ``repeats`` calls, on ``threads`` or (None) as the matcher picks."""
+    chosen, used = matcher_module._solver_threads, []
+
+    def solver_threads(costs: int) -> int:
+        used.append(chosen(costs) if threads is None else threads)
+        return used[-1]
+
+    matcher_module._solver_threads = solver_threads
     try:
         times = []
         for _ in range(repeats):
@@ -64,7 +69,7 @@ def timed_call(matcher, groups: list[tuple], threads: int | None, repeats: int) 
             times.append(time.perf_counter() - start)
     finally:
         matcher_module._solver_threads = chosen
-    return statistics.median(times) * 1e3, pairs
+    return statistics.median(times) * 1e3, pairs, max(1, used[-1])
 
 
 def same_pairs(a: list, b: list) -> bool:
@@ -91,12 +96,9 @@ def main() -> None:
         for recipe in ("coco_gpu", "hybrid"):
             groups = recipe_groups(recipe, batch, torch.Generator().manual_seed(batch), device)
             timed_call(matcher, groups, None, 2)  # warm-up: the device's kernels and the host's pages
-            one_ms, one_pairs = timed_call(matcher, groups, 1, repeats)
-            picked_ms, picked_pairs = timed_call(matcher, groups, None, repeats)
+            one_ms, one_pairs, _ = timed_call(matcher, groups, 1, repeats)
+            picked_ms, picked_pairs, threads = timed_call(matcher, groups, None, repeats)
             blocks = sum(g[0].shape[0] * batch for g in groups)
-            costs = sum(g[0].shape[0] * g[0].shape[2] * len(t["boxes"]) * (g[3] if len(g) > 3 else 1)
-                        for g in groups for t in g[2])
-            threads = max(1, matcher_module._solver_threads(costs))
             same = same_pairs(one_pairs, picked_pairs)
             failed |= not same
             record.append({"recipe": recipe, "batch": batch, "blocks": blocks, "threads": threads,

@@ -172,7 +172,7 @@ def _solve_blocks(blocks: list[tuple[np.ndarray, int]]) -> list[tuple[torch.Tens
 
 def _solver_threads(costs: int) -> int:
     """Threads for a call whose blocks hold ``costs`` numbers in all: one per million, at most 8. Below that the
-    threads' overhead outweighs them (the one-to-one blocks of a batch of 32: 1.8x slower on 8 threads)."""
+    threads' overhead outweighs them (bench/matching.py measures both)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(8, cores, costs // 1_000_000)
 
