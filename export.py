@@ -33,8 +33,12 @@ __all__ = ["export"]
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 def main(cfg: DictConfig) -> None:
     keep_file_only_off_console()
-    run_reporting_faults(lambda: export(cfg), run_dir=None, log=log,
-                         interrupted="stopped by Ctrl-C: the export did not finish, and its parity was not checked")
+    run_reporting_faults(
+        lambda: export(cfg),
+        run_dir=None,
+        log=log,
+        interrupted="stopped by Ctrl-C: the export did not finish, and its parity was not checked",
+    )
 
 
 if __name__ == "__main__":

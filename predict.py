@@ -33,10 +33,14 @@ __all__ = ["predict"]
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
     keep_file_only_off_console()
-    run_reporting_faults(lambda: predict(cfg), run_dir=Path(HydraConfig.get().runtime.output_dir), log=log,
-                         interrupted="stopped by Ctrl-C: detections.json and images.json are written at the end, so "
-                                     "there are none; the pictures drawn so far are kept",
-                         dated=not cfg.output_dir)
+    run_reporting_faults(
+        lambda: predict(cfg),
+        run_dir=Path(HydraConfig.get().runtime.output_dir),
+        log=log,
+        interrupted="stopped by Ctrl-C: detections.json and images.json are written at the end, so "
+        "there are none; the pictures drawn so far are kept",
+        dated=not cfg.output_dir,
+    )
 
 
 if __name__ == "__main__":

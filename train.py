@@ -49,8 +49,12 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
     keep_file_only_off_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir) if env_rank() == 0 else None
-    run_reporting_faults(lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=started),
-                         run_dir=run_dir, log=log, dated=not cfg.output_dir)
+    run_reporting_faults(
+        lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=started),
+        run_dir=run_dir,
+        log=log,
+        dated=not cfg.output_dir,
+    )
 
 
 if __name__ == "__main__":

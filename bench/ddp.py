@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_ddp"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="ddp_h200")
-    parser.add_argument("--traces", type=Path, default=None,
-                        help="also keep each row's profiler trace (rank 0's) here, gzipped")
+    parser.add_argument(
+        "--traces", type=Path, default=None, help="also keep each row's profiler trace (rank 0's) here, gzipped"
+    )
     return parser
 
 
@@ -49,17 +50,33 @@ def main() -> None:
     write_coco_like(args.work / "coco", train=args.batch * (args.steps + 8), val=args.val_images)
     one, many = (run_row(args, args.batch, args.steps, gpus=n) for n in (1, gpus))
     header = run_header(gpus=gpus)
-    lines = header_lines(f"Total batch {args.batch} on 1 and {gpus} GPUs", header,
-                         "Images per second of the same recipe through train.py on one GPU and under torchrun; the "
-                         f"speed-up is their ratio, against {SCALING_TARGET:.2f} x linear.")
-    rows = [[r["gpus"], r["per_gpu_batch"], f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}", f"{r['gpu_busy'] or 0:.0%}",
-             f"{r['data_wait_share']:.1%}", f"{r['peak_gib'] or 0:.1f}"] for r in (one, many) if "error" not in r]
+    lines = header_lines(
+        f"Total batch {args.batch} on 1 and {gpus} GPUs",
+        header,
+        "Images per second of the same recipe through train.py on one GPU and under torchrun; the "
+        f"speed-up is their ratio, against {SCALING_TARGET:.2f} x linear.",
+    )
+    rows = [
+        [
+            r["gpus"],
+            r["per_gpu_batch"],
+            f"{r['img_s']:.1f}",
+            f"{r['step_ms']:.0f}",
+            f"{r['gpu_busy'] or 0:.0%}",
+            f"{r['data_wait_share']:.1%}",
+            f"{r['peak_gib'] or 0:.1f}",
+        ]
+        for r in (one, many)
+        if "error" not in r
+    ]
     lines += table(["GPUs", "per GPU", "img/s", "step ms", "GPU busy", "loader wait", "peak GiB"], rows)
     if "error" not in one and "error" not in many:
         speed_up = many["img_s"] / one["img_s"]
         ok = speed_up >= SCALING_TARGET * gpus
-        lines += ["", f"Speed-up {speed_up:.2f}x on {gpus} GPUs: {'met' if ok else 'MISSED'} "
-                      f"(>= {SCALING_TARGET * gpus:.2f}x)"]
+        lines += [
+            "",
+            f"Speed-up {speed_up:.2f}x on {gpus} GPUs: {'met' if ok else 'MISSED'} (>= {SCALING_TARGET * gpus:.2f}x)",
+        ]
     write_report(args.name, {**header, "rows": [one, many]}, lines, out=args.out)
     print("\n".join(lines))
 

@@ -43,8 +43,16 @@ from engine.config.choices import COMPILE_MODES, INDUCTOR_MODES, REGION_CHOICES,
 NAME = "e2e_h200"
 ATTENTION_KERNELS = {"triton": ("msda_",), "pytorch": ("grid_sampler",)}
 # --quick: the tests' tiny model on the CPU, small images, a few steps: a check of the script, not a measurement.
-QUICK = {"overrides": ["model=tiny"], "impls": ["pytorch"], "compile_modes": ["eager"], "device": "cpu",
-         "height": 128, "width": 128, "warmup": 1, "steps": 2}
+QUICK = {
+    "overrides": ["model=tiny"],
+    "impls": ["pytorch"],
+    "compile_modes": ["eager"],
+    "device": "cpu",
+    "height": 128,
+    "width": 128,
+    "warmup": 1,
+    "steps": 2,
+}
 
 
 def compose_config(overrides: list[str]):
@@ -60,19 +68,32 @@ def compose_config(overrides: list[str]):
 
 def configurations(args) -> list[dict]:
     """Every (model.msda, compile.*) to measure; regions and backbone only where Inductor compiles."""
-    return [{"impl": impl, "mode": mode, "regions": regions, "backbone": backbone}
-            for mode in args.compile_modes
-            for regions in (args.compile_regions if mode in INDUCTOR_MODES else [None])
-            for backbone in (args.compile_backbone if mode in INDUCTOR_MODES else [None])
-            for impl in args.impls]
+    return [
+        {"impl": impl, "mode": mode, "regions": regions, "backbone": backbone}
+        for mode in args.compile_modes
+        for regions in (args.compile_regions if mode in INDUCTOR_MODES else [None])
+        for backbone in (args.compile_backbone if mode in INDUCTOR_MODES else [None])
+        for impl in args.impls
+    ]
 
 
 def overrides_of(args, config: dict) -> list[str]:
-    compiled = [f"compile.regions={config['regions']}", f"compile.backbone={config['backbone']}"] \
-        if config["mode"] in INDUCTOR_MODES else []
-    return ["dataset=coco", "model.pretrained=none", *args.overrides, f"model.msda={config['impl']}",
-            f"amp={args.amp}", f"batch_size={args.batch}", f"device={args.device}", f"compile.mode={config['mode']}",
-            *compiled]
+    compiled = (
+        [f"compile.regions={config['regions']}", f"compile.backbone={config['backbone']}"]
+        if config["mode"] in INDUCTOR_MODES
+        else []
+    )
+    return [
+        "dataset=coco",
+        "model.pretrained=none",
+        *args.overrides,
+        f"model.msda={config['impl']}",
+        f"amp={args.amp}",
+        f"batch_size={args.batch}",
+        f"device={args.device}",
+        f"compile.mode={config['mode']}",
+        *compiled,
+    ]
 
 
 def label(row: dict) -> str:
@@ -88,10 +109,19 @@ def random_batch(batch: int, height: int, width: int, num_classes: int, device, 
 
     images = torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, device=device, generator=gen)
     masks = torch.zeros(batch, height, width, dtype=torch.bool, device=device)
-    targets = [{"labels": torch.randint(1, num_classes, (6,), device=device, generator=gen),
-                "boxes": torch.cat([torch.rand(6, 2, device=device, generator=gen) * 0.6 + 0.2,
-                                    torch.rand(6, 2, device=device, generator=gen) * 0.3 + 0.05], -1)}
-               for _ in range(batch)]
+    targets = [
+        {
+            "labels": torch.randint(1, num_classes, (6,), device=device, generator=gen),
+            "boxes": torch.cat(
+                [
+                    torch.rand(6, 2, device=device, generator=gen) * 0.6 + 0.2,
+                    torch.rand(6, 2, device=device, generator=gen) * 0.3 + 0.05,
+                ],
+                -1,
+            ),
+        }
+        for _ in range(batch)
+    ]
     return images, masks, targets
 
 
@@ -130,24 +160,56 @@ def measure(args, config: dict) -> dict:
     for _ in range(args.warmup - 1):
         timed()
     times = [timed() for _ in range(args.steps)]
-    row = {**config, "amp": args.amp, "batch": cfg.batch_size, "size": [args.height, args.width],
-           "step_ms": statistics.median(times), "all_ms": times, "first_step_s": first_ms / 1e3,
-           "back_to_back_ms": back_to_back_ms(lambda: step(*batch), sync, steps=args.steps),
-           "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-           "syncs_per_step": count_syncs(lambda: step(*batch)) if cuda else None,
-           **profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS[config["impl"]], cuda=cuda)}
-    print(f"e2e {row['impl']:<7} {label(row):<48} {row['step_ms']:.1f} ms (back to back {row['back_to_back_ms']:.1f}),"
-          f" GPU kernels {row['gpu_kernel_ms']:.1f} ms, first step {row['first_step_s']:.1f} s", flush=True)
+    row = {
+        **config,
+        "amp": args.amp,
+        "batch": cfg.batch_size,
+        "size": [args.height, args.width],
+        "step_ms": statistics.median(times),
+        "all_ms": times,
+        "first_step_s": first_ms / 1e3,
+        "back_to_back_ms": back_to_back_ms(lambda: step(*batch), sync, steps=args.steps),
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "syncs_per_step": count_syncs(lambda: step(*batch)) if cuda else None,
+        **profile_steps(lambda: step(*batch), sync, ATTENTION_KERNELS[config["impl"]], cuda=cuda),
+    }
+    print(
+        f"e2e {row['impl']:<7} {label(row):<48} {row['step_ms']:.1f} ms (back to back {row['back_to_back_ms']:.1f}),"
+        f" GPU kernels {row['gpu_kernel_ms']:.1f} ms, first step {row['first_step_s']:.1f} s",
+        flush=True,
+    )
     return row
 
 
 def measure_in_child(args, config: dict) -> list[dict]:
     """The same configuration measured by this script in a process of its own."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--out", tmp, "--impls", config["impl"],
-               "--compile-modes", config["mode"], "--amp", args.amp, "--batch", str(args.batch),
-               "--device", args.device, "--height", str(args.height), "--width", str(args.width),
-               "--warmup", str(args.warmup), "--steps", str(args.steps), "--overrides", *args.overrides]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--out",
+            tmp,
+            "--impls",
+            config["impl"],
+            "--compile-modes",
+            config["mode"],
+            "--amp",
+            args.amp,
+            "--batch",
+            str(args.batch),
+            "--device",
+            args.device,
+            "--height",
+            str(args.height),
+            "--width",
+            str(args.width),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+            "--overrides",
+            *args.overrides,
+        ]
         if config["mode"] in INDUCTOR_MODES:
             cmd += ["--compile-regions", config["regions"], "--compile-backbone", config["backbone"]]
         if subprocess.run(cmd, cwd=ROOT).returncode != 0:
@@ -192,8 +254,15 @@ def combined(rows: list[dict]) -> list[dict]:
     result = []
     for group in groups.values():
         row = dict(group[0])
-        for key in ("step_ms", "back_to_back_ms", "gpu_kernel_ms", "launches", "attention_share", "first_step_s",
-                    "gpu_idle_ms"):
+        for key in (
+            "step_ms",
+            "back_to_back_ms",
+            "gpu_kernel_ms",
+            "launches",
+            "attention_share",
+            "first_step_s",
+            "gpu_idle_ms",
+        ):
             values = [r[key] for r in group if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
         for phase in row.get("gpu_idle_by_phase_ms", {}):
@@ -209,7 +278,8 @@ def report_lines(record: dict) -> list[str]:
     rows = combined(record["rows"])
     h, first = record["header"], rows[0] if rows else {"batch": "-", "amp": "-", "size": ["-", "-"]}
     lines = header_lines(
-        "Training step time", h,
+        "Training step time",
+        h,
         f"The trainer's step (forward, matching and losses, backward, clipping, fused AdamW) of "
         f"{h.get('model', 'the COCO model (ResNet-50, random weights)')}, batch {first['batch']}, {first['amp']}, "
         f"random {first['size'][0]}x{first['size'][1]} batches. Step: median of the timed steps after warm-up, each "
@@ -217,7 +287,8 @@ def report_lines(record: dict) -> list[str]:
         "sees). GPU kernels: device time of the step's kernels (torch.profiler) and its share of the step; the rest "
         "is the GPU waiting on the host. First step: compilation and recording, which a run pays once per size. "
         "Speed-up: msda=pytorch's step over this row's, same compile settings. With several runs per "
-        "configuration, the median and (range).")
+        "configuration, the median and (range).",
+    )
 
     def step_cell(r: dict) -> str:
         low, high = r["step_range_ms"]
@@ -225,35 +296,87 @@ def report_lines(record: dict) -> list[str]:
 
     reference = {label(r): r for r in rows if r["impl"] == "pytorch"}
     lines += table(
-        ["msda", "compile", "step ms", "back to back ms", "GPU kernels ms", "launches", "syncs", "peak GiB",
-         "attention share", "first step s", "speed-up"],
-        [[r["impl"], label(r), step_cell(r), cell(r["back_to_back_ms"]),
-          f"{cell(r['gpu_kernel_ms'])} ({100 * r['gpu_kernel_ms'] / r['step_ms']:.0f}%)", cell(r["launches"], ".0f"),
-          cell(r.get("syncs_per_step"), "d"), cell(r.get("peak_gib"), ".2f"), cell(r["attention_share"], ".0%"),
-          cell(r["first_step_s"]), f"{reference[label(r)]['step_ms'] / r['step_ms']:.2f}x" if label(r) in reference
-          else "-"] for r in rows])
+        [
+            "msda",
+            "compile",
+            "step ms",
+            "back to back ms",
+            "GPU kernels ms",
+            "launches",
+            "syncs",
+            "peak GiB",
+            "attention share",
+            "first step s",
+            "speed-up",
+        ],
+        [
+            [
+                r["impl"],
+                label(r),
+                step_cell(r),
+                cell(r["back_to_back_ms"]),
+                f"{cell(r['gpu_kernel_ms'])} ({100 * r['gpu_kernel_ms'] / r['step_ms']:.0f}%)",
+                cell(r["launches"], ".0f"),
+                cell(r.get("syncs_per_step"), "d"),
+                cell(r.get("peak_gib"), ".2f"),
+                cell(r["attention_share"], ".0%"),
+                cell(r["first_step_s"]),
+                f"{reference[label(r)]['step_ms'] / r['step_ms']:.2f}x" if label(r) in reference else "-",
+            ]
+            for r in rows
+        ],
+    )
     idle = [r for r in rows if r.get("gpu_idle_by_phase_ms")]
     if idle:
         phases = sorted({p for r in idle for p in r["gpu_idle_by_phase_ms"]})
-        lines += ["", "GPU idle per step (ms), charged to the phase of engine.train.step the host was in:", "",
-                  *table(["msda", "compile", "all", *(p.removeprefix("step.") for p in phases)],
-                         [[r["impl"], label(r), cell(r["gpu_idle_ms"]),
-                           *(cell(r["gpu_idle_by_phase_ms"].get(p)) for p in phases)] for r in idle])]
+        lines += [
+            "",
+            "GPU idle per step (ms), charged to the phase of engine.train.step the host was in:",
+            "",
+            *table(
+                ["msda", "compile", "all", *(p.removeprefix("step.") for p in phases)],
+                [
+                    [
+                        r["impl"],
+                        label(r),
+                        cell(r["gpu_idle_ms"]),
+                        *(cell(r["gpu_idle_by_phase_ms"].get(p)) for p in phases),
+                    ]
+                    for r in idle
+                ],
+            ),
+        ]
     return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; quick: outputs/bench)")
-    parser.add_argument("--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"],
-                        help="model.msda values")
-    parser.add_argument("--compile-modes", nargs="+", default=["eager", "graphs"], choices=["eager", *COMPILE_MODES],
-                        help="compile.mode values (graphs: auto's choice on a GPU but for runs of 35,000 steps or "
-                             "more, which take reduce-overhead)")
-    parser.add_argument("--compile-regions", nargs="+", default=["transformer"], choices=list(REGION_CHOICES),
-                        help="compile.regions of the Inductor modes; several: each is measured")
-    parser.add_argument("--compile-backbone", nargs="+", default=["dynamic"], choices=list(TRAIN_BACKBONE_CHOICES),
-                        help="compile.backbone of the Inductor modes; several: each is measured")
+    parser.add_argument(
+        "--impls", nargs="+", default=["triton", "pytorch"], choices=["triton", "pytorch"], help="model.msda values"
+    )
+    parser.add_argument(
+        "--compile-modes",
+        nargs="+",
+        default=["eager", "graphs"],
+        choices=["eager", *COMPILE_MODES],
+        help="compile.mode values (graphs: auto's choice on a GPU but for runs of 35,000 steps or "
+        "more, which take reduce-overhead)",
+    )
+    parser.add_argument(
+        "--compile-regions",
+        nargs="+",
+        default=["transformer"],
+        choices=list(REGION_CHOICES),
+        help="compile.regions of the Inductor modes; several: each is measured",
+    )
+    parser.add_argument(
+        "--compile-backbone",
+        nargs="+",
+        default=["dynamic"],
+        choices=list(TRAIN_BACKBONE_CHOICES),
+        help="compile.backbone of the Inductor modes; several: each is measured",
+    )
     parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every configuration")
     parser.add_argument("--amp", default="bf16", choices=["bf16", "fp16", "none"])
     parser.add_argument("--batch", type=int, default=2, help="batch_size")
@@ -262,11 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps, the first one included")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="measure every configuration this many times, in alternating order")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="measure every configuration this many times, in alternating order"
+    )
     parser.add_argument("--isolate", action="store_true", help="each configuration in a process of its own")
-    parser.add_argument("--quick", action="store_true",
-                        help="check the script on the CPU: " + " ".join(f"{k}={v}" for k, v in QUICK.items()))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="check the script on the CPU: " + " ".join(f"{k}={v}" for k, v in QUICK.items()),
+    )
     return parser
 
 

@@ -61,8 +61,17 @@ PACKAGE = "detector.pt2"  # in the run's temporary folder
 # The model timed: the COCO detector (the train config's default dataset, synthetic, would make it the tiny one).
 FULL_MODEL = ["dataset=coco"]
 # The quick check's model: the tests' tiny one (tests/trained_checkpoint.py), which the CPU runs in a second.
-QUICK_MODEL = ["model=tiny", "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=1",
-               "model.dim_feedforward=64", "model.num_queries=12", "model.num_feature_levels=3", "model.num_classes=4"]
+QUICK_MODEL = [
+    "model=tiny",
+    "model.hidden_dim=32",
+    "model.nheads=2",
+    "model.enc_layers=1",
+    "model.dec_layers=1",
+    "model.dim_feedforward=64",
+    "model.num_queries=12",
+    "model.num_feature_levels=3",
+    "model.num_classes=4",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,12 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint to time (default: random weights)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and images (default fp32)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8; quick 1 2)")
-    parser.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"),
-                        help="image size before padding to 32 (default 800 1333; quick 96 128)")
+    parser.add_argument(
+        "--size",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("H", "W"),
+        help="image size before padding to 32 (default 800 1333; quick 96 128)",
+    )
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration (default 5; quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per configuration (default 20; quick 3)")
-    parser.add_argument("--aoti-timeout-s", type=float, default=360,
-                        help="stop the AOTInductor process after this many seconds (default 360)")
+    parser.add_argument(
+        "--aoti-timeout-s",
+        type=float,
+        default=360,
+        help="stop the AOTInductor process after this many seconds (default 360)",
+    )
     # The package's child processes (measure_aoti): build it into DIR, then load and time it.
     parser.add_argument("--aoti-build", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--aoti-run", type=Path, default=None, help=argparse.SUPPRESS)
@@ -101,8 +120,10 @@ def build_detector_model(args, device: torch.device) -> torch.nn.Module:
     msda = "triton" if device.type == "cuda" else "pytorch"
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*(QUICK_MODEL if args.quick else FULL_MODEL),
-                                                      "model.pretrained=none", f"model.msda={msda}"])
+        cfg = compose(
+            config_name="train",
+            overrides=[*(QUICK_MODEL if args.quick else FULL_MODEL), "model.pretrained=none", f"model.msda={msda}"],
+        )
     if args.checkpoint is not None:
         model = load_trained_model(args.checkpoint, cfg.model, device=device, msda=msda).model
     else:
@@ -127,6 +148,7 @@ def batch_inputs(batch: int, args, device: torch.device) -> tuple[torch.Tensor, 
 
 def timed_ms(call, inputs, *, warmup: int, repeats: int, device: torch.device) -> float:
     """Median wall time of ``call(*inputs)`` in ms, the device synchronized before and after each call."""
+
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -145,8 +167,9 @@ def timed_ms(call, inputs, *, warmup: int, repeats: int, device: torch.device) -
 
 
 def largest_differences(outputs, expected) -> dict[str, float]:
-    return {name: float((a.float() - b.float()).abs().max())
-            for name, a, b in zip(("logits", "boxes"), outputs, expected)}
+    return {
+        name: float((a.float() - b.float()).abs().max()) for name, a, b in zip(("logits", "boxes"), outputs, expected)
+    }
 
 
 def aoti_build(args, device: torch.device, workdir: Path) -> None:
@@ -251,9 +274,14 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         compile_model(graphed_model, CompilePlan(mode="graphs", evaluation=True))
         ways.append(("graphs", ExportableDetector(graphed_model).eval()))
     inductor_options = QUICK_COMPILE if args.quick else {}  # the package's quick_compile, for a like comparison
-    measured = {"aoti_export_s": aoti.get("aoti_export_s"), "aoti_load_s": aoti.get("aoti_load_s"),
-                "package_mb": aoti.get("package_mb"), "aoti_error": aoti_error, "compile_mode": mode,
-                "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    measured = {
+        "aoti_export_s": aoti.get("aoti_export_s"),
+        "aoti_load_s": aoti.get("aoti_load_s"),
+        "package_mb": aoti.get("package_mb"),
+        "aoti_error": aoti_error,
+        "compile_mode": mode,
+        "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
 
     rows = []
     for batch in args.batches:
@@ -266,8 +294,11 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             compile_s = time.perf_counter() - started
-        row = {"batch": batch, "compiled_first_call_s": compile_s,
-               "compiled_vs_eager": largest_differences(first, expected)}
+        row = {
+            "batch": batch,
+            "compiled_first_call_s": compile_s,
+            "compiled_vs_eager": largest_differences(first, expected),
+        }
         outputs = workdir / f"aoti_outputs_{batch}.pt"
         if str(batch) in aoti.get("aoti_ms", {}):
             row["aoti_ms"] = aoti["aoti_ms"][str(batch)]
@@ -282,17 +313,25 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
 
 def setup(args) -> dict:
     """What the run timed, for its report's header."""
-    return {"cxx": inductor_cxx(), "quick": args.quick, "batches": args.batches,
-            "model": "the tests' tiny model (ResNet-18, --quick)" if args.quick else "Deformable DETR, ResNet-50",
-            "weights": str(args.checkpoint) if args.checkpoint else "random", "dtype": args.dtype,
-            "image_size": list(args.size), "padded_size": [padded(s) for s in args.size],
-            "warmup": args.warmup, "repeats": args.repeats}
+    return {
+        "cxx": inductor_cxx(),
+        "quick": args.quick,
+        "batches": args.batches,
+        "model": "the tests' tiny model (ResNet-18, --quick)" if args.quick else "Deformable DETR, ResNet-50",
+        "weights": str(args.checkpoint) if args.checkpoint else "random",
+        "dtype": args.dtype,
+        "image_size": list(args.size),
+        "padded_size": [padded(s) for s in args.size],
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+    }
 
 
 def report_lines(record: dict) -> list[str]:
     h, rows = record["header"], record["rows"]
     lines = header_lines(
-        "Exported detector latency", h,
+        "Exported detector latency",
+        h,
         f"Model: {h['model']} ({record['parameters_m']:.1f} M parameters, {h['weights']} weights), {h['dtype']}, "
         f"{' x '.join(map(str, h['image_size']))} images padded to {' x '.join(map(str, h['padded_size']))}; median ms "
         f"of {h['repeats']} calls after {h['warmup']} warm-up calls, the device synchronized around each. eager: "
@@ -301,20 +340,50 @@ def report_lines(record: dict) -> list[str]:
         f"`python export.py format=aoti` writes, built once for every batch and size (C++ compiler: {h['cxx']}) and "
         "loaded by another process; CUDA graphs: the eager model's (compile.mode=graphs, GPU only). Ratios are to "
         "eager, same run; diff: the largest absolute difference of the logits from eager's."
-        + (" --quick: a check that the script runs (the package's wrapper built unoptimized: quick_compile, "
-           "engine/export/aoti.py); these figures say nothing about speed." if h["quick"] else ""))
-    lines += table(["batch", "eager ms", "torch.compile ms", "AOTInductor ms", "CUDA graphs ms", "compile / eager",
-                    "AOTInductor / eager", "compile first call s", "diff compile", "diff AOTInductor"],
-                   [[r["batch"], cell(r["eager_ms"]), cell(r["compiled_ms"]), cell(r.get("aoti_ms")),
-                     cell(r.get("graphs_ms")), f"{r['compiled_ms'] / r['eager_ms']:.2f}",
-                     cell(r["aoti_ms"] / r["eager_ms"] if "aoti_ms" in r else None, ".2f"),
-                     cell(r["compiled_first_call_s"]), f"{r['compiled_vs_eager']['logits']:.1e}",
-                     f"{r['aoti_vs_eager']['logits']:.1e}" if "aoti_vs_eager" in r else "-"] for r in rows])
+        + (
+            " --quick: a check that the script runs (the package's wrapper built unoptimized: quick_compile, "
+            "engine/export/aoti.py); these figures say nothing about speed."
+            if h["quick"]
+            else ""
+        ),
+    )
+    lines += table(
+        [
+            "batch",
+            "eager ms",
+            "torch.compile ms",
+            "AOTInductor ms",
+            "CUDA graphs ms",
+            "compile / eager",
+            "AOTInductor / eager",
+            "compile first call s",
+            "diff compile",
+            "diff AOTInductor",
+        ],
+        [
+            [
+                r["batch"],
+                cell(r["eager_ms"]),
+                cell(r["compiled_ms"]),
+                cell(r.get("aoti_ms")),
+                cell(r.get("graphs_ms")),
+                f"{r['compiled_ms'] / r['eager_ms']:.2f}",
+                cell(r["aoti_ms"] / r["eager_ms"] if "aoti_ms" in r else None, ".2f"),
+                cell(r["compiled_first_call_s"]),
+                f"{r['compiled_vs_eager']['logits']:.1e}",
+                f"{r['aoti_vs_eager']['logits']:.1e}" if "aoti_vs_eager" in r else "-",
+            ]
+            for r in rows
+        ],
+    )
     seconds = record.get("aoti_export_s")
     if seconds:
-        lines += ["", f"AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in "
-                      f"{seconds['compile']:.1f} s ({record['package_mb']:.0f} MB), loaded in "
-                      f"{cell(record.get('aoti_load_s'))} s."]
+        lines += [
+            "",
+            f"AOTInductor package: traced in {seconds['trace']:.1f} s, compiled in "
+            f"{seconds['compile']:.1f} s ({record['package_mb']:.0f} MB), loaded in "
+            f"{cell(record.get('aoti_load_s'))} s.",
+        ]
     if record.get("aoti_error"):
         lines += ["", f"AOTInductor: {record['aoti_error']}."]
     missing = [batch for batch in h["batches"] if batch not in {row["batch"] for row in rows}]

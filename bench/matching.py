@@ -32,8 +32,13 @@ CLASSES = 91
 def coco_like_targets(batch: int, gen: torch.Generator, device: str) -> list[dict]:
     # COCO train2017: 7.3 boxes a image on average, a long tail to a few dozen.
     sizes = (torch.empty(batch).exponential_(1 / 7.3, generator=gen).ceil().clamp(1, 60)).int().tolist()
-    return [{"labels": torch.randint(0, CLASSES, (n,), generator=gen).to(device),
-             "boxes": (torch.rand(n, 4, generator=gen) * 0.5 + 0.25).to(device)} for n in sizes]
+    return [
+        {
+            "labels": torch.randint(0, CLASSES, (n,), generator=gen).to(device),
+            "boxes": (torch.rand(n, 4, generator=gen) * 0.5 + 0.25).to(device),
+        }
+        for n in sizes
+    ]
 
 
 def recipe_groups(recipe: str, batch: int, gen: torch.Generator, device: str) -> list[tuple]:
@@ -41,8 +46,10 @@ def recipe_groups(recipe: str, batch: int, gen: torch.Generator, device: str) ->
     proposal_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
 
     def predictions(layers: int, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.randn(layers, batch, queries, CLASSES, generator=gen).to(device),
-                torch.rand(layers, batch, queries, 4, generator=gen).to(device))
+        return (
+            torch.randn(layers, batch, queries, CLASSES, generator=gen).to(device),
+            torch.rand(layers, batch, queries, 4, generator=gen).to(device),
+        )
 
     groups = [(*predictions(6, 300), targets), (*predictions(1, 300), proposal_targets)]
     if recipe == "hybrid":
@@ -73,8 +80,13 @@ def timed_call(matcher, groups: list[tuple], threads: int | None, repeats: int) 
 
 
 def same_pairs(a: list, b: list) -> bool:
-    return all(torch.equal(x, y) for ga, gb in zip(a, b) for la, lb in zip(ga, gb)
-               for pa, pb in zip(la, lb) for x, y in zip(pa, pb))
+    return all(
+        torch.equal(x, y)
+        for ga, gb in zip(a, b)
+        for la, lb in zip(ga, gb)
+        for pa, pb in zip(la, lb)
+        for x, y in zip(pa, pb)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,16 +113,37 @@ def main() -> None:
             blocks = sum(g[0].shape[0] * batch for g in groups)
             same = same_pairs(one_pairs, picked_pairs)
             failed |= not same
-            record.append({"recipe": recipe, "batch": batch, "blocks": blocks, "threads": threads,
-                           "one_thread_ms": one_ms, "picked_ms": picked_ms, "same_pairs": same})
-            rows.append([recipe, batch, blocks, threads, f"{one_ms:.1f}", f"{picked_ms:.1f}",
-                         f"{one_ms / picked_ms:.2f}x", "yes" if same else "NO (CHECK FAILED)"])
+            record.append(
+                {
+                    "recipe": recipe,
+                    "batch": batch,
+                    "blocks": blocks,
+                    "threads": threads,
+                    "one_thread_ms": one_ms,
+                    "picked_ms": picked_ms,
+                    "same_pairs": same,
+                }
+            )
+            rows.append(
+                [
+                    recipe,
+                    batch,
+                    blocks,
+                    threads,
+                    f"{one_ms:.1f}",
+                    f"{picked_ms:.1f}",
+                    f"{one_ms / picked_ms:.2f}x",
+                    "yes" if same else "NO (CHECK FAILED)",
+                ]
+            )
             print(rows[-1], flush=True)
     header = run_header(device=device)
-    lines = header_lines("Hungarian matching per training step: one thread and several", header, __doc__.split(
-        "\n\n", 2)[2].strip())
-    lines += table(["recipe", "batch", "blocks", "threads", "one thread (ms)", "picked (ms)", "speed-up",
-                    "same pairs"], rows)
+    lines = header_lines(
+        "Hungarian matching per training step: one thread and several", header, __doc__.split("\n\n", 2)[2].strip()
+    )
+    lines += table(
+        ["recipe", "batch", "blocks", "threads", "one thread (ms)", "picked (ms)", "speed-up", "same pairs"], rows
+    )
     json_path, md_path = write_report(NAME, {**header, "rows": record}, lines, out=out_dir(args.out, args.smoke))
     print(f"wrote {md_path} and {json_path}")
     sys.exit(1 if failed else 0)

@@ -54,15 +54,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NBYTES = {"fp32": 4, "bf16": 2}
 DISTS = ("uniform", "realistic")
 SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 300)]
-TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 300),
-                    ("decoder N4 Lq900", 4, 900)]
+TARGET_WORKLOADS = [
+    ("encoder N2", 2, S),
+    ("encoder N4", 4, S),
+    ("decoder N4 Lq300", 4, 300),
+    ("decoder N4 Lq900", 4, 900),
+]
 DEVICE = "cuda"
 if launch.INTERPRET:  # --smoke: tiny levels and query counts on the CPU, so that every code path runs in minutes
     LEVELS, DEVICE, HIDDEN = ((6, 5), (3, 3), (2, 2), (1, 1)), "cpu", 64
     S = sum(h * w for h, w in LEVELS)
     SWEEP_WORKLOADS = [("encoder N2", 2, S), ("decoder N4 Lq300", 4, 3)]
-    TARGET_WORKLOADS = [("encoder N2", 2, S), ("encoder N4", 4, S), ("decoder N4 Lq300", 4, 3),
-                        ("decoder N4 Lq900", 4, 5)]
+    TARGET_WORKLOADS = [
+        ("encoder N2", 2, S),
+        ("encoder N4", 4, S),
+        ("decoder N4 Lq300", 4, 3),
+        ("decoder N4 Lq900", 4, 5),
+    ]
 LAUNCH_PY = ROOT / "msda" / "launch_table.py"
 SWEPT_KINDS = ("forward", "fused", "sample_grads", "scatter", "keys", "hybrid", "gather", "hybrid_split", "scheme")
 TUNED_BLOCK = re.compile(r"(?:# Measured on .*\n# .*\n)?TUNED: dict = \{\n(?:    .*\n)*\}\n")
@@ -93,21 +101,29 @@ def candidates(D: int) -> dict:
     the keys kernel, (lanes, warps) of the row sums); hybrid: ((BLOCK_Q, BLOCK_P, warps), entries per value row
     from which a level is gathered)."""
     if DEVICE == "cpu":  # --smoke: wide programs, which the interpreter runs fastest; two each for the picks
-        return {"forward": [(64, 16, 4, 1), (32, 16, 2, 1)], "fused": [(64, 16, 4), (32, 16, 2)],
-                "split": [(64, 16, 4)], "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
-                "hybrid": [((64, 16, 4), 8)]}
+        return {
+            "forward": [(64, 16, 4, 1), (32, 16, 2, 1)],
+            "fused": [(64, 16, 4), (32, 16, 2)],
+            "split": [(64, 16, 4)],
+            "gather": [((64, 16, 4), (256, 4)), ((32, 16, 2), (128, 2))],
+            "hybrid": [((64, 16, 4), 8)],
+        }
     if D == 32:  # (16, 1, *) is the forward's measured best: one sample per step, 16 queries
-        return {"forward": forward_unrolled([(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)]),
-                "fused": [(4, 4, 4), (2, 16, 4)],
-                "split": [(4, 4, 4), (2, 16, 4)],
-                "gather": [((4, 4, 4), (32, 4)), ((2, 16, 4), (32, 4)), ((2, 16, 4), (64, 8))],
-                "hybrid": [((4, 4, 4), 256), ((4, 4, 4), 64), ((2, 16, 4), 256)]}
+        return {
+            "forward": forward_unrolled([(16, 1, 4), (16, 1, 2), (8, 2, 4), (4, 4, 4), (2, 16, 4), (4, 16, 8)]),
+            "fused": [(4, 4, 4), (2, 16, 4)],
+            "split": [(4, 4, 4), (2, 16, 4)],
+            "gather": [((4, 4, 4), (32, 4)), ((2, 16, 4), (32, 4)), ((2, 16, 4), (64, 8))],
+            "hybrid": [((4, 4, 4), 256), ((4, 4, 4), 64), ((2, 16, 4), 256)],
+        }
     wide, narrow = max(1, 512 // D), max(1, 128 // D)  # keep BLOCK_Q * D about that of the D=32 candidates
-    return {"forward": forward_unrolled([(wide, 1, 4), (narrow, 4, 4), (1, 16, 4 if D <= 64 else 8)]),
-            "fused": [(narrow, 4, 4)],
-            "split": [(narrow, 4, 4)],
-            "gather": [((narrow, 4, 4), (max(8, 1024 // D), 4))],
-            "hybrid": [((narrow, 4, 4), 256)]}
+    return {
+        "forward": forward_unrolled([(wide, 1, 4), (narrow, 4, 4), (1, 16, 4 if D <= 64 else 8)]),
+        "fused": [(narrow, 4, 4)],
+        "split": [(narrow, 4, 4)],
+        "gather": [((narrow, 4, 4), (max(8, 1024 // D), 4))],
+        "hybrid": [((narrow, 4, 4), 256)],
+    }
 
 
 def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
@@ -120,9 +136,19 @@ def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
         loc = torch.rand(N, Lq, M, L, P, 2, device=dev, generator=gen)
     else:
         if Lq == S:
-            ref = torch.cat([torch.stack(torch.meshgrid((torch.arange(w, device=dev) + 0.5) / w,
-                                                        (torch.arange(h, device=dev) + 0.5) / h,
-                                                        indexing="xy"), -1).reshape(-1, 2) for h, w in LEVELS])
+            ref = torch.cat(
+                [
+                    torch.stack(
+                        torch.meshgrid(
+                            (torch.arange(w, device=dev) + 0.5) / w,
+                            (torch.arange(h, device=dev) + 0.5) / h,
+                            indexing="xy",
+                        ),
+                        -1,
+                    ).reshape(-1, 2)
+                    for h, w in LEVELS
+                ]
+            )
             ref = ref.expand(N, -1, -1)
         else:
             ref = torch.rand(N, Lq, 2, device=dev, generator=gen)
@@ -141,14 +167,30 @@ def run_variant(kind, config, value, loc, weights, grad_out):
     if kind == "fused":
         return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config})
     if kind == "split":
-        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="split",
-                               configs={"sample_grads": config, "scatter": config})
+        return launch.backward(
+            grad_out, value, LEVELS, loc, weights, scheme="split", configs={"sample_grads": config, "scatter": config}
+        )
     if kind == "hybrid":
-        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="hybrid",
-                               configs={"hybrid": config[0], "hybrid_split": config[1]})
+        return launch.backward(
+            grad_out,
+            value,
+            LEVELS,
+            loc,
+            weights,
+            scheme="hybrid",
+            configs={"hybrid": config[0], "hybrid_split": config[1]},
+        )
     keys, lanes = config
-    return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="gather", deterministic=kind == "sorted",
-                           configs={"keys": keys, "gather": lanes})
+    return launch.backward(
+        grad_out,
+        value,
+        LEVELS,
+        loc,
+        weights,
+        scheme="gather",
+        deterministic=kind == "sorted",
+        configs={"keys": keys, "gather": lanes},
+    )
 
 
 def median_ms(fn, rep=50) -> float:
@@ -203,8 +245,11 @@ def precompile(dims, jobs: int):
             errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
     except Exception as error:  # without the pool every kernel still compiles on first use, only slower
         errors = [f"the pool itself: {type(error).__name__}: {error}"]
-    print(f"precompiled {len(tasks)} variants in {time.perf_counter() - start:.0f} s with {jobs} processes"
-          + "".join(f"\n  failed {e}" for e in errors), flush=True)
+    print(
+        f"precompiled {len(tasks)} variants in {time.perf_counter() - start:.0f} s with {jobs} processes"
+        + "".join(f"\n  failed {e}" for e in errors),
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,13 +265,29 @@ def sweep(dims, out: Path) -> list:
                     for kind, configs in candidates(D).items():
                         for config in configs:
                             ms = median_ms(lambda: run_variant(kind, config, *inputs), rep=30)
-                            records.append({"D": D, "workload": name, "large": N * Lq * (heads(D)) >= launch.LARGE,
-                                            "dtype": dtype_name, "locations": dist, "kind": kind,
-                                            "config": config, "ms": ms})
-                    best = {k: min(r["ms"] for r in records[-sum(len(c) for c in candidates(D).values()):]
-                                   if r["kind"] == k) for k in candidates(D)}
-                    print(f"sweep D{D} {name:<17} {dtype_name} {dist:<9} best ms: "
-                          + " ".join(f"{k} {v:.3f}" for k, v in best.items()), flush=True)
+                            records.append(
+                                {
+                                    "D": D,
+                                    "workload": name,
+                                    "large": N * Lq * (heads(D)) >= launch.LARGE,
+                                    "dtype": dtype_name,
+                                    "locations": dist,
+                                    "kind": kind,
+                                    "config": config,
+                                    "ms": ms,
+                                }
+                            )
+                    best = {
+                        k: min(
+                            r["ms"] for r in records[-sum(len(c) for c in candidates(D).values()) :] if r["kind"] == k
+                        )
+                        for k in candidates(D)
+                    }
+                    print(
+                        f"sweep D{D} {name:<17} {dtype_name} {dist:<9} best ms: "
+                        + " ".join(f"{k} {v:.3f}" for k, v in best.items()),
+                        flush=True,
+                    )
         (out / f"{NAME}_sweep.partial.json").write_text(json.dumps(records))
     return records
 
@@ -308,9 +369,11 @@ def time_public(impl, inputs, shapes, decoder: bool) -> dict:
         return torch.autograd.grad(fwd(), leaves, grad_out)
 
     out = fwd()
-    result = {"fwd": median_ms(fwd), "bwd": median_ms(lambda: torch.autograd.grad(out, leaves, grad_out,
-                                                                                   retain_graph=True)),
-              "fwd_bwd": median_ms(fwd_bwd)}
+    result = {
+        "fwd": median_ms(fwd),
+        "bwd": median_ms(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)),
+        "fwd_bwd": median_ms(fwd_bwd),
+    }
     if decoder:  # decoder-sized calls are bound by the host when called eagerly
         result["graph_fwd_bwd"] = graph_ms(fwd_bwd)
         result["eager_fwd_bwd"] = eager_ms(fwd_bwd)
@@ -336,9 +399,11 @@ def deterministic_stats(inputs) -> dict:
         return launch.backward(grad_out, value, LEVELS, loc, weights, deterministic=True)
 
     runs = [det() for _ in range(5)]
-    return {"det_bwd": median_ms(det), "default_bwd": median_ms(lambda: launch.backward(grad_out, value, LEVELS, loc,
-                                                                                         weights)),
-            "det_bitwise_5": all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))}
+    return {
+        "det_bwd": median_ms(det),
+        "default_bwd": median_ms(lambda: launch.backward(grad_out, value, LEVELS, loc, weights)),
+        "det_bitwise_5": all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run)),
+    }
 
 
 def targets(out: Path) -> list:
@@ -349,18 +414,28 @@ def targets(out: Path) -> list:
             for dist in DISTS:
                 inputs = make_inputs(N, Lq, heads(32), 32, dtype, dist)
                 decoder = Lq < S
-                row = {"workload": name, "N": N, "Lq": Lq, "dtype": dtype_name, "locations": dist,
-                       "scheme": launch.launch_config(("scheme", 32, NBYTES[dtype_name], L, P,
-                                                       N * Lq * heads(32) >= launch.LARGE)),
-                       "max_rel_err": max_rel_err(inputs, shapes)}
+                row = {
+                    "workload": name,
+                    "N": N,
+                    "Lq": Lq,
+                    "dtype": dtype_name,
+                    "locations": dist,
+                    "scheme": launch.launch_config(
+                        ("scheme", 32, NBYTES[dtype_name], L, P, N * Lq * heads(32) >= launch.LARGE)
+                    ),
+                    "max_rel_err": max_rel_err(inputs, shapes),
+                }
                 row["triton"] = time_public("triton", inputs, shapes, decoder and dist == "uniform")
                 row["pytorch"] = time_public("pytorch", inputs, shapes, decoder and dist == "uniform")
                 row.update(deterministic_stats(inputs))
                 rows.append(row)
                 t, p = row["triton"], row["pytorch"]
-                print(f"{name:<17} {dtype_name} {dist:<9} {row['scheme']:<6} fwd {t['fwd']:.3f} fwd+bwd "
-                      f"{t['fwd_bwd']:.3f} ms | ref {p['fwd']:.3f} / {p['fwd_bwd']:.3f} | x{p['fwd'] / t['fwd']:.1f} / "
-                      f"x{p['fwd_bwd'] / t['fwd_bwd']:.1f} | err {row['max_rel_err']:.1e}", flush=True)
+                print(
+                    f"{name:<17} {dtype_name} {dist:<9} {row['scheme']:<6} fwd {t['fwd']:.3f} fwd+bwd "
+                    f"{t['fwd_bwd']:.3f} ms | ref {p['fwd']:.3f} / {p['fwd_bwd']:.3f} | x{p['fwd'] / t['fwd']:.1f} / "
+                    f"x{p['fwd_bwd'] / t['fwd_bwd']:.1f} | err {row['max_rel_err']:.1e}",
+                    flush=True,
+                )
                 (out / f"{NAME}.partial.json").write_text(json.dumps(rows))
                 del inputs
                 if DEVICE == "cuda":
@@ -370,6 +445,7 @@ def targets(out: Path) -> list:
 
 def target_checks(rows) -> list[tuple[str, str, bool]]:
     """(target, measured, met) for each of the kernels' design targets."""
+
     def find(workload, dtype, dist="uniform"):
         return next(r for r in rows if (r["workload"], r["dtype"], r["locations"]) == (workload, dtype, dist))
 
@@ -377,30 +453,47 @@ def target_checks(rows) -> list[tuple[str, str, bool]]:
         return row["pytorch"][key] / row["triton"][key]
 
     enc = find("encoder N2", "fp32")
-    checks = [(f"encoder N2 fp32 uniform {key.replace('_', '+')} >= {target}x", f"{ratio(enc, key):.1f}x",
-               ratio(enc, key) >= target) for key, target in (("fwd_bwd", 16.5), ("fwd", 17))]
+    checks = [
+        (
+            f"encoder N2 fp32 uniform {key.replace('_', '+')} >= {target}x",
+            f"{ratio(enc, key):.1f}x",
+            ratio(enc, key) >= target,
+        )
+        for key, target in (("fwd_bwd", 16.5), ("fwd", 17))
+    ]
     for dist in DISTS:
-        speed = find("encoder N2", "fp32", dist)["triton"]["fwd_bwd"] / find("encoder N2", "bf16", dist)["triton"][
-            "fwd_bwd"]
+        speed = (
+            find("encoder N2", "fp32", dist)["triton"]["fwd_bwd"]
+            / find("encoder N2", "bf16", dist)["triton"]["fwd_bwd"]
+        )
         checks.append((f"encoder N2 bf16 fwd+bwd >= 1.3x faster than fp32 ({dist})", f"{speed:.2f}x", speed >= 1.3))
     for workload in ("decoder N4 Lq300", "decoder N4 Lq900"):
         for dtype in DTYPES:
             r = find(workload, dtype)
             eager = ratio(r, "eager_fwd_bwd")
-            checks.append((f"{workload} {dtype} eager fwd+bwd >= 7x",
-                           f"{eager:.1f}x eager loop, {ratio(r, 'fwd_bwd'):.1f}x do_bench", eager >= 7))
+            checks.append(
+                (
+                    f"{workload} {dtype} eager fwd+bwd >= 7x",
+                    f"{eager:.1f}x eager loop, {ratio(r, 'fwd_bwd'):.1f}x do_bench",
+                    eager >= 7,
+                )
+            )
     bitwise = all(r["det_bitwise_5"] for r in rows)
     cost = max(r["det_bwd"] / r["default_bwd"] for r in rows if r["workload"].startswith("encoder"))
     checks.append(("deterministic grad_value bitwise identical over 5 runs (all rows)", str(bitwise), bitwise))
-    checks.append(("deterministic backward <= 1.5x the default backward (worst encoder row)", f"{cost:.2f}x",
-                   cost <= 1.5))
+    checks.append(
+        ("deterministic backward <= 1.5x the default backward (worst encoder row)", f"{cost:.2f}x", cost <= 1.5)
+    )
     return checks
 
 
 def table_source(table: dict, header: dict) -> str:
     """The launch table as msda/launch_table.py holds it: the TUNED block, headed by the run it comes from."""
-    lines = [f"# Measured on {header['gpu']}, {header['date']}, torch {header['torch']}, triton {header['triton']}:",
-             f"# {header['command']}", "TUNED: dict = {"]
+    lines = [
+        f"# Measured on {header['gpu']}, {header['date']}, torch {header['torch']}, triton {header['triton']}:",
+        f"# {header['command']}",
+        "TUNED: dict = {",
+    ]
     lines += [f"    {key!r}: {value!r}," for key, value in sorted(table.items(), key=lambda kv: str(kv[0]))]
     return "\n".join(lines + ["}"]) + "\n"
 
@@ -417,40 +510,93 @@ def apply_table(source: str) -> None:
 def report_lines(record: dict) -> list[str]:
     header, rows = record["header"], record["rows"]
     lines = header_lines(
-        "Multi-scale deformable attention: Triton kernels against the PyTorch reference", header,
+        "Multi-scale deformable attention: Triton kernels against the PyTorch reference",
+        header,
         "Median ms (triton.testing.do_bench) through the public op, head dim 32; fwd+bwd x and fwd x: the "
         "reference's time over Triton's, same run (the reference: grid_sample, impl=pytorch, on the same inputs). det "
         "cost: the deterministic backward over the default (atomic) one, bitwise: its gradients equal over 5 runs; "
         "err: largest relative L2 error of the output and gradients against the fp32 reference. Decoder rows "
         "(uniform): eager = wall ms per forward+backward of a Python loop (host-bound), graph = its CUDA-graph "
-        f"replay (GPU time). {record.get('table_note', '')}".rstrip())
+        f"replay (GPU time). {record.get('table_note', '')}".rstrip(),
+    )
     cells = []
     for r in rows:
         t, p = r["triton"], r["pytorch"]
-        eager = [f"{t['eager_fwd_bwd']:.3f}", f"{p['eager_fwd_bwd']:.3f}", f"{t['graph_fwd_bwd']:.3f}"] \
-            if "eager_fwd_bwd" in t else ["", "", ""]
-        cells.append([r["workload"], r["dtype"], r["locations"], r["scheme"], f"{t['fwd']:.3f}", f"{t['fwd_bwd']:.3f}",
-                      f"{p['fwd']:.3f}", f"{p['fwd_bwd']:.3f}", f"{p['fwd'] / t['fwd']:.1f}",
-                      f"{p['fwd_bwd'] / t['fwd_bwd']:.1f}", f"{r['det_bwd'] / r['default_bwd']:.2f}",
-                      r["det_bitwise_5"], f"{r['max_rel_err']:.1e}", *eager])
-    lines += table(["workload", "dtype", "locations", "scheme", "fwd", "fwd+bwd", "ref fwd", "ref fwd+bwd", "fwd x",
-                    "fwd+bwd x", "det cost", "bitwise", "err", "eager fwd+bwd", "ref eager", "graph fwd+bwd"], cells)
-    lines += ["", *table(["target", "measured", "met"],
-                         [[name, value, "yes" if ok else "NO"] for name, value, ok in target_checks(rows)])]
+        eager = (
+            [f"{t['eager_fwd_bwd']:.3f}", f"{p['eager_fwd_bwd']:.3f}", f"{t['graph_fwd_bwd']:.3f}"]
+            if "eager_fwd_bwd" in t
+            else ["", "", ""]
+        )
+        cells.append(
+            [
+                r["workload"],
+                r["dtype"],
+                r["locations"],
+                r["scheme"],
+                f"{t['fwd']:.3f}",
+                f"{t['fwd_bwd']:.3f}",
+                f"{p['fwd']:.3f}",
+                f"{p['fwd_bwd']:.3f}",
+                f"{p['fwd'] / t['fwd']:.1f}",
+                f"{p['fwd_bwd'] / t['fwd_bwd']:.1f}",
+                f"{r['det_bwd'] / r['default_bwd']:.2f}",
+                r["det_bitwise_5"],
+                f"{r['max_rel_err']:.1e}",
+                *eager,
+            ]
+        )
+    lines += table(
+        [
+            "workload",
+            "dtype",
+            "locations",
+            "scheme",
+            "fwd",
+            "fwd+bwd",
+            "ref fwd",
+            "ref fwd+bwd",
+            "fwd x",
+            "fwd+bwd x",
+            "det cost",
+            "bitwise",
+            "err",
+            "eager fwd+bwd",
+            "ref eager",
+            "graph fwd+bwd",
+        ],
+        cells,
+    )
+    lines += [
+        "",
+        *table(
+            ["target", "measured", "met"],
+            [[name, value, "yes" if ok else "NO"] for name, value, ok in target_checks(rows)],
+        ),
+    ]
     return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; smoke: outputs/bench)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check the script end to end on the CPU interpreter (tiny shapes, times meaningless)",
+    )
     parser.add_argument("--no-sweep", action="store_true", help="targets only, with the table in msda/launch_table.py")
-    parser.add_argument("--apply-table", action="store_true",
-                        help="write the swept launch table into msda/launch_table.py (its TUNED block)")
+    parser.add_argument(
+        "--apply-table",
+        action="store_true",
+        help="write the swept launch table into msda/launch_table.py (its TUNED block)",
+    )
     parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128], help="head dims to sweep")
-    parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
-                        help="processes that precompile the sweep's kernels")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
+        help="processes that precompile the sweep's kernels",
+    )
     return parser
 
 
@@ -471,8 +617,11 @@ def main():
         records = sweep(args.dims, out)
         table = picks(records)
         launch.update_table(table)
-        record.update(sweep=records, table=[[list(k), v] for k, v in table.items()],
-                      table_note="The launch table is this run's sweep's (the json's table).")
+        record.update(
+            sweep=records,
+            table=[[list(k), v] for k, v in table.items()],
+            table_note="The launch table is this run's sweep's (the json's table).",
+        )
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
         if args.apply_table:  # entries of kinds this script does not sweep (bench/msda_variants.py's) stay
             kept = {key: value for key, value in launch.TUNED.items() if key[0] not in SWEPT_KINDS}

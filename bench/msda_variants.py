@@ -64,35 +64,45 @@ def candidates(kind: str, nbytes: int) -> list:
     thread (more make Triton convert layouts, launch_table.grouped_config); cells (lanes, CH, warps) likewise
     one lane per thread chunk; the deterministic kinds pair the keys kernel's config with the cell pass's."""
     if SMOKE:
-        return {"grouped_forward": [(64, 1, 4), (32, 2, 2)], "grouped_fused": [(64, 1, 4)],
-                "grouped_hybrid": [(None, 8)], "det_grouped_cells": [(None, (64, 1, 4))],
-                "det_classic_cells": [(None, (64, 1, 4))], "det_grouped_gather": [None]}[kind]
+        return {
+            "grouped_forward": [(64, 1, 4), (32, 2, 2)],
+            "grouped_fused": [(64, 1, 4)],
+            "grouped_hybrid": [(None, 8)],
+            "det_grouped_cells": [(None, (64, 1, 4))],
+            "det_classic_cells": [(None, (64, 1, 4))],
+            "det_grouped_gather": [None],
+        }[kind]
     if kind in ("grouped_forward", "grouped_fused"):
         configs = []
         # Chunks of 16 or 32 bytes; 4-channel groups of a 2-byte value spill in the forward (bench/msda_sass.py).
-        for block_c in (((8, 4) if nbytes == 4 else (16, 8)) if kind == "grouped_forward" else (8, 4)):
+        for block_c in ((8, 4) if nbytes == 4 else (16, 8)) if kind == "grouped_forward" else (8, 4):
             # the forward's chunks are of value's dtype; the backward's threads follow its fp32 atomics
             chunk_threads = max(1, block_c * (nbytes if kind == "grouped_forward" else 4) // 16)
             configs += [(32 * warps // (P * chunk_threads), D // block_c, warps) for warps in (2, 4, 8)]
         return configs
     cells = [(64, 4, 4), (128, 8, 4), (32, 4, 2)]
-    return {"grouped_hybrid": [(None, 64), (None, 256)],
-            "det_grouped_cells": [(None, c) for c in cells] + [((8, 4, 2), (64, 4, 4))],
-            "det_classic_cells": [(None, (64, 4, 4))],
-            "det_grouped_gather": [None, (8, 4, 2)]}[kind]
+    return {
+        "grouped_hybrid": [(None, 64), (None, 256)],
+        "det_grouped_cells": [(None, c) for c in cells] + [((8, 4, 2), (64, 4, 4))],
+        "det_classic_cells": [(None, (64, 4, 4))],
+        "det_grouped_gather": [None, (8, 4, 2)],
+    }[kind]
 
 
 def run(kind: str, config, inputs):
     """One call of a variant through the launchers; config None: the table's (today's for classic kinds)."""
     value, loc, weights, grad_out = inputs
     if kind.endswith("forward"):
-        return launch.forward(value, LEVELS, loc, weights, config=config,
-                              kernels="grouped" if kind.startswith("grouped") else "classic")
+        return launch.forward(
+            value, LEVELS, loc, weights, config=config, kernels="grouped" if kind.startswith("grouped") else "classic"
+        )
     configs, kwargs = {}, {"kernels": "grouped"}
     if kind == "classic_backward":
         large = value.shape[0] * loc.shape[1] * M >= launch_table.LARGE
-        kwargs = {"kernels": "classic", "scheme": TODAY_TABLE.get(("scheme", D, value.element_size(), L, P, large),
-                                                                   "fused")}
+        kwargs = {
+            "kernels": "classic",
+            "scheme": TODAY_TABLE.get(("scheme", D, value.element_size(), L, P, large), "fused"),
+        }
     elif kind == "classic_deterministic":
         kwargs = {"kernels": "classic", "deterministic": True, "scheme": "gather"}
     elif kind == "new_backward":
@@ -122,7 +132,8 @@ def median_ms(fn, rep: int = 20) -> float:
 def all_variants(nbytes: int) -> list:
     """(kind, config) of every kernel variant this run launches for a value of ``nbytes``, today's included."""
     return [(k, c) for k in ("grouped_forward", *BACKWARD, *DETERMINISTIC) for c in candidates(k, nbytes)] + [
-        (k, None) for k in TODAY]
+        (k, None) for k in TODAY
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -147,8 +158,12 @@ def precompile(jobs: int) -> float:
     """Compiles each variant once per size class: the cell and gather passes' tiles follow the density, today's
     configurations the table's encoder or decoder entries."""
     classes = [WORKLOADS[0], WORKLOADS[-1]]
-    tasks = [(w[0], w[1], w[2], d, kind, config) for w in classes for d, t in DTYPES.items()
-             for kind, config in all_variants(t.itemsize)]
+    tasks = [
+        (w[0], w[1], w[2], d, kind, config)
+        for w in classes
+        for d, t in DTYPES.items()
+        for kind, config in all_variants(t.itemsize)
+    ]
     tasks = tasks[:3] if SMOKE else tasks
     start = time.perf_counter()
     try:
@@ -157,8 +172,11 @@ def precompile(jobs: int) -> float:
     except Exception as error:  # without the pool every kernel still compiles on first use, only slower
         errors = [f"the pool itself: {type(error).__name__}: {error}"]
     seconds = time.perf_counter() - start
-    print(f"precompiled {len(tasks)} variants in {seconds:.0f} s with {jobs} processes"
-          + "".join(f"\n  failed {e}" for e in errors), flush=True)
+    print(
+        f"precompiled {len(tasks)} variants in {seconds:.0f} s with {jobs} processes"
+        + "".join(f"\n  failed {e}" for e in errors),
+        flush=True,
+    )
     return seconds
 
 
@@ -174,8 +192,14 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-CHECKS = [("grouped_forward", None), ("grouped_fused", None), ("grouped_hybrid", (None, 64)),
-          ("det_grouped_cells", (None, None)), ("det_classic_cells", (None, None)), ("det_grouped_gather", None)]
+CHECKS = [
+    ("grouped_forward", None),
+    ("grouped_fused", None),
+    ("grouped_hybrid", (None, 64)),
+    ("det_grouped_cells", (None, None)),
+    ("det_classic_cells", (None, None)),
+    ("det_grouped_gather", None),
+]
 
 
 def check(failures: list) -> list:
@@ -202,8 +226,17 @@ def check(failures: list) -> list:
                 except Exception as error:  # a kernel this Triton cannot build or run: reported, the run goes on
                     raised = f"{type(error).__name__}: {error}"
                 ok = not raised and all(e is None or e < tolerance for e in errors) and bitwise is not False
-                rows.append({"kind": kind, "dtype": dtype_name, "locations": dist, "errors": errors,
-                             "bitwise": bitwise, "ok": ok, "raised": raised})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "dtype": dtype_name,
+                        "locations": dist,
+                        "errors": errors,
+                        "bitwise": bitwise,
+                        "ok": ok,
+                        "raised": raised,
+                    }
+                )
                 if not ok:
                     failures.append(f"{kind} {dtype_name} {dist}: errors {errors}, bitwise {bitwise} {raised}")
                     print(f"CHECK FAILED {failures[-1]}", flush=True)
@@ -227,26 +260,48 @@ def sweep(out: Path, failures: list) -> list:
                         try:
                             result = run(kind, config, inputs)
                         except Exception as error:  # reported; the other candidates still compete
-                            failures.append(f"sweep {kind} {config} {name} {dtype_name}: {type(error).__name__}: "
-                                            f"{error}")
+                            failures.append(
+                                f"sweep {kind} {config} {name} {dtype_name}: {type(error).__name__}: {error}"
+                            )
                             print(f"CHECK FAILED {failures[-1]}", flush=True)
                             continue
                         result = [result] if kind.endswith("forward") else list(result)
                         if first is None:
                             first = result
                         elif max(rel_err(a, b) for a, b in zip(result, first)) > tolerance:
-                            failures.append(f"sweep {kind} {config} {name} {dtype_name} {dist}: differs from "
-                                            f"{candidates(kind, dtype.itemsize)[0]}")
+                            failures.append(
+                                f"sweep {kind} {config} {name} {dtype_name} {dist}: differs from "
+                                f"{candidates(kind, dtype.itemsize)[0]}"
+                            )
                             print(f"CHECK FAILED {failures[-1]}", flush=True)
                         ms = median_ms(lambda: run(kind, config, inputs))
-                        records.append({"workload": name, "large": N * Lq * M >= launch_table.LARGE,
-                                        "dtype": dtype_name, "locations": dist, "kind": kind, "config": config,
-                                        "ms": ms})
-                best = {k: min([r["ms"] for r in records if (r["workload"], r["dtype"], r["locations"], r["kind"])
-                                == (name, dtype_name, dist, k)], default=float("nan"))
-                        for k in ("grouped_forward", *BACKWARD, *DETERMINISTIC, *TODAY)}
-                print(f"sweep {name:<17} {dtype_name} {dist:<9} best ms: "
-                      + " ".join(f"{k} {v:.3f}" for k, v in best.items()), flush=True)
+                        records.append(
+                            {
+                                "workload": name,
+                                "large": N * Lq * M >= launch_table.LARGE,
+                                "dtype": dtype_name,
+                                "locations": dist,
+                                "kind": kind,
+                                "config": config,
+                                "ms": ms,
+                            }
+                        )
+                best = {
+                    k: min(
+                        [
+                            r["ms"]
+                            for r in records
+                            if (r["workload"], r["dtype"], r["locations"], r["kind"]) == (name, dtype_name, dist, k)
+                        ],
+                        default=float("nan"),
+                    )
+                    for k in ("grouped_forward", *BACKWARD, *DETERMINISTIC, *TODAY)
+                }
+                print(
+                    f"sweep {name:<17} {dtype_name} {dist:<9} best ms: "
+                    + " ".join(f"{k} {v:.3f}" for k, v in best.items()),
+                    flush=True,
+                )
         (out / f"{NAME}_sweep.partial.json").write_text(json.dumps(records))
     return records
 
@@ -291,7 +346,8 @@ def switches(best: dict) -> dict:
             entries[("scheme", *key)] = backward.split("_")[1]
             if backward == "grouped_hybrid":
                 entries[("grouped_hybrid", *key)] = config[0] or launch_table.grouped_config(
-                    "grouped_hybrid", D, nbytes, P)
+                    "grouped_hybrid", D, nbytes, P
+                )
                 entries[("hybrid_split", D, nbytes, large)] = config[1]
         deterministic = min(DETERMINISTIC, key=lambda k: best[(k, nbytes, large)][1])
         config, ms = best[(deterministic, nbytes, large)]
@@ -318,7 +374,7 @@ def peak_extra_mib(fn) -> float:
     before = torch.cuda.memory_allocated()
     fn()
     sync()
-    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def compare(out: Path, failures: list) -> list:
@@ -329,30 +385,40 @@ def compare(out: Path, failures: list) -> list:
                 inputs = make_inputs(N, Lq, M, D, dtype, dist)
                 row = {"workload": name, "dtype": dtype_name, "locations": dist, "large": N * Lq * M >= launch.LARGE}
                 try:
-                    for era, kinds in (("today", TODAY), ("new", ("grouped_forward", "new_backward",
-                                                                  "new_deterministic"))):
+                    for era, kinds in (
+                        ("today", TODAY),
+                        ("new", ("grouped_forward", "new_backward", "new_deterministic")),
+                    ):
                         forward, backward, deterministic = kinds
                         if era == "new":  # the forward's family as the table now says
-                            forward = "grouped_forward" if launch.launch_config(
-                                ("forward_kernels", D, dtype.itemsize, L, P, row["large"])) == "grouped" \
+                            forward = (
+                                "grouped_forward"
+                                if launch.launch_config(("forward_kernels", D, dtype.itemsize, L, P, row["large"]))
+                                == "grouped"
                                 else "classic_forward"
+                            )
                         row[era] = {
                             "fwd": median_ms(lambda: run(forward, None, inputs), rep=50),
                             "bwd": median_ms(lambda: run(backward, None, inputs), rep=50),
-                            "fwd_bwd": median_ms(lambda: (run(forward, None, inputs), run(backward, None, inputs)),
-                                                 rep=50),
+                            "fwd_bwd": median_ms(
+                                lambda: (run(forward, None, inputs), run(backward, None, inputs)), rep=50
+                            ),
                             "det_bwd": median_ms(lambda: run(deterministic, None, inputs), rep=50),
                             "bwd_mib": peak_extra_mib(lambda: run(backward, None, inputs)),
-                            "det_mib": peak_extra_mib(lambda: run(deterministic, None, inputs))}
+                            "det_mib": peak_extra_mib(lambda: run(deterministic, None, inputs)),
+                        }
                 except Exception as error:  # reported; the other rows are still measured
                     failures.append(f"compare {name} {dtype_name} {dist}: {type(error).__name__}: {error}")
                     print(f"CHECK FAILED {failures[-1]}", flush=True)
                     continue
                 rows.append(row)
                 t, n = row["today"], row["new"]
-                print(f"{name:<17} {dtype_name} {dist:<9} fwd {t['fwd']:.3f}->{n['fwd']:.3f} bwd {t['bwd']:.3f}->"
-                      f"{n['bwd']:.3f} f+b {t['fwd_bwd']:.3f}->{n['fwd_bwd']:.3f} det {t['det_bwd']:.3f}->"
-                      f"{n['det_bwd']:.3f} ms", flush=True)
+                print(
+                    f"{name:<17} {dtype_name} {dist:<9} fwd {t['fwd']:.3f}->{n['fwd']:.3f} bwd {t['bwd']:.3f}->"
+                    f"{n['bwd']:.3f} f+b {t['fwd_bwd']:.3f}->{n['fwd_bwd']:.3f} det {t['det_bwd']:.3f}->"
+                    f"{n['det_bwd']:.3f} ms",
+                    flush=True,
+                )
                 (out / f"{NAME}.partial.json").write_text(json.dumps(rows))
     return rows
 
@@ -362,8 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; smoke: outputs/bench)")
     parser.add_argument("--smoke", action="store_true", help="every code path on the CPU interpreter, tiny shapes")
     parser.add_argument("--apply-table", action="store_true", help="merge the picks into msda/launch_table.py")
-    parser.add_argument("--jobs", type=int, default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
-                        help="processes that precompile the kernels")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
+        help="processes that precompile the kernels",
+    )
     return parser
 
 

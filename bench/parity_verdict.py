@@ -11,8 +11,11 @@ import statistics
 
 AP_TARGET = 0.25
 # (configuration, its reference): the pairs the pass criterion compares.
-COMPARISONS = (("triton-eager", "pytorch-eager"), ("triton-compiled", "triton-eager"),
-               ("triton-graphs", "triton-eager"))
+COMPARISONS = (
+    ("triton-eager", "pytorch-eager"),
+    ("triton-compiled", "triton-eager"),
+    ("triton-graphs", "triton-eager"),
+)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -24,21 +27,37 @@ def summarize(rows: list[dict]) -> dict:
     for config in dict.fromkeys(r["config"] for r in rows):
         done = [r for r in rows if r["config"] == config and "failed" not in r]
         aps, ap50s = [r["ap"] for r in done], [r["ap50"] for r in done]
-        per_config[config] = {"runs": len(done), "failed": sum(1 for r in rows if r["config"] == config) - len(done),
-                              "mean_ap": statistics.fmean(aps) if aps else None,
-                              "spread_ap": max(aps) - min(aps) if aps else None,
-                              "mean_ap50": statistics.fmean(ap50s) if ap50s else None,
-                              "spread_ap50": max(ap50s) - min(ap50s) if ap50s else None,
-                              "meets_ap_target": bool(aps) and statistics.fmean(aps) >= AP_TARGET}
+        per_config[config] = {
+            "runs": len(done),
+            "failed": sum(1 for r in rows if r["config"] == config) - len(done),
+            "mean_ap": statistics.fmean(aps) if aps else None,
+            "spread_ap": max(aps) - min(aps) if aps else None,
+            "mean_ap50": statistics.fmean(ap50s) if ap50s else None,
+            "spread_ap50": max(ap50s) - min(ap50s) if ap50s else None,
+            "meets_ap_target": bool(aps) and statistics.fmean(aps) >= AP_TARGET,
+        }
     comparisons = []
     for config, reference in COMPARISONS:
         a, b = per_config.get(config), per_config.get(reference)
         if not a or not b or a["runs"] < 2 or b["runs"] < 2:
-            comparisons.append({"config": config, "reference": reference, "passed": None,
-                                "why": "not run, or fewer than 2 finished seeds for one of them: no spread"})
+            comparisons.append(
+                {
+                    "config": config,
+                    "reference": reference,
+                    "passed": None,
+                    "why": "not run, or fewer than 2 finished seeds for one of them: no spread",
+                }
+            )
             continue
         difference = abs(a["mean_ap"] - b["mean_ap"])
         allowed = max(a["spread_ap"], b["spread_ap"])
-        comparisons.append({"config": config, "reference": reference, "difference": difference,
-                            "allowed": allowed, "passed": difference <= allowed})
+        comparisons.append(
+            {
+                "config": config,
+                "reference": reference,
+                "difference": difference,
+                "allowed": allowed,
+                "passed": difference <= allowed,
+            }
+        )
     return {"per_config": per_config, "comparisons": comparisons}

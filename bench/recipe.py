@@ -36,8 +36,12 @@ from bench.train_runs import run_all, train_run  # noqa: E402
 NAME = "recipe_cpu"
 # The synthetic runs are short (63 steps an epoch): the average follows about the last 100 steps, warmed up over 100.
 EMA = ["ema.decay=0.99", "ema.warmup_steps=100"]
-CONFIGS = {"baseline": [], "ema": EMA, "hybrid": ["model.hybrid_matching=true"],
-           "hybrid-ema": ["model.hybrid_matching=true", *EMA]}
+CONFIGS = {
+    "baseline": [],
+    "ema": EMA,
+    "hybrid": ["model.hybrid_matching=true"],
+    "hybrid-ema": ["model.hybrid_matching=true", *EMA],
+}
 # A 12-epoch schedule with its lr drop near the end, as H-DETR's 12-epoch recipe (drop after 11 of 12).
 SCHEDULE = ["epochs=12", "optim.lr_drop=10", "eval_every=1", "checkpoint_every=12"]
 QUICK = ["epochs=1", "max_steps=2", "dataset.num_train=16", "dataset.num_val=8"]
@@ -45,10 +49,20 @@ EPOCHS_SHARE = 0.6  # the target: the baseline's final AP in at most this share 
 
 
 def run_one(args, config: str, seed: int) -> dict:
-    overrides = [*CONFIGS[config], *args.schedule, f"seed={seed}", "device=cpu", "num_workers=0",
-                 f"dataset.root={args.work / 'data'}", "eval_images=0"]
-    row = {"config": config, "seed": seed,
-           **train_run(overrides, run_dir=args.work / "runs" / f"{config}_seed{seed}", parallel=args.parallel)}
+    overrides = [
+        *CONFIGS[config],
+        *args.schedule,
+        f"seed={seed}",
+        "device=cpu",
+        "num_workers=0",
+        f"dataset.root={args.work / 'data'}",
+        "eval_images=0",
+    ]
+    row = {
+        "config": config,
+        "seed": seed,
+        **train_run(overrides, run_dir=args.work / "runs" / f"{config}_seed{seed}", parallel=args.parallel),
+    }
     if "failed" in row:
         print(f"recipe {config} seed {seed}: FAILED ({row['failed']})", flush=True)
         return row
@@ -66,9 +80,13 @@ def summarize(rows: list[dict]) -> dict:
         epochs = sorted(set.intersection(*(set(r["ap"]) for r in done))) if done else []
         mean = {e: statistics.fmean(r["ap"][e] for r in done) for e in epochs}
         spread = {e: max(r["ap"][e] for r in done) - min(r["ap"][e] for r in done) for e in epochs}
-        per_config[config] = {"runs": len(done), "mean_ap": mean, "spread_ap": spread,
-                              "final_mean_ap": mean[epochs[-1]] if epochs else None,
-                              "final_spread_ap": spread[epochs[-1]] if epochs else None}
+        per_config[config] = {
+            "runs": len(done),
+            "mean_ap": mean,
+            "spread_ap": spread,
+            "final_mean_ap": mean[epochs[-1]] if epochs else None,
+            "final_spread_ap": spread[epochs[-1]] if epochs else None,
+        }
     return {"per_config": per_config, "target": target(per_config)}
 
 
@@ -81,34 +99,54 @@ def target(per_config: dict) -> dict:
     sooner = reached is not None and reached <= EPOCHS_SHARE * epochs
     margin = best["final_mean_ap"] - base["final_mean_ap"]
     allowed = max(base["final_spread_ap"], best["final_spread_ap"])
-    return {"met": sooner or margin > allowed, "epochs": epochs, "reached_baseline_at": reached,
-            "final_margin": margin, "seed_spread": allowed}
+    return {
+        "met": sooner or margin > allowed,
+        "epochs": epochs,
+        "reached_baseline_at": reached,
+        "final_margin": margin,
+        "seed_spread": allowed,
+    }
 
 
 def report_lines(record: dict) -> list[str]:
     h, summary = record["header"], record["summary"]
     lines = header_lines(
-        "Fewer epochs to the same AP: hybrid matching and model EMA on the synthetic set", h,
+        "Fewer epochs to the same AP: hybrid matching and model EMA on the synthetic set",
+        h,
         f"Each run is `python train.py` (the synthetic default: model=tiny, 256 training images of 1-5 objects) with "
         f"`{' '.join(h['schedule'])}`, its configuration's overrides and a seed, {h['parallel']} runs at once "
         f"({h['wall_s']:.0f} s in all). AP is COCO's AP (IoU .50:.95) on the 64 validation images after each epoch; "
-        "with EMA it is the average's. Each cell is the mean over the seeds and, in brackets, its spread (max - min).")
+        "with EMA it is the average's. Each cell is the mean over the seeds and, in brackets, its spread (max - min).",
+    )
     # Epochs as numbers also in a record read back from its json (whose keys are strings).
-    per_config = {config: {**c, **{key: {int(e): v for e, v in c[key].items()} for key in ("mean_ap", "spread_ap")}}
-                  for config, c in summary["per_config"].items()}
+    per_config = {
+        config: {**c, **{key: {int(e): v for e, v in c[key].items()} for key in ("mean_ap", "spread_ap")}}
+        for config, c in summary["per_config"].items()
+    }
     epochs = sorted({e for c in per_config.values() for e in c["mean_ap"]})
-    cells = [[config, c["runs"], *(f"{c['mean_ap'][e]:.4f} ({c['spread_ap'][e]:.4f})" if e in c["mean_ap"]
-                                   else "-" for e in epochs)] for config, c in per_config.items()]
+    cells = [
+        [
+            config,
+            c["runs"],
+            *(f"{c['mean_ap'][e]:.4f} ({c['spread_ap'][e]:.4f})" if e in c["mean_ap"] else "-" for e in epochs),
+        ]
+        for config, c in per_config.items()
+    ]
     lines += table(["configuration", "seeds", *(f"epoch {e}" for e in epochs)], cells)
     t = summary["target"]
     if t["met"] is None:
         verdict = f"not checked: {t['why']}"
     else:
-        reached = (f"reached the baseline's final mean AP at epoch {t['reached_baseline_at']} of {t['epochs']}"
-                   if t["reached_baseline_at"] is not None else "never reached the baseline's final mean AP")
-        verdict = (f"{'met' if t['met'] else 'MISSED'}: hybrid-ema {reached} (target: at most "
-                   f"{EPOCHS_SHARE:.0%} of the epochs), and ended {cell(t['final_margin'], '+.4f')} from it "
-                   f"(the larger seed spread: {cell(t['seed_spread'], '.4f')})")
+        reached = (
+            f"reached the baseline's final mean AP at epoch {t['reached_baseline_at']} of {t['epochs']}"
+            if t["reached_baseline_at"] is not None
+            else "never reached the baseline's final mean AP"
+        )
+        verdict = (
+            f"{'met' if t['met'] else 'MISSED'}: hybrid-ema {reached} (target: at most "
+            f"{EPOCHS_SHARE:.0%} of the epochs), and ended {cell(t['final_margin'], '+.4f')} from it "
+            f"(the larger seed spread: {cell(t['seed_spread'], '.4f')})"
+        )
     lines += ["", f"Target: {verdict}."]
     if record.get("notes"):
         lines += ["", record["notes"]]
@@ -141,8 +179,12 @@ def main() -> None:
     runs = [(config, seed) for seed in args.seeds for config in args.configs]
     started = time.perf_counter()
     rows = run_all(lambda *run: run_one(args, *run), runs, parallel=args.parallel)
-    header = run_header(cpus=len(os.sched_getaffinity(0)), parallel=args.parallel,
-                        wall_s=time.perf_counter() - started, schedule=args.schedule)
+    header = run_header(
+        cpus=len(os.sched_getaffinity(0)),
+        parallel=args.parallel,
+        wall_s=time.perf_counter() - started,
+        schedule=args.schedule,
+    )
     record = {"header": header, "rows": rows, "summary": summarize(rows), "notes": args.notes}
     json_path, md_path = write_report(NAME, record, report_lines(record), out=out)
     print(f"recipe: target {record['summary']['target']}; wrote {json_path}, {md_path}", flush=True)

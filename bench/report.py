@@ -28,10 +28,16 @@ def out_dir(out: Path | None, trial: bool) -> Path:
 def commit() -> str:
     """The checkout's commit, with "+changes" when its tracked files differ from it ("unknown" outside git)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
@@ -43,22 +49,40 @@ def run_header(**extra) -> dict:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(), "commit": commit(),
-            "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), **extra}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": commit(),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        **extra,
+    }
 
 
 def header_lines(title: str, header: dict, how_to_read: str) -> list[str]:
     """The top of a report: its title, the run it comes from, and one paragraph on how to read it."""
-    return [f"# {title}", "",
-            f"{header['date']}, {header['gpu']}, torch {header['torch']}, triton {header['triton']}, "
-            f"commit {header['commit']}:", "", f"    {header['command']}", "", how_to_read, ""]
+    return [
+        f"# {title}",
+        "",
+        f"{header['date']}, {header['gpu']}, torch {header['torch']}, triton {header['triton']}, "
+        f"commit {header['commit']}:",
+        "",
+        f"    {header['command']}",
+        "",
+        how_to_read,
+        "",
+    ]
 
 
 def table(columns: list[str], rows: list[list]) -> list[str]:
     """A markdown table."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows),
+    ]
 
 
 def cell(value, spec: str = ".1f") -> str:

@@ -31,8 +31,11 @@ def device_us(event) -> float:
 
 def step_phases(events) -> list[tuple[str, float, float]]:
     """(name, start, end) of the host's ranges named for the step's phases."""
-    return [(e.name, e.time_range.start, e.time_range.end) for e in events
-            if e.name.startswith(STEP_PHASES) and not str(e.device_type).endswith("CUDA")]
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name.startswith(STEP_PHASES) and not str(e.device_type).endswith("CUDA")
+    ]
 
 
 def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
@@ -119,10 +122,20 @@ def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: boo
         nccl_us += us if "nccl" in event.key.lower() else 0.0
     events = prof.events()
     idle = idle_by_phase(device_activity(events), step_phases(events)) if cuda else {}
-    return {"gpu_kernel_ms": kernel_us / steps / 1e3, "launches": launches / steps,
-            "attention_share": attention_us / max(kernel_us, 1e-9), "nccl_kernel_ms": nccl_us / steps / 1e3,
-            **({"gpu_idle_ms": sum(idle.values()) / steps / 1e3,
-                "gpu_idle_by_phase_ms": {k: v / steps / 1e3 for k, v in sorted(idle.items())}} if idle else {})}
+    return {
+        "gpu_kernel_ms": kernel_us / steps / 1e3,
+        "launches": launches / steps,
+        "attention_share": attention_us / max(kernel_us, 1e-9),
+        "nccl_kernel_ms": nccl_us / steps / 1e3,
+        **(
+            {
+                "gpu_idle_ms": sum(idle.values()) / steps / 1e3,
+                "gpu_idle_by_phase_ms": {k: v / steps / 1e3 for k, v in sorted(idle.items())},
+            }
+            if idle
+            else {}
+        ),
+    }
 
 
 def count_syncs(run_step) -> int:
@@ -153,8 +166,17 @@ def back_to_back_ms(run_step, sync, *, steps: int, blocks: int = 3) -> float:
 
 
 # The parts of a training step that gpu_time_by_part charges the GPU's time to, in the report's order.
-PARTS = ("backbone", "encoder attention", "encoder rest", "decoder attention", "decoder rest", "matching and losses",
-         "update", "copies", "idle")
+PARTS = (
+    "backbone",
+    "encoder attention",
+    "encoder rest",
+    "decoder attention",
+    "decoder rest",
+    "matching and losses",
+    "update",
+    "copies",
+    "idle",
+)
 
 
 def gpu_time_by_part(trace: dict, *, steps: int) -> dict[str, float]:
@@ -173,14 +195,18 @@ def gpu_time_by_part(trace: dict, *, steps: int) -> dict[str, float]:
     the figures are the parts' sizes, not an exact account. Idle: the time in the profiled work's span in which the GPU
     ran nothing.
     """
-    work = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
-                  key=lambda e: e["ts"])
+    work = sorted(
+        (e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+        key=lambda e: e["ts"],
+    )
     if not work or steps < 1:
         return {}
     totals = dict.fromkeys(PARTS, 0.0)
     # The encoder's and the decoder's calls of each attention kernel (forward, backward) apart, by its grid.
-    split = {name: _largest_gap(sorted({_grid(e) for e in work if e["name"] == name}))
-             for name in {e["name"] for e in work if _is_attention(e)}}
+    split = {
+        name: _largest_gap(sorted({_grid(e) for e in work if e["name"] == name}))
+        for name in {e["name"] for e in work if _is_attention(e)}
+    }
     for step in _steps(work):
         for part, events in _parts_of_step(step, split).items():
             totals[part] += _union_us(events)
@@ -202,8 +228,11 @@ UPDATE_FUNCTORS = ("LpNormFunctor", "BinaryOpScalarTensorFunctor", "FusedAdamMat
 
 
 def _is_update(event) -> bool:
-    return event.get("cat") == "kernel" and "multi_tensor_apply" in event["name"] and any(
-        functor in event["name"] for functor in UPDATE_FUNCTORS)
+    return (
+        event.get("cat") == "kernel"
+        and "multi_tensor_apply" in event["name"]
+        and any(functor in event["name"] for functor in UPDATE_FUNCTORS)
+    )
 
 
 def _is_optimizer(event) -> bool:
@@ -248,8 +277,10 @@ def _parts_of_step(step: list[dict], split: dict[str, float]) -> dict[str, list[
     latest = None  # the forward's latest attention kind met
     # The update begins with the gradient norm; every foreach kernel from there on is the update's.
     first_update = next((i for i, kind in enumerate(kinds) if kind == "update"), len(units))
-    kinds = [("update" if i > first_update and all("multi_tensor_apply" in e["name"] for e in unit) else kind)
-             for i, (unit, kind) in enumerate(zip(units, kinds))]
+    kinds = [
+        ("update" if i > first_update and all("multi_tensor_apply" in e["name"] for e in unit) else kind)
+        for i, (unit, kind) in enumerate(zip(units, kinds))
+    ]
     for i, (unit, kind) in enumerate(zip(units, kinds)):
         if kind.endswith("attention") and i < matching:
             latest = kind
@@ -295,8 +326,14 @@ def _unit_kind(unit: list[dict], split: dict[str, float]) -> str:
     if all(_is_update(e) for e in unit):
         return "update"
     if all(e.get("cat") != "kernel" for e in unit):
-        return "to host" if any("DtoH" in e["name"] or "Device -> Pageable" in e["name"]
-                                or "Device -> Pinned" in e["name"] for e in unit) else "copies"
+        return (
+            "to host"
+            if any(
+                "DtoH" in e["name"] or "Device -> Pageable" in e["name"] or "Device -> Pinned" in e["name"]
+                for e in unit
+            )
+            else "copies"
+        )
     return "other"
 
 

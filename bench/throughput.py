@@ -74,11 +74,17 @@ RECIPES = ("coco_gpu", "hybrid")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="throughput.py", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--rows", type=row_spec, nargs="+", default=[("coco_gpu", 32), ("hybrid", 32)],
-                        help="RECIPE:BATCH, one row each: the experiment (coco_gpu or hybrid) and its total batch per "
-                             "optimizer step (one GPU: the whole batch in one pass)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"optimizer steps per row (default: {ROW_STEPS}; 16 with --smoke)")
+    parser.add_argument(
+        "--rows",
+        type=row_spec,
+        nargs="+",
+        default=[("coco_gpu", 32), ("hybrid", 32)],
+        help="RECIPE:BATCH, one row each: the experiment (coco_gpu or hybrid) and its total batch per "
+        "optimizer step (one GPU: the whole batch in one pass)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"optimizer steps per row (default: {ROW_STEPS}; 16 with --smoke)"
+    )
     parser.add_argument("--val-images", type=int, default=64, help="validation images (the run's final evaluation)")
     parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every row")
     parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take before it is stopped")
@@ -86,8 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     parser.add_argument("--name", default="throughput_h200", help="the report's file name, without extension")
     parser.add_argument("--smoke", action="store_true", help="the CPU, a tiny model and set: checks the script only")
-    parser.add_argument("--traces", type=Path, default=None,
-                        help="also keep each row's profiler trace here, gzipped (the runs' folders are --work's)")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        help="also keep each row's profiler trace here, gzipped (the runs' folders are --work's)",
+    )
     return parser
 
 
@@ -119,13 +129,20 @@ def _write_image(job: tuple) -> dict:
         x, y = int(rng.integers(0, width - w)), int(rng.integers(0, height - h))
         shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
         shape([x, y, x + w, y + h], fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
-        annotations.append({"id": image_id * 100 + k, "image_id": image_id, "iscrowd": 0, "area": float(w * h),
-                            "bbox": [x, y, int(w), int(h)], "category_id": int(rng.choice(categories))})
+        annotations.append(
+            {
+                "id": image_id * 100 + k,
+                "image_id": image_id,
+                "iscrowd": 0,
+                "area": float(w * h),
+                "bbox": [x, y, int(w), int(h)],
+                "category_id": int(rng.choice(categories)),
+            }
+        )
     pixels = np.asarray(image, dtype=np.float32) + rng.normal(0.0, NOISE_SIGMA, (height, width, 3))
     name = f"{image_id:012d}.jpg"
     Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / name, "JPEG", quality=90)
-    return {"image": {"id": image_id, "file_name": name, "width": width, "height": height},
-            "annotations": annotations}
+    return {"image": {"id": image_id, "file_name": name, "width": width, "height": height}, "annotations": annotations}
 
 
 def write_coco_like(root: Path, *, train: int, val: int, seed: int = 0, side: int = 640) -> Path:
@@ -144,8 +161,11 @@ def write_coco_like(root: Path, *, train: int, val: int, seed: int = 0, side: in
             folder.mkdir(exist_ok=True)
             first = 1 if split == "train" else 10_000_000
             entries = pool.map(_write_image, [(folder, first + i, seed, side) for i in range(count)], chunksize=16)
-            coco = {"images": [e["image"] for e in entries], "categories": categories,
-                    "annotations": [a for e in entries for a in e["annotations"]]}
+            coco = {
+                "images": [e["image"] for e in entries],
+                "categories": categories,
+                "annotations": [a for e in entries for a in e["annotations"]],
+            }
             (root / "annotations" / f"instances_{split}2017.json").write_text(json.dumps(coco))
     done.write_text(json.dumps(wanted))
     return root
@@ -162,8 +182,9 @@ class BusySampler:
             import pynvml
 
             pynvml.nvmlInit()
-            self._read = lambda handle=pynvml.nvmlDeviceGetHandleByIndex(0): \
+            self._read = lambda handle=pynvml.nvmlDeviceGetHandleByIndex(0): (
                 pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            )
         except Exception:  # noqa: BLE001 - no NVML (the CPU): no busy share
             self._read = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -191,16 +212,40 @@ def profiled_steps(steps: int) -> int:
 
 
 def row_overrides(args, recipe: str, batch: int, run: Path, steps: int) -> list[str]:
-    common = [f"dataset.root={args.work / 'coco'}", f"total_batch_size={batch}", f"batch_size={batch}",
-              f"max_steps={steps}", "epochs=1", f"output_dir={run}", f"compile.cache_dir={args.work / 'cache'}",
-              "log_every=10", "eval_images=0", f"profile_steps=[{max(1, steps - profiled_steps(steps) + 1)},{steps}]"]
+    common = [
+        f"dataset.root={args.work / 'coco'}",
+        f"total_batch_size={batch}",
+        f"batch_size={batch}",
+        f"max_steps={steps}",
+        "epochs=1",
+        f"output_dir={run}",
+        f"compile.cache_dir={args.work / 'cache'}",
+        "log_every=10",
+        "eval_images=0",
+        f"profile_steps=[{max(1, steps - profiled_steps(steps) + 1)},{steps}]",
+    ]
     if args.smoke:
         recipe_keys = ["model.hybrid_matching=true", "ema.decay=0.9998"] if recipe == "hybrid" else []
-        return ["dataset=coco", "model=tiny", "device=cpu", *recipe_keys, "dataset.train_scales=[128]",
-                "dataset.max_size=160", "dataset.val_size=128", "dataset.crop=false", "num_workers=2", *common,
-                *args.overrides]
-    return [f"experiment={recipe}", "model.pretrained=none", f"compile.mode={RECIPE_COMPILE_MODE}", *common,
-            *args.overrides]
+        return [
+            "dataset=coco",
+            "model=tiny",
+            "device=cpu",
+            *recipe_keys,
+            "dataset.train_scales=[128]",
+            "dataset.max_size=160",
+            "dataset.val_size=128",
+            "dataset.crop=false",
+            "num_workers=2",
+            *common,
+            *args.overrides,
+        ]
+    return [
+        f"experiment={recipe}",
+        "model.pretrained=none",
+        f"compile.mode={RECIPE_COMPILE_MODE}",
+        *common,
+        *args.overrides,
+    ]
 
 
 def _environment_without_cache_choice() -> dict:
@@ -218,14 +263,21 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
     args.names_used.add(name)
     run = args.work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-                                   if gpus > 1 else [])
+    launcher = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
+    )
     command = [*launcher, str(ROOT / "train.py"), *row_overrides(args, recipe, batch, run, steps)]
     print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {' '.join(command[1:])}", flush=True)
     log = args.work / f"{name}.log"
     with BusySampler() as busy, open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=_environment_without_cache_choice())
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=_environment_without_cache_choice(),
+        )
         try:
             returncode = proc.wait(timeout=args.row_timeout)
         except subprocess.TimeoutExpired:
@@ -239,8 +291,11 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
     timing = json.loads((run / "timing.json").read_text())
     steady = timing["steady"]
     if steady is None:
-        return {"recipe": recipe, "batch": batch,
-                "error": "no steady step: every step compiled or warmed up a size (raise --steps)"}
+        return {
+            "recipe": recipe,
+            "batch": batch,
+            "error": "no steady step: every step compiled or warmed up a size (raise --steps)",
+        }
     img_s = steady["images_per_s"] * gpus  # timing.json counts rank 0's images
     profile = timing.get("profile") or {}
     parts = None
@@ -248,17 +303,32 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
         parts = gpu_time_by_part(json.loads((run / profile["trace"]).read_text()), steps=profile["steps"])
         if args.traces is not None:
             keep_trace(run / profile["trace"], args.traces / f"{name}_{profile['trace']}.gz")
-    return {"recipe": recipe, "name": name, "batch": batch, "per_gpu_batch": batch // gpus, "parts_ms": parts,
-            "gpus": gpus, "through": "train.py", "data": "jpeg",
-            "sizes": "coco-recipe", "img_s": img_s, "step_ms": steady["step_ms"],
-            "gpu_busy": profile.get("gpu_busy"), "gpu_busy_nvml": busy.share(*steady["window"]),
-            "profile": profile, "data_wait_share": steady["data_wait_share"],
-            "peak_gib": timing["peak_memory_gib"], "pixels_per_image": steady["pixels_per_image"],
-            "first_step_s": timing["first_step_s"], "steady_steps": steady["steps"], "steps": timing["steps"],
-            "steady_from_step": steady["first_step"],
-            "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
-            "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
-            "transformer": transformer_graphs(output)}
+    return {
+        "recipe": recipe,
+        "name": name,
+        "batch": batch,
+        "per_gpu_batch": batch // gpus,
+        "parts_ms": parts,
+        "gpus": gpus,
+        "through": "train.py",
+        "data": "jpeg",
+        "sizes": "coco-recipe",
+        "img_s": img_s,
+        "step_ms": steady["step_ms"],
+        "gpu_busy": profile.get("gpu_busy"),
+        "gpu_busy_nvml": busy.share(*steady["window"]),
+        "profile": profile,
+        "data_wait_share": steady["data_wait_share"],
+        "peak_gib": timing["peak_memory_gib"],
+        "pixels_per_image": steady["pixels_per_image"],
+        "first_step_s": timing["first_step_s"],
+        "steady_steps": steady["steps"],
+        "steps": timing["steps"],
+        "steady_from_step": steady["first_step"],
+        "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
+        "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
+        "transformer": transformer_graphs(output),
+    }
 
 
 def keep_trace(trace: Path, kept: Path) -> None:
@@ -298,8 +368,7 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
     for height, width in ((512, 672), (800, 1088)):
         images = torch.randn(1, 3, height, width, device="cuda")
         masks = torch.zeros(1, height, width, dtype=torch.bool, device="cuda")
-        targets = [{"labels": torch.arange(1, 8, device="cuda"),
-                    "boxes": torch.rand(7, 4, device="cuda") * 0.4 + 0.2}]
+        targets = [{"labels": torch.arange(1, 8, device="cuda"), "boxes": torch.rand(7, 4, device="cuda") * 0.4 + 0.2}]
         with FlopCounterMode(display=False) as counter, torch.autocast("cuda", dtype=torch.bfloat16):
             losses = criterion(model(images, masks), targets)
             sum(losses[k] * w for k, w in criterion.weight_dict.items() if k in losses).backward()
@@ -311,16 +380,18 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
 
 # ------------------------------------------------------------------------------------------------ report
 def how_to_read() -> str:
-    return ("Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as "
-            "the long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one "
-            "GPU, the batch in one pass; the rows share a compile cache, empty before the first. hybrid is hybrid"
-            " matching with model EMA. img/s, step and loader wait come from the run's steady steps (its "
-            f"timing.json); GPU busy is the share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke "
-            "run) in which the GPU ran a kernel, copy or memset (train.py's profile_steps: torch.profiler "
-            "recording the GPU's activity alone); NVML is the GPU's utilization counter over the steady steps "
-            "(coarse: sampled); MFU counts the model's matmul and convolution FLOPs (forward and backward) "
-            "against the GPU's dense bf16 peak; hours are 50 epochs of COCO (118,287 images x 50) at that rate; "
-            "the first step is from the process's start, compilation included (cold: into the empty cache).")
+    return (
+        "Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as "
+        "the long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one "
+        "GPU, the batch in one pass; the rows share a compile cache, empty before the first. hybrid is hybrid"
+        " matching with model EMA. img/s, step and loader wait come from the run's steady steps (its "
+        f"timing.json); GPU busy is the share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke "
+        "run) in which the GPU ran a kernel, copy or memset (train.py's profile_steps: torch.profiler "
+        "recording the GPU's activity alone); NVML is the GPU's utilization counter over the steady steps "
+        "(coarse: sampled); MFU counts the model's matmul and convolution FLOPs (forward and backward) "
+        "against the GPU's dense bf16 peak; hours are 50 epochs of COCO (118,287 images x 50) at that rate; "
+        "the first step is from the process's start, compilation included (cold: into the empty cache)."
+    )
 
 
 def percent(share: float | None) -> str:
@@ -334,24 +405,63 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
         if "error" in r:
             cells.append([r["recipe"], r["batch"], r["error"], *[""] * 10])
             continue
-        cells.append([r["recipe"], r["batch"], f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}", percent(r["gpu_busy"]),
-                      percent(r.get("gpu_busy_nvml")), f"{r['data_wait_share']:.1%}",
-                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
-                      "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
-                      "-" if r.get("mfu") is None else f"{r['mfu']:.1%}", f"{r['recipe_hours']:.1f}",
-                      f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})",
-                      f"from step {r['steady_from_step']}"])
-    lines += table(["recipe", "batch", "img/s", "step ms", "GPU busy", "NVML", "loader wait", "peak GiB", "GFLOPs/img",
-                    "MFU", "50 epochs (h)", "first step (s)", "steady steps"], cells)
+        cells.append(
+            [
+                r["recipe"],
+                r["batch"],
+                f"{r['img_s']:.1f}",
+                f"{r['step_ms']:.0f}",
+                percent(r["gpu_busy"]),
+                percent(r.get("gpu_busy_nvml")),
+                f"{r['data_wait_share']:.1%}",
+                "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
+                "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
+                "-" if r.get("mfu") is None else f"{r['mfu']:.1%}",
+                f"{r['recipe_hours']:.1f}",
+                f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})",
+                f"from step {r['steady_from_step']}",
+            ]
+        )
+    lines += table(
+        [
+            "recipe",
+            "batch",
+            "img/s",
+            "step ms",
+            "GPU busy",
+            "NVML",
+            "loader wait",
+            "peak GiB",
+            "GFLOPs/img",
+            "MFU",
+            "50 epochs (h)",
+            "first step (s)",
+            "steady steps",
+        ],
+        cells,
+    )
     done = [r for r in rows if "error" not in r]
     broken_down = [r for r in done if r.get("parts_ms")]
     if broken_down:
-        lines += ["", f"GPU time per step (ms) by part, from the profile of the row's last {PROFILED_STEPS} steps "
-                  "(bench/step_profile.py, gpu_time_by_part: each kernel, copy or memset charged to the part of the "
-                  "step it belongs to; idle: the profiled wall time in which the GPU ran nothing):", ""]
-        lines += table(["recipe", "batch", *PARTS, "profiled step"],
-                       [[r["recipe"], r["batch"], *(f"{r['parts_ms'].get(part, 0.0):.1f}" for part in PARTS),
-                         f"{r['profile']['step_ms']:.1f}"] for r in broken_down])
+        lines += [
+            "",
+            f"GPU time per step (ms) by part, from the profile of the row's last {PROFILED_STEPS} steps "
+            "(bench/step_profile.py, gpu_time_by_part: each kernel, copy or memset charged to the part of the "
+            "step it belongs to; idle: the profiled wall time in which the GPU ran nothing):",
+            "",
+        ]
+        lines += table(
+            ["recipe", "batch", *PARTS, "profiled step"],
+            [
+                [
+                    r["recipe"],
+                    r["batch"],
+                    *(f"{r['parts_ms'].get(part, 0.0):.1f}" for part in PARTS),
+                    f"{r['profile']['step_ms']:.1f}",
+                ]
+                for r in broken_down
+            ],
+        )
     if done:
         lines += ["", "Targets:", ""] + [f"- {'met' if ok else 'MISSED'}: {text}" for text, ok in targets(done)]
     if header.get("notes"):
@@ -365,19 +475,33 @@ def targets(done: list[dict]) -> list[tuple[str, bool]]:
     checks = []
     if plain:
         best = max(plain, key=lambda r: r["img_s"])
-        checks += [(f"coco_gpu: best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",
-                    best["img_s"] >= TARGETS["img_s"]),
-                   (f"coco_gpu: GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
-                    + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
-                    (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"]),
-                   (f"coco_gpu: loader wait {best['data_wait_share']:.1%} at the best batch <= "
-                    f"{TARGETS['data_wait_share']:.0%}", best["data_wait_share"] <= TARGETS["data_wait_share"])]
+        checks += [
+            (
+                f"coco_gpu: best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",
+                best["img_s"] >= TARGETS["img_s"],
+            ),
+            (
+                f"coco_gpu: GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
+                + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
+                (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"],
+            ),
+            (
+                f"coco_gpu: loader wait {best['data_wait_share']:.1%} at the best batch <= "
+                f"{TARGETS['data_wait_share']:.0%}",
+                best["data_wait_share"] <= TARGETS["data_wait_share"],
+            ),
+        ]
     for hybrid in (r for r in done if r["recipe"] == "hybrid"):
         twin = next((r for r in plain if r["batch"] == hybrid["batch"]), None)
         if twin is not None:
             cost = hybrid["step_ms"] / twin["step_ms"]
-            checks.append((f"hybrid with EMA at batch {hybrid['batch']}: {cost:.2f}x coco_gpu's step <= "
-                           f"{TARGETS['hybrid_step_cost']:.2f}x", cost <= TARGETS["hybrid_step_cost"]))
+            checks.append(
+                (
+                    f"hybrid with EMA at batch {hybrid['batch']}: {cost:.2f}x coco_gpu's step <= "
+                    f"{TARGETS['hybrid_step_cost']:.2f}x",
+                    cost <= TARGETS["hybrid_step_cost"],
+                )
+            )
     warnings = sum(r["accumulate_grad_warnings"] for r in done)
     checks.append((f"AccumulateGrad stream warnings in the runs' output: {warnings}", warnings == 0))
     return checks
@@ -395,8 +519,10 @@ def main() -> None:
         args.val_images = min(args.val_images, 8)  # the tiny set's training images are as many as the rows need
     started = time.perf_counter()
     write_coco_like(args.work / "coco", train=train_images, val=args.val_images, side=160 if args.smoke else 640)
-    print(f"== the set: {train_images} + {args.val_images} JPEG files in {time.perf_counter() - started:.0f} s",
-          flush=True)
+    print(
+        f"== the set: {train_images} + {args.val_images} JPEG files in {time.perf_counter() - started:.0f} s",
+        flush=True,
+    )
     subprocess.run(["rm", "-rf", str(args.work / "cache")], check=True)  # the first row starts cold
     header = run_header(train_images=train_images, val_images=args.val_images, steps=steps)
     rows = []
@@ -409,8 +535,9 @@ def main() -> None:
     line = flops_per_pixel_line(args)
     import torch
 
-    peak = next((v for k, v in BF16_PEAK_FLOPS.items() if torch.cuda.is_available()
-                 and k in torch.cuda.get_device_name()), None)
+    peak = next(
+        (v for k, v in BF16_PEAK_FLOPS.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()), None
+    )
     for r in rows:
         if "error" not in r and line is not None:
             r["gflops_per_image"] = (line[0] + line[1] * r["pixels_per_image"]) / 1e9

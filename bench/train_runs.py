@@ -73,8 +73,13 @@ def train_run(overrides: list[str], *, run_dir: Path, parallel: int) -> dict:
     started = time.perf_counter()
     log = run_dir.with_name(run_dir.name + ".log")
     with open(log, "w") as out:
-        returncode = CHILDREN.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT)
+        returncode = CHILDREN.run(
+            [sys.executable, str(ROOT / "train.py"), *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     row["wall_s"] = time.perf_counter() - started
     evaluations = sorted(run_dir.glob("eval_epoch*.json"))
     if returncode != 0 or not evaluations:

@@ -38,8 +38,12 @@ sys.path.insert(0, str(ROOT))
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
 
 NAME = "ttr_h200"
-MODES = {"auto": [], "compiled": ["compile.mode=reduce-overhead"], "eager": ["compile.mode=eager", "model.msda=triton"],
-         "pytorch-eager": ["compile.mode=eager", "model.msda=pytorch"]}
+MODES = {
+    "auto": [],
+    "compiled": ["compile.mode=reduce-overhead"],
+    "eager": ["compile.mode=eager", "model.msda=triton"],
+    "pytorch-eager": ["compile.mode=eager", "model.msda=pytorch"],
+}
 ROWS = tuple(f"{mode}:{cache}" for mode in MODES for cache in ("cold", "warm"))
 DEFAULT_ROWS = ("auto:cold", "auto:warm", "eager:cold", "eager:warm", "pytorch-eager:cold", "pytorch-eager:warm")
 # The graphs (engine/compile/clock.py's names) that hold the backbone: its own and evaluation's compiled graphs, the
@@ -50,10 +54,13 @@ GUESS_S = {"auto": 100, "compiled": 480, "eager": 110, "pytorch-eager": 150}
 
 
 def data_overrides(root: Path) -> list[str]:
-    return ["dataset=custom", f"dataset.train_images={root / 'train2017'}",
-            f"dataset.train_annotations={root / 'annotations' / 'instances_train2017.json'}",
-            f"dataset.val_images={root / 'val2017'}",
-            f"dataset.val_annotations={root / 'annotations' / 'instances_val2017.json'}"]
+    return [
+        "dataset=custom",
+        f"dataset.train_images={root / 'train2017'}",
+        f"dataset.train_annotations={root / 'annotations' / 'instances_train2017.json'}",
+        f"dataset.val_images={root / 'val2017'}",
+        f"dataset.val_annotations={root / 'annotations' / 'instances_val2017.json'}",
+    ]
 
 
 def prime() -> float:
@@ -73,15 +80,30 @@ def run_row(args, data: Path, mode: str, cache: str) -> dict:
     run_dir = work / f"run_{mode}_{cache}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    overrides = [*data_overrides(data), "model=deformable_detr", "model.pretrained=none", f"max_steps={args.steps}",
-                 "batch_size=2", f"num_workers={args.num_workers}", "eval_every=1000", "log_every=50",
-                 f"compile.cache_dir={cache_dir}", f"output_dir={run_dir}", *MODES[mode]]
+    overrides = [
+        *data_overrides(data),
+        "model=deformable_detr",
+        "model.pretrained=none",
+        f"max_steps={args.steps}",
+        "batch_size=2",
+        f"num_workers={args.num_workers}",
+        "eval_every=1000",
+        "log_every=50",
+        f"compile.cache_dir={cache_dir}",
+        f"output_dir={run_dir}",
+        *MODES[mode],
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     log = work / f"{mode}_{cache}.log"
     started = time.time()
     with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, env=env, stdout=out,
-                              stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     ended = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"train.py failed (exit {proc.returncode}); see {log}")
@@ -89,12 +111,33 @@ def run_row(args, data: Path, mode: str, cache: str) -> dict:
     timing = json.loads((run_dir / "timing.json").read_text())
     evaluation = json.loads(eval_json.read_text())
     graphs = timing["graphs_by_function"]
-    return {"mode": mode, "cache": cache, "total_s": eval_json.stat().st_mtime - started, "process_s": ended - started,
-            **{key: timing[key] for key in ("setup_s", "first_step_s", "compile_s", "warmup_s", "train_s", "eval_s",
-                                            "checkpoint_s", "steady_step_ms", "graphs_compiled", "padding_waste",
-                                            "steps")},
-            "backbone_graphs": sum(graphs.get(name, 0) for name in BACKBONE_GRAPHS), "graphs_by_function": graphs,
-            "ap": evaluation["AP"], "ap50": evaluation["AP50"], "command": "python train.py " + " ".join(overrides)}
+    return {
+        "mode": mode,
+        "cache": cache,
+        "total_s": eval_json.stat().st_mtime - started,
+        "process_s": ended - started,
+        **{
+            key: timing[key]
+            for key in (
+                "setup_s",
+                "first_step_s",
+                "compile_s",
+                "warmup_s",
+                "train_s",
+                "eval_s",
+                "checkpoint_s",
+                "steady_step_ms",
+                "graphs_compiled",
+                "padding_waste",
+                "steps",
+            )
+        },
+        "backbone_graphs": sum(graphs.get(name, 0) for name in BACKBONE_GRAPHS),
+        "graphs_by_function": graphs,
+        "ap": evaluation["AP"],
+        "ap50": evaluation["AP50"],
+        "command": "python train.py " + " ".join(overrides),
+    }
 
 
 def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
@@ -108,37 +151,77 @@ def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
             checks.append(("cold total of the default <= 0.6x triton eager's", ratio <= 0.6, f"{ratio:.2f}x"))
         if auto:
             limit = 90 if cache == "cold" else 20
-            checks += [(f"{cache} first step <= {limit} s", auto["first_step_s"] <= limit,
-                        f"{auto['first_step_s']:.0f} s"),
-                       (f"backbone graphs <= 8 ({cache})", auto["backbone_graphs"] <= 8, str(auto["backbone_graphs"])),
-                       (f"steady step <= 40 ms ({cache})", auto["steady_step_ms"] <= 40,
-                        f"{auto['steady_step_ms']:.1f} ms")]
+            checks += [
+                (f"{cache} first step <= {limit} s", auto["first_step_s"] <= limit, f"{auto['first_step_s']:.0f} s"),
+                (f"backbone graphs <= 8 ({cache})", auto["backbone_graphs"] <= 8, str(auto["backbone_graphs"])),
+                (f"steady step <= 40 ms ({cache})", auto["steady_step_ms"] <= 40, f"{auto['steady_step_ms']:.1f} ms"),
+            ]
         if auto and eager:
-            checks.append((f"default eval <= triton eager's ({cache})", auto["eval_s"] <= eager["eval_s"],
-                           f"{auto['eval_s']:.1f} s vs {eager['eval_s']:.1f} s"))
+            checks.append(
+                (
+                    f"default eval <= triton eager's ({cache})",
+                    auto["eval_s"] <= eager["eval_s"],
+                    f"{auto['eval_s']:.1f} s vs {eager['eval_s']:.1f} s",
+                )
+            )
     return checks
 
 
 def report_lines(record: dict) -> list[str]:
     h = record["header"]
     lines = header_lines(
-        "Time to result", h,
+        "Time to result",
+        h,
         f"The job: {h['job']} ({h['cpus']} CPU cores). Each row is one `python train.py` in its own process; cold: "
         "an empty compile.cache_dir, warm: the one its cold run filled. total: process start to the evaluation "
         "json; setup, compile, warm-up (the first two steps of each size), train and eval: the run's own split "
         "(timing.json), compilation and CUDA-graph recording counted as compile wherever they happened; graphs: "
         "compiled or recorded, the backbone's in brackets; padding: share of the batches' pixels. The steps are "
-        "bound by the host, so the figures move with the machine: compare rows of one run.")
-    lines += table(["mode", "cache", "total s", "setup s", "first step s", "compile s", "warm-up s", "train s",
-                    "eval s", "steady step ms", "graphs", "padding", "AP"],
-                   [[r["mode"], r["cache"], cell(r["total_s"]), cell(r.get("setup_s")), cell(r["first_step_s"]),
-                     cell(r["compile_s"]), cell(r["warmup_s"]), cell(r["train_s"]), cell(r["eval_s"]),
-                     cell(r["steady_step_ms"]), f"{r['graphs_compiled']} ({r['backbone_graphs']})",
-                     f"{r['padding_waste']:.0%}", f"{r['ap']:.4f}"] for r in record["rows"]])
+        "bound by the host, so the figures move with the machine: compare rows of one run.",
+    )
+    lines += table(
+        [
+            "mode",
+            "cache",
+            "total s",
+            "setup s",
+            "first step s",
+            "compile s",
+            "warm-up s",
+            "train s",
+            "eval s",
+            "steady step ms",
+            "graphs",
+            "padding",
+            "AP",
+        ],
+        [
+            [
+                r["mode"],
+                r["cache"],
+                cell(r["total_s"]),
+                cell(r.get("setup_s")),
+                cell(r["first_step_s"]),
+                cell(r["compile_s"]),
+                cell(r["warmup_s"]),
+                cell(r["train_s"]),
+                cell(r["eval_s"]),
+                cell(r["steady_step_ms"]),
+                f"{r['graphs_compiled']} ({r['backbone_graphs']})",
+                f"{r['padding_waste']:.0%}",
+                f"{r['ap']:.4f}",
+            ]
+            for r in record["rows"]
+        ],
+    )
     checks = targets(record["rows"])
     if checks:
-        lines += ["", *table(["target", "met", "figure"], [[name, "yes" if met else "NO", figure]
-                                                            for name, met, figure in checks])]
+        lines += [
+            "",
+            *table(
+                ["target", "met", "figure"], [[name, "yes" if met else "NO", figure] for name, met, figure in checks]
+            ),
+        ]
     return lines
 
 
@@ -152,8 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-val", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=640, help="the synthetic images' long side")
     parser.add_argument("--num-workers", type=int, default=4, help="data loader workers (experiment=coco_gpu's)")
-    parser.add_argument("--deadline-s", type=float, default=None,
-                        help="skip a row that would not end within this many seconds of the start")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="skip a row that would not end within this many seconds of the start",
+    )
     return parser
 
 
@@ -164,18 +251,26 @@ def main() -> None:
 
     out = out_dir(args.out, False)
     args.work.mkdir(parents=True, exist_ok=True)
-    data = ensure_synthetic_dataset(args.work / "data", num_train=args.num_train, num_val=args.num_val,
-                                    image_size=args.image_size, seed=0)
-    record = {"header": run_header(cpus=len(os.sched_getaffinity(0)), prime_s=prime(),
-                                   job=f"{args.steps} steps of batch 2 on {args.num_train} images of long side "
-                                       f"{args.image_size}, evaluation of {args.num_val} at 800"), "rows": []}
+    data = ensure_synthetic_dataset(
+        args.work / "data", num_train=args.num_train, num_val=args.num_val, image_size=args.image_size, seed=0
+    )
+    record = {
+        "header": run_header(
+            cpus=len(os.sched_getaffinity(0)),
+            prime_s=prime(),
+            job=f"{args.steps} steps of batch 2 on {args.num_train} images of long side "
+            f"{args.image_size}, evaluation of {args.num_val} at 800",
+        ),
+        "rows": [],
+    }
     done = {}
     for name in args.rows:
         mode, cache = name.split(":")
         cold = done.get(f"{mode}:cold")
         # A warm compiled run skips most of its cold run's compilation.
-        expected = GUESS_S[mode] if cold is None else cold["process_s"] - (0.7 * cold["compile_s"] if cache == "warm"
-                                                                           else 0)
+        expected = (
+            GUESS_S[mode] if cold is None else cold["process_s"] - (0.7 * cold["compile_s"] if cache == "warm" else 0)
+        )
         if args.deadline_s is not None and time.perf_counter() - t0 + expected > args.deadline_s:
             print(f"ttr {name}: skipped, about {expected:.0f} s would pass the deadline", flush=True)
             continue
@@ -188,10 +283,14 @@ def main() -> None:
         done[name] = row
         record["rows"].append(row)
         write_report(NAME, record, report_lines(record), out=out)
-        print(f"ttr {name}: total {row['total_s']:.1f} s (first step {row['first_step_s']:.1f}, compile "
-              f"{row['compile_s']:.1f}, train {row['train_s']:.1f}, eval {row['eval_s']:.1f}), steady step "
-              f"{cell(row['steady_step_ms'])} ms, {row['graphs_compiled']} graphs ({row['backbone_graphs']} backbone), "
-              f"padding {100 * row['padding_waste']:.0f}%, AP {row['ap']:.4f}", flush=True)
+        print(
+            f"ttr {name}: total {row['total_s']:.1f} s (first step {row['first_step_s']:.1f}, compile "
+            f"{row['compile_s']:.1f}, train {row['train_s']:.1f}, eval {row['eval_s']:.1f}), steady step "
+            f"{cell(row['steady_step_ms'])} ms, {row['graphs_compiled']} graphs ({row['backbone_graphs']} backbone), "
+            f"padding {100 * row['padding_waste']:.0f}%, AP {row['ap']:.4f}",
+            flush=True,
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -33,14 +33,19 @@ def load_annotation_file(path: str | Path) -> dict:
         data = json.loads(path.read_bytes())
     except json.JSONDecodeError as error:
         # Some of json's messages end in "at" ("Invalid control character at"): the position follows once.
-        raise AnnotationFileError(f"annotation file {path} is not valid JSON: {error.msg.removesuffix(' at')} at "
-                                  f"line {error.lineno}, column {error.colno}") from error
+        raise AnnotationFileError(
+            f"annotation file {path} is not valid JSON: {error.msg.removesuffix(' at')} at "
+            f"line {error.lineno}, column {error.colno}"
+        ) from error
     except UnicodeDecodeError as error:
-        raise AnnotationFileError(f"annotation file {path} is not UTF-8 JSON text ({error.reason} at byte "
-                                  f"{error.start})") from error
+        raise AnnotationFileError(
+            f"annotation file {path} is not UTF-8 JSON text ({error.reason} at byte {error.start})"
+        ) from error
     if not isinstance(data, dict):
-        raise AnnotationFileError(f"annotation file {path} holds a JSON {type(data).__name__}; expected a COCO-format "
-                                  "object with 'images', 'annotations' and 'categories' lists")
+        raise AnnotationFileError(
+            f"annotation file {path} holds a JSON {type(data).__name__}; expected a COCO-format "
+            "object with 'images', 'annotations' and 'categories' lists"
+        )
     for key in ("images", "annotations", "categories"):
         if key == "categories" and key not in data:
             data[key] = []
@@ -59,8 +64,10 @@ def load_annotation_file(path: str | Path) -> dict:
     for index, ann in enumerate(data["annotations"]):
         problem = _annotation_entry_problem(ann)
         if problem is None and ann["id"] in first_index:
-            problem = (f"has id {ann['id']}, which annotations[{first_index[ann['id']]}] has too (annotation ids must "
-                       "be unique: give every annotation its own)")
+            problem = (
+                f"has id {ann['id']}, which annotations[{first_index[ann['id']]}] has too (annotation ids must "
+                "be unique: give every annotation its own)"
+            )
         if problem:
             raise AnnotationFileError(f"annotation file {path}: annotations[{index}] {problem} ({str(ann)[:200]})")
         first_index[ann["id"]] = index
@@ -116,10 +123,13 @@ class AnnotationReport:
         return sum(count for count, _ in self.dropped.values())
 
     def message(self, path: str | Path) -> str:
-        reasons = "; ".join(f"{count} {reason} (e.g. annotation id {example})"
-                            for reason, (count, example) in self.dropped.items())
-        return (f"{path}: dropped {self.num_dropped} of {self.total} annotations, which cannot be trained or "
-                f"scored on: {reasons}")
+        reasons = "; ".join(
+            f"{count} {reason} (e.g. annotation id {example})" for reason, (count, example) in self.dropped.items()
+        )
+        return (
+            f"{path}: dropped {self.num_dropped} of {self.total} annotations, which cannot be trained or "
+            f"scored on: {reasons}"
+        )
 
 
 def clean_annotations(data: dict) -> tuple[dict, AnnotationReport]:
@@ -173,9 +183,14 @@ def _entry_problem(ann, images: dict, category_ids: set) -> str | None:
 
 
 # Why a box is dropped, checked in this order (the first that applies is reported).
-_BOX_REASONS = ("whose bbox has NaN or infinite values", "with a negative width or height",
-                "with zero width or height", "whose area is not a finite number",
-                "whose width or height rounds to zero in float32", "lying wholly outside their image")
+_BOX_REASONS = (
+    "whose bbox has NaN or infinite values",
+    "with a negative width or height",
+    "with zero width or height",
+    "whose area is not a finite number",
+    "whose width or height rounds to zero in float32",
+    "lying wholly outside their image",
+)
 
 
 def _box_problems(anns: list[dict], images: dict) -> list[str | None]:
@@ -185,22 +200,27 @@ def _box_problems(anns: list[dict], images: dict) -> list[str | None]:
     xywh = np.array([a["bbox"] for a in anns], dtype=np.float64)  # (n, 4)
     area = np.array([a.get("area", 0.0) for a in anns], dtype=np.float64)  # (n,)
     # Without a recorded size a box can only be clamped at zero here; the loader checks the file's size.
-    size = np.array([(images[a["image_id"]].get("width") or np.inf, images[a["image_id"]].get("height") or np.inf)
-                     for a in anns], dtype=np.float32)  # (n, 2) (w, h)
+    size = np.array(
+        [(images[a["image_id"]].get("width") or np.inf, images[a["image_id"]].get("height") or np.inf) for a in anns],
+        dtype=np.float32,
+    )  # (n, 2) (w, h)
     with np.errstate(invalid="ignore", over="ignore"):
         finite = np.isfinite(xywh).all(axis=1)
         # The loader's arithmetic: float32 xyxy, then clamped to [0, w] x [0, h].
         xyxy = xywh.astype(np.float32)
         xyxy[:, 2:] += xyxy[:, :2]
         clamped = np.clip(xyxy, 0, np.concatenate([size, size], axis=1))
-        problems = np.stack([
-            ~finite,
-            (xywh[:, 2] < 0) | (xywh[:, 3] < 0),
-            (xywh[:, 2] == 0) | (xywh[:, 3] == 0),
-            ~np.isfinite(area),
-            (xyxy[:, 2] <= xyxy[:, 0]) | (xyxy[:, 3] <= xyxy[:, 1]),
-            (clamped[:, 2] <= clamped[:, 0]) | (clamped[:, 3] <= clamped[:, 1]),
-        ], axis=1)  # (n, reasons)
+        problems = np.stack(
+            [
+                ~finite,
+                (xywh[:, 2] < 0) | (xywh[:, 3] < 0),
+                (xywh[:, 2] == 0) | (xywh[:, 3] == 0),
+                ~np.isfinite(area),
+                (xyxy[:, 2] <= xyxy[:, 0]) | (xyxy[:, 3] <= xyxy[:, 1]),
+                (clamped[:, 2] <= clamped[:, 0]) | (clamped[:, 3] <= clamped[:, 1]),
+            ],
+            axis=1,
+        )  # (n, reasons)
     first = problems.argmax(axis=1)  # (n,) index of the first reason that applies
     return [_BOX_REASONS[r] if bad else None for r, bad in zip(first.tolist(), problems.any(axis=1).tolist())]
 

@@ -36,9 +36,9 @@ class PlannedSample:
     """What a worker needs to produce one image of a batch: its index, augmentation choices, the batch's size."""
 
     index: int
-    plan: Any      # params for the transform's ``apply``
-    size: Size     # (h, w) the image has after the transform
-    canvas: Size   # (H, W) the batch is padded to
+    plan: Any  # params for the transform's ``apply``
+    size: Size  # (h, w) the image has after the transform
+    canvas: Size  # (H, W) the batch is padded to
 
 
 def epoch_share(*, num_images: int, epoch: int, seed: int, shuffle: bool, rank: int, world_size: int) -> list[int]:
@@ -63,8 +63,19 @@ class BatchPlan(Sampler[list[PlannedSample]]):
     train      an endless, shuffled stream of epochs of ``steps_per_epoch`` full batches; else one pass
     """
 
-    def __init__(self, *, sizes: Sequence[Size], transform, batch_size: int, buckets: SizeBuckets | None,
-                 train: bool, seed: int = 0, rank: int = 0, world_size: int = 1, multiple: int = 1):
+    def __init__(
+        self,
+        *,
+        sizes: Sequence[Size],
+        transform,
+        batch_size: int,
+        buckets: SizeBuckets | None,
+        train: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        multiple: int = 1,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.sizes = [tuple(map(int, s)) for s in sizes]
@@ -75,7 +86,7 @@ class BatchPlan(Sampler[list[PlannedSample]]):
         # With buckets, up to batch_size - 1 images per family can be left over at an epoch's end.
         self.steps_per_epoch = max(0, self.share // batch_size - (families - 1)) if train else None
         self._start = (0, 0)
-        self.image_pixels = 0   # of the batches yielded so far (copies that fill evaluation batches excluded)
+        self.image_pixels = 0  # of the batches yielded so far (copies that fill evaluation batches excluded)
         self.padded_pixels = 0
 
     # -- where the stream starts ------------------------------------------------------------------------
@@ -112,8 +123,14 @@ class BatchPlan(Sampler[list[PlannedSample]]):
         return self.transform.plan(self.sizes[index], rng)
 
     def _epoch_batches(self, epoch: int, *, count: bool = True) -> Iterator[list[PlannedSample]]:
-        indices = epoch_share(num_images=len(self.sizes), epoch=epoch, seed=self.seed, shuffle=self.train,
-                              rank=self.rank, world_size=self.world_size)
+        indices = epoch_share(
+            num_images=len(self.sizes),
+            epoch=epoch,
+            seed=self.seed,
+            shuffle=self.train,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         samples = ((i, *self._planned(i, epoch)) for i in indices)
         batches = self._bucketed(samples) if self.buckets is not None else self._in_order(samples)
         for n, batch in enumerate(batches):
@@ -143,8 +160,10 @@ class BatchPlan(Sampler[list[PlannedSample]]):
             bucket = smallest_holding(size, buckets)
             if bucket is None:
                 # The buckets hold every size the recipe can produce (datasets/size_buckets.py); this is a bug.
-                raise RuntimeError(f"image {index} is {size[0]}x{size[1]} after augmentation, which no size bucket "
-                                   f"{buckets} holds; set dataset.size_buckets=0 to batch without buckets")
+                raise RuntimeError(
+                    f"image {index} is {size[0]}x{size[1]} after augmentation, which no size bucket "
+                    f"{buckets} holds; set dataset.size_buckets=0 to batch without buckets"
+                )
             queue = queues.setdefault(bucket, [])
             queue.append((index, plan, size))
             if len(queue) == self.batch_size:

@@ -80,8 +80,15 @@ class CocoDetection(Dataset):
     evaluation, without the dropped annotations.
     """
 
-    def __init__(self, *, image_dir: str | Path, annotation_file: str | Path, transforms=None,
-                 verify_images: bool = False, report: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        image_dir: str | Path,
+        annotation_file: str | Path,
+        transforms=None,
+        verify_images: bool = False,
+        report: bool = True,
+    ) -> None:
         self.image_dir = Path(image_dir)
         self.annotation_file = Path(annotation_file)
         if not self.annotation_file.is_file():
@@ -121,8 +128,9 @@ class CocoDetection(Dataset):
     def load_image(self, image_id: int) -> tv_tensors.Image:
         """(3, H, W) uint8 RGB; ImageReadError (an OSError) naming the file when it cannot be used."""
         info = self.coco.imgs[image_id]
-        pil = read_image(self.image_dir / info["file_name"], image_id=image_id,
-                         expected_size=(info.get("width"), info.get("height")))
+        pil = read_image(
+            self.image_dir / info["file_name"], image_id=image_id, expected_size=(info.get("width"), info.get("height"))
+        )
         return tv_tensors.Image(F.pil_to_tensor(pil))
 
     def load_target(self, image_id: int, *, height: int, width: int) -> dict[str, torch.Tensor]:
@@ -185,34 +193,57 @@ def build_dataset(split: str, cfg_dataset: Any, *, augment: bool | None = None, 
     c = read_dataset_config(cfg_dataset)
     image_dir, annotation_file = split_paths(c, split)
     transforms = make_coco_transforms(
-        train=(split == "train") if augment is None else augment, train_scales=c.train_scales,
-        max_size=c.max_size, val_size=c.val_size, crop=c.crop, crop_scales=c.crop_scales,
-        crop_min_size=c.crop_min_size, crop_max_size=c.crop_max_size)
-    dataset = CocoDetection(image_dir=image_dir, annotation_file=annotation_file, transforms=transforms,
-                            verify_images=check and (split == "val" or c.verify), report=check)
+        train=(split == "train") if augment is None else augment,
+        train_scales=c.train_scales,
+        max_size=c.max_size,
+        val_size=c.val_size,
+        crop=c.crop,
+        crop_scales=c.crop_scales,
+        crop_min_size=c.crop_min_size,
+        crop_max_size=c.crop_max_size,
+    )
+    dataset = CocoDetection(
+        image_dir=image_dir,
+        annotation_file=annotation_file,
+        transforms=transforms,
+        verify_images=check and (split == "val" or c.verify),
+        report=check,
+    )
     if dataset.num_annotations == 0:
         dropped = dataset.annotation_report.num_dropped
         raise ValueError(
             f"the {split} split has no usable annotations: {annotation_file} lists {len(dataset)} images and "
-            f"{dataset.annotation_report.total} annotations" + (f", {dropped} of them dropped as unusable" if dropped
-                                                                else "") +
-            ("; there is nothing to score detections against (COCO AP would be -1)" if split == "val"
-             else "; there is nothing to learn from"))
+            f"{dataset.annotation_report.total} annotations"
+            + (f", {dropped} of them dropped as unusable" if dropped else "")
+            + (
+                "; there is nothing to score detections against (COCO AP would be -1)"
+                if split == "val"
+                else "; there is nothing to learn from"
+            )
+        )
     return dataset
 
 
 def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
     """(image_dir, annotation_file) of ``split`` as the dataset config says; errors name the key or path."""
     if c.name == DatasetName.synthetic:
-        ensure_synthetic_dataset(c.root, num_train=c.num_train, num_val=c.num_val, image_size=c.image_size,
-                                 seed=c.seed, num_categories=c.num_categories)
+        ensure_synthetic_dataset(
+            c.root,
+            num_train=c.num_train,
+            num_val=c.num_val,
+            image_size=c.image_size,
+            seed=c.seed,
+            num_categories=c.num_categories,
+        )
     if c.name != DatasetName.custom:
         return coco2017_paths(root=c.root, split=split)
     keys = (f"{split}_images", f"{split}_annotations")
     unset = [f"dataset.{key}" for key in keys if not getattr(c, key)]
     if unset:
-        raise ValueError(f"dataset=custom needs {' and '.join(unset)}: the {split} split's image directory and its "
-                         "COCO-format annotation file")
+        raise ValueError(
+            f"dataset=custom needs {' and '.join(unset)}: the {split} split's image directory and its "
+            "COCO-format annotation file"
+        )
     image_dir, annotation_file = (Path(getattr(c, key)) for key in keys)
     if not image_dir.is_dir():
         raise FileNotFoundError(f"dataset.{keys[0]}: image directory not found: {image_dir}")

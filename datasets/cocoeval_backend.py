@@ -45,9 +45,11 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "faster" if faster_coco_eval_installed() else "pycocotools"
     if backend == "faster" and not faster_coco_eval_installed():
-        raise ValueError("backend=faster needs the faster-coco-eval package, which does not import here "
-                         "(pip install faster-coco-eval); backend=auto uses it only when it is installed, "
-                         "backend=pycocotools never")
+        raise ValueError(
+            "backend=faster needs the faster-coco-eval package, which does not import here "
+            "(pip install faster-coco-eval); backend=auto uses it only when it is installed, "
+            "backend=pycocotools never"
+        )
     return backend
 
 

@@ -29,14 +29,15 @@ from .transforms import (
 
 
 class DatasetName(StrEnum):
-    coco = "coco"            # COCO 2017 layout under root
+    coco = "coco"  # COCO 2017 layout under root
     synthetic = "synthetic"  # the built-in set, written under root on first use
-    custom = "custom"        # any COCO-format set: explicit image directories and annotation files
+    custom = "custom"  # any COCO-format set: explicit image directories and annotation files
 
 
 def _positive(cfg, keys: tuple[str, ...]) -> list[str]:
-    return [f"dataset.{key} must be an integer >= 1, got {getattr(cfg, key)!r}" for key in keys
-            if getattr(cfg, key) < 1]
+    return [
+        f"dataset.{key} must be an integer >= 1, got {getattr(cfg, key)!r}" for key in keys if getattr(cfg, key) < 1
+    ]
 
 
 @dataclass
@@ -64,19 +65,25 @@ class DatasetConfig:
     def __post_init__(self) -> None:
         problems = _positive(self, ("max_size", "val_size", "crop_min_size", "crop_max_size", "pad_to_multiple"))
         if self.size_buckets != 0 and self.size_buckets < 2:
-            problems.append(f"dataset.size_buckets must be 0 (no buckets) or at least 2 (one size per orientation "
-                            f"for training and one for evaluation), got {self.size_buckets!r}")
+            problems.append(
+                f"dataset.size_buckets must be 0 (no buckets) or at least 2 (one size per orientation "
+                f"for training and one for evaluation), got {self.size_buckets!r}"
+            )
         kind = next(f.default for f in fields(self) if f.name == "name")  # the set this schema is for
         if kind is not MISSING and self.name != kind:
-            problems.append(f"dataset.name is {self.name} in the {kind} dataset config: choose the set with "
-                            f"dataset={self.name}, not dataset.name={self.name}")
+            problems.append(
+                f"dataset.name is {self.name} in the {kind} dataset config: choose the set with "
+                f"dataset={self.name}, not dataset.name={self.name}"
+            )
         for key in ("train_scales", "crop_scales"):
             values = getattr(self, key)
             if not values or min(values) < 1:
                 problems.append(f"dataset.{key} must be a non-empty list of sizes >= 1, got {values!r}")
         if self.crop_min_size > self.crop_max_size:
-            problems.append(f"dataset.crop_min_size ({self.crop_min_size}) must not exceed dataset.crop_max_size "
-                            f"({self.crop_max_size})")
+            problems.append(
+                f"dataset.crop_min_size ({self.crop_min_size}) must not exceed dataset.crop_max_size "
+                f"({self.crop_max_size})"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -147,4 +154,3 @@ def read_dataset_config(cfg: Any) -> DatasetConfig:
         raise ValueError(f"dataset.name must be one of {', '.join(DATASET_SCHEMAS)}, got {name!r}")
     typed = OmegaConf.merge({"dataset": OmegaConf.structured(DATASET_SCHEMAS[DatasetName(name)])}, {"dataset": cfg})
     return OmegaConf.to_object(typed.dataset)
-

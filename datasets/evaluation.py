@@ -36,8 +36,10 @@ def coco_results(image_id: int, prediction: dict[str, torch.Tensor]) -> list[dic
     boxes = box_convert(prediction["boxes"].detach().float().cpu(), "xyxy", "xywh").tolist()  # COCO's format
     scores = prediction["scores"].detach().float().cpu().tolist()
     labels = prediction["labels"].detach().cpu().tolist()
-    return [{"image_id": int(image_id), "category_id": int(label), "bbox": box, "score": score}
-            for box, score, label in zip(boxes, scores, labels)]
+    return [
+        {"image_id": int(image_id), "category_id": int(label), "bbox": box, "score": score}
+        for box, score, label in zip(boxes, scores, labels)
+    ]
 
 
 class CocoEvaluator:
@@ -126,15 +128,16 @@ class CocoEvaluator:
         detections = self.detections
         self.cocoeval_output = ""
         if not detections:
-            return ({name: 0.0 for name in STAT_NAMES},
-                    per_class_without_detections(self.coco_gt, sorted(self.results)))
+            return (
+                {name: 0.0 for name in STAT_NAMES},
+                per_class_without_detections(self.coco_gt, sorted(self.results)),
+            )
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
                 # Only the images that were evaluated: a partial pass (max_steps, a subset) is not scored
                 # against ground truth it never saw.
-                coco_eval = evaluated_cocoeval(self.coco_gt, detections, image_ids=self.results,
-                                               backend=self.backend)
+                coco_eval = evaluated_cocoeval(self.coco_gt, detections, image_ids=self.results, backend=self.backend)
         finally:  # kept on failure too: the lines before it say how far COCOeval got
             self.cocoeval_output = printed.getvalue()
         stats = {name: float(coco_eval.stats[i]) for i, name in enumerate(STAT_NAMES)}

@@ -30,8 +30,9 @@ TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
 
 
-def read_image(path: Path, *, image_id: int, expected_size: tuple[int | None, int | None],
-               draft: bool = False) -> Image.Image:
+def read_image(
+    path: Path, *, image_id: int, expected_size: tuple[int | None, int | None], draft: bool = False
+) -> Image.Image:
     """The RGB image at ``path`` as its EXIF orientation shows it, decoded in full (a truncated file fails
     here, not later).
 
@@ -57,11 +58,19 @@ def read_image(path: Path, *, image_id: int, expected_size: tuple[int | None, in
     if (width, height) != expected:
         turned = ""
         if orientation in TURNED:
-            turned = (f" after its EXIF orientation ({orientation}) turns it; its pixels are stored as "
-                      f"{stored[0]}x{stored[1]}" + (", the size the annotation file records: were its boxes drawn "
-                                                     "on the unturned pixels?" if stored == expected else ""))
-        raise ImageReadError(f"image {path} (image id {image_id}) is {width}x{height}{turned} but the annotation file "
-                             f"says {expected[0]}x{expected[1]}: its boxes would be misplaced")
+            turned = (
+                f" after its EXIF orientation ({orientation}) turns it; its pixels are stored as "
+                f"{stored[0]}x{stored[1]}"
+                + (
+                    ", the size the annotation file records: were its boxes drawn on the unturned pixels?"
+                    if stored == expected
+                    else ""
+                )
+            )
+        raise ImageReadError(
+            f"image {path} (image id {image_id}) is {width}x{height}{turned} but the annotation file "
+            f"says {expected[0]}x{expected[1]}: its boxes would be misplaced"
+        )
     return pil
 
 
@@ -70,14 +79,18 @@ def _to_rgb(pil: Image.Image, *, path: Path, image_id: int) -> Image.Image:
     if pil.mode in SIXTEEN_BIT or pil.mode == "I":
         pixels = np.asarray(pil)
         if pixels.size and (pixels.min() < 0 or pixels.max() > 65535):
-            raise ImageReadError(f"image {path} (image id {image_id}) has 32-bit integer pixels beyond 16 bits "
-                                 f"(mode {pil.mode}); save it as 8- or 16-bit")
+            raise ImageReadError(
+                f"image {path} (image id {image_id}) has 32-bit integer pixels beyond 16 bits "
+                f"(mode {pil.mode}); save it as 8- or 16-bit"
+            )
         # 16-bit values to 8 bits; a 32-bit integer image whose values fit 8 bits is kept as it is.
         shift = 8 if pil.mode in SIXTEEN_BIT or (pixels.size and pixels.max() > 255) else 0
         return Image.fromarray((pixels.astype(np.uint32) >> shift).astype(np.uint8), mode="L").convert("RGB")
     if pil.mode == "F":
-        raise ImageReadError(f"image {path} (image id {image_id}) has 32-bit floating-point pixels (mode F), which "
-                             "have no standard range; save it as an 8- or 16-bit image")
+        raise ImageReadError(
+            f"image {path} (image id {image_id}) has 32-bit floating-point pixels (mode F), which "
+            "have no standard range; save it as an 8- or 16-bit image"
+        )
     return pil.convert("RGB")
 
 
@@ -88,7 +101,8 @@ def check_files_exist(image_dir: Path, images: list[dict], *, annotation_file: P
         raise FileNotFoundError(
             f"{len(missing)} of the {len(images)} images listed in {annotation_file} are not in {image_dir} "
             f"(e.g. {', '.join(missing[:EXAMPLES])}); check that the image directory and the annotation file "
-            "belong together")
+            "belong together"
+        )
 
 
 def check_images_open(image_dir: Path, images: list[dict], *, annotation_file: Path) -> None:
@@ -96,8 +110,12 @@ def check_images_open(image_dir: Path, images: list[dict], *, annotation_file: P
 
     def problem(image: dict) -> str | None:
         try:
-            read_image(image_dir / image["file_name"], image_id=image["id"],
-                       expected_size=(image.get("width"), image.get("height")), draft=True)
+            read_image(
+                image_dir / image["file_name"],
+                image_id=image["id"],
+                expected_size=(image.get("width"), image.get("height")),
+                draft=True,
+            )
         except ImageReadError as error:
             return str(error)
         return None
@@ -105,5 +123,8 @@ def check_images_open(image_dir: Path, images: list[dict], *, annotation_file: P
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         problems = [p for p in pool.map(problem, images) if p]
     if problems:
-        raise ImageReadError(f"{len(problems)} of the {len(images)} images of {annotation_file} cannot be used: "
-                             + "; ".join(problems[:EXAMPLES]) + ("; ..." if len(problems) > EXAMPLES else ""))
+        raise ImageReadError(
+            f"{len(problems)} of the {len(images)} images of {annotation_file} cannot be used: "
+            + "; ".join(problems[:EXAMPLES])
+            + ("; ..." if len(problems) > EXAMPLES else "")
+        )

@@ -31,8 +31,13 @@ def find_images(images: str | Path) -> list[Path]:
         if root.suffix.lower() not in IMAGE_SUFFIXES:
             raise ValueError(f"images={images}: not an image file (expected one of {', '.join(IMAGE_SUFFIXES)})")
         return [root]
-    found = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    found = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in IMAGE_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
     if not found:
         raise ValueError(f"images={images}: the folder holds no image files ({', '.join(IMAGE_SUFFIXES)})")
     return found
@@ -43,13 +48,22 @@ class ImageFolder(Dataset):
     id each image is known by (predict.py's images.json, or an annotation file's), which a read error names;
     1, 2, ... in the order of ``paths`` when None, as images.json numbers a folder."""
 
-    def __init__(self, paths: list[Path], *, val_size: int, max_size: int, keep_pixels: bool = False,
-                 image_ids: list[int] | None = None):
+    def __init__(
+        self,
+        paths: list[Path],
+        *,
+        val_size: int,
+        max_size: int,
+        keep_pixels: bool = False,
+        image_ids: list[int] | None = None,
+    ):
         self.paths = list(paths)
         self.image_ids = list(image_ids) if image_ids is not None else list(range(1, len(self.paths) + 1))
         if len(self.image_ids) != len(self.paths):
-            raise ValueError(f"ImageFolder: image_ids must give one id per path, got {len(self.image_ids)} ids for "
-                             f"{len(self.paths)} paths")
+            raise ValueError(
+                f"ImageFolder: image_ids must give one id per path, got {len(self.image_ids)} ids for "
+                f"{len(self.paths)} paths"
+            )
         self.keep_pixels = keep_pixels
         self.transforms = make_coco_transforms(train=False, val_size=val_size, max_size=max_size)
 
@@ -65,8 +79,11 @@ class ImageFolder(Dataset):
             return None, {**info, "error": str(error)}
         image = tv_tensors.Image(F.pil_to_tensor(pil))
         height, width = image.shape[-2:]
-        target = {"boxes": tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(height, width)),
-                  "labels": torch.zeros(0, dtype=torch.int64), "area": torch.zeros(0)}
+        target = {
+            "boxes": tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(height, width)),
+            "labels": torch.zeros(0, dtype=torch.int64),
+            "area": torch.zeros(0),
+        }
         if self.keep_pixels:
             # As read: the transforms only read it (without a resize, the item's image is this same tensor).
             info["pixels"] = image.as_subclass(torch.Tensor)

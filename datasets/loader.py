@@ -55,8 +55,9 @@ class BatchTargets(list):
         starts = {k: [0, *accumulate(n)] for k, n in lengths.items() if n is not None}
         views = []
         for i, rest in enumerate(loose):
-            view = {k: packed[k][i] if lengths[k] is None else packed[k][starts[k][i]:starts[k][i + 1]]
-                    for k in packed}
+            view = {
+                k: packed[k][i] if lengths[k] is None else packed[k][starts[k][i] : starts[k][i + 1]] for k in packed
+            }
             views.append({k: view[k] if k in view else rest[k] for k in self._keys} if self._keys else rest)
         self[:] = views
 
@@ -72,8 +73,9 @@ class BatchTargets(list):
     def _map(self, tensor_fn) -> BatchTargets:
         """The same targets with ``tensor_fn`` applied to every tensor (the packed ones and the others)."""
         loose = [{k: tensor_fn(v) if torch.is_tensor(v) else v for k, v in t.items()} for t in self._loose]
-        return BatchTargets._from_parts(self._keys, {k: tensor_fn(v) for k, v in self._packed.items()},
-                                        self._lengths, loose)
+        return BatchTargets._from_parts(
+            self._keys, {k: tensor_fn(v) for k, v in self._packed.items()}, self._lengths, loose
+        )
 
     def to(self, device: torch.device, *, non_blocking: bool = False) -> BatchTargets:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -123,8 +125,7 @@ def collate_fn(batch: list, pad_to_multiple: int = 1) -> tuple[torch.Tensor, tor
     canvases = {tuple(item[2]) for item in batch if len(item) > 2}
     if len(canvases) > 1:
         raise ValueError(f"a batch's images were planned for different sizes {sorted(canvases)}")
-    height, width = canvases.pop() if canvases else padded_size([image.shape[-2:] for image in images],
-                                                                 pad_to_multiple)
+    height, width = canvases.pop() if canvases else padded_size([image.shape[-2:] for image in images], pad_to_multiple)
     padded = images[0].new_zeros((len(images), images[0].shape[0], height, width))  # (B, 3, H, W)
     masks = torch.ones((len(images), height, width), dtype=torch.bool)  # (B, H, W)
     for i, image in enumerate(images):
@@ -140,8 +141,9 @@ def image_sizes(dataset: CocoDetection) -> list[tuple[int, int]]:
     return [dataset.image_size(i) for i in range(len(dataset))]
 
 
-def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, cfg_dataset, *, batch_size: int,
-                       seed: int = 0) -> SizeBuckets | None:
+def build_size_buckets(
+    train_set: CocoDetection | None, val_set: CocoDetection, cfg_dataset, *, batch_size: int, seed: int = 0
+) -> SizeBuckets | None:
     """The run's size buckets from its data and recipe (``dataset.size_buckets`` sizes in all, 0: none);
     ``train_set`` None: evaluation's only (eval_only)."""
     c = read_dataset_config(cfg_dataset)
@@ -149,8 +151,9 @@ def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, 
         return None
     val_outputs = [val_set.transforms.plan(size, random.Random(0))[1] for size in image_sizes(val_set)]  # no draw
     if train_set is None:
-        return SizeBuckets(train=(), val=val_families(val_outputs, c.pad_to_multiple), families=(),
-                           multiple=c.pad_to_multiple)
+        return SizeBuckets(
+            train=(), val=val_families(val_outputs, c.pad_to_multiple), families=(), multiple=c.pad_to_multiple
+        )
     train_sizes = image_sizes(train_set)
     # A capped long side can come out longer than max_size by the whole pixels in half the image's aspect ratio
     # (the original's rounding of the short side, datasets/transforms.py): none below an aspect of 2, so that the
@@ -160,9 +163,16 @@ def build_size_buckets(train_set: CocoDetection | None, val_set: CocoDetection, 
         aspects.append(c.crop_max_size / c.crop_min_size)  # the most elongated crop window
     longest_long = c.max_size + math.floor(max(aspects) / 2)
     return plan_size_buckets(
-        train_sizes=train_sizes, plan_train=lambda size, rng: train_set.transforms.plan(size, rng)[1],
-        train_limits=(max(c.train_scales), longest_long), train_can_turn=c.crop, val_outputs=val_outputs,
-        batch_size=batch_size, max_buckets=c.size_buckets, multiple=c.pad_to_multiple, seed=seed)
+        train_sizes=train_sizes,
+        plan_train=lambda size, rng: train_set.transforms.plan(size, rng)[1],
+        train_limits=(max(c.train_scales), longest_long),
+        train_can_turn=c.crop,
+        val_outputs=val_outputs,
+        batch_size=batch_size,
+        max_buckets=c.size_buckets,
+        multiple=c.pad_to_multiple,
+        seed=seed,
+    )
 
 
 # The message of an error a loader worker raised, as the DataLoader re-raises it in this process: "Caught
@@ -200,9 +210,20 @@ def stop_workers(loader: DataLoader) -> None:
             raise
 
 
-def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: int, train: bool,
-                      buckets: SizeBuckets | None = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                      pad_to_multiple: int = 1, worker_init_fn=None, pin_memory: bool = False) -> DataLoader:
+def build_data_loader(
+    dataset: CocoDetection,
+    *,
+    batch_size: int,
+    num_workers: int,
+    train: bool,
+    buckets: SizeBuckets | None = None,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    pad_to_multiple: int = 1,
+    worker_init_fn=None,
+    pin_memory: bool = False,
+) -> DataLoader:
     """DataLoader of (images, masks, targets) batches, as ``loader.batch_sampler`` (a BatchPlan) plans them.
 
     train: an endless stream of epochs (``loader.batch_sampler.steps_per_epoch`` batches each; resume with
@@ -210,9 +231,17 @@ def build_data_loader(dataset: CocoDetection, *, batch_size: int, num_workers: i
     between passes and prefetch across an epoch's end; ``worker_init_fn`` runs in each as it starts.
     ``pin_memory``: batches in page-locked memory, for a run on a GPU (a thread of the loader copies them there).
     """
-    plan = BatchPlan(sizes=image_sizes(dataset), transform=dataset.transforms, batch_size=batch_size,
-                     buckets=buckets, train=train, seed=seed, rank=rank, world_size=world_size,
-                     multiple=pad_to_multiple)
+    plan = BatchPlan(
+        sizes=image_sizes(dataset),
+        transform=dataset.transforms,
+        batch_size=batch_size,
+        buckets=buckets,
+        train=train,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        multiple=pad_to_multiple,
+    )
     return DataLoader(
         dataset,
         batch_sampler=plan,

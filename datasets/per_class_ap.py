@@ -51,8 +51,9 @@ def per_class_without_detections(coco_gt: COCO, image_ids) -> dict[str, float | 
 
     Ground truth counts as COCOeval counts it: crowd boxes are ignored.
     """
-    present = {a["category_id"] for a in coco_gt.loadAnns(coco_gt.getAnnIds(imgIds=list(image_ids)))
-               if not a.get("iscrowd", 0)}
+    present = {
+        a["category_id"] for a in coco_gt.loadAnns(coco_gt.getAnnIds(imgIds=list(image_ids))) if not a.get("iscrowd", 0)
+    }
     category_ids = sorted(coco_gt.getCatIds())
     names = category_names(coco_gt, category_ids)
     return {names[i]: (0.0 if i in present else None) for i in category_ids}

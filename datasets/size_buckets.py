@@ -59,7 +59,7 @@ class SizeBuckets:
     val: tuple[Size, ...]
     families: tuple[Size, ...]
     multiple: int
-    expected_waste: float = 0.0   # padded pixels / all pixels of training batches, estimated from drawn sizes
+    expected_waste: float = 0.0  # padded pixels / all pixels of training batches, estimated from drawn sizes
     unbucketed_waste: float = 0.0  # the same for batches of random images padded to their largest (size_buckets=0)
 
     def describe(self) -> str:
@@ -69,13 +69,16 @@ class SizeBuckets:
         evaluation = f"{len(self.val)} evaluation sizes ({sizes(self.val)})"
         if not self.train:
             return evaluation
-        return (f"{len(self.train)} training sizes ({sizes(self.train)}), {evaluation}; padding "
-                f"{100 * self.expected_waste:.0f}% of training pixels (without buckets: "
-                f"{100 * self.unbucketed_waste:.0f}%)")
+        return (
+            f"{len(self.train)} training sizes ({sizes(self.train)}), {evaluation}; padding "
+            f"{100 * self.expected_waste:.0f}% of training pixels (without buckets: "
+            f"{100 * self.unbucketed_waste:.0f}%)"
+        )
 
 
-def train_families(*, sizes: Sequence[Size], longest_short: int, longest_long: int, multiple: int,
-                   can_turn: bool) -> tuple[Size, ...]:
+def train_families(
+    *, sizes: Sequence[Size], longest_short: int, longest_long: int, multiple: int, can_turn: bool
+) -> tuple[Size, ...]:
     """The buckets that hold every output of a training augmentation whose outputs have their short side at
     most ``longest_short`` and long side at most ``longest_long``: the wide one where the data has wide images
     (or the augmentation may turn an image's orientation, ``can_turn``: crops), the tall one likewise."""
@@ -105,8 +108,9 @@ def _padded_areas(sizes: np.ndarray, buckets: list[Size]) -> np.ndarray:
     return padded
 
 
-def _greedy(sizes: np.ndarray, counts: np.ndarray, forced: list[Size], candidates: list[Size], budget: int,
-            min_count: int) -> list[Size]:
+def _greedy(
+    sizes: np.ndarray, counts: np.ndarray, forced: list[Size], candidates: list[Size], budget: int, min_count: int
+) -> list[Size]:
     """Add up to ``budget`` candidates to ``forced``, each time the one that most lowers the padded area of
     ``sizes`` (S, 2), each of weight ``counts`` (S,), in its smallest holding bucket, and that would hold at
     least ``min_count`` of them."""
@@ -116,7 +120,7 @@ def _greedy(sizes: np.ndarray, counts: np.ndarray, forced: list[Size], candidate
     for _ in range(max(0, budget)):
         best, best_gain = None, 0.0
         for start in range(0, len(cand), 64):  # (64, S) at a time: the full (C, S) table can be large
-            block = cand[start:start + 64]
+            block = cand[start : start + 64]
             fits = (block[:, None, 0] >= sizes[None, :, 0]) & (block[:, None, 1] >= sizes[None, :, 1])
             area = (block[:, 0] * block[:, 1]).astype(np.float64)[:, None]  # (c, 1)
             takes = fits & (area < current[None, :])  # (c, S) sizes that would move to the candidate
@@ -146,16 +150,25 @@ def unbucketed_waste(samples: np.ndarray, batch_size: int, multiple: int, rng: r
     rng.shuffle(order)
     used = padded = 0
     for start in range(0, len(order) - batch_size + 1, batch_size):
-        batch = samples[order[start:start + batch_size]]
+        batch = samples[order[start : start + batch_size]]
         h, w = (round_up(batch[:, d].max(), multiple) for d in (0, 1))
         used += int((batch[:, 0] * batch[:, 1]).sum())
         padded += h * w * batch_size
     return 1.0 - used / padded if padded else 0.0
 
 
-def plan_size_buckets(*, train_sizes: Sequence[Size], plan_train: Callable[[Size, random.Random], Size],
-                      train_limits: tuple[int, int], train_can_turn: bool, val_outputs: Sequence[Size],
-                      batch_size: int, max_buckets: int, multiple: int, seed: int = 0) -> SizeBuckets:
+def plan_size_buckets(
+    *,
+    train_sizes: Sequence[Size],
+    plan_train: Callable[[Size, random.Random], Size],
+    train_limits: tuple[int, int],
+    train_can_turn: bool,
+    val_outputs: Sequence[Size],
+    batch_size: int,
+    max_buckets: int,
+    multiple: int,
+    seed: int = 0,
+) -> SizeBuckets:
     """Choose the buckets of a run (see the module docstring).
 
     train_sizes    (h, w) of the training images as read from disk
@@ -166,12 +179,19 @@ def plan_size_buckets(*, train_sizes: Sequence[Size], plan_train: Callable[[Size
     max_buckets    sizes in all, training and evaluation together (at least the families)
     """
     val = val_families(val_outputs, multiple)
-    families = train_families(sizes=train_sizes, longest_short=train_limits[0], longest_long=train_limits[1],
-                              multiple=multiple, can_turn=train_can_turn)
+    families = train_families(
+        sizes=train_sizes,
+        longest_short=train_limits[0],
+        longest_long=train_limits[1],
+        multiple=multiple,
+        can_turn=train_can_turn,
+    )
     if max_buckets < len(val) + len(families):
-        raise ValueError(f"dataset.size_buckets={max_buckets} is too few for this data: it needs {len(families)} "
-                         f"training and {len(val)} evaluation sizes at least (one per orientation), so at least "
-                         f"{len(val) + len(families)}; or 0 to batch images of any size together")
+        raise ValueError(
+            f"dataset.size_buckets={max_buckets} is too few for this data: it needs {len(families)} "
+            f"training and {len(val)} evaluation sizes at least (one per orientation), so at least "
+            f"{len(val) + len(families)}; or 0 to batch images of any size together"
+        )
     rng = random.Random(seed)
     picked = list(range(len(train_sizes)))
     if len(picked) > MAX_SAMPLED:
@@ -180,12 +200,21 @@ def plan_size_buckets(*, train_sizes: Sequence[Size], plan_train: Callable[[Size
     samples = np.asarray(drawn, dtype=np.int64).reshape(-1, 2)  # (S, 2)
     sizes, counts = np.unique(samples, axis=0, return_counts=True)  # distinct sizes and how often each came
     heights, widths = (np.unique((sizes[:, d] + multiple - 1) // multiple * multiple) for d in (0, 1))
-    candidates = [(int(h), int(w)) for h in heights for w in widths
-                  if (int(h), int(w)) not in families and smallest_holding((int(h), int(w)), families)]
+    candidates = [
+        (int(h), int(w))
+        for h in heights
+        for w in widths
+        if (int(h), int(w)) not in families and smallest_holding((int(h), int(w)), families)
+    ]
     # A bucket earns its place with MIN_BATCHES_PER_BUCKET batches per epoch, counted in samples of this draw.
     samples_per_image = len(samples) / max(1, len(train_sizes))
     min_count = max(1, int(MIN_BATCHES_PER_BUCKET * batch_size * samples_per_image))
     train = _greedy(sizes, counts, list(families), candidates, max_buckets - len(val) - len(families), min_count)
-    return SizeBuckets(train=tuple(sorted(train)), val=val, families=families, multiple=multiple,
-                       expected_waste=_waste(sizes, counts, train),
-                       unbucketed_waste=unbucketed_waste(samples, batch_size, multiple, random.Random(seed + 1)))
+    return SizeBuckets(
+        train=tuple(sorted(train)),
+        val=val,
+        families=families,
+        multiple=multiple,
+        expected_waste=_waste(sizes, counts, train),
+        unbucketed_waste=unbucketed_waste(samples, batch_size, multiple, random.Random(seed + 1)),
+    )

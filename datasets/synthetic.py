@@ -55,8 +55,9 @@ OBJECT_SIDE = (0.15, 0.5)  # object side as a fraction of the image side
 MAX_COVERED = 0.4  # a new object may cover at most this fraction of an earlier (occluded) one
 
 
-def _place_objects(rng: np.random.Generator, *, height: int, width: int,
-                   num_categories: int) -> list[tuple[int, list[int]]]:
+def _place_objects(
+    rng: np.random.Generator, *, height: int, width: int, num_categories: int
+) -> list[tuple[int, list[int]]]:
     """[(class index < num_categories, [x0, y0, x1, y1])] integer pixel boxes, drawn in order (later on top)."""
     count = int(rng.integers(1, MAX_OBJECTS + 1))
     classes = rng.permutation(num_categories)[:count]
@@ -97,8 +98,9 @@ def _draw(draw: ImageDraw.ImageDraw, *, shape: str, box: list[int], colour: tupl
         raise ValueError(f"unknown shape {shape!r}")
 
 
-def make_image(*, seed: int, split: str, index: int, image_size: int,
-               num_categories: int = len(CLASSES)) -> tuple[Image.Image, list[dict]]:
+def make_image(
+    *, seed: int, split: str, index: int, image_size: int, num_categories: int = len(CLASSES)
+) -> tuple[Image.Image, list[dict]]:
     """One RGB image and its objects [{"category_id", "bbox" xywh, "area"}].
 
     Seeded by (seed, split, index) so that an image does not depend on how many others are made.
@@ -132,15 +134,17 @@ def _write_image(job) -> tuple[dict, list[dict]]:
     """One image of a split written as JPEG: (its COCO image entry, its objects)."""
     image_dir, seed, split, index, image_size, num_categories = job
     image_id = index + 1  # COCO ids are positive
-    image, objects = make_image(seed=seed, split=split, index=index, image_size=image_size,
-                                num_categories=num_categories)
+    image, objects = make_image(
+        seed=seed, split=split, index=index, image_size=image_size, num_categories=num_categories
+    )
     file_name = f"{image_id:012d}.jpg"
     image.save(image_dir / file_name, format="JPEG", quality=95)
     return {"id": image_id, "file_name": file_name, "height": image.height, "width": image.width}, objects
 
 
-def write_split(root: Path, *, split: str, num_images: int, image_size: int, seed: int,
-                num_categories: int = len(CLASSES)) -> None:
+def write_split(
+    root: Path, *, split: str, num_images: int, image_size: int, seed: int, num_categories: int = len(CLASSES)
+) -> None:
     """Write ``root/{split}2017/*.jpg`` and ``root/annotations/instances_{split}2017.json``.
 
     The json lists the first ``num_categories`` categories of CLASSES, the ones the images hold.
@@ -207,10 +211,15 @@ def ensure_synthetic_dataset(
         raise ValueError(f"image_size must be at least 16 pixels, got {image_size}")
     if num_categories is None:
         num_categories = len(CLASSES)
-    if isinstance(num_categories, bool) or not isinstance(num_categories, int) \
-            or not 1 <= num_categories <= len(CLASSES):
-        raise ValueError(f"dataset.num_categories must be an integer from 1 to {len(CLASSES)} (the synthetic "
-                         f"classes), got {num_categories!r}")
+    if (
+        isinstance(num_categories, bool)
+        or not isinstance(num_categories, int)
+        or not 1 <= num_categories <= len(CLASSES)
+    ):
+        raise ValueError(
+            f"dataset.num_categories must be an integer from 1 to {len(CLASSES)} (the synthetic "
+            f"classes), got {num_categories!r}"
+        )
     root = Path(root)
     params = {
         "format_version": FORMAT_VERSION,
@@ -233,8 +242,14 @@ def ensure_synthetic_dataset(
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.writing.", dir=root.parent))
     try:
         for split, num_images in (("train", num_train), ("val", num_val)):
-            write_split(staging, split=split, num_images=num_images, image_size=image_size, seed=seed,
-                        num_categories=num_categories)
+            write_split(
+                staging,
+                split=split,
+                num_images=num_images,
+                image_size=image_size,
+                seed=seed,
+                num_categories=num_categories,
+            )
         with open(staging / MANIFEST, "w") as f:
             json.dump(params, f, sort_keys=True)
         _install(staging, root, params)

@@ -60,15 +60,15 @@ def _imagenet_state_dict(name: str) -> dict:
             f"model.pretrained=imagenet needs torchvision's {IMAGENET_WEIGHTS[name]}.IMAGENET1K_V1 weights, which are "
             f"not in the torch hub cache and could not be downloaded ({type(err).__name__}: {err}). Download "
             f"{weights.url} on a machine with network and put it at {cached} (TORCH_HOME moves the cache), "
-            f"or set model.pretrained=none (random init) or model.pretrained=/path/to/resnet.pth") from err
+            f"or set model.pretrained=none (random init) or model.pretrained=/path/to/resnet.pth"
+        ) from err
 
 
 def _file_state_dict(path: str) -> dict:
     """A ResNet state dict from a file: torchvision's layout, optionally under 'model'/'state_dict', and
     optionally prefixed 'module.' or 'backbone.0.body.' (a DETR checkpoint's backbone)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"model.pretrained={path!r} is neither 'none', 'imagenet' nor an existing file")
+        raise FileNotFoundError(f"model.pretrained={path!r} is neither 'none', 'imagenet' nor an existing file")
     state = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
@@ -77,7 +77,7 @@ def _file_state_dict(path: str) -> dict:
     for k, v in state.items():
         for prefix in ("module.", "backbone.0.body."):
             if k.startswith(prefix):
-                k = k[len(prefix):]
+                k = k[len(prefix) :]
         out[k] = v
     if not any(k.startswith("layer1.") for k in out):
         raise ValueError(f"{path} holds no ResNet weights (no 'layer1.*' keys after prefix stripping)")
@@ -92,15 +92,23 @@ class Backbone(nn.Module):
     else layer4 only. The stem and layer1 never train; layer2-4 train when train_backbone.
     """
 
-    def __init__(self, *, name: str = "resnet50", train_backbone: bool = True, return_interm_layers: bool = True,
-                 dilation: bool = False, pretrained: str = "none"):
+    def __init__(
+        self,
+        *,
+        name: str = "resnet50",
+        train_backbone: bool = True,
+        return_interm_layers: bool = True,
+        dilation: bool = False,
+        pretrained: str = "none",
+    ):
         super().__init__()
         if name not in RESNET_CHANNELS:
             raise ValueError(f"backbone must be one of {sorted(RESNET_CHANNELS)}, got {name!r}")
         if dilation and name in ("resnet18", "resnet34"):
             raise ValueError(f"dilation=true needs a bottleneck ResNet (resnet50/101), got {name!r}")
         resnet = getattr(torchvision.models, name)(
-            weights=None, replace_stride_with_dilation=[False, False, dilation], norm_layer=FrozenBatchNorm2d)
+            weights=None, replace_stride_with_dilation=[False, False, dilation], norm_layer=FrozenBatchNorm2d
+        )
         pretrained = str(pretrained)
         if pretrained.lower() == "imagenet":
             resnet.load_state_dict(_imagenet_state_dict(name))
@@ -114,7 +122,8 @@ class Backbone(nn.Module):
                 raise ValueError(
                     f"{pretrained} does not match torchvision's {name}: missing {missing[:5]}"
                     f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                    f"{'...' if len(unexpected) > 5 else ''}")
+                    f"{'...' if len(unexpected) > 5 else ''}"
+                )
 
         for pname, param in resnet.named_parameters():
             if not train_backbone or not any(layer in pname for layer in ("layer2", "layer3", "layer4")):
@@ -168,9 +177,21 @@ class Joiner(nn.Sequential):
         return features, masks, pos
 
 
-def build_backbone(*, backbone: str, train_backbone: bool, num_feature_levels: int, dilation: bool,
-                   pretrained: str, position_encoding: nn.Module) -> Joiner:
+def build_backbone(
+    *,
+    backbone: str,
+    train_backbone: bool,
+    num_feature_levels: int,
+    dilation: bool,
+    pretrained: str,
+    position_encoding: nn.Module,
+) -> Joiner:
     """Multi-level features (layer2-4) when num_feature_levels > 1, else layer4 only, as the original."""
-    body = Backbone(name=backbone, train_backbone=train_backbone, return_interm_layers=num_feature_levels > 1,
-                    dilation=dilation, pretrained=pretrained)
+    body = Backbone(
+        name=backbone,
+        train_backbone=train_backbone,
+        return_interm_layers=num_feature_levels > 1,
+        dilation=dilation,
+        pretrained=pretrained,
+    )
     return Joiner(body, position_encoding)

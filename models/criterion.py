@@ -7,6 +7,7 @@ proposals with class-agnostic targets (suffix _enc). With hybrid matching (H-DET
 more on the one-to-many queries, matched to each image's targets repeated k_one2many times (suffix _one2many
 after the layer's: loss_ce_one2many, loss_ce_0_one2many, ...).
 """
+
 from __future__ import annotations
 
 import re
@@ -106,8 +107,7 @@ class SetCriterion(CompiledRegions, nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------
 
-    def forward(self, outputs: dict, targets: list[dict],
-                num_boxes: NumBoxes | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, outputs: dict, targets: list[dict], num_boxes: NumBoxes | None = None) -> dict[str, torch.Tensor]:
         """Unweighted losses (see the class docstring).
 
         num_boxes normalizes every loss: the number of target boxes per process, at least 1. None counts
@@ -124,8 +124,13 @@ class SetCriterion(CompiledRegions, nn.Module):
         if callable(num_boxes):
             num_boxes = num_boxes()
         device = outputs["pred_logits"].device
-        matches, tgt_lengths = _matches_on_device(matched, [len(t["labels"]) for t in targets], device,
-                                                  [g.logits.shape[2] for g in groups], [g.repeats for g in groups])
+        matches, tgt_lengths = _matches_on_device(
+            matched,
+            [len(t["labels"]) for t in targets],
+            device,
+            [g.logits.shape[2] for g in groups],
+            [g.repeats for g in groups],
+        )
         losses = {}
         for group, group_matches in zip(groups, matches):
             # H-DETR divides the one-to-many losses by the count of the repeated targets.
@@ -144,17 +149,22 @@ class SetCriterion(CompiledRegions, nn.Module):
         tgt_boxes = F.pad(tgt_boxes, (0, 0, 0, padding), value=PADDING_BOX)
         if r != 1:
             tgt_lengths = tgt_lengths * r
-        sums = getattr(self, group.losses_of)(logits, group.boxes, labels, tgt_boxes, m.layer, m.batch, m.query,
-                                              m.target, tgt_lengths)
+        sums = getattr(self, group.losses_of)(
+            logits, group.boxes, labels, tgt_boxes, m.layer, m.batch, m.query, m.target, tgt_lengths
+        )
         per_layer = {name: values / num_boxes if name in _PER_BOX else values for name, values in sums.items()}
-        losses = {name + suffix: value for name, values in per_layer.items()
-                  for suffix, value in zip(suffixes, values.unbind())}
+        losses = {
+            name + suffix: value
+            for name, values in per_layer.items()
+            for suffix, value in zip(suffixes, values.unbind())
+        }
         if "labels" in self.losses and suffixes[-1] in ("", ONE2MANY_SUFFIX):
             # class_error is logged for the decoder's final layer only; its real matches start its block of pairs.
             g = len(suffixes) - 1
             rows = slice(g * m.slots, g * m.slots + m.per_layer[g])
-            losses["class_error" + suffixes[-1]] = 100 - _top1_accuracy(logits[g, m.batch[rows], m.query[rows]],
-                                                                        labels[m.target[rows]])
+            losses["class_error" + suffixes[-1]] = 100 - _top1_accuracy(
+                logits[g, m.batch[rows], m.query[rows]], labels[m.target[rows]]
+            )
         return losses
 
     def compile_regions(self, *, graphs: bool = False) -> list[Region]:
@@ -167,7 +177,8 @@ class SetCriterion(CompiledRegions, nn.Module):
         A region per group of predictions, so that the graphs of a group, which replay between the forward and the
         backward of the groups before it, are never another group's own."""
         names = ("stacked_losses", "stacked_proposal_losses") + (
-            ("stacked_one2many_losses",) if self.k_one2many is not None else ())
+            ("stacked_one2many_losses",) if self.k_one2many is not None else ()
+        )
         if graphs:
             return [Region(name, training=True) for name in names]
         return [Region(name) for name in names]
@@ -252,23 +263,39 @@ def _prediction_groups(outputs: dict, targets: list[dict], k_one2many: int | Non
         enc = outputs["enc_outputs"]
         # Encoder proposals are class-agnostic: every target is class 0 (the original's bin_targets).
         bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
-        groups.append(_Group(["_enc"], enc["pred_logits"][None], enc["pred_boxes"][None], bin_targets,
-                             losses_of="stacked_proposal_losses"))
+        groups.append(
+            _Group(
+                ["_enc"],
+                enc["pred_logits"][None],
+                enc["pred_boxes"][None],
+                bin_targets,
+                losses_of="stacked_proposal_losses",
+            )
+        )
     if "one2many_outputs" in outputs:
         if k_one2many is None:
-            raise ValueError("SetCriterion: the outputs have one2many_outputs (a model with hybrid matching) but the "
-                             "criterion has no k_one2many (build it with model.hybrid_matching=true)")
+            raise ValueError(
+                "SetCriterion: the outputs have one2many_outputs (a model with hybrid matching) but the "
+                "criterion has no k_one2many (build it with model.hybrid_matching=true)"
+            )
         # Not the encoder's proposals: H-DETR counts their loss once, with the one-to-one queries'.
-        groups.append(_decoder_group(outputs["one2many_outputs"], targets, ONE2MANY_SUFFIX)._replace(
-            repeats=k_one2many, losses_of="stacked_one2many_losses"))
+        groups.append(
+            _decoder_group(outputs["one2many_outputs"], targets, ONE2MANY_SUFFIX)._replace(
+                repeats=k_one2many, losses_of="stacked_one2many_losses"
+            )
+        )
     return groups
 
 
 def _decoder_group(outputs: dict, targets: list[dict], suffix: str) -> _Group:
     layers = [*outputs.get("aux_outputs", []), outputs]
     suffixes = [f"_{i}{suffix}" for i in range(len(layers) - 1)] + [suffix]
-    return _Group(suffixes, torch.stack([o["pred_logits"] for o in layers]),
-                  torch.stack([o["pred_boxes"] for o in layers]), targets)
+    return _Group(
+        suffixes,
+        torch.stack([o["pred_logits"] for o in layers]),
+        torch.stack([o["pred_boxes"] for o in layers]),
+        targets,
+    )
 
 
 def _repeated(values: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -276,8 +303,9 @@ def _repeated(values: torch.Tensor, repeats: int) -> torch.Tensor:
     return values if repeats == 1 else values.repeat(repeats, *[1] * (values.dim() - 1))
 
 
-def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device, num_queries: list[int],
-                       repeats: list[int]) -> tuple[list[_Matches], torch.Tensor]:
+def _matches_on_device(
+    matched: list[list[list]], tgt_lengths: list[int], device, num_queries: list[int], repeats: list[int]
+) -> tuple[list[_Matches], torch.Tensor]:
     """The matcher's host indices of every group, padded (``_Matches``; ``num_queries``: each group's predictions
     per image, the query of its padding pairs; ``repeats``: how many times each group's targets are repeated),
     and the targets per image, in one host->device copy.
@@ -307,8 +335,10 @@ def _matches_on_device(matched: list[list[list]], tgt_lengths: list[int], device
         layouts.append((per_layer, slots))
     arrays.append(np.asarray(tgt_lengths, dtype=np.int64))
     flat = to_device_async(torch.from_numpy(np.concatenate(arrays)), device).split([len(a) for a in arrays])
-    matches = [_Matches(*flat[4 * i:4 * i + 4], per_layer=per_layer, slots=slots)
-               for i, (per_layer, slots) in enumerate(layouts)]
+    matches = [
+        _Matches(*flat[4 * i : 4 * i + 4], per_layer=per_layer, slots=slots)
+        for i, (per_layer, slots) in enumerate(layouts)
+    ]
     return matches, flat[-1]
 
 
@@ -321,11 +351,14 @@ def _loss_boxes(boxes, tgt_boxes, layer, batch, query, target, *, num_layers: in
         src_boxes = src_boxes.float()
     target_boxes = tgt_boxes[target].to(src_boxes.dtype)  # (M, 4)
     l1 = (src_boxes - target_boxes).abs().sum(-1)  # (M,)
-    giou = paired_generalized_box_iou(box_convert(src_boxes, "cxcywh", "xyxy"),
-                                      box_convert(target_boxes, "cxcywh", "xyxy"))  # (M,)
+    giou = paired_generalized_box_iou(
+        box_convert(src_boxes, "cxcywh", "xyxy"), box_convert(target_boxes, "cxcywh", "xyxy")
+    )  # (M,)
     zeros = src_boxes.new_zeros(num_layers)
-    return {"loss_bbox": zeros.index_add(0, layer, torch.where(real, l1, 0.0)),
-            "loss_giou": zeros.index_add(0, layer, torch.where(real, 1 - giou, 0.0))}
+    return {
+        "loss_bbox": zeros.index_add(0, layer, torch.where(real, l1, 0.0)),
+        "loss_giou": zeros.index_add(0, layer, torch.where(real, 1 - giou, 0.0)),
+    }
 
 
 def paired_generalized_box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -363,6 +396,7 @@ def _top1_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # -- config adapter -----------------------------------------------------------------------------------
 
+
 def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     """Build (SetCriterion, PostProcess) from the model config (DictConfig or mapping).
 
@@ -380,7 +414,11 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     matcher = HungarianMatcher(
         cost_class=float(c.set_cost_class), cost_bbox=float(c.set_cost_bbox), cost_giou=float(c.set_cost_giou)
     )
-    base = {"loss_ce": float(c.cls_loss_coef), "loss_bbox": float(c.bbox_loss_coef), "loss_giou": float(c.giou_loss_coef)}
+    base = {
+        "loss_ce": float(c.cls_loss_coef),
+        "loss_bbox": float(c.bbox_loss_coef),
+        "loss_giou": float(c.giou_loss_coef),
+    }
     weight_dict = dict(base)
     if c.aux_loss:
         for i in range(dec_layers - 1):
@@ -391,7 +429,10 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     if c.hybrid_matching:
         weight_dict.update({k + ONE2MANY_SUFFIX: v * float(c.lambda_one2many) for k, v in decoder_weights.items()})
     criterion = SetCriterion(
-        num_classes=num_classes, matcher=matcher, weight_dict=weight_dict, focal_alpha=float(c.focal_alpha),
+        num_classes=num_classes,
+        matcher=matcher,
+        weight_dict=weight_dict,
+        focal_alpha=float(c.focal_alpha),
         k_one2many=int(c.k_one2many) if c.hybrid_matching else None,
     )
     return criterion, PostProcess()

@@ -28,8 +28,17 @@ def level_sizes_xy(levels, *, dtype: torch.dtype, device: torch.device) -> torch
     if torch.compiler.is_compiling():
         # Built from scalars: traced with symbolic sizes, torch.tensor becomes a call that AOTAutograd refuses to
         # cache, and every run compiled the transformer's graph from scratch, however warm its cache.
-        return torch.stack([torch.stack([torch.scalar_tensor(w, dtype=dtype, device=device),
-                                         torch.scalar_tensor(h, dtype=dtype, device=device)]) for h, w in levels])
+        return torch.stack(
+            [
+                torch.stack(
+                    [
+                        torch.scalar_tensor(w, dtype=dtype, device=device),
+                        torch.scalar_tensor(h, dtype=dtype, device=device),
+                    ]
+                )
+                for h, w in levels
+            ]
+        )
     return _cached_level_sizes_xy(tuple(tuple(hw) for hw in levels), dtype, device)
 
 
@@ -47,8 +56,9 @@ class MSDeformAttn(nn.Module):
     167-wide level is off by up to a pixel.
     """
 
-    def __init__(self, *, d_model: int = 256, n_levels: int = 4, nheads: int = 8, n_points: int = 4,
-                 msda: str = "auto"):
+    def __init__(
+        self, *, d_model: int = 256, n_levels: int = 4, nheads: int = 8, n_points: int = 4, msda: str = "auto"
+    ):
         super().__init__()
         if d_model % nheads != 0:
             raise ValueError(f"d_model must be divisible by nheads, got d_model={d_model}, nheads={nheads}")
@@ -86,9 +96,15 @@ class MSDeformAttn(nn.Module):
         nn.init.xavier_uniform_(self.output_proj.weight)
         nn.init.constant_(self.output_proj.bias, 0.0)
 
-    def forward(self, query: torch.Tensor, reference_points: torch.Tensor, input_flatten: torch.Tensor,
-                input_spatial_shapes, input_level_start_index: torch.Tensor | None = None,
-                input_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        reference_points: torch.Tensor,
+        input_flatten: torch.Tensor,
+        input_spatial_shapes,
+        input_level_start_index: torch.Tensor | None = None,
+        input_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """
         query                  (N, Lq, C)    query features (with position embedding added)
         reference_points       (N, Lq, L, 2) normalized (x, y) per level, or (N, Lq, L, 4) boxes (cx, cy, w, h)
@@ -125,21 +141,26 @@ class MSDeformAttn(nn.Module):
             if reference_points.shape[-1] == 2:
                 # Offsets are in pixels of each level: divide by (W_l, H_l).
                 offset_normalizer = level_sizes_xy(levels, dtype=dtype, device=query.device)  # (L, 2)
-                sampling_locations = (reference_points[:, :, None, :, None, :]
-                                      + sampling_offsets / offset_normalizer[None, None, None, :, None, :])
+                sampling_locations = (
+                    reference_points[:, :, None, :, None, :]
+                    + sampling_offsets / offset_normalizer[None, None, None, :, None, :]
+                )
             elif reference_points.shape[-1] == 4:
                 # Offsets are relative to the reference box: half its size reached at the last point.
-                sampling_locations = (reference_points[:, :, None, :, None, :2]
-                                      + sampling_offsets / P * reference_points[:, :, None, :, None, 2:] * 0.5)
+                sampling_locations = (
+                    reference_points[:, :, None, :, None, :2]
+                    + sampling_offsets / P * reference_points[:, :, None, :, None, 2:] * 0.5
+                )
             else:
                 raise ValueError(
-                    f"reference_points must end in 2 (points) or 4 (boxes), got shape {tuple(reference_points.shape)}")
+                    f"reference_points must end in 2 (points) or 4 (boxes), got shape {tuple(reference_points.shape)}"
+                )
             # (N, Lq, M, L, P, 2) float32
 
         if attention_weights.dtype != value.dtype:
             # msda takes float32 weights with low-precision values, but not the other way round.
             attention_weights = attention_weights.float()
         output = msda.multi_scale_deformable_attention(
-            value, levels, input_level_start_index, sampling_locations, attention_weights,
-            impl=self.msda)  # (N, Lq, C)
+            value, levels, input_level_start_index, sampling_locations, attention_weights, impl=self.msda
+        )  # (N, Lq, C)
         return self.output_proj(output)

@@ -63,9 +63,19 @@ class DeformableDETR(CompiledRegions, nn.Module):
     compile.
     """
 
-    def __init__(self, *, backbone: Joiner, transformer: DeformableTransformer, num_classes: int, num_queries: int,
-                 num_feature_levels: int, aux_loss: bool = True, with_box_refine: bool = False,
-                 two_stage: bool = False, num_queries_one2many: int = 0):
+    def __init__(
+        self,
+        *,
+        backbone: Joiner,
+        transformer: DeformableTransformer,
+        num_classes: int,
+        num_queries: int,
+        num_feature_levels: int,
+        aux_loss: bool = True,
+        with_box_refine: bool = False,
+        two_stage: bool = False,
+        num_queries_one2many: int = 0,
+    ):
         super().__init__()
         if num_queries_one2many < 0:
             raise ValueError(f"num_queries_one2many must be >= 0 (0: no hybrid matching), got {num_queries_one2many}")
@@ -84,18 +94,19 @@ class DeformableDETR(CompiledRegions, nn.Module):
         if num_feature_levels > 1:
             if num_feature_levels < num_backbone_outs:
                 raise ValueError(f"num_feature_levels must be 1 or >= {num_backbone_outs}, got {num_feature_levels}")
-            proj = [nn.Sequential(nn.Conv2d(ch, C, kernel_size=1), nn.GroupNorm(32, C))
-                    for ch in backbone.num_channels]
+            proj = [nn.Sequential(nn.Conv2d(ch, C, kernel_size=1), nn.GroupNorm(32, C)) for ch in backbone.num_channels]
             in_channels = backbone.num_channels[-1]
             for _ in range(num_feature_levels - num_backbone_outs):
                 # Extra coarser levels: stride-2 3x3 convs, the first on the last backbone map.
-                proj.append(nn.Sequential(nn.Conv2d(in_channels, C, kernel_size=3, stride=2, padding=1),
-                                          nn.GroupNorm(32, C)))
+                proj.append(
+                    nn.Sequential(nn.Conv2d(in_channels, C, kernel_size=3, stride=2, padding=1), nn.GroupNorm(32, C))
+                )
                 in_channels = C
             self.input_proj = nn.ModuleList(proj)
         else:
-            self.input_proj = nn.ModuleList([
-                nn.Sequential(nn.Conv2d(backbone.num_channels[0], C, kernel_size=1), nn.GroupNorm(32, C))])
+            self.input_proj = nn.ModuleList(
+                [nn.Sequential(nn.Conv2d(backbone.num_channels[0], C, kernel_size=1), nn.GroupNorm(32, C))]
+            )
         self.backbone = backbone
         self.aux_loss = aux_loss
         self.with_box_refine = with_box_refine
@@ -144,8 +155,9 @@ class DeformableDETR(CompiledRegions, nn.Module):
         no_grad, which would each compile again."""
         return DeformableDETR.predict(self, *DeformableDETR.features(self, images, mask))
 
-    def compile_regions(self, *, regions: str = "transformer", backbone: str = "dynamic", evaluation: bool = False,
-                        graphs: bool = False) -> list[Region]:
+    def compile_regions(
+        self, *, regions: str = "transformer", backbone: str = "dynamic", evaluation: bool = False, graphs: bool = False
+    ) -> list[Region]:
         """What engine/compile/plan.py compiles (models/compiled_regions.py).
 
         graphs: what engine/compile/cuda_graphs.py records instead, nothing compiled: ``forward`` (the whole model,
@@ -186,8 +198,10 @@ class DeformableDETR(CompiledRegions, nn.Module):
         if mask is None:
             mask = torch.zeros(images.shape[0], *images.shape[-2:], dtype=torch.bool, device=images.device)
         if tuple(mask.shape) != (images.shape[0], *images.shape[-2:]) or mask.dtype != torch.bool:
-            raise ValueError(f"mask must be (B, H, W) bool matching images {tuple(images.shape)}, "
-                             f"got {tuple(mask.shape)} {mask.dtype}")
+            raise ValueError(
+                f"mask must be (B, H, W) bool matching images {tuple(images.shape)}, "
+                f"got {tuple(mask.shape)} {mask.dtype}"
+            )
         features, masks, pos = self.backbone(self.input_pixels(images, mask), mask)
         srcs = [proj(feat) for proj, feat in zip(self.input_proj, features)]  # [(B, C, H_l, W_l)]
         masks, pos = list(masks), list(pos)
@@ -232,7 +246,8 @@ class DeformableDETR(CompiledRegions, nn.Module):
         else:
             query_embed = self.query_embed.weight
         hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
-            srcs, masks, pos, query_embed, (Q, Q2) if Q2 else None)  # hs (K, B, Q + Q2, C)
+            srcs, masks, pos, query_embed, (Q, Q2) if Q2 else None
+        )  # hs (K, B, Q + Q2, C)
         outputs_class, outputs_coord = self.heads(hs, init_reference, inter_references)
         if Q2:
             outputs_class, classes_one2many = outputs_class.split([Q, Q2], dim=2)  # (K, B, Q, n), (K, B, Q2, n)
@@ -250,8 +265,9 @@ class DeformableDETR(CompiledRegions, nn.Module):
         pred_logits and pred_boxes, and the others' as aux_outputs (when aux_loss)."""
         out = {"pred_logits": outputs_class[-1], "pred_boxes": outputs_coord[-1]}
         if self.aux_loss:
-            out["aux_outputs"] = [{"pred_logits": a, "pred_boxes": b}
-                                  for a, b in zip(outputs_class[:-1], outputs_coord[:-1])]
+            out["aux_outputs"] = [
+                {"pred_logits": a, "pred_boxes": b} for a, b in zip(outputs_class[:-1], outputs_coord[:-1])
+            ]
         return out
 
 
@@ -268,21 +284,40 @@ def _check_config(cfg) -> ModelConfig:
 def build_deformable_detr(cfg) -> DeformableDETR:
     """The model alone from the model config (keys as in configs/model/deformable_detr.yaml)."""
     c = _check_config(cfg)
-    position_encoding = build_position_encoding(hidden_dim=c.hidden_dim,
-                                                position_embedding=c.position_embedding.value)
-    backbone = build_backbone(backbone=c.backbone.value, train_backbone=c.train_backbone,
-                              num_feature_levels=c.num_feature_levels, dilation=c.dilation,
-                              pretrained=str(c.pretrained), position_encoding=position_encoding)
+    position_encoding = build_position_encoding(hidden_dim=c.hidden_dim, position_embedding=c.position_embedding.value)
+    backbone = build_backbone(
+        backbone=c.backbone.value,
+        train_backbone=c.train_backbone,
+        num_feature_levels=c.num_feature_levels,
+        dilation=c.dilation,
+        pretrained=str(c.pretrained),
+        position_encoding=position_encoding,
+    )
     transformer = DeformableTransformer(
-        d_model=c.hidden_dim, nheads=c.nheads, num_encoder_layers=c.enc_layers,
-        num_decoder_layers=c.dec_layers, dim_feedforward=c.dim_feedforward, dropout=c.dropout,
-        num_feature_levels=c.num_feature_levels, dec_n_points=c.dec_n_points,
-        enc_n_points=c.enc_n_points, two_stage=c.two_stage, two_stage_num_proposals=c.num_queries,
-        msda=c.msda.value)
-    return DeformableDETR(backbone=backbone, transformer=transformer, num_classes=c.num_classes,
-                          num_queries=c.num_queries, num_feature_levels=c.num_feature_levels,
-                          aux_loss=c.aux_loss, with_box_refine=c.with_box_refine, two_stage=c.two_stage,
-                          num_queries_one2many=c.num_queries_one2many if c.hybrid_matching else 0)
+        d_model=c.hidden_dim,
+        nheads=c.nheads,
+        num_encoder_layers=c.enc_layers,
+        num_decoder_layers=c.dec_layers,
+        dim_feedforward=c.dim_feedforward,
+        dropout=c.dropout,
+        num_feature_levels=c.num_feature_levels,
+        dec_n_points=c.dec_n_points,
+        enc_n_points=c.enc_n_points,
+        two_stage=c.two_stage,
+        two_stage_num_proposals=c.num_queries,
+        msda=c.msda.value,
+    )
+    return DeformableDETR(
+        backbone=backbone,
+        transformer=transformer,
+        num_classes=c.num_classes,
+        num_queries=c.num_queries,
+        num_feature_levels=c.num_feature_levels,
+        aux_loss=c.aux_loss,
+        with_box_refine=c.with_box_refine,
+        two_stage=c.two_stage,
+        num_queries_one2many=c.num_queries_one2many if c.hybrid_matching else 0,
+    )
 
 
 def build_model(cfg):

@@ -30,11 +30,11 @@ def _clones(module: nn.Module, n: int) -> nn.ModuleList:
 class DeformableTransformerEncoderLayer(nn.Module):
     """Post-norm: deformable self-attention, residual, norm1; FFN (linear1, relu, linear2), residual, norm2."""
 
-    def __init__(self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int,
-                 msda: str):
+    def __init__(
+        self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int, msda: str
+    ):
         super().__init__()
-        self.self_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points,
-                                      msda=msda)
+        self.self_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points, msda=msda)
         self.dropout1 = nn.Dropout(dropout)
         self.norm1 = nn.LayerNorm(d_model)
         self.linear1 = nn.Linear(d_model, d_ffn)
@@ -67,7 +67,9 @@ class DeformableTransformerEncoder(nn.Module):
             # would fix to the traced size (a recompilation per feature-map size).
             ref_y, ref_x = torch.meshgrid(
                 torch.arange(H, dtype=torch.float32, device=device) + 0.5,
-                torch.arange(W, dtype=torch.float32, device=device) + 0.5, indexing="ij")
+                torch.arange(W, dtype=torch.float32, device=device) + 0.5,
+                indexing="ij",
+            )
             ref_y = ref_y.reshape(-1)[None] / (valid_ratios[:, None, lvl, 1] * H)  # (N, H*W)
             ref_x = ref_x.reshape(-1)[None] / (valid_ratios[:, None, lvl, 0] * W)  # (N, H*W)
             reference_points_list.append(torch.stack((ref_x, ref_y), -1))  # (N, H*W, 2)
@@ -86,11 +88,11 @@ class DeformableTransformerEncoder(nn.Module):
 class DeformableTransformerDecoderLayer(nn.Module):
     """Post-norm: self-attention -> norm2, deformable cross-attention -> norm1, FFN -> norm3 (official names)."""
 
-    def __init__(self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int,
-                 msda: str):
+    def __init__(
+        self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int, msda: str
+    ):
         super().__init__()
-        self.cross_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points,
-                                       msda=msda)
+        self.cross_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points, msda=msda)
         self.dropout1 = nn.Dropout(dropout)
         self.norm1 = nn.LayerNorm(d_model)
         self.self_attn = nn.MultiheadAttention(d_model, nheads, dropout=dropout)
@@ -114,8 +116,13 @@ class DeformableTransformerDecoderLayer(nn.Module):
         else:
             # H-DETR's block-diagonal self-attention mask, as one attention per group: the same result without
             # the masked blocks' work, and the first group computes what a model of that group alone computes.
-            tgt2 = torch.cat([self._self_attention(q_g, tgt_g) for q_g, tgt_g in
-                              zip(q.split(query_groups, 1), tgt.split(query_groups, 1))], 1)  # (N, Q, C)
+            tgt2 = torch.cat(
+                [
+                    self._self_attention(q_g, tgt_g)
+                    for q_g, tgt_g in zip(q.split(query_groups, 1), tgt.split(query_groups, 1))
+                ],
+                1,
+            )  # (N, Q, C)
         tgt = self.norm2(tgt + self.dropout2(tgt2))
         tgt2 = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
         tgt = self.norm1(tgt + self.dropout1(tgt2))
@@ -143,8 +150,9 @@ class DeformableTransformerDecoder(nn.Module):
         self.bbox_embed: nn.ModuleList | None = None
         self.class_embed: nn.ModuleList | None = None
 
-    def forward(self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask,
-                query_groups=None):
+    def forward(
+        self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, query_groups=None
+    ):
         """tgt, query_pos (N, Q, C); reference_points (N, Q, 2 or 4) in [0, 1] of the valid region; query_groups
         as the layers take it -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer."""
         # Contiguous like every later layer's output, so that a compiled layer (compile=true) sees one layout.
@@ -156,15 +164,15 @@ class DeformableTransformerDecoder(nn.Module):
             else:
                 ratios = valid_ratios[:, None]  # (N, 1, L, 2)
             reference_points_input = reference_points[:, :, None] * ratios  # (N, Q, L, 2 or 4)
-            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, padding_mask,
-                           query_groups)
+            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, padding_mask, query_groups)
             if self.bbox_embed is not None:
                 tmp = self.bbox_embed[lid](output)  # (N, Q, 4) unnormalized delta
                 if reference_points.shape[-1] == 4:
                     new_reference_points = (tmp + inverse_sigmoid(reference_points)).sigmoid()
                 else:
                     new_reference_points = torch.cat(
-                        [tmp[..., :2] + inverse_sigmoid(reference_points), tmp[..., 2:]], -1).sigmoid()
+                        [tmp[..., :2] + inverse_sigmoid(reference_points), tmp[..., 2:]], -1
+                    ).sigmoid()
                 reference_points = new_reference_points.detach()
             intermediate.append(output)
             intermediate_reference_points.append(reference_points)
@@ -185,10 +193,22 @@ class DeformableTransformer(nn.Module):
     best first, the first group's are those a model of that group alone takes.
     """
 
-    def __init__(self, *, d_model: int = 256, nheads: int = 8, num_encoder_layers: int = 6,
-                 num_decoder_layers: int = 6, dim_feedforward: int = 1024, dropout: float = 0.1,
-                 num_feature_levels: int = 4, dec_n_points: int = 4, enc_n_points: int = 4, two_stage: bool = False,
-                 two_stage_num_proposals: int = 300, msda: str = "auto"):
+    def __init__(
+        self,
+        *,
+        d_model: int = 256,
+        nheads: int = 8,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dim_feedforward: int = 1024,
+        dropout: float = 0.1,
+        num_feature_levels: int = 4,
+        dec_n_points: int = 4,
+        enc_n_points: int = 4,
+        two_stage: bool = False,
+        two_stage_num_proposals: int = 300,
+        msda: str = "auto",
+    ):
         super().__init__()
         self.d_model = d_model
         self.nheads = nheads
@@ -196,12 +216,24 @@ class DeformableTransformer(nn.Module):
         self.two_stage_num_proposals = two_stage_num_proposals
 
         encoder_layer = DeformableTransformerEncoderLayer(
-            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, nheads=nheads,
-            n_points=enc_n_points, msda=msda)
+            d_model=d_model,
+            d_ffn=dim_feedforward,
+            dropout=dropout,
+            n_levels=num_feature_levels,
+            nheads=nheads,
+            n_points=enc_n_points,
+            msda=msda,
+        )
         self.encoder = DeformableTransformerEncoder(encoder_layer, num_encoder_layers)
         decoder_layer = DeformableTransformerDecoderLayer(
-            d_model=d_model, d_ffn=dim_feedforward, dropout=dropout, n_levels=num_feature_levels, nheads=nheads,
-            n_points=dec_n_points, msda=msda)
+            d_model=d_model,
+            d_ffn=dim_feedforward,
+            dropout=dropout,
+            n_levels=num_feature_levels,
+            nheads=nheads,
+            n_points=dec_n_points,
+            msda=msda,
+        )
         self.decoder = DeformableTransformerDecoder(decoder_layer, num_decoder_layers)
 
         self.level_embed = nn.Parameter(torch.empty(num_feature_levels, d_model))
@@ -248,16 +280,18 @@ class DeformableTransformer(nn.Module):
         proposals = []
         cur = 0
         for lvl, (H, W) in enumerate(spatial_shapes):
-            mask_flatten = memory_padding_mask[:, cur:cur + H * W].view(N, H, W, 1)
+            mask_flatten = memory_padding_mask[:, cur : cur + H * W].view(N, H, W, 1)
             valid_H = torch.sum(~mask_flatten[:, :, 0, 0], 1)  # (N,)
             valid_W = torch.sum(~mask_flatten[:, 0, :, 0], 1)  # (N,)
             grid_y, grid_x = torch.meshgrid(
                 torch.arange(H, dtype=torch.float32, device=memory.device),
-                torch.arange(W, dtype=torch.float32, device=memory.device), indexing="ij")
+                torch.arange(W, dtype=torch.float32, device=memory.device),
+                indexing="ij",
+            )
             grid = torch.cat([grid_x.unsqueeze(-1), grid_y.unsqueeze(-1)], -1)  # (H, W, 2)
             scale = torch.cat([valid_W.unsqueeze(-1), valid_H.unsqueeze(-1)], 1).view(N, 1, 1, 2)
             grid = (grid.unsqueeze(0).expand(N, -1, -1, -1) + 0.5) / scale  # (N, H, W, 2)
-            wh = torch.ones_like(grid) * 0.05 * (2.0 ** lvl)
+            wh = torch.ones_like(grid) * 0.05 * (2.0**lvl)
             proposals.append(torch.cat((grid, wh), -1).view(N, -1, 4))  # (N, H*W, 4)
             cur += H * W
         output_proposals = torch.cat(proposals, 1)  # (N, S, 4)
@@ -300,8 +334,9 @@ class DeformableTransformer(nn.Module):
         lvl_pos_embed_flatten = torch.cat(lvl_pos_embed_flatten, 1)  # (N, S, C)
         valid_ratios = torch.stack([self.get_valid_ratio(m) for m in masks], 1)  # (N, L, 2)
 
-        memory = self.encoder(src_flatten, spatial_shapes, valid_ratios, lvl_pos_embed_flatten,
-                              mask_flatten)  # (N, S, C)
+        memory = self.encoder(
+            src_flatten, spatial_shapes, valid_ratios, lvl_pos_embed_flatten, mask_flatten
+        )  # (N, S, C)
 
         N, _, C = memory.shape
         enc_outputs_class = enc_outputs_coord_unact = None
@@ -313,13 +348,15 @@ class DeformableTransformer(nn.Module):
                 raise ValueError(
                     f"two-stage selects {num_proposals} proposals (num_queries"
                     f"{'' if query_groups is None else ' + num_queries_one2many'}) but the feature maps "
-                    f"have only {memory.shape[1]} positions; use larger images or fewer queries")
+                    f"have only {memory.shape[1]} positions; use larger images or fewer queries"
+                )
             enc_outputs_class = self.decoder.class_embed[K](output_memory)  # (N, S, num_classes)
             enc_outputs_coord_unact = self.decoder.bbox_embed[K](output_memory) + output_proposals  # (N, S, 4)
             # The original ranks proposals by the logit of class 0 only; kept for checkpoint parity.
             topk_proposals = torch.topk(enc_outputs_class[..., 0], num_proposals, dim=1)[1]  # (N, Q)
-            topk_coords_unact = torch.gather(enc_outputs_coord_unact, 1,
-                                             topk_proposals.unsqueeze(-1).repeat(1, 1, 4)).detach()  # (N, Q, 4)
+            topk_coords_unact = torch.gather(
+                enc_outputs_coord_unact, 1, topk_proposals.unsqueeze(-1).repeat(1, 1, 4)
+            ).detach()  # (N, Q, 4)
             reference_points = topk_coords_unact.sigmoid()
             init_reference_out = reference_points
             pos_trans_out = self.pos_trans_norm(self.pos_trans(self.get_proposal_pos_embed(topk_coords_unact)))
@@ -336,6 +373,7 @@ class DeformableTransformer(nn.Module):
                 reference_points = reference_points.sigmoid()  # (N, Q, 2)
             init_reference_out = reference_points
 
-        hs, inter_references = self.decoder(tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos,
-                                            mask_flatten, query_groups)
+        hs, inter_references = self.decoder(
+            tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos, mask_flatten, query_groups
+        )
         return hs, init_reference_out, inter_references, enc_outputs_class, enc_outputs_coord_unact

@@ -41,8 +41,12 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
             return self._affine_of(*buffers, dtype=dtype)
         versions = tuple(t._version for t in buffers)
         cached = self._affine
-        if (cached is not None and cached[0] == dtype and cached[1] == versions
-                and all(a is b for a, b in zip(cached[2], buffers))):
+        if (
+            cached is not None
+            and cached[0] == dtype
+            and cached[1] == versions
+            and all(a is b for a, b in zip(cached[2], buffers))
+        ):
             return cached[3], cached[4]
         # Plain tensors even when first met under inference mode (evaluation), so a later training step may
         # save them for backward.

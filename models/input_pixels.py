@@ -39,8 +39,9 @@ class InputPixels(nn.Module):
         if pixels.dtype != torch.uint8:
             raise ValueError(f"pixels must be uint8 to normalize, got {pixels.dtype}")
         if pixels.device != self.mean.device:
-            raise ValueError(f"pixels are on {pixels.device} and the model on {self.mean.device}: move one to the "
-                             f"other")
+            raise ValueError(
+                f"pixels are on {pixels.device} and the model on {self.mean.device}: move one to the other"
+            )
         normalized = (pixels.to(torch.float32) * (1.0 / 255) - self.mean) / self.std
         if mask is not None:
             normalized = normalized.masked_fill(mask.unsqueeze(-3), 0.0)

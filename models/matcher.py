@@ -4,6 +4,7 @@ Each image's queries are assigned one-to-one to its targets by minimising a cost
 focal-style classification cost, the L1 distance between boxes and the negative generalized IoU,
 exactly as in the published Deformable DETR. Queries left unassigned are "no object".
 """
+
 from __future__ import annotations
 
 import math
@@ -83,10 +84,14 @@ class HungarianMatcher(nn.Module):
             logits, boxes = logits.float(), boxes.float()
         G, B, Q, _ = logits.shape
         device = logits.device
-        tgt_ids = pad_sequence([t["labels"].to(device=device, dtype=torch.int64) for t in targets],
-                               batch_first=True)  # (B, T)
-        tgt_bbox = pad_sequence([t["boxes"].to(device=device, dtype=boxes.dtype) for t in targets], batch_first=True,
-                                padding_value=PADDING_BOX)  # (B, T, 4)
+        tgt_ids = pad_sequence(
+            [t["labels"].to(device=device, dtype=torch.int64) for t in targets], batch_first=True
+        )  # (B, T)
+        tgt_bbox = pad_sequence(
+            [t["boxes"].to(device=device, dtype=boxes.dtype) for t in targets],
+            batch_first=True,
+            padding_value=PADDING_BOX,
+        )  # (B, T, 4)
         T = tgt_ids.shape[1]
 
         alpha, gamma = self.focal_alpha, self.focal_gamma
@@ -139,13 +144,15 @@ class HungarianMatcher(nn.Module):
         for G, B, Q, sizes, r in layouts:
             T = max(sizes, default=0)
             if T:
-                C = flat[offset:offset + G * B * T * Q].view(G, B, T, Q).numpy()
+                C = flat[offset : offset + G * B * T * Q].view(G, B, T, Q).numpy()
                 offset += G * B * T * Q
                 blocks += [(C[g, b, :n], r) for g in range(G) for b, n in enumerate(sizes)]
         solved = iter(_solve_blocks(blocks))
         empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
-        return [[[next(solved) if max(sizes, default=0) else empty for _ in range(B)] for _ in range(G)]
-                for G, B, Q, sizes, r in layouts]
+        return [
+            [[next(solved) if max(sizes, default=0) else empty for _ in range(B)] for _ in range(G)]
+            for G, B, Q, sizes, r in layouts
+        ]
 
     @torch.no_grad()
     def forward(self, outputs: dict, targets: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:

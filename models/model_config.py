@@ -28,10 +28,25 @@ Msda = StrEnum("Msda", {name: name for name in msda.IMPLS})
 BackboneName = StrEnum("BackboneName", {name: name for name in RESNET_CHANNELS})
 PositionEmbeddingName = StrEnum("PositionEmbeddingName", {name: name for name in POSITION_EMBEDDINGS})
 
-_COST_AND_LOSS_WEIGHTS = ("set_cost_class", "set_cost_bbox", "set_cost_giou", "cls_loss_coef", "bbox_loss_coef",
-                          "giou_loss_coef")
-_POSITIVE_INTS = ("hidden_dim", "nheads", "enc_layers", "dim_feedforward", "num_feature_levels", "enc_n_points",
-                  "dec_n_points", "num_queries", "num_queries_one2many")
+_COST_AND_LOSS_WEIGHTS = (
+    "set_cost_class",
+    "set_cost_bbox",
+    "set_cost_giou",
+    "cls_loss_coef",
+    "bbox_loss_coef",
+    "giou_loss_coef",
+)
+_POSITIVE_INTS = (
+    "hidden_dim",
+    "nheads",
+    "enc_layers",
+    "dim_feedforward",
+    "num_feature_levels",
+    "enc_n_points",
+    "dec_n_points",
+    "num_queries",
+    "num_queries_one2many",
+)
 
 
 @dataclass
@@ -59,22 +74,29 @@ class CriterionConfig:
     def __post_init__(self) -> None:
         problems = []
         if self.num_classes is not None and self.num_classes < 1:
-            problems.append(f"model.num_classes must be an integer >= 1 or null (from the data), got "
-                            f"{self.num_classes!r}")
+            problems.append(
+                f"model.num_classes must be an integer >= 1 or null (from the data), got {self.num_classes!r}"
+            )
         if self.dec_layers < 1:
             problems.append(f"model.dec_layers must be an integer >= 1, got {self.dec_layers!r}")
-        problems += [f"model.{key} must be a finite number >= 0, got {getattr(self, key)!r}"
-                     for key in _COST_AND_LOSS_WEIGHTS
-                     if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0)]
+        problems += [
+            f"model.{key} must be a finite number >= 0, got {getattr(self, key)!r}"
+            for key in _COST_AND_LOSS_WEIGHTS
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0)
+        ]
         if self.set_cost_class == self.set_cost_bbox == self.set_cost_giou == 0:
-            problems.append("model.set_cost_class, set_cost_bbox and set_cost_giou are all 0: the matcher has "
-                            "nothing to match on")
+            problems.append(
+                "model.set_cost_class, set_cost_bbox and set_cost_giou are all 0: the matcher has nothing to match on"
+            )
         if not (0 <= self.focal_alpha <= 1 or self.focal_alpha == -1):
-            problems.append(f"model.focal_alpha must be in [0, 1] (or -1: no class weighting), got "
-                            f"{self.focal_alpha!r}")
+            problems.append(
+                f"model.focal_alpha must be in [0, 1] (or -1: no class weighting), got {self.focal_alpha!r}"
+            )
         if self.k_one2many < 1:
-            problems.append(f"model.k_one2many must be an integer >= 1 (the times each target is repeated for the "
-                            f"one-to-many queries), got {self.k_one2many!r}")
+            problems.append(
+                f"model.k_one2many must be an integer >= 1 (the times each target is repeated for the "
+                f"one-to-many queries), got {self.k_one2many!r}"
+            )
         if not (math.isfinite(self.lambda_one2many) and self.lambda_one2many >= 0):
             problems.append(f"model.lambda_one2many must be a finite number >= 0, got {self.lambda_one2many!r}")
         if problems:
@@ -111,28 +133,38 @@ class ModelConfig(CriterionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        problems = [f"model.{key} must be an integer >= 1, got {getattr(self, key)!r}"
-                    for key in _POSITIVE_INTS if getattr(self, key) < 1]
+        problems = [
+            f"model.{key} must be an integer >= 1, got {getattr(self, key)!r}"
+            for key in _POSITIVE_INTS
+            if getattr(self, key) < 1
+        ]
         if not 0 <= self.dropout < 1:
             problems.append(f"model.dropout must be a number in [0, 1), got {self.dropout!r}")
         if problems:
             raise ValueError("; ".join(problems))
         # Rules between keys, after the single-key ones so that their messages can trust the values.
         if self.hidden_dim % self.nheads:
-            raise ValueError(f"model.hidden_dim must be divisible by model.nheads, got hidden_dim={self.hidden_dim}, "
-                             f"nheads={self.nheads}")
+            raise ValueError(
+                f"model.hidden_dim must be divisible by model.nheads, got hidden_dim={self.hidden_dim}, "
+                f"nheads={self.nheads}"
+            )
         if self.hidden_dim % 32:
-            raise ValueError(f"model.hidden_dim must be a multiple of 32 (GroupNorm(32) in input_proj), got "
-                             f"{self.hidden_dim}")
+            raise ValueError(
+                f"model.hidden_dim must be a multiple of 32 (GroupNorm(32) in input_proj), got {self.hidden_dim}"
+            )
         if self.num_feature_levels == 2:
-            raise ValueError("model.num_feature_levels must be 1 (layer4 only) or >= 3 (layer2-4 plus extra "
-                             "stride-2 levels), got 2")
+            raise ValueError(
+                "model.num_feature_levels must be 1 (layer4 only) or >= 3 (layer2-4 plus extra stride-2 levels), got 2"
+            )
         if self.two_stage and not self.with_box_refine:
-            raise ValueError("model.two_stage=true needs model.with_box_refine=true (as in the original, whose "
-                             "two-stage decoder uses the per-layer box heads)")
+            raise ValueError(
+                "model.two_stage=true needs model.with_box_refine=true (as in the original, whose "
+                "two-stage decoder uses the per-layer box heads)"
+            )
         if self.dilation and self.backbone in ("resnet18", "resnet34"):
-            raise ValueError(f"model.dilation=true needs a bottleneck ResNet (resnet50/101), got "
-                             f"model.backbone={self.backbone}")
+            raise ValueError(
+                f"model.dilation=true needs a bottleneck ResNet (resnet50/101), got model.backbone={self.backbone}"
+            )
         if self.pretrained is None:
             self.pretrained = "none"
 
@@ -165,6 +197,8 @@ def read_criterion_config(cfg: Any) -> CriterionConfig:
 def resolved_num_classes(c: CriterionConfig) -> int:
     """``c.num_classes``, which must have been set by now (null means "take it from the data")."""
     if c.num_classes is None:
-        raise ValueError("model.num_classes is null (take it from the data): the trainer sets it from the training "
-                         "annotations before building the model; when building one directly, set it")
+        raise ValueError(
+            "model.num_classes is null (take it from the data): the trainer sets it from the training "
+            "annotations before building the model; when building one directly, set it"
+        )
     return c.num_classes

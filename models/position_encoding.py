@@ -22,8 +22,14 @@ class PositionEmbeddingSine(nn.Module):
     and adds eps 1e-6 to the denominator; both change numbers, so both are kept.
     """
 
-    def __init__(self, *, num_pos_feats: int = 128, temperature: float = 10000.0, normalize: bool = True,
-                 scale: float | None = None):
+    def __init__(
+        self,
+        *,
+        num_pos_feats: int = 128,
+        temperature: float = 10000.0,
+        normalize: bool = True,
+        scale: float | None = None,
+    ):
         super().__init__()
         if scale is not None and not normalize:
             raise ValueError("PositionEmbeddingSine: scale is only used with normalize=True")
@@ -74,7 +80,8 @@ class PositionEmbeddingLearned(nn.Module):
         if H > self.max_size or W > self.max_size:
             raise ValueError(
                 f"learned position embedding supports feature maps up to {self.max_size}x{self.max_size}, "
-                f"got {H}x{W}; use position_embedding=sine for larger inputs")
+                f"got {H}x{W}; use position_embedding=sine for larger inputs"
+            )
         x_emb = self.col_embed(torch.arange(W, device=mask.device))  # (W, F)
         y_emb = self.row_embed(torch.arange(H, device=mask.device))  # (H, F)
         pos = torch.cat([x_emb.unsqueeze(0).expand(H, W, -1), y_emb.unsqueeze(1).expand(H, W, -1)], dim=-1)

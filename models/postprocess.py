@@ -1,4 +1,5 @@
 """Turn Deformable DETR outputs into per-image detections in absolute pixel coordinates."""
+
 from __future__ import annotations
 
 import torch

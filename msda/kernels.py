@@ -101,9 +101,20 @@ def _query_block(Lq, M: tl.constexpr, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _load_samples(loc_ptr, weight_ptr, query_row, q_in, step,
-                  levels01, levels23, levels45, levels67,
-                  L: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
+def _load_samples(
+    loc_ptr,
+    weight_ptr,
+    query_row,
+    q_in,
+    step,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """Samples step*BLOCK_P .. +BLOCK_P of every query: flat index, mask, level, level geometry, x, y, weight.
 
     A query's L*P locations are one contiguous run, so with BLOCK_P = L*P each query reads whole lines.
@@ -153,13 +164,23 @@ def _channel_offsets(rows, m, M: tl.constexpr, D: tl.constexpr, d):
 # ----------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=_DYNAMIC)
 def msda_forward_kernel(
-    value_ptr,        # (N, S, M, D)
-    loc_ptr,          # (N, Lq, M, L, P, 2)
-    weight_ptr,       # (N, Lq, M, L, P)
-    out_ptr,          # (N, Lq, M, D)
-    Lq, levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    value_ptr,  # (N, S, M, D)
+    loc_ptr,  # (N, Lq, M, L, P, 2)
+    weight_ptr,  # (N, Lq, M, L, P)
+    out_ptr,  # (N, Lq, M, D)
+    Lq,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
     pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
@@ -172,7 +193,8 @@ def msda_forward_kernel(
     for step in tl.range(0, (L * P + BLOCK_P - 1) // BLOCK_P, loop_unroll_factor=UNROLL):
         # ---- load: locations and weights of BLOCK_P samples per query
         sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
-            loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)
+            loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P
+        )
         x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)
         y = _pixel(loc_y, H, COMPUTE_DTYPE)
         x0 = tl.floor(x)
@@ -211,19 +233,32 @@ def msda_forward_kernel(
 # Corners outside the map hold zeros in val and take no gradient, exactly as grid_sample's zero padding.
 @triton.jit(do_not_specialize=_DYNAMIC + ["gather_level"])
 def msda_backward_kernel(
-    grad_out_ptr,     # (N, Lq, M, D)
-    value_ptr,        # (N, S, M, D)
-    loc_ptr,          # (N, Lq, M, L, P, 2)
-    weight_ptr,       # (N, Lq, M, L, P)
-    grad_value_ptr,   # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
-    grad_loc_ptr,     # (N, Lq, M, L, P, 2) in sampling_locations' dtype; SAMPLE_GRADS only
+    grad_out_ptr,  # (N, Lq, M, D)
+    value_ptr,  # (N, S, M, D)
+    loc_ptr,  # (N, Lq, M, L, P, 2)
+    weight_ptr,  # (N, Lq, M, L, P)
+    grad_value_ptr,  # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
+    grad_loc_ptr,  # (N, Lq, M, L, P, 2) in sampling_locations' dtype; SAMPLE_GRADS only
     grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype; SAMPLE_GRADS only
-    keys_ptr,         # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
-    counts_ptr,       # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
-    Lq, gather_level, levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    SAMPLE_GRADS: tl.constexpr, SCATTER: tl.constexpr, KEYS: tl.constexpr,
+    keys_ptr,  # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
+    counts_ptr,  # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
+    Lq,
+    gather_level,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    SAMPLE_GRADS: tl.constexpr,
+    SCATTER: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
     pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -232,13 +267,13 @@ def msda_backward_kernel(
     batch_row0 = n.to(tl.int64) * S
 
     # ---- load: the upstream gradient of these queries, reused by every sample
-    g = tl.load(grad_out_ptr + query_row[:, None] * D + d[None, :], mask=q_in[:, None] & (d < D)[None, :],
-                other=0.0)
+    g = tl.load(grad_out_ptr + query_row[:, None] * D + d[None, :], mask=q_in[:, None] & (d < D)[None, :], other=0.0)
     g = g.to(COMPUTE_DTYPE)[:, None, :]  # (BLOCK_Q, 1, BLOCK_D)
 
     for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
         sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
-            loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P)
+            loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P
+        )
         # Levels from gather_level on are left to the gather (KEYS), the finer ones to the scatter.
         scattered = s_in & (level < gather_level)[None, :]  # (BLOCK_Q, BLOCK_P)
         x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)
@@ -262,8 +297,12 @@ def msda_backward_kernel(
                 grad_ly += (wx if corner // 2 == 1 else -wx) * t
             if SCATTER:
                 # ---- scatter: relaxed fp32 atomics, only the sums must be right
-                tl.atomic_add(grad_value_ptr + offs, (attn * wy * wx)[:, :, None] * g,
-                              mask=(inside & scattered)[:, :, None] & d_in, sem="relaxed")
+                tl.atomic_add(
+                    grad_value_ptr + offs,
+                    (attn * wy * wx)[:, :, None] * g,
+                    mask=(inside & scattered)[:, :, None] & d_in,
+                    sem="relaxed",
+                )
         if SAMPLE_GRADS:
             # ---- store: one weight and one (x, y) gradient per sample
             tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=s_in)
@@ -288,10 +327,11 @@ def msda_backward_kernel(
 # ----------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_samples", "num_cells"])
 def msda_fill_cells_kernel(
-    keys_ptr,    # (num_samples,) int cell per sample, num_cells if none
+    keys_ptr,  # (num_samples,) int cell per sample, num_cells if none
     counts_ptr,  # (num_cells + 1,) inclusive prefix sums of the counts: the end of every cell
-    perm_ptr,    # (num_samples,) out: sample ids grouped by cell
-    num_samples, num_cells,
+    perm_ptr,  # (num_samples,) out: sample ids grouped by cell
+    num_samples,
+    num_cells,
     BLOCK: tl.constexpr,
 ):
     """Counting-sort fill: each sample takes a slot just below its cell's end. Afterwards counts[k] is the
@@ -318,15 +358,27 @@ def _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, DY: tl.constexpr, DX: tl.
 
 @triton.jit(do_not_specialize=_DYNAMIC + ["s_begin", "s_end"])
 def msda_grad_value_gather_kernel(
-    grad_out_ptr,    # (N, Lq, M, D)
-    loc_ptr,         # (N, Lq, M, L, P, 2)
-    weight_ptr,      # (N, Lq, M, L, P)
-    counts_ptr,      # (N*M*C + 1,) cell bounds: ends of cells (FILLED=False) or starts (FILLED=True)
-    perm_ptr,        # sample ids grouped by cell, ascending inside a cell when sorted
+    grad_out_ptr,  # (N, Lq, M, D)
+    loc_ptr,  # (N, Lq, M, L, P, 2)
+    weight_ptr,  # (N, Lq, M, L, P)
+    counts_ptr,  # (N*M*C + 1,) cell bounds: ends of cells (FILLED=False) or starts (FILLED=True)
+    perm_ptr,  # sample ids grouped by cell, ascending inside a cell when sorted
     grad_value_ptr,  # (N, S, M, D) out, in value's dtype: every row in [s_begin, s_end) written once
-    Lq, s_begin, s_end, levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    Lq,
+    s_begin,
+    s_end,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     FILLED: tl.constexpr,
 ):
     """Row (n, s, m) of grad_value = sum over the samples in the four cells whose 2x2 corners include pixel
@@ -374,9 +426,15 @@ def msda_grad_value_gather_kernel(
         in0 = k < count0[:, None]
         in1 = k < n01[:, None]
         in2 = k < n012[:, None]
-        slot = tl.where(in0, begin0[:, None] + k,
-                        tl.where(in1, begin1[:, None] + k - count0[:, None],
-                                 tl.where(in2, begin2[:, None] + k - n01[:, None], begin3[:, None] + k - n012[:, None])))
+        slot = tl.where(
+            in0,
+            begin0[:, None] + k,
+            tl.where(
+                in1,
+                begin1[:, None] + k - count0[:, None],
+                tl.where(in2, begin2[:, None] + k - n01[:, None], begin3[:, None] + k - n012[:, None]),
+            ),
+        )
         dx = tl.where(in0 | (~in1 & in2), 0, 1)  # corners in cell order: (0,0) (0,1) (1,0) (1,1)
         dy = tl.where(in1, 0, 1)
         # ---- load: the sample, its location and weight, and its query's upstream gradient
@@ -385,8 +443,9 @@ def msda_grad_value_gather_kernel(
         loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0)
         attn = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(COMPUTE_DTYPE)
         query_row = sample // (L * P)
-        gq = tl.load(grad_out_ptr + (query_row * D)[:, :, None] + d[None, None, :], mask=ok[:, :, None] & d_in,
-                     other=0.0)
+        gq = tl.load(
+            grad_out_ptr + (query_row * D)[:, :, None] + d[None, None, :], mask=ok[:, :, None] & d_in, other=0.0
+        )
         # ---- compute: the sample's top-left corner is (y - dy, x - dx); its weight on this row is wy * wx
         lx = _pixel(loc_x, W[:, None], COMPUTE_DTYPE) - (x[:, None] - dx)
         ly = _pixel(loc_y, H[:, None], COMPUTE_DTYPE) - (y[:, None] - dy)
@@ -398,5 +457,8 @@ def msda_grad_value_gather_kernel(
     # ---- store: each row once, in the output dtype
     out = tl.sum(acc, axis=1)  # (BLOCK_S, BLOCK_D)
     out_rows = (n.to(tl.int64) * S + s) * M + m  # (BLOCK_S,)
-    tl.store(grad_value_ptr + (out_rows * D)[:, None] + d[None, :], out.to(grad_value_ptr.dtype.element_ty),
-             mask=s_in[:, None] & (d < D)[None, :])
+    tl.store(
+        grad_value_ptr + (out_rows * D)[:, None] + d[None, :],
+        out.to(grad_value_ptr.dtype.element_ty),
+        mask=s_in[:, None] & (d < D)[None, :],
+    )

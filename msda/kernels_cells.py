@@ -38,16 +38,29 @@ def _level_of(index, levels01, levels23, levels45, levels67, L: tl.constexpr, CE
 
 @triton.jit(do_not_specialize=_DYNAMIC + ["c_begin", "c_end"])
 def msda_cell_partials_kernel(
-    grad_out_ptr,     # (N, Lq, M, D)
-    loc_ptr,          # (N, Lq, M, L, P, 2)
-    weight_ptr,       # (N, Lq, M, L, P)
-    bounds_ptr,       # (N*M*C + 1,) cell bounds: ends of the runs (FILLED=False) or their starts (FILLED=True)
-    perm_ptr,         # (N*Lq*M*L*P,) sample ids grouped by cell, ascending inside a cell
-    partial_ptr,      # (N*M*C, 4, D) out: every cell of [c_begin, c_end) of every (n, m) written once
-    Lq, c_begin, c_end, levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, FILLED: tl.constexpr,
+    grad_out_ptr,  # (N, Lq, M, D)
+    loc_ptr,  # (N, Lq, M, L, P, 2)
+    weight_ptr,  # (N, Lq, M, L, P)
+    bounds_ptr,  # (N*M*C + 1,) cell bounds: ends of the runs (FILLED=False) or their starts (FILLED=True)
+    perm_ptr,  # (N*Lq*M*L*P,) sample ids grouped by cell, ascending inside a cell
+    partial_ptr,  # (N*M*C, 4, D) out: every cell of [c_begin, c_end) of every (n, m) written once
+    Lq,
+    c_begin,
+    c_end,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    FILLED: tl.constexpr,
 ):
     """A program owns BLOCK_K cells of one (n, m) and walks their runs BLOCK_E samples at a time."""
     pid_nm = tl.program_id(1)
@@ -55,8 +68,9 @@ def msda_cell_partials_kernel(
     cell = c_begin + tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,) cells of (n, m)
     k_in = cell < c_end
     key = pid_nm * C + cell  # (BLOCK_K,) int64 global cell
-    H, W, row0, cell0 = _levels_of(_level_of(cell, levels01, levels23, levels45, levels67, L, True),
-                                   levels01, levels23, levels45, levels67, L)
+    H, W, row0, cell0 = _levels_of(
+        _level_of(cell, levels01, levels23, levels45, levels67, L, True), levels01, levels23, levels45, levels67, L
+    )
     local = cell - cell0
     x0 = (local % (W + 1) - 1).to(COMPUTE_DTYPE)  # the top-left corner every sample of the cell shares
     y0 = (local // (W + 1) - 1).to(COMPUTE_DTYPE)
@@ -84,8 +98,14 @@ def msda_cell_partials_kernel(
         loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0)
         attn = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(COMPUTE_DTYPE)
         query_row = sample // (L * P)  # (BLOCK_K, BLOCK_E) row (n, q, m) of grad_out
-        g = _widen(tl.load(grad_out_ptr + (query_row * D)[:, :, None][None, :, :, :] + chan4,
-                           mask=ok[:, :, None][None, :, :, :] & (chan4 < D), other=0.0), COMPUTE_DTYPE)
+        g = _widen(
+            tl.load(
+                grad_out_ptr + (query_row * D)[:, :, None][None, :, :, :] + chan4,
+                mask=ok[:, :, None][None, :, :, :] & (chan4 < D),
+                other=0.0,
+            ),
+            COMPUTE_DTYPE,
+        )
         # ---- compute: the sample's fractions inside its cell, and its weight on each corner
         lx = _pixel(loc_x, W[:, None], COMPUTE_DTYPE) - x0[:, None]
         ly = _pixel(loc_y, H[:, None], COMPUTE_DTYPE) - y0[:, None]
@@ -107,11 +127,19 @@ def msda_cell_partials_kernel(
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def msda_cell_rows_kernel(
-    partial_ptr,      # (N*M*C, 4, D)
-    grad_value_ptr,   # (N, S, M, D) out, in value's dtype: every row written once
-    levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
-    BLOCK_S: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    partial_ptr,  # (N*M*C, 4, D)
+    grad_value_ptr,  # (N, S, M, D) out, in value's dtype: every row written once
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
 ):
     """Row (n, s, m) = the sum over (dy, dx) in order 00 01 10 11 of partial[cell (y - dy, x - dx), corner (dy, dx)]:
     the four cells whose corners include pixel (y, x) of s."""
@@ -121,8 +149,9 @@ def msda_cell_rows_kernel(
     S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) value rows of (n, m)
     s_in = s < S
-    H, W, row0, cell0 = _levels_of(_level_of(s, levels01, levels23, levels45, levels67, L, False),
-                                   levels01, levels23, levels45, levels67, L)
+    H, W, row0, cell0 = _levels_of(
+        _level_of(s, levels01, levels23, levels45, levels67, L, False), levels01, levels23, levels45, levels67, L
+    )
     pixel = s - row0
     y = pixel // W
     x = pixel - y * W
@@ -140,5 +169,4 @@ def msda_cell_rows_kernel(
 
     # ---- store: each row once, in the output dtype
     out_rows = (n.to(tl.int64) * S + s) * M + m  # (BLOCK_S,)
-    tl.store(grad_value_ptr + (out_rows * D)[None, :, None] + chan, acc.to(grad_value_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(grad_value_ptr + (out_rows * D)[None, :, None] + chan, acc.to(grad_value_ptr.dtype.element_ty), mask=mask)

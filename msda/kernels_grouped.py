@@ -52,8 +52,19 @@ def _spread(x):
 
 
 @triton.jit
-def _level_samples(loc_ptr, weight_ptr, query_row, q_in, l, H, W,
-                   L: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+def _level_samples(
+    loc_ptr,
+    weight_ptr,
+    query_row,
+    q_in,
+    l,
+    H,
+    W,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+):
     """The P samples of level l of every query: index, mask, fractional pixel position and corner validity.
 
     Returns sample (BLOCK_Q, BLOCK_P) flat index l*P + p of each query, s_in, x0 / y0 (the top-left corner as
@@ -95,13 +106,23 @@ def _top_left_offset(x0, y0, col0, col1, row0, row1, W, level_row0, MD: tl.const
 # ----------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=_DYNAMIC)
 def msda_forward_grouped_kernel(
-    value_ptr,        # (N, S, M, D)
-    loc_ptr,          # (N, Lq, M, L, P, 2)
-    weight_ptr,       # (N, Lq, M, L, P)
-    out_ptr,          # (N, Lq, M, D)
-    Lq, levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr,
+    value_ptr,  # (N, S, M, D)
+    loc_ptr,  # (N, Lq, M, L, P, 2)
+    weight_ptr,  # (N, Lq, M, L, P)
+    out_ptr,  # (N, Lq, M, D)
+    Lq,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
 ):
     pid_nm = tl.program_id(1)
@@ -121,7 +142,8 @@ def msda_forward_grouped_kernel(
         H, W = _level_shape(levels01, levels23, levels45, levels67, l)
         # ---- load: the P locations and weights of level l of every query, and the sample's geometry
         _, _, x0, y0, lx, ly, col0, col1, row0, row1, attn = _level_samples(
-            loc_ptr, weight_ptr, query_row, q_in, l, H, W, L, P, BLOCK_P, COMPUTE_DTYPE)
+            loc_ptr, weight_ptr, query_row, q_in, l, H, W, L, P, BLOCK_P, COMPUTE_DTYPE
+        )
         top_left = _top_left_offset(x0, y0, col0, col1, row0, row1, W, level_row0, M * D)  # (BLOCK_Q, BLOCK_P)
         ptrs = value_nm + _spread(top_left) + chan[:, :, None, :]  # (CH, BLOCK_Q, BLOCK_P, BLOCK_C)
         a_top = attn * (1 - ly)
@@ -131,8 +153,7 @@ def msda_forward_grouped_kernel(
             coef = (a_bottom if corner // 2 == 1 else a_top) * (lx if corner % 2 == 1 else 1 - lx)
             # ---- gather: CH vectors per thread of the corner's row
             step = ((corner // 2) * W + corner % 2).to(tl.int64) * (M * D)  # (0, 0) -> (DY, DX)
-            v = tl.load(ptrs + step, mask=_spread(inside) & chan_in[:, :, None, :],
-                        other=0.0)
+            v = tl.load(ptrs + step, mask=_spread(inside) & chan_in[:, :, None, :], other=0.0)
             # ---- compute: bilinear weight fused with the attention weight
             acc += _spread(coef) * _widen(v, COMPUTE_DTYPE)
         level_row0 += H * W
@@ -157,19 +178,32 @@ def msda_forward_grouped_kernel(
 # t_yx sums over the CH groups inside the thread and over the few threads that share a row chunk.
 @triton.jit(do_not_specialize=_DYNAMIC + ["gather_level"])
 def msda_backward_grouped_kernel(
-    grad_out_ptr,     # (N, Lq, M, D)
-    value_ptr,        # (N, S, M, D)
-    loc_ptr,          # (N, Lq, M, L, P, 2)
-    weight_ptr,       # (N, Lq, M, L, P)
-    grad_value_ptr,   # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
-    grad_loc_ptr,     # (N, Lq, M, L, P, 2) in sampling_locations' dtype
+    grad_out_ptr,  # (N, Lq, M, D)
+    value_ptr,  # (N, S, M, D)
+    loc_ptr,  # (N, Lq, M, L, P, 2)
+    weight_ptr,  # (N, Lq, M, L, P)
+    grad_value_ptr,  # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
+    grad_loc_ptr,  # (N, Lq, M, L, P, 2) in sampling_locations' dtype
     grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype
-    keys_ptr,         # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
-    counts_ptr,       # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
-    Lq, gather_level, levels01, levels23, levels45, levels67,
-    M: tl.constexpr, D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, SCATTER: tl.constexpr, KEYS: tl.constexpr,
+    keys_ptr,  # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
+    counts_ptr,  # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
+    Lq,
+    gather_level,
+    levels01,
+    levels23,
+    levels45,
+    levels67,
+    M: tl.constexpr,
+    D: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    SCATTER: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
     """Levels below gather_level are scattered (SCATTER), the others filed under their cells (KEYS)."""
     pid_nm = tl.program_id(1)
@@ -192,7 +226,8 @@ def msda_backward_grouped_kernel(
     for l in tl.static_range(L):
         H, W = _level_shape(levels01, levels23, levels45, levels67, l)
         sample, s_in, x0, y0, lx, ly, col0, col1, row0, row1, attn = _level_samples(
-            loc_ptr, weight_ptr, query_row, q_in, l, H, W, L, P, BLOCK_P, COMPUTE_DTYPE)
+            loc_ptr, weight_ptr, query_row, q_in, l, H, W, L, P, BLOCK_P, COMPUTE_DTYPE
+        )
         top_left = nm_offset + _top_left_offset(x0, y0, col0, col1, row0, row1, W, level_row0, M * D)
         offsets = _spread(top_left) + chan[:, :, None, :]  # (CH, BLOCK_Q, BLOCK_P, BLOCK_C)
         scattered = l < gather_level
@@ -213,14 +248,18 @@ def msda_backward_grouped_kernel(
             grad_ly += (wx if corner // 2 == 1 else -wx) * t
             if SCATTER:
                 # ---- scatter: relaxed fp32 vector atomics, only the sums must be right
-                tl.atomic_add(grad_value_ptr + corner_offsets, _spread(attn * wy * wx) * g,
-                              mask=c_in & scattered, sem="relaxed")
+                tl.atomic_add(
+                    grad_value_ptr + corner_offsets, _spread(attn * wy * wx) * g, mask=c_in & scattered, sem="relaxed"
+                )
         # ---- store: one weight and one (x, y) gradient per sample
         tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=s_in)
         grad_xy = tl.join(attn * W * grad_lx, attn * H * grad_ly)  # (BLOCK_Q, BLOCK_P, 2)
         xy = tl.arange(0, 2)
-        tl.store(grad_loc_ptr + 2 * sample[:, :, None] + xy[None, None, :],
-                 grad_xy.to(grad_loc_ptr.dtype.element_ty), mask=s_in[:, :, None])
+        tl.store(
+            grad_loc_ptr + 2 * sample[:, :, None] + xy[None, None, :],
+            grad_xy.to(grad_loc_ptr.dtype.element_ty),
+            mask=s_in[:, :, None],
+        )
         if KEYS:
             # ---- file the sample under its top-left corner's cell; none if no corner is in the map or if
             #      its level is scattered

@@ -42,8 +42,13 @@ from .launch_table import (  # noqa: F401  (INTERPRET, MAX_LEVELS, MAX_SIDE, TUN
 
 SCHEMES = ("fused", "split", "gather", "hybrid", "cells")
 DETERMINISTIC_SCHEMES = ("gather", "cells")
-_FLAGS = {"fused": (True, True, False), "sample_grads": (True, False, False), "scatter": (False, True, False),
-          "keys": (True, False, True), "hybrid": (True, True, True)}  # SAMPLE_GRADS, SCATTER, KEYS
+_FLAGS = {
+    "fused": (True, True, False),
+    "sample_grads": (True, False, False),
+    "scatter": (False, True, False),
+    "keys": (True, False, True),
+    "hybrid": (True, True, True),
+}  # SAMPLE_GRADS, SCATTER, KEYS
 
 
 def update_table(entries: dict):
@@ -63,8 +68,19 @@ def _family(kernels: str | None, pass_name: str, D: int, nbytes: int, L: int, P:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: torch.dtype, levels: tuple,
-          config: tuple | None, gather_level: int = 0):
+def _plan(
+    kernel: str,
+    N: int,
+    Lq: int,
+    M: int,
+    D: int,
+    L: int,
+    P: int,
+    dtype: torch.dtype,
+    levels: tuple,
+    config: tuple | None,
+    gather_level: int = 0,
+):
     """(grid, trailing int arguments, keyword arguments) of one query-kernel launch, built once per shape.
 
     The eager training step is host-bound: per call only a dict lookup remains of the configuration work.
@@ -73,8 +89,17 @@ def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: t
     nbytes = dtype.itemsize
     config = config or launch_config((kernel, D, nbytes, L, P, N * Lq * M >= LARGE))
     block_q, block_p, warps = config[:3]
-    kwargs = dict(M=M, D=D, L=L, P=P, BLOCK_D=pow2(D), COMPUTE_DTYPE=tl.float64 if dtype == torch.float64
-                  else tl.float32, BLOCK_Q=block_q, BLOCK_P=block_p, num_warps=warps)
+    kwargs = dict(
+        M=M,
+        D=D,
+        L=L,
+        P=P,
+        BLOCK_D=pow2(D),
+        COMPUTE_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32,
+        BLOCK_Q=block_q,
+        BLOCK_P=block_p,
+        num_warps=warps,
+    )
     if kernel == "forward":
         if len(config) != 4:
             raise ValueError(f"a forward config is (BLOCK_Q, BLOCK_P, num_warps, UNROLL), got {config}")
@@ -87,8 +112,9 @@ def _plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: t
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
-def forward(value, levels, sampling_locations, attention_weights, *, config: tuple | None = None,
-            kernels: str | None = None) -> torch.Tensor:
+def forward(
+    value, levels, sampling_locations, attention_weights, *, config: tuple | None = None, kernels: str | None = None
+) -> torch.Tensor:
     """Returns (N, Lq, M*D) in value's dtype. kernels = "classic" | "grouped" overrides the table's family; config
     overrides its block shape: (BLOCK_Q, BLOCK_P, num_warps, UNROLL) classic, (BLOCK_Q, CH, num_warps) grouped."""
     N, _, M, D = value.shape
@@ -110,8 +136,18 @@ def forward(value, levels, sampling_locations, attention_weights, *, config: tup
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
-def backward(grad_output, value, levels, sampling_locations, attention_weights, *, deterministic: bool = False,
-             scheme: str | None = None, configs: dict | None = None, kernels: str | None = None):
+def backward(
+    grad_output,
+    value,
+    levels,
+    sampling_locations,
+    attention_weights,
+    *,
+    deterministic: bool = False,
+    scheme: str | None = None,
+    configs: dict | None = None,
+    kernels: str | None = None,
+):
     """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
 
     deterministic=False: the scheme from the table. "fused" and "split" add grad_value with fp32 atomics
@@ -145,8 +181,10 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
 
     family = _family(kernels, "deterministic" if deterministic else "backward", D, nbytes, L, P, large)
     if family == "grouped" and scheme == "split":
-        raise ValueError("the grouped kernels have no split scheme (their pass always computes the location and "
-                         "weight gradients): use fused, gather or hybrid")
+        raise ValueError(
+            "the grouped kernels have no split scheme (their pass always computes the location and "
+            "weight gradients): use fused, gather or hybrid"
+        )
     first_gathered = 0  # levels from this one on are summed by the gather kernel
     if scheme == "hybrid":
         threshold = configs.get("hybrid_split") or launch_config(("hybrid_split", D, nbytes, large))
@@ -156,13 +194,36 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
     def query_kernel(name, grad_value, keys, counts):
         gather_level = L if name in ("fused", "scatter") else first_gathered
         if family == "grouped":
-            launch_grouped.query_kernel(name, grad_output, value, levels, sampling_locations, attention_weights,
-                                        grad_value, grad_loc, grad_weight, keys, counts,
-                                        configs.get(f"grouped_{name}"), gather_level)
+            launch_grouped.query_kernel(
+                name,
+                grad_output,
+                value,
+                levels,
+                sampling_locations,
+                attention_weights,
+                grad_value,
+                grad_loc,
+                grad_weight,
+                keys,
+                counts,
+                configs.get(f"grouped_{name}"),
+                gather_level,
+            )
             return
         grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name), gather_level)
-        msda_backward_kernel[grid](grad_output, value, sampling_locations, attention_weights, grad_value, grad_loc,
-                                   grad_weight, keys, counts, *args, **kwargs)
+        msda_backward_kernel[grid](
+            grad_output,
+            value,
+            sampling_locations,
+            attention_weights,
+            grad_value,
+            grad_loc,
+            grad_weight,
+            keys,
+            counts,
+            *args,
+            **kwargs,
+        )
 
     with device_guard(value):
         accum_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
@@ -177,7 +238,7 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
 
         num_cells = N * M * sum((h + 1) * (w + 1) for h, w in levels)
         num_samples = N * Lq * M * L * P
-        index_dtype = torch.int32 if max(num_cells + 1, num_samples) < 2 ** 31 else torch.int64
+        index_dtype = torch.int32 if max(num_cells + 1, num_samples) < 2**31 else torch.int64
         keys = torch.empty(num_samples, dtype=index_dtype, device=value.device)  # (N, Lq, M, L, P) flat
         counts = torch.zeros(num_cells + 1, dtype=index_dtype, device=value.device)  # last: no cell
         if scheme == "hybrid":  # the scatter's rows stay zero where the gather writes
@@ -191,15 +252,33 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
             perm = torch.sort(keys, stable=True).indices  # ascending sample id inside every cell
         else:
             perm = torch.empty(num_samples, dtype=index_dtype, device=value.device)
-            msda_fill_cells_kernel[(cdiv(num_samples, 1024),)](keys, counts, perm, num_samples, num_cells,
-                                                                 BLOCK=1024, num_warps=4)
+            msda_fill_cells_kernel[(cdiv(num_samples, 1024),)](
+                keys, counts, perm, num_samples, num_cells, BLOCK=1024, num_warps=4
+            )
         if scheme == "cells":
-            launch_grouped.cell_grad_value(grad_output, levels, sampling_locations, attention_weights, counts, perm,
-                                           grad_value, not deterministic, configs.get("cells"))
+            launch_grouped.cell_grad_value(
+                grad_output,
+                levels,
+                sampling_locations,
+                attention_weights,
+                counts,
+                perm,
+                grad_value,
+                not deterministic,
+                configs.get("cells"),
+            )
             return grad_value, grad_loc, grad_weight
         lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes, large))
-        common = dict(M=M, D=D, L=L, P=P, BLOCK_D=pow2(D), FILLED=not deterministic, num_warps=warps,
-                      COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32)
+        common = dict(
+            M=M,
+            D=D,
+            L=L,
+            P=P,
+            BLOCK_D=pow2(D),
+            FILLED=not deterministic,
+            num_warps=warps,
+            COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32,
+        )
         s_first = sum(h * w for h, w in levels[:first_gathered])
         for s_begin, s_end, block_e in gather_groups(levels, Lq, P, lanes):
             s_begin = max(s_begin, s_first)
@@ -207,8 +286,20 @@ def backward(grad_output, value, levels, sampling_locations, attention_weights, 
                 continue
             block_s = lanes // block_e
             msda_grad_value_gather_kernel[(cdiv(s_end - s_begin, block_s), N * M)](
-                grad_output, sampling_locations, attention_weights, counts, perm, grad_value,
-                Lq, s_begin, s_end, *pack_levels(levels), BLOCK_S=block_s, BLOCK_E=block_e, **common)
+                grad_output,
+                sampling_locations,
+                attention_weights,
+                counts,
+                perm,
+                grad_value,
+                Lq,
+                s_begin,
+                s_end,
+                *pack_levels(levels),
+                BLOCK_S=block_s,
+                BLOCK_E=block_e,
+                **common,
+            )
         return grad_value.to(value.dtype), grad_loc, grad_weight
 
 

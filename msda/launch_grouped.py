@@ -32,8 +32,19 @@ def _check_powers(*, ch: int, block_d: int, D: int, **sizes):
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: torch.dtype, levels: tuple,
-         config: tuple | None, gather_level: int = 0):
+def plan(
+    kernel: str,
+    N: int,
+    Lq: int,
+    M: int,
+    D: int,
+    L: int,
+    P: int,
+    dtype: torch.dtype,
+    levels: tuple,
+    config: tuple | None,
+    gather_level: int = 0,
+):
     """(grid, trailing int arguments, keyword arguments) of one grouped launch, built once per shape."""
     check_grid(N, M)
     if kernel not in KERNELS:
@@ -44,8 +55,18 @@ def plan(kernel: str, N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: to
     block_q, ch, warps = config
     block_d = pow2(D)
     _check_powers(block_q=block_q, ch=ch, block_d=block_d, D=D)
-    kwargs = dict(M=M, D=D, L=L, P=P, BLOCK_Q=block_q, BLOCK_P=pow2(P), CH=ch, BLOCK_C=block_d // ch,
-                  COMPUTE_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32, num_warps=warps)
+    kwargs = dict(
+        M=M,
+        D=D,
+        L=L,
+        P=P,
+        BLOCK_Q=block_q,
+        BLOCK_P=pow2(P),
+        CH=ch,
+        BLOCK_C=block_d // ch,
+        COMPUTE_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32,
+        num_warps=warps,
+    )
     grid = (cdiv(Lq, block_q), N * M)
     if kernel == "forward":
         return grid, (Lq, *pack_levels(levels)), kwargs
@@ -61,16 +82,40 @@ def forward(value, levels: tuple, sampling_locations, attention_weights, output,
     msda_forward_grouped_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
 
 
-def query_kernel(kernel: str, grad_output, value, levels: tuple, sampling_locations, attention_weights, grad_value,
-                 grad_loc, grad_weight, keys, counts, config: tuple | None = None, gather_level: int = 0):
+def query_kernel(
+    kernel: str,
+    grad_output,
+    value,
+    levels: tuple,
+    sampling_locations,
+    attention_weights,
+    grad_value,
+    grad_loc,
+    grad_weight,
+    keys,
+    counts,
+    config: tuple | None = None,
+    gather_level: int = 0,
+):
     """One backward pass over the queries: grad_loc and grad_weight always; for "fused" and "hybrid" the scatter
     into grad_value of the levels below gather_level; for "keys" and "hybrid" the cell keys and counts of the
     levels from gather_level on. Buffers a kernel does not use may be any tensor."""
     N, _, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     grid, args, kwargs = plan(kernel, N, Lq, M, D, L, P, value.dtype, levels, config, gather_level)
-    msda_backward_grouped_kernel[grid](grad_output, value, sampling_locations, attention_weights, grad_value,
-                                       grad_loc, grad_weight, keys, counts, *args, **kwargs)
+    msda_backward_grouped_kernel[grid](
+        grad_output,
+        value,
+        sampling_locations,
+        attention_weights,
+        grad_value,
+        grad_loc,
+        grad_weight,
+        keys,
+        counts,
+        *args,
+        **kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -100,22 +145,38 @@ def cell_groups(levels: tuple, Lq: int, P: int, lanes: int) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def cell_plans(N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: torch.dtype, levels: tuple,
-               config: tuple | None, filled: bool) -> tuple:
+def cell_plans(
+    N: int,
+    Lq: int,
+    M: int,
+    D: int,
+    L: int,
+    P: int,
+    dtype: torch.dtype,
+    levels: tuple,
+    config: tuple | None,
+    filled: bool,
+) -> tuple:
     """((grid, trailing int arguments, keyword arguments) of each cell-pass launch, the same of the row pass,
     the partial buffer's shape and dtype), built once per shape."""
     lanes, ch, warps = config or launch_config(("cells", D, dtype.itemsize, L, P, N * Lq * M >= LARGE))
     block_d = pow2(D)
     _check_powers(lanes=lanes, ch=ch, block_d=block_d, D=D)
     fp64 = dtype == torch.float64
-    common = dict(M=M, D=D, L=L, CH=ch, BLOCK_C=block_d // ch, num_warps=warps,
-                  COMPUTE_DTYPE=tl.float64 if fp64 else tl.float32)
+    common = dict(
+        M=M, D=D, L=L, CH=ch, BLOCK_C=block_d // ch, num_warps=warps, COMPUTE_DTYPE=tl.float64 if fp64 else tl.float32
+    )
     packed = pack_levels(levels)
     cells = []
     for c_begin, c_end, block_e in cell_groups(levels, Lq, P, lanes):
         block_k = max(1, lanes // block_e)
-        cells.append(((cdiv(c_end - c_begin, block_k), N * M), (Lq, c_begin, c_end, *packed),
-                      dict(P=P, BLOCK_K=block_k, BLOCK_E=block_e, FILLED=filled, **common)))
+        cells.append(
+            (
+                (cdiv(c_end - c_begin, block_k), N * M),
+                (Lq, c_begin, c_end, *packed),
+                dict(P=P, BLOCK_K=block_k, BLOCK_E=block_e, FILLED=filled, **common),
+            )
+        )
     partial_dtype = torch.float64 if fp64 else torch.float32
     # As many rows as make one chunk of CH channels per thread (fp32 partials: 16 bytes a thread's vector).
     block_s = max(1, 32 * warps // max(1, (block_d // ch) * partial_dtype.itemsize // 16))
@@ -125,19 +186,28 @@ def cell_plans(N: int, Lq: int, M: int, D: int, L: int, P: int, dtype: torch.dty
     return cells, rows, (N * M * C, 4, D), partial_dtype
 
 
-def cell_grad_value(grad_output, levels: tuple, sampling_locations, attention_weights, bounds, perm, grad_value,
-                    filled: bool, config: tuple | None = None):
+def cell_grad_value(
+    grad_output,
+    levels: tuple,
+    sampling_locations,
+    attention_weights,
+    bounds,
+    perm,
+    grad_value,
+    filled: bool,
+    config: tuple | None = None,
+):
     """Fills grad_value (N, S, M, D), in its dtype, from the samples grouped by cell: perm the sample ids in cell
     order, bounds (N*M*C + 1,) the inclusive prefix sums of the samples per cell (the ends of their runs) or, when
     ``filled`` (after the bucket fill), the starts. config = (lanes, CH, num_warps) of the cell pass; the row
     pass takes as many rows as make one fp32 chunk of CH channels per thread."""
     N, S, M, D = grad_value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    cells, rows, partial_shape, partial_dtype = cell_plans(N, Lq, M, D, L, P, grad_value.dtype, levels, config,
-                                                           filled)
+    cells, rows, partial_shape, partial_dtype = cell_plans(N, Lq, M, D, L, P, grad_value.dtype, levels, config, filled)
     partial = torch.empty(partial_shape, dtype=partial_dtype, device=grad_value.device)  # (N*M*C, 4, D)
     for grid, args, kwargs in cells:
-        msda_cell_partials_kernel[grid](grad_output, sampling_locations, attention_weights, bounds, perm, partial,
-                                        *args, **kwargs)
+        msda_cell_partials_kernel[grid](
+            grad_output, sampling_locations, attention_weights, bounds, perm, partial, *args, **kwargs
+        )
     grid, args, kwargs = rows
     msda_cell_rows_kernel[grid](partial, grad_value, *args, **kwargs)

@@ -36,8 +36,7 @@ def _forward(value, sampling_locations, attention_weights, levels) -> torch.Tens
         return value.new_zeros((N, Lq, M * D))  # nothing to gather: no launch
     from . import launch  # triton is imported only when the Triton path is used
 
-    return launch.forward(value.contiguous(), levels, sampling_locations.contiguous(),
-                          attention_weights.contiguous())
+    return launch.forward(value.contiguous(), levels, sampling_locations.contiguous(), attention_weights.contiguous())
 
 
 def _backward_impl(grad_output, value, sampling_locations, attention_weights, levels, deterministic):
@@ -48,13 +47,24 @@ def _backward_impl(grad_output, value, sampling_locations, attention_weights, le
         return torch.zeros_like(value), torch.zeros_like(sampling_locations), torch.zeros_like(attention_weights)
     from . import launch
 
-    return launch.backward(grad_output.contiguous(), value.contiguous(), levels, sampling_locations.contiguous(),
-                           attention_weights.contiguous(), deterministic=deterministic)
+    return launch.backward(
+        grad_output.contiguous(),
+        value.contiguous(),
+        levels,
+        sampling_locations.contiguous(),
+        attention_weights.contiguous(),
+        deterministic=deterministic,
+    )
 
 
 @torch.library.custom_op("msda::attention", mutates_args=())
-def attention_op(value: torch.Tensor, sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
-                 flat_levels: list[int], deterministic: bool) -> torch.Tensor:
+def attention_op(
+    value: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    flat_levels: list[int],
+    deterministic: bool,
+) -> torch.Tensor:
     """Triton forward on validated inputs -> (N, Lq, M*D). ``deterministic`` only matters to the backward."""
     return _forward(value, sampling_locations, attention_weights, _pairs(flat_levels))
 
@@ -66,17 +76,20 @@ def _attention_fake(value, sampling_locations, attention_weights, flat_levels, d
 
 
 @torch.library.custom_op("msda::attention_backward", mutates_args=())
-def attention_backward_op(grad_output: torch.Tensor, value: torch.Tensor, sampling_locations: torch.Tensor,
-                          attention_weights: torch.Tensor, flat_levels: list[int],
-                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward_op(
+    grad_output: torch.Tensor,
+    value: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    flat_levels: list[int],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype."""
-    return _backward_impl(grad_output, value, sampling_locations, attention_weights, _pairs(flat_levels),
-                          deterministic)
+    return _backward_impl(grad_output, value, sampling_locations, attention_weights, _pairs(flat_levels), deterministic)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(grad_output, value, sampling_locations, attention_weights, flat_levels,
-                             deterministic):
+def _attention_backward_fake(grad_output, value, sampling_locations, attention_weights, flat_levels, deterministic):
     return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
 
 
@@ -90,10 +103,16 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_output):
     value, sampling_locations, attention_weights = ctx.saved_tensors
     grad_value, grad_loc, grad_weight = attention_backward_op(
-        grad_output, value, sampling_locations, attention_weights, ctx.flat_levels, ctx.deterministic)
+        grad_output, value, sampling_locations, attention_weights, ctx.flat_levels, ctx.deterministic
+    )
     need_value, need_loc, need_weight = ctx.needs_input_grad[:3]
-    return (grad_value if need_value else None, grad_loc if need_loc else None,
-            grad_weight if need_weight else None, None, None)
+    return (
+        grad_value if need_value else None,
+        grad_loc if need_loc else None,
+        grad_weight if need_weight else None,
+        None,
+        None,
+    )
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -113,8 +132,7 @@ class EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         value, sampling_locations, attention_weights = ctx.saved_tensors
-        grads = _backward_impl(grad_output, value, sampling_locations, attention_weights, ctx.levels,
-                               ctx.deterministic)
+        grads = _backward_impl(grad_output, value, sampling_locations, attention_weights, ctx.levels, ctx.deterministic)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:3])), None, None)
 
 

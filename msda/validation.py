@@ -36,7 +36,8 @@ def _check_layout_tensor(name: str, t: torch.Tensor, device: torch.device) -> No
     if t.device != device and t.device.type != "cpu":
         raise ValueError(
             f"all tensors must be on value's device ({device}; spatial_shapes and level_start_index may "
-            f"also be on the CPU), got {name} on {t.device}")
+            f"also be on the CPU), got {name} on {t.device}"
+        )
 
 
 def _levels_of(spatial_shapes, device: torch.device) -> Levels:
@@ -46,14 +47,18 @@ def _levels_of(spatial_shapes, device: torch.device) -> Levels:
         _check_layout_tensor("spatial_shapes", spatial_shapes, device)
         if spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] == 0:
             raise ValueError(
-                f"spatial_shapes must be (L, 2) with L >= 1 rows of (H, W), got {_describe(spatial_shapes)}")
+                f"spatial_shapes must be (L, 2) with L >= 1 rows of (H, W), got {_describe(spatial_shapes)}"
+            )
         return as_levels(spatial_shapes)
     form = "an (L, 2) integer tensor or a non-empty sequence of (H, W) integer pairs"
     if not isinstance(spatial_shapes, (list, tuple)) or len(spatial_shapes) == 0:
         raise TypeError(f"spatial_shapes must be {form}, got {type(spatial_shapes).__name__}")
     for pair in spatial_shapes:
-        if (not isinstance(pair, (list, tuple, torch.Size)) or len(pair) != 2
-                or not all(isinstance(v, _INT_TYPES) and not isinstance(v, bool) for v in pair)):
+        if (
+            not isinstance(pair, (list, tuple, torch.Size))
+            or len(pair) != 2
+            or not all(isinstance(v, _INT_TYPES) and not isinstance(v, bool) for v in pair)
+        ):
             raise TypeError(f"spatial_shapes must be {form}, got {spatial_shapes!r}")
     return as_levels(spatial_shapes)
 
@@ -76,7 +81,8 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
         if t.device != device:
             raise ValueError(
                 f"all tensors must be on value's device ({device}; spatial_shapes and level_start_index may "
-                f"also be on the CPU), got {name} on {t.device}")
+                f"also be on the CPU), got {name} on {t.device}"
+            )
     if level_start_index is not None:
         _check_layout_tensor("level_start_index", level_start_index, device)
 
@@ -89,24 +95,28 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
     if total != S:
         raise ValueError(
             f"value's S dimension must equal sum(H*W) over spatial_shapes = {total}, got S = {S} "
-            f"(value {_describe(value)}, spatial_shapes {list(levels)})")
+            f"(value {_describe(value)}, spatial_shapes {list(levels)})"
+        )
     if level_start_index is not None:
         expected_start = level_starts(levels)
         if host_values(level_start_index) != expected_start:
             raise ValueError(
                 f"level_start_index must be the cumulative sizes of spatial_shapes, {expected_start}, "
-                f"got {level_start_index.tolist()}")
+                f"got {level_start_index.tolist()}"
+            )
 
     Nq, Lq, Mq, Lq_levels, P, two = sampling_locations.shape
     if (Nq, Mq, Lq_levels, two) != (N, M, L, 2):
         raise ValueError(
-            f"sampling_locations must be (N={N}, Lq, M={M}, L={L}, P, 2), got {_describe(sampling_locations)}")
+            f"sampling_locations must be (N={N}, Lq, M={M}, L={L}, P, 2), got {_describe(sampling_locations)}"
+        )
     if P == 0:
         raise ValueError(f"sampling_locations must have P >= 1 points, got {_describe(sampling_locations)}")
     if tuple(attention_weights.shape) != (N, Lq, M, L, P):
         raise ValueError(
             f"attention_weights must be (N, Lq, M, L, P) = {(N, Lq, M, L, P)} to match sampling_locations, "
-            f"got {_describe(attention_weights)}")
+            f"got {_describe(attention_weights)}"
+        )
     if D == 0:
         raise ValueError(f"value must have D >= 1 channels per head, got {_describe(value)}")
     return levels
@@ -120,9 +130,14 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "pytorch"
     # torch.export traces msda::attention through its fake implementation: no kernel runs on ``device`` then,
     # so a CPU-only machine can export the op for a runtime that has it (export.py msda_node=tensorrt).
-    if (impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and not torch.compiler.is_exporting()):
+    if (
+        impl == "triton"
+        and device.type != "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and not torch.compiler.is_exporting()
+    ):
         raise ValueError(
             f"impl='triton' needs CUDA tensors, got tensors on {device}; move them to a GPU, use impl='pytorch' "
-            f"(or 'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")
+            f"(or 'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU"
+        )
     return impl

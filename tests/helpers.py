@@ -25,8 +25,18 @@ VARIANTS = {
     "two_stage": {"with_box_refine": True, "two_stage": True},
 }
 # hidden_dim 64, 2 heads, 1 encoder and 2 decoder layers, 8 queries, ResNet-50 without pretrained weights.
-TINY = dict(hidden_dim=64, nheads=2, enc_layers=1, dec_layers=2, dim_feedforward=64, num_queries=8, num_classes=5,
-            pretrained="none", msda="pytorch", dropout=0.0)
+TINY = dict(
+    hidden_dim=64,
+    nheads=2,
+    enc_layers=1,
+    dec_layers=2,
+    dim_feedforward=64,
+    num_queries=8,
+    num_classes=5,
+    pretrained="none",
+    msda="pytorch",
+    dropout=0.0,
+)
 # compile traces every layer: keep it short
 SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)
 
@@ -58,15 +68,17 @@ def image_batch(B=2, H=64, W=64, pad_w=0, pixels=False):
     images = torch.randint(0, 256, (B, 3, H, W), dtype=torch.uint8) if pixels else torch.randn(B, 3, H, W)
     mask = torch.zeros(B, H, W, dtype=torch.bool)
     if pad_w:
-        mask[-1, :, W - pad_w:] = True
-        images[-1, :, :, W - pad_w:] = 0
+        mask[-1, :, W - pad_w :] = True
+        images[-1, :, :, W - pad_w :] = 0
     return images, mask
 
 
 def two_box_targets(B=2):
     """The same two boxes (classes 1 and 3) for each of ``B`` images."""
-    return [{"labels": torch.tensor([1, 3]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.3, 0.6, 0.1, 0.1]])}
-            for _ in range(B)]
+    return [
+        {"labels": torch.tensor([1, 3]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.3], [0.3, 0.6, 0.1, 0.1]])}
+        for _ in range(B)
+    ]
 
 
 def output_loss(out):
@@ -113,8 +125,10 @@ def rand_boxes(n, gen):
 
 
 def rand_outputs(B, Q, gen, num_classes=RAND_CLASSES):
-    return {"pred_logits": torch.randn(B, Q, num_classes, generator=gen),
-            "pred_boxes": rand_boxes(B * Q, gen).view(B, Q, 4)}
+    return {
+        "pred_logits": torch.randn(B, Q, num_classes, generator=gen),
+        "pred_boxes": rand_boxes(B * Q, gen).view(B, Q, 4),
+    }
 
 
 def rand_targets(sizes, gen, num_classes=RAND_CLASSES):
@@ -127,8 +141,17 @@ def rand_targets(sizes, gen, num_classes=RAND_CLASSES):
 def criterion_cfg(**overrides):
     """The keys build_criterion reads, at the published values, with ``overrides``."""
     cfg = dict(
-        num_classes=RAND_CLASSES, dec_layers=6, aux_loss=True, two_stage=False, set_cost_class=2.0, set_cost_bbox=5.0,
-        set_cost_giou=2.0, cls_loss_coef=2.0, bbox_loss_coef=5.0, giou_loss_coef=2.0, focal_alpha=0.25,
+        num_classes=RAND_CLASSES,
+        dec_layers=6,
+        aux_loss=True,
+        two_stage=False,
+        set_cost_class=2.0,
+        set_cost_bbox=5.0,
+        set_cost_giou=2.0,
+        cls_loss_coef=2.0,
+        bbox_loss_coef=5.0,
+        giou_loss_coef=2.0,
+        focal_alpha=0.25,
     )
     cfg.update(overrides)
     return OmegaConf.create(cfg)
@@ -145,9 +168,16 @@ def make_criterion(**overrides):
 
 
 def optim_cfg():
-    return OmegaConf.create(dict(lr=1e-3, lr_backbone=1e-4, lr_linear_proj_mult=0.1, weight_decay=1e-4,
-                                 lr_backbone_names=["backbone.0"],
-                                 lr_linear_proj_names=["reference_points", "sampling_offsets"]))
+    return OmegaConf.create(
+        dict(
+            lr=1e-3,
+            lr_backbone=1e-4,
+            lr_linear_proj_mult=0.1,
+            weight_decay=1e-4,
+            lr_backbone_names=["backbone.0"],
+            lr_linear_proj_names=["reference_points", "sampling_offsets"],
+        )
+    )
 
 
 def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
@@ -161,20 +191,40 @@ def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
     model.to(device)
     criterion.to(device)
     optimizer = build_optimizer(model, optim_cfg())
-    return OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
-                         precision=Precision(amp="none", device=torch.device(device)), clip_max_norm=0.1)
+    return OptimizerStep(
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        precision=Precision(amp="none", device=torch.device(device)),
+        clip_max_norm=0.1,
+    )
 
 
 # -- the msda operator -----------------------------------------------------------------------------------------------
 
 # Kernels run on the CPU only under the interpreter (set by conftest.py when there is no GPU).
 MSDA_DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
-    ["cuda"] if torch.cuda.is_available() else [])
+    ["cuda"] if torch.cuda.is_available() else []
+)
 ORIGINAL_LEVELS = [(6, 4), (3, 2)]  # the original op's own test case
 
 
-def msda_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=ORIGINAL_LEVELS, dtype=torch.float64,
-                loc_dtype=None, weight_dtype=None, loc_low=0.0, loc_high=1.0, device="cpu"):
+def msda_inputs(
+    gen,
+    *,
+    N=1,
+    M=2,
+    D=8,
+    Lq=5,
+    P=2,
+    levels=ORIGINAL_LEVELS,
+    dtype=torch.float64,
+    loc_dtype=None,
+    weight_dtype=None,
+    loc_low=0.0,
+    loc_high=1.0,
+    device="cpu",
+):
     """Random value / spatial shapes / locations / softmaxed weights; locations uniform in [loc_low, loc_high)."""
     shapes = torch.tensor(levels, dtype=torch.int64)
     S = int(shapes.prod(1).sum())
@@ -183,8 +233,12 @@ def msda_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=ORIGINAL_LEVELS, dtype=
     loc = torch.rand(N, Lq, M, L, P, 2, generator=gen, dtype=torch.float64) * (loc_high - loc_low) + loc_low
     logits = torch.randn(N, Lq, M, L * P, generator=gen, dtype=torch.float64)
     weights = logits.softmax(-1).view(N, Lq, M, L, P)
-    return (value.to(device, dtype), shapes.to(device), loc.to(device, loc_dtype or dtype),
-            weights.to(device, weight_dtype or dtype))
+    return (
+        value.to(device, dtype),
+        shapes.to(device),
+        loc.to(device, loc_dtype or dtype),
+        weights.to(device, weight_dtype or dtype),
+    )
 
 
 def rel_err(actual, expected):
@@ -192,8 +246,21 @@ def rel_err(actual, expected):
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
-def kernel_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=((6, 4), (3, 2)), dtype=torch.float64, loc_dtype=None,
-                  loc_low=0.0, loc_high=1.0, device="cpu"):
+def kernel_inputs(
+    gen,
+    *,
+    N=1,
+    M=2,
+    D=8,
+    Lq=5,
+    P=2,
+    levels=((6, 4), (3, 2)),
+    dtype=torch.float64,
+    loc_dtype=None,
+    loc_low=0.0,
+    loc_high=1.0,
+    device="cpu",
+):
     """(levels, value, locations, softmaxed weights, upstream gradient) for the launchers: locations uniform in
     [loc_low, loc_high), fresh from ``gen``."""
     S = sum(h * w for h, w in levels)
@@ -203,8 +270,13 @@ def kernel_inputs(gen, *, N=1, M=2, D=8, Lq=5, P=2, levels=((6, 4), (3, 2)), dty
     weights = torch.randn(N, Lq, M, L * P, generator=gen, dtype=torch.float64).softmax(-1).view(N, Lq, M, L, P)
     grad_out = torch.randn(N, Lq, M * D, generator=gen, dtype=torch.float64)
     loc_dtype = loc_dtype or dtype
-    return (tuple(levels), value.to(device, dtype), loc.to(device, loc_dtype), weights.to(device, loc_dtype),
-            grad_out.to(device, dtype))
+    return (
+        tuple(levels),
+        value.to(device, dtype),
+        loc.to(device, loc_dtype),
+        weights.to(device, loc_dtype),
+        grad_out.to(device, dtype),
+    )
 
 
 def kernel_reference(levels, value, loc, weights, grad_out):
@@ -216,8 +288,7 @@ def kernel_reference(levels, value, loc, weights, grad_out):
     return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double()))
 
 
-def kernel_results(levels, value, loc, weights, grad_out, forward_config=None, forward_kernels=None,
-                   **backward_kwargs):
+def kernel_results(levels, value, loc, weights, grad_out, forward_config=None, forward_kernels=None, **backward_kwargs):
     """Output and the three gradients through the launchers (msda.launch), with the given kernels and schemes."""
     from msda import launch
 
@@ -243,12 +314,29 @@ def assert_kernel_close(results, expected, rtol, inputs):
 def tiny_overrides(data_root: Path) -> list[str]:
     """A tiny CPU run on the synthetic set at ``data_root``: 2 epochs of 3 steps of 4 images, 64-pixel images."""
     return [
-        f"dataset.root={data_root}", "dataset.num_train=16", "dataset.num_val=8", "dataset.image_size=64",
-        "dataset.train_scales=[64]", "dataset.max_size=80", "dataset.val_size=64",
-        "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=2",
-        "model.dim_feedforward=64", "model.num_queries=10", "model.num_feature_levels=3", "model.msda=pytorch",
-        "epochs=2", "batch_size=4", "num_workers=0", "log_every=1", "eval_every=1", "checkpoint_every=1",
-        "optim.lr=1e-3", "device=cpu",
+        f"dataset.root={data_root}",
+        "dataset.num_train=16",
+        "dataset.num_val=8",
+        "dataset.image_size=64",
+        "dataset.train_scales=[64]",
+        "dataset.max_size=80",
+        "dataset.val_size=64",
+        "model.hidden_dim=32",
+        "model.nheads=2",
+        "model.enc_layers=1",
+        "model.dec_layers=2",
+        "model.dim_feedforward=64",
+        "model.num_queries=10",
+        "model.num_feature_levels=3",
+        "model.msda=pytorch",
+        "epochs=2",
+        "batch_size=4",
+        "num_workers=0",
+        "log_every=1",
+        "eval_every=1",
+        "checkpoint_every=1",
+        "optim.lr=1e-3",
+        "device=cpu",
     ]
 
 
@@ -342,9 +430,13 @@ def training_fingerprint(variant: str, **overrides) -> dict:
             tensor = tensor.detach().contiguous()
             digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
             digest.update(tensor.numpy().tobytes())
-        return {"sha256": digest.hexdigest(),
-                "sums": {name: [float(t.detach().double().sum()), float(t.detach().double().abs().sum())]
-                         for name, t in named.items()}}
+        return {
+            "sha256": digest.hexdigest(),
+            "sums": {
+                name: [float(t.detach().double().sum()), float(t.detach().double().abs().sum())]
+                for name, t in named.items()
+            },
+        }
 
     flat_outputs = {keystr(path): t for path, t in tree_flatten_with_path(outputs)[0]}
     by_module: dict[str, list[torch.Tensor]] = {}
@@ -355,8 +447,9 @@ def training_fingerprint(variant: str, **overrides) -> dict:
             by_module.setdefault(".".join(name.split(".")[:2]), []).append(p.grad.flatten())
     grads = part(gradients)
     # Per parameter would be hundreds of numbers: the fallback compares the sums of each module's gradients.
-    grads["sums"] = {m: [float(torch.cat(g).double().sum()), float(torch.cat(g).double().abs().sum())]
-                     for m, g in by_module.items()}
+    grads["sums"] = {
+        m: [float(torch.cat(g).double().sum()), float(torch.cat(g).double().abs().sum())] for m, g in by_module.items()
+    }
     return {"outputs": part(flat_outputs), "losses": part({k: losses[k] for k in sorted(losses)}), "gradients": grads}
 
 

@@ -40,8 +40,9 @@ def coco_buckets():
     transform = make_coco_transforms(train=True)
     val_transform = make_coco_transforms(train=False)
     val_outputs = [val_transform.plan(s, random.Random(0))[1] for s in val]
-    buckets = plan_size_buckets(train_sizes=train, plan_train=lambda s, r: transform.plan(s, r)[1],
-                                val_outputs=val_outputs, **COCO_RECIPE)
+    buckets = plan_size_buckets(
+        train_sizes=train, plan_train=lambda s, r: transform.plan(s, r)[1], val_outputs=val_outputs, **COCO_RECIPE
+    )
     return train, val_outputs, transform, buckets
 
 
@@ -79,15 +80,29 @@ def _batches(plan: BatchPlan, epochs: int = 1) -> list[list]:
 def test_every_epoch_has_its_steps_in_full_batches_of_one_bucket(coco_buckets, world_size):
     train, _, transform, buckets = coco_buckets
     sizes = train[:301]
-    plans = [BatchPlan(sizes=sizes, transform=transform, batch_size=4, buckets=buckets, train=True, seed=3,
-                       rank=rank, world_size=world_size) for rank in range(world_size)]
+    plans = [
+        BatchPlan(
+            sizes=sizes,
+            transform=transform,
+            batch_size=4,
+            buckets=buckets,
+            train=True,
+            seed=3,
+            rank=rank,
+            world_size=world_size,
+        )
+        for rank in range(world_size)
+    ]
     share = -(-301 // world_size)
     for plan in plans:
         assert plan.steps_per_epoch == share // 4 - 1  # two family buckets: up to 3 images left in each
         batches = _batches(plan, epochs=2)
         for epoch in (0, 1):
-            seen = [s.index for batch in batches[epoch * plan.steps_per_epoch:(epoch + 1) * plan.steps_per_epoch]
-                    for s in batch]
+            seen = [
+                s.index
+                for batch in batches[epoch * plan.steps_per_epoch : (epoch + 1) * plan.steps_per_epoch]
+                for s in batch
+            ]
             assert len(seen) == len(set(seen)) or world_size > 1  # no image twice in an epoch (one process)
         for batch in batches:
             assert len(batch) == 4 and len({s.canvas for s in batch}) == 1 and batch[0].canvas in buckets.train
@@ -101,8 +116,12 @@ def test_an_images_augmentation_depends_on_seed_epoch_and_index_only(coco_bucket
     train, _, transform, buckets = coco_buckets
     sizes = train[:64]
     one = BatchPlan(sizes=sizes, transform=transform, batch_size=2, buckets=buckets, train=True, seed=5)
-    two = [BatchPlan(sizes=sizes, transform=transform, batch_size=2, buckets=buckets, train=True, seed=5, rank=r,
-                     world_size=2) for r in (0, 1)]
+    two = [
+        BatchPlan(
+            sizes=sizes, transform=transform, batch_size=2, buckets=buckets, train=True, seed=5, rank=r, world_size=2
+        )
+        for r in (0, 1)
+    ]
     by_index = {s.index: s.plan for b in _batches(one) for s in b}
     for plan in two:
         for batch in _batches(plan):
@@ -125,10 +144,10 @@ def test_a_resumed_epoch_starts_at_its_step_and_the_stream_runs_on_into_the_next
     k = full.steps_per_epoch
     resumed = plan()
     resumed.start_at(1, 7)
-    assert list(itertools.islice(iter(resumed), 2 * k - 7)) == everything[k + 7:]
+    assert list(itertools.islice(iter(resumed), 2 * k - 7)) == everything[k + 7 :]
     next_epoch = plan()
     next_epoch.start_at(2)
-    assert list(itertools.islice(iter(next_epoch), k)) == everything[2 * k:]
+    assert list(itertools.islice(iter(next_epoch), k)) == everything[2 * k :]
 
 
 def test_evaluation_scores_every_image_once_in_batches_of_one_shape_per_bucket(coco_buckets):
@@ -138,8 +157,15 @@ def test_evaluation_scores_every_image_once_in_batches_of_one_shape_per_bucket(c
     for world_size in (1, 2):
         seen = []
         for rank in range(world_size):
-            plan = BatchPlan(sizes=val_sizes, transform=transform, batch_size=4, buckets=buckets, train=False,
-                             rank=rank, world_size=world_size)
+            plan = BatchPlan(
+                sizes=val_sizes,
+                transform=transform,
+                batch_size=4,
+                buckets=buckets,
+                train=False,
+                rank=rank,
+                world_size=world_size,
+            )
             batches = list(plan)
             assert len(batches) == len(plan)
             assert all(len(b) == 4 and b[0].canvas in buckets.val for b in batches)  # copies fill the last ones
@@ -158,10 +184,20 @@ def test_without_buckets_batches_pad_to_their_largest_image(coco_buckets):
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    root = ensure_synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic", num_train=24, num_val=7,
-                                    image_size=64, seed=0)
-    cfg = {"name": "coco", "root": str(root), "train_scales": [48, 56, 64], "max_size": 80, "val_size": 64,
-           "crop": True, "crop_scales": [48, 56, 64], "crop_min_size": 32, "crop_max_size": 56}
+    root = ensure_synthetic_dataset(
+        tmp_path_factory.mktemp("data") / "synthetic", num_train=24, num_val=7, image_size=64, seed=0
+    )
+    cfg = {
+        "name": "coco",
+        "root": str(root),
+        "train_scales": [48, 56, 64],
+        "max_size": 80,
+        "val_size": 64,
+        "crop": True,
+        "crop_scales": [48, 56, 64],
+        "crop_min_size": 32,
+        "crop_max_size": 56,
+    }
     train, val = build_dataset("train", cfg), build_dataset("val", cfg)
     return train, val, build_size_buckets(train, val, cfg, batch_size=2)
 
@@ -186,8 +222,14 @@ def test_bucketed_batches_mask_exactly_the_padding_as_before(synthetic, train_sp
 
 def test_a_planned_sample_comes_out_at_its_planned_size(synthetic):
     train, _, buckets = synthetic
-    plan = BatchPlan(sizes=[train.image_size(i) for i in range(len(train))], transform=train.transforms,
-                     batch_size=2, buckets=buckets, train=True, seed=2)
+    plan = BatchPlan(
+        sizes=[train.image_size(i) for i in range(len(train))],
+        transform=train.transforms,
+        batch_size=2,
+        buckets=buckets,
+        train=True,
+        seed=2,
+    )
     for batch in _batches(plan):
         for sample in batch:
             image, target, canvas = train[sample]
@@ -198,8 +240,11 @@ def test_a_planned_sample_comes_out_at_its_planned_size(synthetic):
 def test_too_few_buckets_for_the_data_is_a_clear_error(synthetic):
     train, val, _ = synthetic
     cfg = {"name": "coco", "root": str(train.image_dir.parent), "crop": True, "size_buckets": 3}
-    with pytest.raises(ValueError, match=r"dataset\.size_buckets=3 is too few for this data: it needs 2 training and "
-                                         r"2 evaluation sizes"):
+    with pytest.raises(
+        ValueError,
+        match=r"dataset\.size_buckets=3 is too few for this data: it needs 2 training and "
+        r"2 evaluation sizes",
+    ):
         build_size_buckets(train, val, cfg, batch_size=2)
 
 
@@ -240,16 +285,26 @@ def test_buckets_stay_within_max_size_when_no_image_can_come_out_longer(tmp_path
         images = [{"id": i + 1, "file_name": f"{i}.jpg", "width": 96, "height": 96} for i in range(count)]
         for image in images:
             Image.fromarray(np.full((96, 96, 3), 128, np.uint8)).save(tmp_path / split / image["file_name"])
-        annotations = [{"id": i["id"], "image_id": i["id"], "category_id": 1, "bbox": [10, 10, 30, 30], "area": 900,
-                        "iscrowd": 0} for i in images]
-        (tmp_path / f"{split}.json").write_text(json.dumps({"images": images, "annotations": annotations,
-                                                            "categories": [{"id": 1, "name": "thing"}]}))
+        annotations = [
+            {"id": i["id"], "image_id": i["id"], "category_id": 1, "bbox": [10, 10, 30, 30], "area": 900, "iscrowd": 0}
+            for i in images
+        ]
+        (tmp_path / f"{split}.json").write_text(
+            json.dumps({"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "thing"}]})
+        )
     configs = Path(__file__).resolve().parents[1] / "configs"
     with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            "dataset=custom", *(f"dataset.{s}_images={tmp_path / s}" for s in ("train", "val")),
-            *(f"dataset.{s}_annotations={tmp_path / s}.json" for s in ("train", "val")),
-            "dataset.max_size=128", "dataset.val_size=96", "dataset.train_scales=[64,96]"])
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "dataset=custom",
+                *(f"dataset.{s}_images={tmp_path / s}" for s in ("train", "val")),
+                *(f"dataset.{s}_annotations={tmp_path / s}.json" for s in ("train", "val")),
+                "dataset.max_size=128",
+                "dataset.val_size=96",
+                "dataset.train_scales=[64,96]",
+            ],
+        )
     train, val = (build_dataset(split, cfg.dataset, check=False) for split in ("train", "val"))
     buckets = build_size_buckets(train, val, cfg.dataset, batch_size=2, seed=0)
     assert max(side for size in (*buckets.train, *buckets.val) for side in size) <= 128, buckets.describe()

@@ -8,8 +8,11 @@ from bench.parity_verdict import AP_TARGET, summarize
 
 
 def rows(aps_by_config: dict[str, list[float]]) -> list[dict]:
-    return [{"config": config, "seed": seed, "ap": ap, "ap50": min(1.0, ap + 0.4)}
-            for config, aps in aps_by_config.items() for seed, ap in enumerate(aps)]
+    return [
+        {"config": config, "seed": seed, "ap": ap, "ap50": min(1.0, ap + 0.4)}
+        for config, aps in aps_by_config.items()
+        for seed, ap in enumerate(aps)
+    ]
 
 
 def comparison(summary: dict, config: str) -> dict:
@@ -18,9 +21,15 @@ def comparison(summary: dict, config: str) -> dict:
 
 
 def test_a_difference_within_the_larger_spread_passes_and_one_beyond_fails():
-    summary = summarize(rows({"triton-eager": [0.24, 0.25, 0.26],      # mean 0.25, spread 0.02
-                              "triton-compiled": [0.25, 0.255, 0.26],  # mean 0.255, spread 0.01
-                              "pytorch-eager": [0.20, 0.21, 0.22]}))   # mean 0.21, spread 0.02
+    summary = summarize(
+        rows(
+            {
+                "triton-eager": [0.24, 0.25, 0.26],  # mean 0.25, spread 0.02
+                "triton-compiled": [0.25, 0.255, 0.26],  # mean 0.255, spread 0.01
+                "pytorch-eager": [0.20, 0.21, 0.22],
+            }
+        )
+    )  # mean 0.21, spread 0.02
     per_config = summary["per_config"]
     assert per_config["triton-eager"]["mean_ap"] == pytest.approx(0.25)
     assert per_config["triton-eager"]["spread_ap"] == pytest.approx(0.02)

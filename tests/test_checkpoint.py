@@ -71,12 +71,26 @@ def test_checkpoint_without_model_is_rejected(tmp_path):
 
 
 def test_official_checkpoint_records_the_variant(tmp_path):
-    args = argparse.Namespace(with_box_refine=True, two_stage=True, num_queries=300, hidden_dim=256,
-                              lr=2e-4, output_dir="exps/r50", dataset_file="coco")
+    args = argparse.Namespace(
+        with_box_refine=True,
+        two_stage=True,
+        num_queries=300,
+        hidden_dim=256,
+        lr=2e-4,
+        output_dir="exps/r50",
+        dataset_file="coco",
+    )
     torch.save({"model": {"w": torch.zeros(1)}, "args": args, "epoch": 49}, tmp_path / "official.pth")
     ckpt = load_checkpoint(tmp_path / "official.pth")
-    cfg_model = {"with_box_refine": False, "two_stage": False, "num_queries": 300, "hidden_dim": 256,
-                 "num_classes": 91, "msda": "triton", "pretrained": "imagenet"}
+    cfg_model = {
+        "with_box_refine": False,
+        "two_stage": False,
+        "num_queries": 300,
+        "hidden_dim": 256,
+        "num_classes": 91,
+        "msda": "triton",
+        "pretrained": "imagenet",
+    }
     merged = model_config_for_checkpoint(cfg_model, ckpt, path="official.pth")
     assert merged["with_box_refine"] and merged["two_stage"]
     assert merged["num_classes"] == 91 and merged["msda"] == "triton" and merged["pretrained"] == "none"
@@ -126,9 +140,12 @@ def test_a_failed_publish_names_both_files_and_keeps_the_epoch_file(tmp_path, st
 
     monkeypatch.setattr(engine.checkpoint.io.os, "link", no_room)  # a filesystem without links, then a full disk
     monkeypatch.setattr(engine.checkpoint.io.shutil, "copyfile", no_room)
-    with pytest.raises(CheckpointWriteError, match=r"wrote checkpoint .*checkpoint_epoch0001\.pth but could not "
-                                                   r"publish it as .*checkpoint\.pth \(No space left on device\); "
-                                                   r".*resume="):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"wrote checkpoint .*checkpoint_epoch0001\.pth but could not "
+        r"publish it as .*checkpoint\.pth \(No space left on device\); "
+        r".*resume=",
+    ):
         publish_as(epoch_file, tmp_path / "checkpoint.pth")
     monkeypatch.undo()
     assert load_checkpoint(epoch_file)["step"] == 7 and not (tmp_path / "checkpoint.pth").exists()
@@ -173,8 +190,11 @@ def test_a_run_directory_names_its_checkpoint_and_a_missing_one_says_which(tmp_p
     (tmp_path / "empty_run").mkdir()
     with pytest.raises(CheckpointError, match=r"checkpoint .*empty_run is a directory without a checkpoint\.pth"):
         load_checkpoint(tmp_path / "empty_run")
-    with pytest.raises(CheckpointError, match=r"checkpoint .*nowhere/c\.pth does not exist, nor does its folder "
-                                              r".*nowhere \(expected"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint .*nowhere/c\.pth does not exist, nor does its folder "
+        r".*nowhere \(expected",
+    ):
         load_checkpoint(tmp_path / "nowhere" / "c.pth")
     with pytest.raises(CheckpointError, match=r"checkpoint .*run/other\.pth does not exist \(expected"):
         load_checkpoint(run / "other.pth")

@@ -66,8 +66,11 @@ def test_the_next_save_waits_for_the_one_in_flight(tmp_path, held_writes):
 
 def test_an_epoch_file_is_published_as_latest_once_written(tmp_path):
     writer = CheckpointWriter()
-    writer.save({"model": {"w": torch.ones(2)}, "step": 3}, tmp_path / "checkpoint_epoch0001.pth",
-                also_as=tmp_path / "checkpoint.pth")
+    writer.save(
+        {"model": {"w": torch.ones(2)}, "step": 3},
+        tmp_path / "checkpoint_epoch0001.pth",
+        also_as=tmp_path / "checkpoint.pth",
+    )
     writer.wait()
     assert load_checkpoint(tmp_path / "checkpoint.pth")["step"] == 3
     assert load_checkpoint(tmp_path / "checkpoint_epoch0001.pth")["step"] == 3
@@ -86,8 +89,11 @@ def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_fil
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 24")
 
     monkeypatch.setattr(engine.checkpoint.io.torch, "save", full_disk)
-    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint\.pth .*still holds the "
-                                                   r"previous checkpoint"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"could not write checkpoint .*checkpoint\.pth .*still holds the "
+        r"previous checkpoint",
+    ):
         writer.save({"model": {}, "step": 2}, path)
         writer.wait()
     monkeypatch.undo()
@@ -98,7 +104,9 @@ def test_a_failed_write_is_raised_where_the_run_waits_and_keeps_the_previous_fil
 def test_a_failing_run_logs_the_write_error_instead_of_raising_it_over_its_own(tmp_path, monkeypatch, caplog):
     import engine.checkpoint.io
 
-    monkeypatch.setattr(engine.checkpoint.io.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(28, "No space")))
+    monkeypatch.setattr(
+        engine.checkpoint.io.torch, "save", lambda obj, f: (_ for _ in ()).throw(OSError(28, "No space"))
+    )
     writer = CheckpointWriter()
     writer.save({"model": {}}, tmp_path / "checkpoint.pth")
     writer.wait_quietly()
@@ -136,7 +144,9 @@ def test_a_failing_runs_wait_interrupted_by_another_error_still_waits_for_the_wr
 
 def test_tied_weights_are_copied_once_and_written_once(tmp_path):
     head = torch.nn.Linear(256, 256)  # 256 KB: a second copy in the file would be seen
-    model = torch.nn.ModuleDict({"a": head, "b": head, "other": torch.nn.Linear(256, 256)})  # tied, as the model's heads
+    model = torch.nn.ModuleDict(
+        {"a": head, "b": head, "other": torch.nn.Linear(256, 256)}
+    )  # tied, as the model's heads
     copied = host_copy(model.state_dict())
     assert copied["a.weight"] is copied["b.weight"] and copied["a.weight"] is not copied["other.weight"]
     writer = CheckpointWriter()

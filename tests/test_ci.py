@@ -35,8 +35,9 @@ def test_ci_installs_into_a_fresh_virtual_environment_and_runs_the_readmes_test_
     recorder.write_text(RECORDER)
     recorder.chmod(0o755)
     env = {**os.environ, "PYTHON": str(recorder), "CALLS": str(calls), "CI": "true"}
-    run = subprocess.run(["bash", str(ROOT / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "run")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = [shlex.split(line) for line in calls.read_text().splitlines()]
     assert lines[0] == [str(recorder), "--version"]

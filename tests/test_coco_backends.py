@@ -21,8 +21,9 @@ from datasets import CocoEvaluator, cocoeval_backend, ensure_synthetic_dataset
 from datasets.cocoeval_backend import evaluated_cocoeval, faster_coco_eval_installed, resolve_backend
 from datasets.per_class_ap import per_class_ap
 
-needs_faster = pytest.mark.skipif(not faster_coco_eval_installed(),
-                                  reason="faster-coco-eval is not installed (pip install faster-coco-eval)")
+needs_faster = pytest.mark.skipif(
+    not faster_coco_eval_installed(), reason="faster-coco-eval is not installed (pip install faster-coco-eval)"
+)
 TOLERANCE = 1e-4
 
 
@@ -36,8 +37,9 @@ def quiet_coco(data: dict) -> COCO:
 
 @pytest.fixture(scope="module")
 def synthetic_gt(tmp_path_factory) -> COCO:
-    root = ensure_synthetic_dataset(tmp_path_factory.mktemp("backends") / "syn", num_train=1, num_val=16,
-                                    image_size=96, seed=1)
+    root = ensure_synthetic_dataset(
+        tmp_path_factory.mktemp("backends") / "syn", num_train=1, num_val=16, image_size=96, seed=1
+    )
     return quiet_coco(json.loads((root / "annotations" / "instances_val2017.json").read_text()))
 
 
@@ -52,16 +54,31 @@ def noisy_ground_truth(coco: COCO, *, per_image: int, seed: int) -> list[dict]:
         anns = coco.imgToAnns[image_id]
         for ann in anns:
             x, y, w, h = ann["bbox"]
-            box = [x + rng.normal(0, 0.08 * w), y + rng.normal(0, 0.08 * h), w * rng.uniform(0.8, 1.2),
-                   h * rng.uniform(0.8, 1.2)]
+            box = [
+                x + rng.normal(0, 0.08 * w),
+                y + rng.normal(0, 0.08 * h),
+                w * rng.uniform(0.8, 1.2),
+                h * rng.uniform(0.8, 1.2),
+            ]
             wrong = rng.random() < 0.2
-            detections.append({"image_id": image_id, "bbox": box, "score": float(rng.uniform(0.3, 1.0)),
-                               "category_id": int(rng.choice(category_ids)) if wrong else ann["category_id"]})
+            detections.append(
+                {
+                    "image_id": image_id,
+                    "bbox": box,
+                    "score": float(rng.uniform(0.3, 1.0)),
+                    "category_id": int(rng.choice(category_ids)) if wrong else ann["category_id"],
+                }
+            )
         for _ in range(per_image - len(anns)):
             w, h = rng.uniform(4, width / 2), rng.uniform(4, height / 2)
-            detections.append({"image_id": image_id, "category_id": int(rng.choice(category_ids)),
-                               "bbox": [rng.uniform(0, width - w), rng.uniform(0, height - h), w, h],
-                               "score": float(rng.uniform(0.0, 0.5))})
+            detections.append(
+                {
+                    "image_id": image_id,
+                    "category_id": int(rng.choice(category_ids)),
+                    "bbox": [rng.uniform(0, width - w), rng.uniform(0, height - h), w, h],
+                    "score": float(rng.uniform(0.0, 0.5)),
+                }
+            )
     return detections
 
 
@@ -120,16 +137,33 @@ def hand_built_gt() -> COCO:
     images = [{"id": i, "width": 640, "height": 480, "file_name": f"{i}.jpg"} for i in range(1, 7)]
     annotations = [
         # image 1: two people and a crowd of them
-        (1, 1, box(10, 10, 60, 120), 0), (1, 1, box(100, 40, 50, 100), 0), (1, 1, box(300, 200, 300, 250), 1),
+        (1, 1, box(10, 10, 60, 120), 0),
+        (1, 1, box(100, 40, 50, 100), 0),
+        (1, 1, box(300, 200, 300, 250), 1),
         # image 2: nothing at all; image 3: a small, a medium and a large car
-        (3, 2, box(5, 5, 20, 20), 0), (3, 2, box(100, 100, 70, 60), 0), (3, 2, box(200, 150, 300, 300), 0),
+        (3, 2, box(5, 5, 20, 20), 0),
+        (3, 2, box(100, 100, 70, 60), 0),
+        (3, 2, box(200, 150, 300, 300), 0),
         # image 4: a person and a car nobody detects; image 5: only a crowd region
-        (4, 1, box(50, 50, 80, 80), 0), (4, 2, box(300, 300, 90, 40), 0), (5, 2, box(0, 0, 640, 480), 1),
+        (4, 1, box(50, 50, 80, 80), 0),
+        (4, 2, box(300, 300, 90, 40), 0),
+        (5, 2, box(0, 0, 640, 480), 1),
         # image 6: two overlapping people, one of them also in a crowd region
-        (6, 1, box(200, 100, 100, 200), 0), (6, 1, box(250, 120, 100, 200), 0), (6, 1, box(0, 0, 200, 200), 1),
+        (6, 1, box(200, 100, 100, 200), 0),
+        (6, 1, box(250, 120, 100, 200), 0),
+        (6, 1, box(0, 0, 200, 200), 1),
     ]
-    anns = [{"id": n, "image_id": image_id, "category_id": category_id, "bbox": bbox, "iscrowd": crowd,
-             "area": bbox[2] * bbox[3]} for n, (image_id, category_id, bbox, crowd) in enumerate(annotations, 1)]
+    anns = [
+        {
+            "id": n,
+            "image_id": image_id,
+            "category_id": category_id,
+            "bbox": bbox,
+            "iscrowd": crowd,
+            "area": bbox[2] * bbox[3],
+        }
+        for n, (image_id, category_id, bbox, crowd) in enumerate(annotations, 1)
+    ]
     categories = [{"id": 1, "name": "person"}, {"id": 2, "name": "car"}, {"id": 3, "name": "dog"}]
     return quiet_coco({"images": images, "annotations": anns, "categories": categories})
 
@@ -143,14 +177,19 @@ def hand_built_detections() -> list[dict]:
         return {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": score}
 
     return [
-        det(1, 1, box(12, 8, 58, 118), 0.9), det(1, 1, box(110, 45, 50, 100), 0.6),  # two hits, the second looser
-        CROWD_HIT, det(1, 1, box(500, 10, 40, 40), 0.5),  # in the crowd region: ignored; and a false positive
-        det(2, 1, box(10, 10, 50, 50), 0.8), det(2, 2, box(300, 300, 100, 80), 0.4),  # no ground truth here
-        det(3, 2, box(6, 4, 19, 22), 0.7), det(3, 2, box(110, 100, 70, 60), 0.55),
+        det(1, 1, box(12, 8, 58, 118), 0.9),
+        det(1, 1, box(110, 45, 50, 100), 0.6),  # two hits, the second looser
+        CROWD_HIT,
+        det(1, 1, box(500, 10, 40, 40), 0.5),  # in the crowd region: ignored; and a false positive
+        det(2, 1, box(10, 10, 50, 50), 0.8),
+        det(2, 2, box(300, 300, 100, 80), 0.4),  # no ground truth here
+        det(3, 2, box(6, 4, 19, 22), 0.7),
+        det(3, 2, box(110, 100, 70, 60), 0.55),
         det(3, 2, box(210, 160, 290, 300), 0.95),
         det(3, 3, box(0, 0, 30, 30), 0.3),  # a dog, a category with no ground truth anywhere
         det(5, 2, box(100, 100, 200, 200), 0.6),  # inside image 5's crowd region only
-        det(6, 1, box(205, 100, 100, 195), 0.85), det(6, 1, box(240, 125, 100, 200), 0.45),
+        det(6, 1, box(205, 100, 100, 195), 0.85),
+        det(6, 1, box(240, 125, 100, 200), 0.45),
         det(6, 1, box(20, 20, 150, 150), 0.65),  # in image 6's crowd region
     ]
 
@@ -184,8 +223,10 @@ def test_the_evaluator_gives_one_result_whichever_backend(synthetic_gt):
         p["boxes"].append([x, y, x + w, y + h])
         p["scores"].append(d["score"])
         p["labels"].append(d["category_id"])
-    predictions = {i: {"boxes": torch.tensor(p["boxes"]), "scores": torch.tensor(p["scores"]),
-                       "labels": torch.tensor(p["labels"])} for i, p in predictions.items()}
+    predictions = {
+        i: {"boxes": torch.tensor(p["boxes"]), "scores": torch.tensor(p["scores"]), "labels": torch.tensor(p["labels"])}
+        for i, p in predictions.items()
+    }
     evaluators = {}
     for backend in ("pycocotools", "faster"):
         evaluators[backend] = CocoEvaluator(synthetic_gt, backend=backend)
@@ -205,8 +246,15 @@ def test_the_evaluator_gives_one_result_whichever_backend(synthetic_gt):
 def test_pycocotools_is_used_when_asked_for(synthetic_gt):
     evaluator = CocoEvaluator(synthetic_gt, backend="pycocotools")
     assert evaluator.backend == "pycocotools"
-    evaluator.update({1: {"boxes": torch.tensor([[1.0, 1.0, 30.0, 30.0]]), "scores": torch.tensor([0.5]),
-                          "labels": torch.tensor([1])}})
+    evaluator.update(
+        {
+            1: {
+                "boxes": torch.tensor([[1.0, 1.0, 30.0, 30.0]]),
+                "scores": torch.tensor([0.5]),
+                "labels": torch.tensor([1]),
+            }
+        }
+    )
     evaluator.summarize()
     # pycocotools' own progress line; faster-coco-eval prints "COCOeval_opt.evaluate() finished..." instead.
     assert "Running per image evaluation..." in evaluator.cocoeval_output
@@ -218,8 +266,15 @@ def test_faster_is_used_when_asked_for_or_auto(synthetic_gt):
     for backend in ("faster", "auto"):
         evaluator = CocoEvaluator(synthetic_gt, backend=backend)
         assert evaluator.backend == "faster", backend
-        evaluator.update({1: {"boxes": torch.tensor([[1.0, 1.0, 30.0, 30.0]]), "scores": torch.tensor([0.5]),
-                              "labels": torch.tensor([1])}})
+        evaluator.update(
+            {
+                1: {
+                    "boxes": torch.tensor([[1.0, 1.0, 30.0, 30.0]]),
+                    "scores": torch.tensor([0.5]),
+                    "labels": torch.tensor([1]),
+                }
+            }
+        )
         evaluator.summarize()
         assert "COCOeval_opt.evaluate() finished" in evaluator.cocoeval_output, backend
 

@@ -49,8 +49,9 @@ def plan(backend, **keys) -> CompilePlan:
 def test_auto_compiles_a_long_run_with_cuda_graphs_on_a_gpu_and_not_on_the_cpu():
     assert resolve_compile(settings(), device=CPU, training_steps=STEPS_TO_COMPILE) is None
     on_gpu = resolve_compile(settings(), device=GPU, training_steps=STEPS_TO_COMPILE)
-    assert on_gpu == CompilePlan(mode="reduce-overhead", regions="transformer", backbone="dynamic",
-                                 backend="inductor", evaluation=False)
+    assert on_gpu == CompilePlan(
+        mode="reduce-overhead", regions="transformer", backbone="dynamic", backend="inductor", evaluation=False
+    )
     assert resolve_compile(settings(mode="eager"), device=GPU) is None
     compiled_cpu = resolve_compile(settings(mode="default", backbone="eager"), device=CPU)
     assert compiled_cpu.mode == "default" and compiled_cpu.backbone == "eager" and not compiled_cpu.cuda_graphs
@@ -95,8 +96,13 @@ def test_a_run_chooses_the_regions_by_the_images_of_one_pass_not_of_the_step(mon
     configs = os.path.join(os.path.dirname(__file__), "..", "configs")
     for batch_size in (8, 32):
         with initialize_config_dir(config_dir=os.path.abspath(configs), version_base="1.3"):
-            overrides = ["model=tiny", "model.pretrained=none", "device=cpu", "total_batch_size=32",
-                         f"batch_size={batch_size}"]
+            overrides = [
+                "model=tiny",
+                "model.pretrained=none",
+                "device=cpu",
+                "total_batch_size=32",
+                f"batch_size={batch_size}",
+            ]
             cfg = check_config(compose(config_name="train", overrides=overrides))
         build.build_training(cfg, ctx=context)
     assert passes == [8, 32]
@@ -110,14 +116,25 @@ def test_evaluation_is_compiled_when_the_run_evaluates_enough_batches():
     assert not resolve_compile(settings(evaluation=False), evaluation_batches=10**6, **long).evaluation
 
 
-@pytest.mark.parametrize("keys,device,message", [
-    (dict(mode="eager", regions="layers"), CPU, r"compile\.regions=layers does nothing with compile\.mode=eager"),
-    (dict(mode="eager", evaluation=True), GPU, r"compile\.evaluation=True does nothing with compile\.mode=eager"),
-    (dict(backend="aot_eager"), GPU, r"compile\.mode=auto replays CUDA graphs, which need compile\.backend=inductor"),
-    (dict(mode="reduce-overhead", backend="aot_eager"), GPU, r"need compile\.backend=inductor"),
-    (dict(mode="reduce-overhead"), CPU, r"compile\.mode=reduce-overhead replays CUDA graphs and needs a GPU"),
-    (dict(backbone="eager"), CPU, r"compile\.backbone=eager does nothing here: compile\.mode=auto compiles on a GPU"),
-])
+@pytest.mark.parametrize(
+    "keys,device,message",
+    [
+        (dict(mode="eager", regions="layers"), CPU, r"compile\.regions=layers does nothing with compile\.mode=eager"),
+        (dict(mode="eager", evaluation=True), GPU, r"compile\.evaluation=True does nothing with compile\.mode=eager"),
+        (
+            dict(backend="aot_eager"),
+            GPU,
+            r"compile\.mode=auto replays CUDA graphs, which need compile\.backend=inductor",
+        ),
+        (dict(mode="reduce-overhead", backend="aot_eager"), GPU, r"need compile\.backend=inductor"),
+        (dict(mode="reduce-overhead"), CPU, r"compile\.mode=reduce-overhead replays CUDA graphs and needs a GPU"),
+        (
+            dict(backbone="eager"),
+            CPU,
+            r"compile\.backbone=eager does nothing here: compile\.mode=auto compiles on a GPU",
+        ),
+    ],
+)
 def test_settings_that_cannot_work_are_refused_naming_the_keys(keys, device, message):
     with pytest.raises(ValueError, match=message):
         resolve_compile(settings(**keys), device=device)
@@ -350,9 +367,14 @@ def test_a_static_backbone_compiles_past_torchs_default_limit(monkeypatch):
 
 # Inductor on the GPU: CUDA graphs for each choice of regions, with the backbone eager, compiled per size or with
 # symbolic sizes (replayed as CUDA graphs too); and the default regions without CUDA graphs.
-GPU_COMPILE_CASES = [("reduce-overhead", "layers", "eager"), ("reduce-overhead", "transformer", "eager"),
-                     ("reduce-overhead", "transformer", "static"), ("default", "transformer", "static"),
-                     ("reduce-overhead", "layers", "dynamic"), ("reduce-overhead", "transformer", "dynamic")]
+GPU_COMPILE_CASES = [
+    ("reduce-overhead", "layers", "eager"),
+    ("reduce-overhead", "transformer", "eager"),
+    ("reduce-overhead", "transformer", "static"),
+    ("default", "transformer", "static"),
+    ("reduce-overhead", "layers", "dynamic"),
+    ("reduce-overhead", "transformer", "dynamic"),
+]
 # Steps of those runs: (height, width, targets per image). A size or a padded target count (target_slots: 8, then
 # 16) is met, recorded, then replayed.
 GPU_STEPS = ((128, 160, 2), (128, 160, 2), (160, 136, 2), (128, 160, 6), (128, 160, 6), (141, 163, 2), (160, 136, 6))
@@ -364,8 +386,9 @@ def test_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded, mode,
     """Several steps, three sizes and two padded target counts; with reduce-overhead the regions and the losses are
     replayed as CUDA graphs. In full float32: with TF32, a graph per size picks its convolutions' algorithms apart
     from eager's, and one loss of 11 differed by 0.5% (an H100, backbone=static)."""
-    assert_compiled_steps_give_the_losses_of_eager_steps("box_refine", CompilePlan(mode=mode, regions=regions,
-                                                                                   backbone=backbone))
+    assert_compiled_steps_give_the_losses_of_eager_steps(
+        "box_refine", CompilePlan(mode=mode, regions=regions, backbone=backbone)
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
@@ -374,8 +397,9 @@ def test_hybrid_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded
     """Hybrid matching, replayed as CUDA graphs: the one-to-many losses replay between the one-to-one losses' forward
     and backward, in a region (and CUDA-graph tree) of their own."""
     chosen = CompilePlan(mode="reduce-overhead", regions=regions, backbone="dynamic")
-    assert_compiled_steps_give_the_losses_of_eager_steps("box_refine", chosen, hybrid_matching=True,
-                                                         num_queries_one2many=24, k_one2many=3)
+    assert_compiled_steps_give_the_losses_of_eager_steps(
+        "box_refine", chosen, hybrid_matching=True, num_queries_one2many=24, k_one2many=3
+    )
 
 
 def assert_compiled_steps_give_the_losses_of_eager_steps(variant: str, chosen: CompilePlan, **overrides) -> None:

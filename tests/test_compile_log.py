@@ -91,16 +91,29 @@ def test_the_eta_is_the_whole_runs_with_its_evaluations_to_come(monkeypatch, cap
     now = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     evaluations = tuple(range(100, 1001, 100))
-    progress = Progress(total_steps=1000, start_step=0, enabled=True, steps_per_epoch=100,
-                        evaluation_steps=evaluations, val_images=600)
+    progress = Progress(
+        total_steps=1000, start_step=0, enabled=True, steps_per_epoch=100, evaluation_steps=evaluations, val_images=600
+    )
     now[0] += 20 * 0.5  # 20 steps of 0.5 s at 20 img/s: an evaluation of 600 images estimated at 10 s
     assert progress.eta_seconds(20, evaluation_s=10.0) == pytest.approx(980 * 0.5 + 10 * 10.0)
     with caplog.at_level(logging.INFO, logger="engine"):
-        progress.report(step=20, epoch=0, epochs=10, loss=1.0, parts={}, lr=1e-4, step_ms=500, data_ms=1,
-                        images_per_s=20.0)
+        progress.report(
+            step=20, epoch=0, epochs=10, loss=1.0, parts={}, lr=1e-4, step_ms=500, data_ms=1, images_per_s=20.0
+        )
         now[0] += 80 * 0.5 + 30.0 + 50 * 0.5  # the rest of the epoch, its evaluation (30 s), half the next epoch
-        progress.report(step=150, epoch=1, epochs=10, loss=1.0, parts={}, lr=1e-4, step_ms=500, data_ms=1,
-                        images_per_s=20.0, excluded_s=30.0, evaluation_s=30.0)
+        progress.report(
+            step=150,
+            epoch=1,
+            epochs=10,
+            loss=1.0,
+            parts={},
+            lr=1e-4,
+            step_ms=500,
+            data_ms=1,
+            images_per_s=20.0,
+            excluded_s=30.0,
+            evaluation_s=30.0,
+        )
     first, second = (r.getMessage() for r in caplog.records)
     assert first.endswith("ETA 0:09:50 (run with 10 evaluations of ~0:00:10), epoch 0:00:40")
     # 50 steps already done of epoch 2; 850 left at 0.5 s and 9 evaluations at 30 s

@@ -24,9 +24,13 @@ def options(group: str) -> list[str]:
 
 # Every option of every group, each on top of the defaults; `pretrained=none` because building must not
 # fetch ImageNet weights in CI.
-CASES = ([[f"model={m}"] for m in options("model")] + [[f"dataset={d}"] for d in options("dataset")]
-         + [[f"optim={o}"] for o in options("optim")] + [[f"experiment={e}"] for e in options("experiment")]
-         + [["dataset=coco", "experiment=two_stage"], ["model=tiny", "experiment=two_stage"]])
+CASES = (
+    [[f"model={m}"] for m in options("model")]
+    + [[f"dataset={d}"] for d in options("dataset")]
+    + [[f"optim={o}"] for o in options("optim")]
+    + [[f"experiment={e}"] for e in options("experiment")]
+    + [["dataset=coco", "experiment=two_stage"], ["model=tiny", "experiment=two_stage"]]
+)
 
 
 def test_every_group_option_is_listed():
@@ -61,7 +65,13 @@ def test_coco_keeps_the_published_recipe():
     cfg = compose_train("dataset=coco")
     m, o = cfg.model, cfg.optim
     assert (m.backbone, m.hidden_dim, m.nheads, m.enc_layers, m.dec_layers, m.num_queries) == (
-        "resnet50", 256, 8, 6, 6, 300)
+        "resnet50",
+        256,
+        8,
+        6,
+        6,
+        300,
+    )
     assert (m.num_classes, m.focal_alpha, m.with_box_refine, m.two_stage) == (91, 0.25, False, False)
     assert (cfg.epochs, cfg.batch_size, o.lr_drop, o.lr, o.lr_backbone) == (50, 2, 40, 2e-4, 2e-5)
     assert (o.lr_linear_proj_mult, o.weight_decay, o.clip_max_norm) == (0.1, 1e-4, 0.1)
@@ -69,8 +79,10 @@ def test_coco_keeps_the_published_recipe():
     assert list(cfg.dataset.train_scales) == list(range(480, 801, 32))
 
 
-@pytest.mark.parametrize("experiment, refine, two_stage", [
-    ("box_refine", True, False), ("two_stage", True, True), ("coco_gpu", False, False)])
+@pytest.mark.parametrize(
+    "experiment, refine, two_stage",
+    [("box_refine", True, False), ("two_stage", True, True), ("coco_gpu", False, False)],
+)
 def test_experiments_select_the_variant(experiment, refine, two_stage):
     cfg = compose_train(f"experiment={experiment}")
     assert (cfg.model.with_box_refine, cfg.model.two_stage) == (refine, two_stage)
@@ -99,20 +111,28 @@ def test_bad_overrides_fail_at_compose(overrides):
         compose_train(*overrides)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("epochs=abc", r"Value 'abc' of type 'str' could not be converted to Integer\s+full_key: epochs"),
-    ("amp=fp8", r"Invalid value 'fp8', expected one of \[none, bf16, fp16\]\s+full_key: amp"),
-    ("eval_only=maybe", r"'maybe' is not a valid bool \(type str\)\s+full_key: eval_only"),
-    ("log_every=1.5", r"Value '1.5' of type 'float' could not be converted to Integer\s+full_key: log_every")])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("epochs=abc", r"Value 'abc' of type 'str' could not be converted to Integer\s+full_key: epochs"),
+        ("amp=fp8", r"Invalid value 'fp8', expected one of \[none, bf16, fp16\]\s+full_key: amp"),
+        ("eval_only=maybe", r"'maybe' is not a valid bool \(type str\)\s+full_key: eval_only"),
+        ("log_every=1.5", r"Value '1.5' of type 'float' could not be converted to Integer\s+full_key: log_every"),
+    ],
+)
 def test_bad_run_settings_fail_at_compose_naming_the_key(override, message):
     with pytest.raises(ConfigCompositionException, match=f"override {re.escape(override)}") as error:
         compose_train(override)
     assert re.search(message, str(error.value.__cause__)), error.value.__cause__
 
 
-@pytest.mark.parametrize("override, message", [
-    ("batch_size=0", "batch_size must be an integer >= 1, got 0"),
-    ("max_steps=-3", "max_steps must be null or an integer >= 1")])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("batch_size=0", "batch_size must be an integer >= 1, got 0"),
+        ("max_steps=-3", "max_steps must be null or an integer >= 1"),
+    ],
+)
 def test_out_of_range_run_settings_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         check_config(compose_train(override))

@@ -1,4 +1,5 @@
 """Tests for the Hungarian matcher, SetCriterion, build_criterion and PostProcess (CPU, fast)."""
+
 import itertools
 import math
 
@@ -61,7 +62,7 @@ def test_matcher_cost_and_assignment_match_brute_force(gen, Q, n):
         candidates = [list(zip(range(Q), ts)) for ts in itertools.permutations(range(n), Q)]
     best = min(sum(cost[q][t] for q, t in pairs) for pairs in candidates)
 
-    (rows, cols), = matcher(outputs, targets)
+    ((rows, cols),) = matcher(outputs, targets)
     assert rows.dtype == cols.dtype == torch.int64
     assert len(rows) == len(cols) == min(Q, n)
     assert len(set(rows.tolist())) == len(rows) and len(set(cols.tolist())) == len(cols)
@@ -84,11 +85,12 @@ def test_each_images_cost_block_is_its_slice_of_the_whole_batchs_cost(gen, sizes
     start = 0
     for b, n in enumerate(sizes):
         for g in range(G):
-            prob = logits[g, b].sigmoid()[:, labels[start:start + n]]  # (Q, n)
+            prob = logits[g, b].sigmoid()[:, labels[start : start + n]]  # (Q, n)
             cost_class = 0.25 * (1 - prob) ** 2 * -(prob + 1e-8).log() - 0.75 * prob**2 * -(1 - prob + 1e-8).log()
-            giou = generalized_box_iou(box_convert(boxes[g, b], "cxcywh", "xyxy"),
-                                       box_convert(tgt[start:start + n], "cxcywh", "xyxy"))
-            whole = 2 * cost_class + 5 * torch.cdist(boxes[g, b], tgt[start:start + n], p=1) - 2 * giou
+            giou = generalized_box_iou(
+                box_convert(boxes[g, b], "cxcywh", "xyxy"), box_convert(tgt[start : start + n], "cxcywh", "xyxy")
+            )
+            whole = 2 * cost_class + 5 * torch.cdist(boxes[g, b], tgt[start : start + n], p=1) - 2 * giou
             torch.testing.assert_close(blocks[g, b, :, :n], whole, rtol=1e-5, atol=1e-5)
         start += n
 
@@ -102,7 +104,7 @@ def test_matching_alone_equals_matching_in_batch(gen, sizes):
     batched = matcher(outputs, targets)
     for b, (rows, cols) in enumerate(batched):
         alone = {k: v[b : b + 1] for k, v in outputs.items()}
-        (rows_1, cols_1), = matcher(alone, [targets[b]])
+        ((rows_1, cols_1),) = matcher(alone, [targets[b]])
         assert torch.equal(rows, rows_1) and torch.equal(cols, cols_1)
         assert len(rows) == sizes[b]
 
@@ -124,7 +126,7 @@ def test_matcher_gives_the_pairs_of_the_published_layout_in_query_order(gen, Q, 
     (layers,) = matcher.match_groups([(logits, boxes, targets)])
     for g, per_image in enumerate(layers):
         for b, (queries, target_index) in enumerate(per_image):
-            rows, cols = linear_sum_assignment(costs[g, b, :, :sizes[b]].numpy())
+            rows, cols = linear_sum_assignment(costs[g, b, :, : sizes[b]].numpy())
             assert queries.tolist() == rows.tolist() and target_index.tolist() == cols.tolist()
             assert queries.dtype == target_index.dtype == torch.int64
 
@@ -143,18 +145,21 @@ def test_matcher_matches_non_finite_predictions_last_and_the_loss_reports_them(g
     outputs = rand_outputs(1, 4, gen)
     outputs["pred_boxes"][0, 1, 0] = float("nan")
     outputs["pred_logits"][0, 2] = float("nan")
-    (rows, cols), = HungarianMatcher()(outputs, rand_targets([2], gen))
+    ((rows, cols),) = HungarianMatcher()(outputs, rand_targets([2], gen))
     assert sorted(rows.tolist()) == [0, 3]  # the two finite queries take the two targets
     outputs["pred_boxes"][:] = float("nan")
     losses = make_criterion(aux_loss=False)(outputs, rand_targets([2], gen))
     assert not torch.isfinite(losses["loss_bbox"]) and not torch.isfinite(losses["loss_giou"])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"cost_bbox": -1.0}, "cost_bbox must be a finite number >= 0"),
-    ({"cost_class": 0.0, "cost_bbox": 0.0, "cost_giou": 0.0}, "all 0"),
-    ({"focal_alpha": 1.5}, "focal_alpha must be in"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"cost_bbox": -1.0}, "cost_bbox must be a finite number >= 0"),
+        ({"cost_class": 0.0, "cost_bbox": 0.0, "cost_giou": 0.0}, "all 0"),
+        ({"focal_alpha": 1.5}, "focal_alpha must be in"),
+    ],
+)
 def test_matcher_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         HungarianMatcher(**kwargs)
@@ -263,9 +268,17 @@ def test_padding_pairs_and_targets_add_nothing_to_the_losses_or_their_gradients(
     T, S = 5, target_slots(5)
     labels, tgt_boxes = torch.randint(0, K, (T,), generator=gen), rand_boxes(T, gen)
     per_layer = [5, 4, 5]  # pairs of each layer: (batch, query, target)
-    pairs = [[(b, q, t) for b, q, t in zip(torch.randint(0, B, (n,), generator=gen).tolist(),
-                                            torch.randperm(Q, generator=gen)[:n].tolist(), range(n))]
-             for n in per_layer]
+    pairs = [
+        [
+            (b, q, t)
+            for b, q, t in zip(
+                torch.randint(0, B, (n,), generator=gen).tolist(),
+                torch.randperm(Q, generator=gen)[:n].tolist(),
+                range(n),
+            )
+        ]
+        for n in per_layer
+    ]
 
     def indices(padded: bool):
         rows = []
@@ -409,8 +422,12 @@ def test_losses_of_all_layers_at_once_equal_each_layer_alone(gen):
     losses = make_criterion(dec_layers=3, two_stage=True)(outputs, targets)
     single = make_criterion(aux_loss=False)
     bin_targets = [{**t, "labels": torch.zeros_like(t["labels"])} for t in targets]
-    for suffix, layer, layer_targets in [("_0", layers[0], targets), ("_1", layers[1], targets),
-                                         ("", layers[2], targets), ("_enc", outputs["enc_outputs"], bin_targets)]:
+    for suffix, layer, layer_targets in [
+        ("_0", layers[0], targets),
+        ("_1", layers[1], targets),
+        ("", layers[2], targets),
+        ("_enc", outputs["enc_outputs"], bin_targets),
+    ]:
         alone = single(layer, layer_targets, num_boxes=5.0)
         for key in ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"):
             torch.testing.assert_close(losses[key + suffix], alone[key], rtol=1e-6, atol=1e-7)
@@ -420,11 +437,20 @@ def test_losses_of_all_layers_at_once_equal_each_layer_alone(gen):
 # -- build_criterion --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dec_layers, aux_loss, two_stage, n_keys", [
-    (6, True, False, 3 * 6), (6, False, False, 3), (6, True, True, 3 * 7), (1, True, False, 3), (2, False, True, 6),
-])
+@pytest.mark.parametrize(
+    "dec_layers, aux_loss, two_stage, n_keys",
+    [
+        (6, True, False, 3 * 6),
+        (6, False, False, 3),
+        (6, True, True, 3 * 7),
+        (1, True, False, 3),
+        (2, False, True, 6),
+    ],
+)
 def test_weight_dict_keys(dec_layers, aux_loss, two_stage, n_keys):
-    criterion, postprocess = build_criterion(criterion_cfg(dec_layers=dec_layers, aux_loss=aux_loss, two_stage=two_stage))
+    criterion, postprocess = build_criterion(
+        criterion_cfg(dec_layers=dec_layers, aux_loss=aux_loss, two_stage=two_stage)
+    )
     expected = {"loss_ce": 2.0, "loss_bbox": 5.0, "loss_giou": 2.0}
     suffixes = [f"_{i}" for i in range(dec_layers - 1)] if aux_loss else []
     suffixes += ["_enc"] if two_stage else []
@@ -434,17 +460,23 @@ def test_weight_dict_keys(dec_layers, aux_loss, two_stage, n_keys):
     assert isinstance(criterion, SetCriterion) and isinstance(postprocess, PostProcess)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"num_classes": 0}, "num_classes must be an integer >= 1"),
-    ({"num_classes": 2.5}, r"'2.5' of type 'float' could not be converted to Integer\s+full_key: model\.num_classes"),
-    ({"dec_layers": 0}, "dec_layers must be an integer >= 1"),
-    ({"cls_loss_coef": -1.0}, "cls_loss_coef must be a finite number >= 0"),
-    ({"giou_loss_coef": float("nan")}, "giou_loss_coef must be a finite number >= 0"),
-    ({"set_cost_bbox": -0.5}, "set_cost_bbox must be a finite number >= 0"),
-    ({"set_cost_class": 0, "set_cost_bbox": 0, "set_cost_giou": 0}, "all 0"),
-    ({"focal_alpha": 2.0}, "focal_alpha must be in"),
-    ({"aux_loss": "maybe"}, r"'maybe' is not a valid bool \(type str\)\s+full_key: model\.aux_loss"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"num_classes": 0}, "num_classes must be an integer >= 1"),
+        (
+            {"num_classes": 2.5},
+            r"'2.5' of type 'float' could not be converted to Integer\s+full_key: model\.num_classes",
+        ),
+        ({"dec_layers": 0}, "dec_layers must be an integer >= 1"),
+        ({"cls_loss_coef": -1.0}, "cls_loss_coef must be a finite number >= 0"),
+        ({"giou_loss_coef": float("nan")}, "giou_loss_coef must be a finite number >= 0"),
+        ({"set_cost_bbox": -0.5}, "set_cost_bbox must be a finite number >= 0"),
+        ({"set_cost_class": 0, "set_cost_bbox": 0, "set_cost_giou": 0}, "all 0"),
+        ({"focal_alpha": 2.0}, "focal_alpha must be in"),
+        ({"aux_loss": "maybe"}, r"'maybe' is not a valid bool \(type str\)\s+full_key: model\.aux_loss"),
+    ],
+)
 def test_bad_config_raises(overrides, match):
     with pytest.raises(ValueError, match=match):
         build_criterion(criterion_cfg(**overrides))
@@ -504,8 +536,9 @@ def test_bf16_outputs_give_fp32_losses_close_to_fp32(gen):
 def _outputs_with_aux(B, Q, gen, n_aux, requires_grad=True):
     outputs = rand_outputs(B, Q, gen)
     outputs["aux_outputs"] = [rand_outputs(B, Q, gen) for _ in range(n_aux)]
-    leaves = [outputs["pred_logits"], outputs["pred_boxes"]] + [t for aux in outputs["aux_outputs"]
-                                                                for t in (aux["pred_logits"], aux["pred_boxes"])]
+    leaves = [outputs["pred_logits"], outputs["pred_boxes"]] + [
+        t for aux in outputs["aux_outputs"] for t in (aux["pred_logits"], aux["pred_boxes"])
+    ]
     for t in leaves:
         t.requires_grad_(requires_grad)
     return outputs, leaves

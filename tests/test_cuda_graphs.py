@@ -56,10 +56,13 @@ def test_auto_compiles_when_a_key_asks_for_inductor_and_graphs_keep_evaluation_o
     assert "nothing compiled" in resolve_compile(settings(mode="graphs"), device=GPU).describe()
 
 
-@pytest.mark.parametrize("keys,message", [
-    (dict(mode="graphs", regions="layers"), r"compile\.regions=layers does nothing with compile\.mode=graphs"),
-    (dict(mode="graphs", backbone="static"), r"compile\.backbone=static does nothing with compile\.mode=graphs"),
-])
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        (dict(mode="graphs", regions="layers"), r"compile\.regions=layers does nothing with compile\.mode=graphs"),
+        (dict(mode="graphs", backbone="static"), r"compile\.backbone=static does nothing with compile\.mode=graphs"),
+    ],
+)
 def test_graphs_refuse_the_keys_of_inductor_naming_them(keys, message):
     with pytest.raises(ValueError, match=message):
         settings(**keys)
@@ -89,11 +92,15 @@ def test_captures_count_as_compilation_with_their_method_name():
 
 
 def test_a_steps_log_line_says_what_it_recorded_and_what_it_compiled():
-    assert describe_work(CompileTotals(1.0, 2, {"graphed_forward": 1, "graphed_stacked_losses": 1})) == \
-        "recorded 2 CUDA graphs"
+    assert (
+        describe_work(CompileTotals(1.0, 2, {"graphed_forward": 1, "graphed_stacked_losses": 1}))
+        == "recorded 2 CUDA graphs"
+    )
     assert describe_work(CompileTotals(1.0, 2, {"features": 1, "predict": 1})) == "compiled 2 graphs"
-    assert describe_work(CompileTotals(1.0, 2, {"predict": 1, "graphed_detect": 1})) == \
-        "compiled 1 graphs and recorded 1 CUDA graph"
+    assert (
+        describe_work(CompileTotals(1.0, 2, {"predict": 1, "graphed_detect": 1}))
+        == "compiled 1 graphs and recorded 1 CUDA graph"
+    )
 
 
 # ------------------------------------------------------------------------------------------- on the GPU
@@ -144,8 +151,10 @@ def test_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_eager_st
     # two-stage proposals' one per size too (one proposal per encoder token).
     sizes = len(set(SIZES))
     assert clock.totals().since(before).by_function == {
-        "graphed_forward": sizes, "graphed_stacked_losses": 1,
-        **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {})}
+        "graphed_forward": sizes,
+        "graphed_stacked_losses": 1,
+        **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {}),
+    }
 
 
 @needs_gpu
@@ -168,8 +177,11 @@ def test_hybrid_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_e
     # targets: 16 slots, or 8 in passes of one image).
     sizes = len(set(SIZES))
     assert clock.totals().since(before).by_function == {
-        "graphed_forward": sizes, "graphed_stacked_losses": 1, "graphed_stacked_one2many_losses": 1,
-        **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {})}
+        "graphed_forward": sizes,
+        "graphed_stacked_losses": 1,
+        "graphed_stacked_one2many_losses": 1,
+        **({"graphed_stacked_proposal_losses": sizes} if variant == "two_stage" else {}),
+    }
 
 
 @needs_gpu
@@ -208,14 +220,18 @@ def test_losses_replayed_as_cuda_graphs_equal_eager_losses_and_gradients_for_eve
     sizes_seen = [[0, 0], [3, 1], [14, 2], [5, 3], [30, 1], [2, 2]]  # slots 8, 8, 32, 16, 32, 8
     for sizes in sizes_seen:
         layers = [rand_outputs(2, 12, gen) for _ in range(3)] + [rand_outputs(2, 20, gen)]  # 20 proposals
-        leaves = [t.cuda().requires_grad_(True) for layer in layers for t in (layer["pred_logits"], layer["pred_boxes"])]
+        leaves = [
+            t.cuda().requires_grad_(True) for layer in layers for t in (layer["pred_logits"], layer["pred_boxes"])
+        ]
         as_outputs = [{"pred_logits": leaves[2 * i], "pred_boxes": leaves[2 * i + 1]} for i in range(4)]
         outputs = {**as_outputs[2], "aux_outputs": as_outputs[:2], "enc_outputs": as_outputs[3]}
         targets = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in t.items()} for t in rand_targets(sizes, gen)]
         expected, got = eager(outputs, targets), graphed(outputs, targets)
         assert set(got) == set(expected)
         for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{sizes} {name}: {m}")
+            torch.testing.assert_close(
+                got[name], expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{sizes} {name}: {m}"
+            )
         weights = {name: float(i + 1) for i, name in enumerate(sorted(eager.weight_dict))}
 
         def gradients(losses):
@@ -251,8 +267,13 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
     graphed = copy.deepcopy(model)
     compile_model(graphed, CompilePlan(mode="graphs", evaluation=True))
     optimizer = torch.optim.SGD(graphed.parameters(), lr=0.05)
-    step = OptimizerStep(model=graphed, criterion=criterion, optimizer=optimizer,
-                     precision=Precision(amp="none", device=GPU), clip_max_norm=0.1)
+    step = OptimizerStep(
+        model=graphed,
+        criterion=criterion,
+        optimizer=optimizer,
+        precision=Precision(amp="none", device=GPU),
+        clip_max_norm=0.1,
+    )
     for _ in range(2):
         graphed.eval()
         model.load_state_dict(graphed.state_dict())
@@ -261,8 +282,10 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
             assert_same_detections(model, graphed, postprocess, H=H, W=W, device="cuda")
         graphed.train()
         for H, W in SIZES[:3]:  # the weights move: the evaluation graphs must see the new ones
-            step(*[t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)],
-                 [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()])
+            step(
+                *[t.cuda() for t in image_batch(H=H, W=W, pad_w=8, pixels=True)],
+                [{k: v.cuda() for k, v in t.items()} for t in two_box_targets()],
+            )
 
 
 @needs_gpu
@@ -287,7 +310,12 @@ def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eage
 def test_the_model_declares_what_is_recorded():
     model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
     training, evaluation = model.compile_regions(graphs=True, evaluation=True)
-    assert (training.name, training.training, evaluation.name, evaluation.training) == ("forward", True, "detect", False)
+    assert (training.name, training.training, evaluation.name, evaluation.training) == (
+        "forward",
+        True,
+        "detect",
+        False,
+    )
     assert [r.name for r in model.compile_regions(graphs=True, evaluation=False)] == ["forward"]
 
 

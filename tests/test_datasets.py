@@ -36,8 +36,13 @@ from datasets.transforms import (
 
 SMALL = dict(num_train=10, num_val=6, image_size=64, seed=0)
 SMALL_TRANSFORMS = dict(
-    train_scales=[48, 56, 64], max_size=80, val_size=64, crop=True, crop_scales=[48, 56, 64],
-    crop_min_size=32, crop_max_size=56,
+    train_scales=[48, 56, 64],
+    max_size=80,
+    val_size=64,
+    crop=True,
+    crop_scales=[48, 56, 64],
+    crop_min_size=32,
+    crop_max_size=56,
 )
 
 
@@ -109,7 +114,7 @@ def test_synthetic_objects_sometimes_overlap(synthetic_root):
     overlapping = 0
     for anns in coco.imgToAnns.values():
         for i, a in enumerate(anns):
-            for b in anns[i + 1:]:
+            for b in anns[i + 1 :]:
                 (ax, ay, aw, ah), (bx, by, bw, bh) = a["bbox"], b["bbox"]
                 overlapping += min(ax + aw, bx + bw) > max(ax, bx) and min(ay + ah, by + bh) > max(ay, by)
     assert overlapping > 0
@@ -174,7 +179,9 @@ def test_dataset_targets_match_annotations_without_augmentation(synthetic_root):
         assert image.shape[1:] == tuple(target["size"].tolist())
         assert target["orig_size"].tolist() == [info["height"], info["width"]]
         expected = size_with_aspect_ratio(
-            height=info["height"], width=info["width"], size=SMALL_TRANSFORMS["val_size"],
+            height=info["height"],
+            width=info["width"],
+            size=SMALL_TRANSFORMS["val_size"],
             max_size=SMALL_TRANSFORMS["max_size"],
         )
         assert tuple(image.shape[1:]) == expected
@@ -191,7 +198,11 @@ def test_dataset_targets_match_annotations_without_augmentation(synthetic_root):
 def write_coco(root: Path, *, split: str, images: list[dict], annotations: list[dict]) -> None:
     (root / f"{split}2017").mkdir(parents=True, exist_ok=True)
     (root / "annotations").mkdir(exist_ok=True)
-    data = {"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "a"}, {"id": 7, "name": "b"}]}
+    data = {
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": 1, "name": "a"}, {"id": 7, "name": "b"}],
+    }
     (root / "annotations" / f"instances_{split}2017.json").write_text(json.dumps(data))
 
 
@@ -210,7 +221,9 @@ def test_crowd_and_degenerate_boxes_are_dropped_and_boxes_clamped(tmp_path):
         ],
     )
     Image.new("RGB", (60, 40)).save(tmp_path / "val2017" / "x.jpg")
-    dataset = CocoDetection(image_dir=tmp_path / "val2017", annotation_file=tmp_path / "annotations" / "instances_val2017.json")
+    dataset = CocoDetection(
+        image_dir=tmp_path / "val2017", annotation_file=tmp_path / "annotations" / "instances_val2017.json"
+    )
     _, target = dataset[0]
     assert target["labels"].tolist() == [1, 7]
     assert target["boxes"].tolist() == [[10, 10, 30, 20], [50, 30, 60, 40]]  # the last clamped to 60x40
@@ -309,7 +322,7 @@ def test_crop_clips_and_drops_boxes(window, expected_boxes, expected_labels):
     image, target = make_sample(height=40, width=60, boxes=BOXES)
     top, left, height, width = window
     out_image, out = crop(image, target, top=top, left=left, height=height, width=width)
-    torch.testing.assert_close(out_image, image[:, top:top + height, left:left + width])
+    torch.testing.assert_close(out_image, image[:, top : top + height, left : left + width])
     torch.testing.assert_close(out["boxes"].as_subclass(torch.Tensor), torch.tensor(expected_boxes).reshape(-1, 4))
     assert out["labels"].tolist() == expected_labels
     assert out["iscrowd"].shape == out["area"].shape == (len(expected_labels),)
@@ -430,14 +443,20 @@ def test_a_batchs_targets_cross_from_a_worker_as_one_tensor_per_key_and_read_as_
     generator = torch.Generator().manual_seed(7)
     targets = []
     for i, n in enumerate([3, 0, 5, 1]):  # an image without boxes among them
-        targets.append({"boxes": torch.rand(n, 4, generator=generator),
-                        "labels": torch.randint(0, 80, (n,), generator=generator),
-                        "image_id": torch.tensor(100 + i), "size": torch.tensor([48 + i, 64]),
-                        # per image: another dtype in one image, a subclass, not a tensor
-                        "score": torch.rand(n, dtype=torch.float64 if i == 2 else torch.float32, generator=generator),
-                        "canvas": tv_tensors.BoundingBoxes(torch.rand(1, 4, generator=generator), format="XYXY",
-                                                           canvas_size=(8, 8)),
-                        "file": f"{i}.jpg"})
+        targets.append(
+            {
+                "boxes": torch.rand(n, 4, generator=generator),
+                "labels": torch.randint(0, 80, (n,), generator=generator),
+                "image_id": torch.tensor(100 + i),
+                "size": torch.tensor([48 + i, 64]),
+                # per image: another dtype in one image, a subclass, not a tensor
+                "score": torch.rand(n, dtype=torch.float64 if i == 2 else torch.float32, generator=generator),
+                "canvas": tv_tensors.BoundingBoxes(
+                    torch.rand(1, 4, generator=generator), format="XYXY", canvas_size=(8, 8)
+                ),
+                "file": f"{i}.jpg",
+            }
+        )
     items = [(torch.rand(3, 6, 5, generator=generator), t) for t in targets]
     loader = torch.utils.data.DataLoader(_Items(items), batch_size=4, num_workers=1, collate_fn=collate_fn)
     [(_, _, got)] = list(loader)
@@ -497,8 +516,10 @@ def test_worker_loading_is_reproducible_from_the_seed(synthetic_root):
 
     def first_epoch(seed: int) -> list:
         loader = build_data_loader(dataset, batch_size=2, num_workers=1, train=True, seed=seed)
-        return [(images, [t["boxes"] for t in targets])
-                for images, _, targets in itertools.islice(loader, loader.batch_sampler.steps_per_epoch)]
+        return [
+            (images, [t["boxes"] for t in targets])
+            for images, _, targets in itertools.islice(loader, loader.batch_sampler.steps_per_epoch)
+        ]
 
     a, b, c = first_epoch(0), first_epoch(0), first_epoch(1)
     assert len(a) == len(b) == SMALL["num_train"] // 2
@@ -511,8 +532,9 @@ def test_a_large_split_written_by_several_processes_is_the_set_one_process_write
     import datasets.synthetic as synthetic
 
     def written(root):
-        return [(f.name, f.read_bytes()) for f in sorted((root / "val2017").iterdir())] + \
-            [(root / "annotations" / "instances_val2017.json").read_text()]
+        return [(f.name, f.read_bytes()) for f in sorted((root / "val2017").iterdir())] + [
+            (root / "annotations" / "instances_val2017.json").read_text()
+        ]
 
     monkeypatch.setattr(synthetic, "IMAGES_PER_WRITER", 8)
     monkeypatch.setattr(synthetic, "MAX_WRITERS", 3)

@@ -30,8 +30,16 @@ from models.postprocess import PostProcess
 
 @pytest.fixture(scope="module")
 def val_set(tmp_path_factory):
-    cfg = {"name": "synthetic", "root": str(tmp_path_factory.mktemp("images") / "syn"), "num_train": 1,
-           "num_val": 10, "image_size": 64, "seed": 2, "val_size": 64, "max_size": 80}
+    cfg = {
+        "name": "synthetic",
+        "root": str(tmp_path_factory.mktemp("images") / "syn"),
+        "num_train": 1,
+        "num_val": 10,
+        "image_size": 64,
+        "seed": 2,
+        "val_size": 64,
+        "max_size": 80,
+    }
     return build_dataset("val", cfg)
 
 
@@ -108,16 +116,23 @@ def test_evaluation_keeps_the_detections_of_the_images_asked_for(val_set):
     loader = build_data_loader(val_set, batch_size=3, num_workers=0, train=False)
     cpu = torch.device("cpu")
     with contextlib.redirect_stdout(io.StringIO()):
-        evaluation = evaluate_coco(model=FixedDetector(), postprocess=PostProcess(), loader=loader,
-                                   coco_gt=val_set.coco, device=cpu, precision=Precision(amp="none", device=cpu),
-                                   keep_detections=[4, 1, 999])
+        evaluation = evaluate_coco(
+            model=FixedDetector(),
+            postprocess=PostProcess(),
+            loader=loader,
+            coco_gt=val_set.coco,
+            device=cpu,
+            precision=Precision(amp="none", device=cpu),
+            keep_detections=[4, 1, 999],
+        )
     assert evaluation.num_images == 10 and sorted(evaluation.detections) == [1, 4]
     for image_id, detections in evaluation.detections.items():
         assert len(detections) == 6 and {d["image_id"] for d in detections} == {image_id}
         best = max(detections, key=lambda d: d["score"])
         width, height = val_set.coco.imgs[image_id]["width"], val_set.coco.imgs[image_id]["height"]
-        assert best["category_id"] == 0 and best["bbox"] == pytest.approx([0.15 * width, 0.15 * height,
-                                                                           0.2 * width, 0.2 * height], abs=1e-3)
+        assert best["category_id"] == 0 and best["bbox"] == pytest.approx(
+            [0.15 * width, 0.15 * height, 0.2 * width, 0.2 * height], abs=1e-3
+        )
 
 
 def test_settings_are_checked_with_their_keys(val_set):

@@ -14,14 +14,19 @@ def _batches(count: int, *, pin: bool = False, packed: bool = False):
     for k in range(count):
         images = torch.randn(2, 3, 8, 8, generator=generator)
         masks = torch.rand(2, 8, 8, generator=generator) > 0.5
-        targets = [{"boxes": torch.rand(3, 4, generator=generator), "labels": torch.tensor([k, 1, 2]), "image_id": k}
-                   for _ in range(2)]
+        targets = [
+            {"boxes": torch.rand(3, 4, generator=generator), "labels": torch.tensor([k, 1, 2]), "image_id": k}
+            for _ in range(2)
+        ]
         if packed:  # as the loader's collate hands them over
             targets = BatchTargets(targets)
         if pin:
             images, masks = images.pin_memory(), masks.pin_memory()
-            targets = targets.pin_memory() if packed else \
-                [{key: v.pin_memory() if torch.is_tensor(v) else v for key, v in t.items()} for t in targets]
+            targets = (
+                targets.pin_memory()
+                if packed
+                else [{key: v.pin_memory() if torch.is_tensor(v) else v for key, v in t.items()} for t in targets]
+            )
         yield images, masks, targets
 
 
@@ -78,8 +83,10 @@ def _failing_at(index: int, error: Exception):
         yield batch
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
 def test_a_failure_fetching_ahead_is_raised_in_its_turn_not_before_the_batch_in_front(device):
     """A damaged image in batch 3 must not stop the step of batch 2 (the last of an epoch, or of the run)."""
     batches = DeviceBatches(_failing_at(3, OSError("damaged image")), torch.device(device))

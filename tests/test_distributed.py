@@ -21,8 +21,13 @@ TIMEOUT_S = 3.0
 
 
 def _rank_main(rank: int, work: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{work}/store",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), timeout_s=TIMEOUT_S)
     assert broadcast_object("from rank 0" if rank == 0 else None, ctx) == "from rank 0"  # both still here
     if rank == 1:
@@ -52,8 +57,9 @@ def test_an_unknown_gradient_sync_is_an_error_naming_it():
 
 
 def _mismatched_rank_main(rank: int, work: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
     model = torch.nn.Linear(4, 3 if rank == 0 else 5)  # another model on rank 1
     try:
@@ -95,8 +101,9 @@ class _TwoDtypes(torch.nn.Module):
 
 
 def _average_rank_main(rank: int, work: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
     torch.manual_seed(rank)  # other weights on rank 1: the sync starts both from rank 0's
     model = _TwoDtypes()
@@ -105,8 +112,10 @@ def _average_rank_main(rank: int, work: str) -> None:
     model(x, rank).backward()
     own = {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
     sync()
-    torch.save({"own": own, "synced": {name: p.grad for name, p in model.named_parameters()},
-                "weights": model.state_dict()}, f"{work}/rank{rank}.pt")
+    torch.save(
+        {"own": own, "synced": {name: p.grad for name, p in model.named_parameters()}, "weights": model.state_dict()},
+        f"{work}/rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 

@@ -73,8 +73,10 @@ def test_the_average_is_in_the_model_inside_applied_only_and_round_trips_through
     assert again.updates == 3 and all(torch.equal(a, b) for a, b in zip(again.average, ema.average))
 
 
-@pytest.mark.parametrize("decay, warmup, message", [(1.0, 10, "ema.decay must be in"), (0.0, 10, "ema.decay"),
-                                                    (0.9, 0, "ema.warmup_steps must be")])
+@pytest.mark.parametrize(
+    "decay, warmup, message",
+    [(1.0, 10, "ema.decay must be in"), (0.0, 10, "ema.decay"), (0.9, 0, "ema.warmup_steps must be")],
+)
 def test_bad_settings_are_refused_naming_the_key(decay, warmup, message):
     with pytest.raises(ValueError, match=message):
         ModelEma(_Net(), decay=decay, warmup_steps=warmup)
@@ -116,10 +118,19 @@ def test_evaluation_reports_the_averages_ap_with_the_raw_weights_beside_it(unint
     events = EventAccumulator(str(uninterrupted["dir"] / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     assert {"eval/AP", "eval_raw/AP"} <= set(events.Tags()["scalars"])
-    average = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "ema", *EMA, "eval_only=true",
-                                                      f"checkpoint={uninterrupted['dir']}"))
-    raw = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "raw", *EMA, "eval_only=true",
-                                                  f"checkpoint={uninterrupted['dir']}", "checkpoint_weights=raw"))
+    average = trainer.evaluate_checkpoint(
+        compose_run(data_root, tmp_path / "ema", *EMA, "eval_only=true", f"checkpoint={uninterrupted['dir']}")
+    )
+    raw = trainer.evaluate_checkpoint(
+        compose_run(
+            data_root,
+            tmp_path / "raw",
+            *EMA,
+            "eval_only=true",
+            f"checkpoint={uninterrupted['dir']}",
+            "checkpoint_weights=raw",
+        )
+    )
     assert average["eval"] == pytest.approx(uninterrupted["eval"], abs=1e-4)
     last_raw = events.Scalars("eval_raw/AP")[-1].value
     assert raw["eval"]["AP"] == pytest.approx(last_raw, abs=1e-4)
@@ -154,12 +165,17 @@ def test_a_checkpoint_trained_with_hybrid_matching_and_ema_evaluates_predicts_an
     import export as exporter
     from models.deformable_detr import ONE2MANY_PARAMETERS
 
-    path = write_checkpoint(tmp_path / "checkpoint.pth", extra=("model.dec_layers=1", "model.hybrid_matching=true",
-                                                                "model.num_queries_one2many=24"))
+    path = write_checkpoint(
+        tmp_path / "checkpoint.pth",
+        extra=("model.dec_layers=1", "model.hybrid_matching=true", "model.num_queries_one2many=24"),
+    )
     ckpt = torch.load(path, weights_only=False)
     gen = torch.Generator().manual_seed(3)
-    average = {name: t + 0.01 * torch.randn(t.shape, generator=gen) for name, t in ckpt["model"].items()
-               if t.is_floating_point()}
+    average = {
+        name: t + 0.01 * torch.randn(t.shape, generator=gen)
+        for name, t in ckpt["model"].items()
+        if t.is_floating_point()
+    }
     torch.save({**ckpt, "ema": {"model": average, "updates": 10}}, path)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="export", overrides=["device=cpu", f"checkpoint={path}", "dynamic=false"])

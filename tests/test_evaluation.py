@@ -19,7 +19,9 @@ from engine.runtime.distributed import DistContext, Ranks
 
 @pytest.fixture(scope="module")
 def coco_gt(tmp_path_factory) -> COCO:
-    root = ensure_synthetic_dataset(tmp_path_factory.mktemp("data") / "syn", num_train=1, num_val=24, image_size=96, seed=0)
+    root = ensure_synthetic_dataset(
+        tmp_path_factory.mktemp("data") / "syn", num_train=1, num_val=24, image_size=96, seed=0
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         return COCO(str(root / "annotations" / "instances_val2017.json"))
 
@@ -104,7 +106,11 @@ def test_split_updates_merge_to_the_same_result(coco_gt):
     ids = sorted(predictions)
     whole = evaluate(coco_gt, predictions)
     assert 0.05 < whole["AP"] < 0.95, "the check needs an AP that can differ"
-    parts = [{i: predictions[i] for i in ids[0::2]}, {i: predictions[i] for i in ids[1::2]}, {ids[0]: predictions[ids[0]]}]
+    parts = [
+        {i: predictions[i] for i in ids[0::2]},
+        {i: predictions[i] for i in ids[1::2]},
+        {ids[0]: predictions[ids[0]]},
+    ]
     assert evaluate(coco_gt, *parts) == whole  # the repeated image (as a padded sampler gives) counts once
     assert evaluate(coco_gt, parts[0])["AP"] != whole["AP"], "the halves alone differ"
 

@@ -19,8 +19,9 @@ from engine.reporting.progress import EvaluationProgress
 from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
 
-needs_faster = pytest.mark.skipif(not faster_coco_eval_installed(),
-                                  reason="faster-coco-eval is not installed (pip install faster-coco-eval)")
+needs_faster = pytest.mark.skipif(
+    not faster_coco_eval_installed(), reason="faster-coco-eval is not installed (pip install faster-coco-eval)"
+)
 CPU = torch.device("cpu")
 # Printed by both pycocotools and faster-coco-eval on every evaluation.
 COCOEVAL_NOISE = ("Loading and preparing results...", "index created!", "Accumulating evaluation results...")
@@ -28,15 +29,30 @@ COCOEVAL_NOISE = ("Loading and preparing results...", "index created!", "Accumul
 
 @pytest.fixture(scope="module")
 def val_set(tmp_path_factory):
-    cfg = {"name": "synthetic", "root": str(tmp_path_factory.mktemp("report") / "syn"), "num_train": 1,
-           "num_val": 10, "image_size": 64, "seed": 5, "val_size": 64, "max_size": 80}
+    cfg = {
+        "name": "synthetic",
+        "root": str(tmp_path_factory.mktemp("report") / "syn"),
+        "num_train": 1,
+        "num_val": 10,
+        "image_size": 64,
+        "seed": 5,
+        "val_size": 64,
+        "max_size": 80,
+    }
     return build_dataset("val", cfg)
 
 
 def evaluate(val_set, **kwargs):
     loader = build_data_loader(val_set, batch_size=3, num_workers=0, train=False)
-    return evaluate_coco(model=FixedDetector(), postprocess=PostProcess(), loader=loader, coco_gt=val_set.coco,
-                         device=CPU, precision=Precision(amp="none", device=CPU), **kwargs)
+    return evaluate_coco(
+        model=FixedDetector(),
+        postprocess=PostProcess(),
+        loader=loader,
+        coco_gt=val_set.coco,
+        device=CPU,
+        precision=Precision(amp="none", device=CPU),
+        **kwargs,
+    )
 
 
 def logged(console_and_file) -> tuple[str, str]:
@@ -47,8 +63,9 @@ def logged(console_and_file) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("backend", ["pycocotools", pytest.param("faster", marks=needs_faster)])
-def test_cocoeval_printing_goes_to_train_log_and_only_its_table_to_the_console(console_and_file, val_set,
-                                                                               backend, capsys):
+def test_cocoeval_printing_goes_to_train_log_and_only_its_table_to_the_console(
+    console_and_file, val_set, backend, capsys
+):
     evaluation = evaluate(val_set, backend=backend)
     console, file = logged(console_and_file)
     assert "Loading and preparing" not in capsys.readouterr().out, "nothing printed to stdout"
@@ -72,8 +89,11 @@ def test_progress_lines_and_the_time_split(console_and_file, val_set):
     assert progress[0][1:] == ("?", "?"), "no rate from the first batch alone (it holds any warm-up)"
     assert all(float(rate) > 0 and re.fullmatch(r"\d+:\d\d:\d\d", eta) for _, rate, eta in progress[1:])
     assert evaluation.inference_s > 0 and evaluation.cocoeval_s > 0 and evaluation.cocoeval_backend == "pycocotools"
-    closing = re.search(r"evaluation of 10 images: inference ([\d.]+) s \(([\d.]+) img/s\), COCOeval ([\d.]+) s "
-                        r"\(pycocotools\)", console)
+    closing = re.search(
+        r"evaluation of 10 images: inference ([\d.]+) s \(([\d.]+) img/s\), COCOeval ([\d.]+) s "
+        r"\(pycocotools\)",
+        console,
+    )
     assert closing, console
     assert float(closing.group(1)) == pytest.approx(evaluation.inference_s, abs=0.051)
     assert float(closing.group(3)) == pytest.approx(evaluation.cocoeval_s, abs=0.051)
@@ -100,8 +120,10 @@ def test_rate_and_eta_leave_the_first_batch_out(monkeypatch, caplog):
     assert progress.eta_seconds(10) == pytest.approx(5.0)
     # Every 2.5 s: after the first batch (10 s in), then 3 s later.
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluation ")]
-    assert lines == ["evaluation 2/20 images [ 10%] ? img/s | ETA ?",
-                     "evaluation 8/20 images [ 40%] 2.0 img/s | ETA 0:00:06"]
+    assert lines == [
+        "evaluation 2/20 images [ 10%] ? img/s | ETA ?",
+        "evaluation 8/20 images [ 40%] 2.0 img/s | ETA 0:00:06",
+    ]
 
 
 def test_progress_is_silent_where_disabled_and_names_the_share_of_several_processes(monkeypatch, caplog):
@@ -115,8 +137,10 @@ def test_progress_is_silent_where_disabled_and_names_the_share_of_several_proces
             quiet.update(images)
             shared.update(images)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["evaluation 1/5 images [ 20%] (this process's share of 10) ? img/s | ETA ?",
-                     "evaluation 2/5 images [ 40%] (this process's share of 10) 1.0 img/s | ETA 0:00:03"]
+    assert lines == [
+        "evaluation 1/5 images [ 20%] (this process's share of 10) ? img/s | ETA ?",
+        "evaluation 2/5 images [ 40%] (this process's share of 10) 1.0 img/s | ETA 0:00:03",
+    ]
     with pytest.raises(ValueError, match=r"every_s must be >= 0 seconds, got -1"):
         EvaluationProgress(total_images=1, every_s=-1, enabled=True)
 
@@ -129,5 +153,12 @@ def test_an_unknown_backend_fails_before_any_inference(val_set):
             raise AssertionError("inference started before the backend was checked")
 
     with pytest.raises(ValueError, match=r"backend must be one of auto, faster, pycocotools, got 'fastest'"):
-        evaluate_coco(model=FixedDetector(), postprocess=PostProcess(), loader=NoBatches(), coco_gt=val_set.coco,
-                      device=CPU, precision=Precision(amp="none", device=CPU), backend="fastest")
+        evaluate_coco(
+            model=FixedDetector(),
+            postprocess=PostProcess(),
+            loader=NoBatches(),
+            coco_gt=val_set.coco,
+            device=CPU,
+            precision=Precision(amp="none", device=CPU),
+            backend="fastest",
+        )

@@ -67,9 +67,13 @@ class ExportCommand:
     def __init__(self, checkpoint: Path, name: str, *overrides: str):
         self.console = checkpoint.with_name(f"{name}.console.txt")
         with open(self.console, "w") as console:
-            self.process = subprocess.Popen([sys.executable, str(ROOT / "export.py"), f"checkpoint={checkpoint}",
-                                             "device=cpu", *overrides], cwd=ROOT, env=child_env(),
-                                            stdout=console, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, str(ROOT / "export.py"), f"checkpoint={checkpoint}", "device=cpu", *overrides],
+                cwd=ROOT,
+                env=child_env(),
+                stdout=console,
+                stderr=subprocess.STDOUT,
+            )
 
     def finished(self) -> str:
         """The command's console output, once it has exited with code 0 (else the test fails showing it)."""
@@ -84,12 +88,20 @@ def background_exports(checkpoint) -> dict[str, ExportCommand]:
     """The AOTInductor and TensorRT-node exports, started at once (the first ONNX test asks for them)."""
     commands = {}
     if HAS_COMPILER:
-        commands["aoti"] = ExportCommand(checkpoint, "aoti", "format=aoti", "dynamic=false", "postprocess=true",
-                                         "max_detections=10", "quick_compile=true")
+        commands["aoti"] = ExportCommand(
+            checkpoint,
+            "aoti",
+            "format=aoti",
+            "dynamic=false",
+            "postprocess=true",
+            "max_detections=10",
+            "quick_compile=true",
+        )
     if HAS_ONNX:
         commands["tensorrt"] = ExportCommand(checkpoint, "tensorrt", "msda_node=tensorrt", "dynamic=false")
-        commands["opset17"] = ExportCommand(checkpoint, "opset17", "opset=17",
-                                            f"output={checkpoint.with_name('opset17.onnx')}")
+        commands["opset17"] = ExportCommand(
+            checkpoint, "opset17", "opset=17", f"output={checkpoint.with_name('opset17.onnx')}"
+        )
     yield commands
     for command in commands.values():
         if command.process.poll() is None:
@@ -137,7 +149,10 @@ def test_onnx_file_takes_other_batch_and_image_sizes(checkpoint, onnx_export):
     assert any(n.op_type == "GridSample" for n in model.graph.node)  # the reference attention
 
     runner, detector = OnnxRunner(path, device=CPU), pytorch_detector(checkpoint)
-    for shape, seed in ((SampleShape(batch=1, height=64, width=160), 1), (SampleShape(batch=3, height=128, width=96), 2)):
+    for shape, seed in (
+        (SampleShape(batch=1, height=64, width=160), 1),
+        (SampleShape(batch=3, height=128, width=96), 2),
+    ):
         inputs = inputs_of(shape, seed=seed)
         got = runner(*inputs)
         with torch.no_grad():
@@ -152,7 +167,9 @@ def test_onnx_parity_check_fails_for_a_changed_model(checkpoint, onnx_export):
 
     runner, detector = OnnxRunner(onnx_export["output"], device=CPU), pytorch_detector(checkpoint)
     inputs = inputs_of(SampleShape(batch=2, height=96, width=128), seed=3)
-    assert check_parity(runner, detector, inputs, tolerance=tolerance_for("fp32"), what="x").differences["logits"] < 1e-4
+    assert (
+        check_parity(runner, detector, inputs, tolerance=tolerance_for("fp32"), what="x").differences["logits"] < 1e-4
+    )
     with torch.no_grad():
         detector.model.class_embed[0].bias.add_(0.05)
     with pytest.raises(ExportParityError, match=r"^model\.onnx does not match .* logits differ by up to 0\.05"):
@@ -179,8 +196,13 @@ def test_every_allowed_opset_writes_a_file_that_is_valid_at_it_and_matches(trace
     from engine.export.onnx import OnnxRunner, write_onnx
 
     program, detector = traced_program
-    path = write_onnx(program, tmp_path / "model.onnx", input_names=detector.input_names,
-                      output_names=detector.output_names, opset=opset)
+    path = write_onnx(
+        program,
+        tmp_path / "model.onnx",
+        input_names=detector.input_names,
+        output_names=detector.output_names,
+        opset=opset,
+    )
     model = onnx.load(str(path))
     assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [opset]
     onnx.checker.check_model(model, full_check=True)
@@ -239,11 +261,13 @@ def test_aoti_package_runs_without_the_project_and_matches(checkpoint, aoti_expo
     inputs = inputs_of(SampleShape(batch=2, height=96, width=128), seed=4, postprocess=True)
     torch.save(inputs, tmp_path / "inputs.pt")
     # A process that has not this repository on its path: torch alone runs the package.
-    child = ("import sys, torch\n"
-             f"package = torch._inductor.aoti_load_package({str(path)!r})\n"
-             "outputs = package(*torch.load('inputs.pt'))\n"
-             "torch.save(tuple(outputs), 'outputs.pt')\n"
-             "assert not {'models', 'msda', 'engine'} & set(sys.modules), 'project code was imported'\n")
+    child = (
+        "import sys, torch\n"
+        f"package = torch._inductor.aoti_load_package({str(path)!r})\n"
+        "outputs = package(*torch.load('inputs.pt'))\n"
+        "torch.save(tuple(outputs), 'outputs.pt')\n"
+        "assert not {'models', 'msda', 'engine'} & set(sys.modules), 'project code was imported'\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, check=True, timeout=120)
     got = torch.load(tmp_path / "outputs.pt")
@@ -281,8 +305,10 @@ def test_compiler_without_shared_libstdcxx_is_refused_before_anything_is_traced(
     from engine.export import aoti as export_aoti
 
     static_only = fake_compiler(tmp_path, "libstdc++.so")  # what a compiler with no libstdc++.so prints
-    refused = (rf"^format=aoti: the C\+\+ compiler {re.escape(static_only)} has no shared libstdc\+\+.* "
-               r"Run the export with CXX=")
+    refused = (
+        rf"^format=aoti: the C\+\+ compiler {re.escape(static_only)} has no shared libstdc\+\+.* "
+        r"Run the export with CXX="
+    )
     with pytest.raises(AotiCompilerError, match=refused):
         export_aoti.check_cxx_compiler(static_only)
     monkeypatch.setattr(export_aoti, "inductor_cxx", lambda: static_only)
@@ -329,8 +355,9 @@ def test_tensorrt_variant_has_the_plugin_node_with_its_inputs(checkpoint, backgr
     for node in model.graph.node:
         if node.op_type == "Constant":
             value = onnx.helper.get_attribute_value(node.attribute[0])
-            constants[node.output[0]] = numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) \
-                else np.array(value)
+            constants[node.output[0]] = (
+                numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else np.array(value)
+            )
 
     def shape(name):
         return [d.dim_value for d in types[name].shape.dim]
@@ -366,18 +393,21 @@ def test_detection_parity_lets_tied_ranks_swap_but_not_labels_change():
     assert compare_outputs(nan, (scores, labels, boxes), tolerance=tolerance, target_sizes=sizes).failures
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["format=aoti", "msda_node=tensorrt"], "msda_node=tensorrt is for format=onnx"),
-    (["msda_node=triton"], "msda_node=triton is for format=aoti"),
-    (["format=aoti", "msda_node=triton"], "msda_node=triton puts the Triton kernels' op in the package"),
-    (["image_size=[100,128]"], "image_size must be null"),
-    (["image_size=[32,32]"], "image_size must be at least 64 x 64"),
-    (["opset=16"], "opset must be from 17 to 23"),
-    (["opset=24"], "opset must be from 17 to 23"),
-    (["dtype=bf16"], "dtype=bf16 is for format=aoti"),
-    (["batch_size=1"], "batch_size must be >= 2 with dynamic=true"),
-    (["tolerance.boxes=0"], "tolerance.boxes must be null"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["format=aoti", "msda_node=tensorrt"], "msda_node=tensorrt is for format=onnx"),
+        (["msda_node=triton"], "msda_node=triton is for format=aoti"),
+        (["format=aoti", "msda_node=triton"], "msda_node=triton puts the Triton kernels' op in the package"),
+        (["image_size=[100,128]"], "image_size must be null"),
+        (["image_size=[32,32]"], "image_size must be at least 64 x 64"),
+        (["opset=16"], "opset must be from 17 to 23"),
+        (["opset=24"], "opset must be from 17 to 23"),
+        (["dtype=bf16"], "dtype=bf16 is for format=aoti"),
+        (["batch_size=1"], "batch_size must be >= 2 with dynamic=true"),
+        (["tolerance.boxes=0"], "tolerance.boxes must be null"),
+    ],
+)
 def test_settings_that_cannot_work_are_refused(checkpoint, overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         exporter.export(compose_export(f"checkpoint={checkpoint}", *overrides))
@@ -401,8 +431,9 @@ def test_default_output_names_tell_variants_apart():
     base = Path("runs/a/checkpoint_epoch0024.pth")
     assert default_output(checkpoint=base, format="onnx") == Path("runs/a/checkpoint_epoch0024.onnx")
     assert default_output(checkpoint=base, format="aoti", dtype="bf16") == Path("runs/a/checkpoint_epoch0024.bf16.pt2")
-    assert default_output(checkpoint=base, format="onnx", dtype="fp16", msda_node="tensorrt", postprocess=True,
-                          dynamic=False) == Path("runs/a/checkpoint_epoch0024.fp16.tensorrt.postprocess.static.onnx")
+    assert default_output(
+        checkpoint=base, format="onnx", dtype="fp16", msda_node="tensorrt", postprocess=True, dynamic=False
+    ) == Path("runs/a/checkpoint_epoch0024.fp16.tensorrt.postprocess.static.onnx")
 
 
 def test_a_run_directory_given_as_the_checkpoint_exports_beside_its_checkpoint(checkpoint):
@@ -418,8 +449,9 @@ def test_a_model_trained_on_images_too_small_to_export_at_exports_at_the_least_s
     pytest.importorskip("onnxruntime")
     import onnx
 
-    small = write_checkpoint(tmp_path / "checkpoint.pth", extra=("model.num_feature_levels=4", "dataset.val_size=64",
-                                                                 "dataset.max_size=64"))
+    small = write_checkpoint(
+        tmp_path / "checkpoint.pth", extra=("model.num_feature_levels=4", "dataset.val_size=64", "dataset.max_size=64")
+    )
     result = exporter.export(compose_export(f"checkpoint={small}", "dynamic=false", "batch_size=1"))
     dims = [d.dim_value for d in onnx.load(str(result["output"])).graph.input[0].type.tensor_type.shape.dim]
     assert dims == [1, 3, 96, 96] and result["parity"]

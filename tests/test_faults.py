@@ -50,11 +50,15 @@ def uninterrupted(tmp_path_factory, data_root):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_saves_the_exact_step_and_resume_continues_as_if_never_stopped(
-        uninterrupted, data_root, tmp_path, monkeypatch, signum, caplog):
+    uninterrupted, data_root, tmp_path, monkeypatch, signum, caplog
+):
     stop_at = STEPS_PER_EPOCH + 2  # inside the second epoch
     signal_at_call(monkeypatch, signum, stop_at)
-    with pytest.raises(TrainingStopped, match=rf"stopped by {signal.Signals(signum).name} at epoch 2, step {stop_at}"
-                                              r" of 6: .*checkpoint\.pth holds that step; continue with resume=auto") as stopped:
+    with pytest.raises(
+        TrainingStopped,
+        match=rf"stopped by {signal.Signals(signum).name} at epoch 2, step {stop_at}"
+        r" of 6: .*checkpoint\.pth holds that step; continue with resume=auto",
+    ) as stopped:
         trainer.train(quiet_run(data_root, tmp_path))
     assert stopped.value.exit_code == 128 + signum
     ckpt = load_checkpoint(tmp_path / "checkpoint.pth")
@@ -77,8 +81,11 @@ def test_checkpoints_are_written_mid_epoch_every_checkpoint_minutes(data_root, t
 
     saved = []
     save = engine.checkpoint.writer.save_checkpoint
-    monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint",
-                        lambda state, path: saved.append((state["epoch"], state["steps_in_epoch"])) or save(state, path))
+    monkeypatch.setattr(
+        engine.checkpoint.writer,
+        "save_checkpoint",
+        lambda state, path: saved.append((state["epoch"], state["steps_in_epoch"])) or save(state, path),
+    )
     trainer.train(quiet_run(data_root, tmp_path, "epochs=1", "checkpoint_minutes=1e-6"))  # due at every log line
     assert saved == [(0, 1), (0, 2), (1, 0)]  # after steps 1 and 2, then the epoch's end
 
@@ -87,8 +94,17 @@ def test_every_rank_learns_of_a_stop_at_the_same_interval():
     """The request travels in the log interval's all-reduce: a rank that got no signal learns of the other's."""
     log_a, log_b = StepLog(), StepLog()
     for log in (log_a, log_b):
-        log.add(StepDone(number=1, epoch=0, values=torch.tensor([1.0, 2.0]), size=(2, 3, 8, 8), images=2, data_s=0.0,
-                         compute=ComputeSpan(torch.device("cpu")).end()))
+        log.add(
+            StepDone(
+                number=1,
+                epoch=0,
+                values=torch.tensor([1.0, 2.0]),
+                size=(2, 3, 8, 8),
+                images=2,
+                data_s=0.0,
+                compute=ComputeSpan(torch.device("cpu")).end(),
+            )
+        )
     flags = []
 
     def mean_with_the_other_rank(t):  # the other rank asked to stop: its flag row is 1
@@ -111,8 +127,9 @@ class SignalInsideTheAnnouncement(StopRequest):
             self.signum = int(signal.SIGTERM)
 
 
-@pytest.mark.parametrize("decision, announced", [("due", "finishing this step"),
-                                                 ("during_evaluation", "stopping this evaluation")])
+@pytest.mark.parametrize(
+    "decision, announced", [("due", "finishing this step"), ("during_evaluation", "stopping this evaluation")]
+)
 def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_on_it(decision, announced, caplog):
     control = StopControl(SignalInsideTheAnnouncement(), distributed=False, is_main=True)
     asks = {"due": control.due, "during_evaluation": lambda: control.during_evaluation(final=False)}[decision]
@@ -132,6 +149,7 @@ def test_a_stop_signal_after_the_last_check_is_still_announced_before_its_stop_m
         control.stopped(epoch=0, step=3, total_steps=9, latest=Path("checkpoint.pth"))
     assert caplog.text.index("SIGTERM received") < caplog.text.index("stopped by SIGTERM")
 
+
 # ------------------------------------------------------------------------------------------------- disks
 def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root, tmp_path, monkeypatch):
     import shutil
@@ -140,8 +158,11 @@ def test_a_disk_without_room_for_a_checkpoint_is_found_before_training(data_root
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(engine.checkpoint.io.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
-    with pytest.raises(CheckpointWriteError, match=r"has 1 MB free, and a checkpoint of this run takes about \d+ MB: "
-                                                   r"free disk space or set output_dir to a disk with room"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"has 1 MB free, and a checkpoint of this run takes about \d+ MB: "
+        r"free disk space or set output_dir to a disk with room",
+    ):
         trainer.train(quiet_run(data_root, tmp_path))
     assert not (tmp_path / "checkpoint.pth").exists() and not list((tmp_path / "tensorboard").glob("*"))
 
@@ -156,9 +177,12 @@ def test_a_failed_write_names_the_file_and_keeps_the_last_checkpoint(tmp_path, m
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 24")
 
     monkeypatch.setattr(engine.checkpoint.io.torch, "save", full_disk)
-    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*checkpoint\.pth \(the write stopped "
-                                                   r"short: the disk is probably full; \d+ MB free on its disk\); .*"
-                                                   r"checkpoint\.pth still holds the previous checkpoint"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"could not write checkpoint .*checkpoint\.pth \(the write stopped "
+        r"short: the disk is probably full; \d+ MB free on its disk\); .*"
+        r"checkpoint\.pth still holds the previous checkpoint",
+    ):
         save_checkpoint({"model": {"w": torch.zeros(2)}, "step": 2}, path)
     monkeypatch.undo()
     assert load_checkpoint(path)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
@@ -171,8 +195,9 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_finishes_the_file_first(
     import engine.train.loop
 
     save = engine.checkpoint.writer.save_checkpoint
-    monkeypatch.setattr(engine.checkpoint.writer, "save_checkpoint",
-                        lambda state, path: time.sleep(1.0) or save(state, path))  # a slow disk
+    monkeypatch.setattr(
+        engine.checkpoint.writer, "save_checkpoint", lambda state, path: time.sleep(1.0) or save(state, path)
+    )  # a slow disk
     train_epoch = engine.train.loop.TrainingLoop._train_epoch
 
     def fails_in_the_second_epoch(self, epoch):
@@ -195,8 +220,11 @@ def test_no_loader_worker_holds_a_checkpoint_file_open(data_root, tmp_path, monk
     import engine.evaluation.validation
 
     save = engine.checkpoint.io.torch.save
-    monkeypatch.setattr(engine.checkpoint.io.torch, "save",  # the file open and in flight as evaluation starts
-                        lambda obj, f: time.sleep(1.0) or save(obj, f))
+    monkeypatch.setattr(
+        engine.checkpoint.io.torch,
+        "save",  # the file open and in flight as evaluation starts
+        lambda obj, f: time.sleep(1.0) or save(obj, f),
+    )
     evaluate, held = engine.evaluation.validation.evaluate_coco, []
 
     def checking(**kwargs):
@@ -238,9 +266,13 @@ def test_a_second_run_in_a_directory_in_use_is_refused_naming_the_other(data_roo
     try:
         (tmp_path / LOCK_FILE).write_text(
             f'{{"pid": {sleeper.pid}, "host": "{os.uname().nodename}", "started": "2026-12-01 10:00:00", '
-            f'"command": "train.py output_dir={tmp_path}"}}')
-        with pytest.raises(RunDirectoryInUse, match=rf"run directory .* is in use by process {sleeper.pid}, started "
-                                                    r"2026-12-01 10:00:00 \(train\.py output_dir=.*\)\. Wait for it"):
+            f'"command": "train.py output_dir={tmp_path}"}}'
+        )
+        with pytest.raises(
+            RunDirectoryInUse,
+            match=rf"run directory .* is in use by process {sleeper.pid}, started "
+            r"2026-12-01 10:00:00 \(train\.py output_dir=.*\)\. Wait for it",
+        ):
             trainer.train(quiet_run(data_root, tmp_path))
     finally:
         sleeper.kill()
@@ -250,7 +282,9 @@ def test_a_second_run_in_a_directory_in_use_is_refused_naming_the_other(data_roo
 
 def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_warning(data_root, tmp_path, caplog):
     pid = dead_pid()
-    (tmp_path / LOCK_FILE).write_text(f'{{"pid": {pid}, "host": "{os.uname().nodename}", "started": "x", "command": ""}}')
+    (tmp_path / LOCK_FILE).write_text(
+        f'{{"pid": {pid}, "host": "{os.uname().nodename}", "started": "x", "command": ""}}'
+    )
     with caplog.at_level(logging.WARNING, logger="engine"):
         result = trainer.train(quiet_run(data_root, tmp_path, "epochs=1"))
     assert result["step"] == STEPS_PER_EPOCH
@@ -260,9 +294,14 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_warning(data_root, tmp_
 
 # ------------------------------------------------------------------------------------- as a user runs it
 def start_train(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path,
-                            env=env or child_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=tmp_path,
+        env=env or child_env(OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -289,16 +328,27 @@ def test_ctrl_c_or_sigterm_stops_after_the_step_with_its_exit_code_and_no_traceb
 
 def test_a_fault_is_one_message_on_the_console_and_its_traceback_in_train_log(data_root, tmp_path):
     # A bad setting: the message once, no traceback, and no run directory left behind.
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=-1"], cwd=tmp_path,
-                           env=child_env(), capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "optim.lr=-1"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 1 and out.count("optim.lr must be a finite number > 0") == 1, out
     assert "Traceback" not in out and not (tmp_path / "outputs").exists()
     # A text file given as a checkpoint: the clear error only, not the unpickler's KeyError behind it.
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "eval_only=true",
-                            "checkpoint=notes.txt"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                           timeout=120)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "eval_only=true", "checkpoint=notes.txt"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 1 and out.count("could not read checkpoint notes.txt") == 1, out
     assert "KeyError" not in out and "Traceback" not in out
@@ -311,15 +361,27 @@ def test_a_fault_is_one_message_on_the_console_and_its_traceback_in_train_log(da
         image.write_bytes(image.read_bytes()[:100])
     run_dir = tmp_path / "run"
     overrides = [*tiny_overrides(damaged), "dataset.verify=false", f"output_dir={run_dir}"]
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path, env=child_env(),
-                           capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 1 and "Traceback" not in out and out.count("cannot read image ") == 1, out
     log_text = (run_dir / "train.log").read_text()
     assert "Traceback" in log_text and "cannot read image " in log_text
     # HYDRA_FULL_ERROR=1 puts the traceback on the console too.
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=-1"], cwd=tmp_path,
-                           env=child_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "optim.lr=-1"],
+        cwd=tmp_path,
+        env=child_env(HYDRA_FULL_ERROR="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == 1 and "Traceback" in child.stdout + child.stderr
 
 
@@ -339,16 +401,22 @@ def signal_in_evaluation(monkeypatch, signum: int, evaluation: int) -> None:
 
 
 @pytest.mark.parametrize("evaluation, what", [(1, "an epoch's"), (2, "the final")])
-def test_a_stop_signal_during_an_evaluation_stops_it_and_the_resume_runs_it(uninterrupted, data_root, tmp_path,
-                                                                           monkeypatch, evaluation, what, caplog):
+def test_a_stop_signal_during_an_evaluation_stops_it_and_the_resume_runs_it(
+    uninterrupted, data_root, tmp_path, monkeypatch, evaluation, what, caplog
+):
     """SIGTERM during the evaluation after epoch 1 (of 2), or during the final one: the evaluation stops within a
     batch, checkpoint.pth holds the step with the evaluation pending, and the run exits 143; resume=auto evaluates
     first, then goes on as if never stopped."""
     signal_in_evaluation(monkeypatch, signal.SIGTERM, evaluation)
-    with pytest.raises(TrainingStopped, match=rf"stopped by SIGTERM during the evaluation after epoch {evaluation}, at "
-                                              rf"step {evaluation * STEPS_PER_EPOCH} of 6: .*checkpoint\.pth holds "
-                                              r"that step; .*which evaluates first") as stopped, \
-            caplog.at_level(logging.WARNING, logger="engine"):
+    with (
+        pytest.raises(
+            TrainingStopped,
+            match=rf"stopped by SIGTERM during the evaluation after epoch {evaluation}, at "
+            rf"step {evaluation * STEPS_PER_EPOCH} of 6: .*checkpoint\.pth holds "
+            r"that step; .*which evaluates first",
+        ) as stopped,
+        caplog.at_level(logging.WARNING, logger="engine"),
+    ):
         trainer.train(quiet_run(data_root, tmp_path))
     # Said as it is: the signal stops the evaluation; no step is being finished.
     assert caplog.text.count("SIGTERM received: stopping this evaluation") == 1
@@ -369,19 +437,28 @@ def test_a_run_refused_by_the_lock_leaves_the_live_runs_files_as_they_were(data_
     """The lock is taken before Hydra writes .hydra/ and train.log: the refused command touches nothing there."""
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
-    live = {run_dir / ".hydra" / "config.yaml": "seed: 1\n", run_dir / ".hydra" / "overrides.yaml": "- seed=1\n",
-            run_dir / "train.log": "[the live run's log]\n"}
+    live = {
+        run_dir / ".hydra" / "config.yaml": "seed: 1\n",
+        run_dir / ".hydra" / "overrides.yaml": "- seed=1\n",
+        run_dir / "train.log": "[the live run's log]\n",
+    }
     for path, text in live.items():
         path.write_text(text)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (run_dir / LOCK_FILE).write_text(
             f'{{"pid": {sleeper.pid}, "host": "{os.uname().nodename}", "started": "2026-12-01 10:00:00", '
-            f'"command": "train.py seed=1"}}')
+            f'"command": "train.py seed=1"}}'
+        )
         before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
-        child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "seed=2",
-                                f"output_dir={run_dir}"], cwd=tmp_path, env=child_env(), capture_output=True,
-                               text=True, timeout=120)
+        child = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "seed=2", f"output_dir={run_dir}"],
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -393,9 +470,22 @@ def test_a_run_refused_by_the_lock_leaves_the_live_runs_files_as_they_were(data_
 
 def test_a_cpu_runs_console_has_the_runs_lines_and_not_the_profilers(data_root, tmp_path):
     """profile_steps on a CPU: no line of torch's tracer (kineto) about the GPU there is not; '1 process'."""
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "epochs=1",
-                            "eval_images=0", "profile_steps=[1,1]", f"output_dir={tmp_path / 'run'}"], cwd=tmp_path,
-                           env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *tiny_overrides(data_root),
+            "epochs=1",
+            "eval_images=0",
+            "profile_steps=[1,1]",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env=child_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 0, out
     assert (tmp_path / "run" / "profile_steps_1-1.json").is_file()

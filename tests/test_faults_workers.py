@@ -48,9 +48,14 @@ class Run:
     """``python train.py`` in a child process, its console read line by line as it comes."""
 
     def __init__(self, cwd: Path, *overrides: str):
-        self.process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], cwd=cwd,
-                                        env=child_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *overrides],
+            cwd=cwd,
+            env=child_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: queue.Queue = queue.Queue()
         self.console: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -129,14 +134,23 @@ def test_a_damaged_training_image_read_by_a_worker(data_root, tmp_path):
     assert "DataLoader worker process" not in console  # the image's message, not the worker's traceback
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="a run on a GPU pins its batches in a thread of the loader"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="a run on a GPU pins its batches in a thread of the loader"
+            ),
+        ),
+    ],
+)
 def test_a_killed_loader_worker(data_root, tmp_path, device):
     # On a GPU the loader's pin-memory thread, reading from the killed worker, can die with a traceback of its
     # own: train.log gets it, the console only the run's one message.
     run_dir = tmp_path / "run"
-    run = Run(tmp_path, *tiny_overrides(data_root), *workers("epochs=200"), f"output_dir={run_dir}",
-              f"device={device}")
+    run = Run(tmp_path, *tiny_overrides(data_root), *workers("epochs=200"), f"output_dir={run_dir}", f"device={device}")
     run.wait_for("epoch 2/200")
     for pid in child_pids(run.process.pid):  # the loaders' workers
         os.kill(pid, signal.SIGKILL)

@@ -60,8 +60,11 @@ def recorded(monkeypatch):
 
 
 def steps(first: int, last: int, epoch: int, values: tuple) -> list[tuple]:
-    return [event for number in range(first, last + 1)
-            for event in (("before_step", number), ("after_step", number, epoch, values))]
+    return [
+        event
+        for number in range(first, last + 1)
+        for event in (("before_step", number), ("after_step", number, epoch, values))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +72,9 @@ def data_root(tmp_path_factory):
     return tmp_path_factory.mktemp("synthetic")
 
 
-def test_a_hook_of_ones_own_sees_every_event_in_order_through_a_stop_and_its_resume(data_root, tmp_path, monkeypatch,
-                                                                                  recorded):
+def test_a_hook_of_ones_own_sees_every_event_in_order_through_a_stop_and_its_resume(
+    data_root, tmp_path, monkeypatch, recorded
+):
     stop_at = STEPS_PER_EPOCH + 1  # the second epoch's first step (the resumed run's steps do not count it again)
     signal_at_call(monkeypatch, signal.SIGTERM, stop_at)
     with pytest.raises(TrainingStopped):
@@ -79,9 +83,22 @@ def test_a_hook_of_ones_own_sees_every_event_in_order_through_a_stop_and_its_res
 
     stopped, resumed = (recorder.events for recorder in recorded)
     values = stopped[3][3]  # the shape of the step's result vector: the loss, the gradient norm and each loss
-    assert stopped == [("start",), ("pause",), *steps(1, STEPS_PER_EPOCH, 0, values),
-                       ("epoch_end", 0, True, True), ("pause",),  # the checkpoint and the evaluation were no step
-                       ("pause",), *steps(stop_at, stop_at, 1, values),  # the next epoch starts
-                       ("close", "stopped"), ("close", "failed")]  # the stop's checkpoint; then the cleanup
-    assert resumed == [("start",), ("pause",), *steps(stop_at + 1, 2 * STEPS_PER_EPOCH, 1, values),
-                       ("epoch_end", 1, True, True), ("pause",), ("close", "done")]
+    assert stopped == [
+        ("start",),
+        ("pause",),
+        *steps(1, STEPS_PER_EPOCH, 0, values),
+        ("epoch_end", 0, True, True),
+        ("pause",),  # the checkpoint and the evaluation were no step
+        ("pause",),
+        *steps(stop_at, stop_at, 1, values),  # the next epoch starts
+        ("close", "stopped"),
+        ("close", "failed"),
+    ]  # the stop's checkpoint; then the cleanup
+    assert resumed == [
+        ("start",),
+        ("pause",),
+        *steps(stop_at + 1, 2 * STEPS_PER_EPOCH, 1, values),
+        ("epoch_end", 1, True, True),
+        ("pause",),
+        ("close", "done"),
+    ]

@@ -78,8 +78,9 @@ def test_with_the_option_off_a_training_step_computes_what_it_computed_before_th
     bit where the reference's torch release and CPU instruction set are this machine's, else to their rounding."""
     reference = json.loads(FINGERPRINTS.read_text())
     expected = reference["variants"][variant]
-    got = training_fingerprint(variant, hybrid_matching=False, num_queries_one2many=5, k_one2many=2,
-                               lambda_one2many=0.5)
+    got = training_fingerprint(
+        variant, hybrid_matching=False, num_queries_one2many=5, k_one2many=2, lambda_one2many=0.5
+    )
     for part in ("outputs", "losses", "gradients"):
         assert set(got[part]["sums"]) == set(expected[part]["sums"]), part
         if fingerprint_environment() == reference["environment"]:
@@ -89,8 +90,9 @@ def test_with_the_option_off_a_training_step_computes_what_it_computed_before_th
             # Another torch's kernels and another CPU's vector width round otherwise; a change of what is computed
             # moves a sum by far more.
             for name, (total, magnitude) in expected[part]["sums"].items():
-                assert got[part]["sums"][name] == pytest.approx([total, magnitude], abs=5e-4 * magnitude + 1e-6), \
+                assert got[part]["sums"][name] == pytest.approx([total, magnitude], abs=5e-4 * magnitude + 1e-6), (
                     f"{part} {name}"
+                )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -116,8 +118,9 @@ def test_the_one_to_one_queries_compute_what_the_model_without_the_others_comput
         if name in ONE2MANY_PARAMETERS:
             assert p.grad is None or not p.grad.any(), name  # no one-to-one output depends on them
         elif p.requires_grad:
-            torch.testing.assert_close(p.grad, shared[name].grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.grad, shared[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 @pytest.mark.parametrize("variant", ["base", "box_refine"])
@@ -143,21 +146,27 @@ def test_detect_gives_the_detections_of_the_model_without_the_option(variant):
 
 def test_two_stage_needs_room_for_both_groups_of_proposals():
     model = build_deformable_detr(tiny_cfg("two_stage", **SMALL, **{**HYBRID, "num_queries_one2many": 80}))
-    with pytest.raises(ValueError, match=r"selects 88 proposals \(num_queries \+ num_queries_one2many\) but the "
-                                         r"feature maps have only 85 positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"selects 88 proposals \(num_queries \+ num_queries_one2many\) but the "
+        r"feature maps have only 85 positions",
+    ):
         model(*image_batch())
     with torch.no_grad():
         assert model.eval().detect(*image_batch())["pred_logits"].shape == (2, Q, 5)  # inference needs Q alone
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"k_one2many": 0}, r"model\.k_one2many must be an integer >= 1 .*got 0"),
-    ({"lambda_one2many": -1.0}, r"model\.lambda_one2many must be a finite number >= 0, got -1\.0"),
-    ({"lambda_one2many": float("inf")}, r"model\.lambda_one2many must be a finite number >= 0, got inf"),
-    ({"num_queries_one2many": 0}, r"model\.num_queries_one2many must be an integer >= 1, got 0"),
-    ({"hybrid_matching": "sometimes"}, r"'sometimes' is not a valid bool.*\s+full_key: model\.hybrid_matching"),
-    ({"k_one2many": 2.5}, r"could not be converted to Integer\s+full_key: model\.k_one2many"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"k_one2many": 0}, r"model\.k_one2many must be an integer >= 1 .*got 0"),
+        ({"lambda_one2many": -1.0}, r"model\.lambda_one2many must be a finite number >= 0, got -1\.0"),
+        ({"lambda_one2many": float("inf")}, r"model\.lambda_one2many must be a finite number >= 0, got inf"),
+        ({"num_queries_one2many": 0}, r"model\.num_queries_one2many must be an integer >= 1, got 0"),
+        ({"hybrid_matching": "sometimes"}, r"'sometimes' is not a valid bool.*\s+full_key: model\.hybrid_matching"),
+        ({"k_one2many": 2.5}, r"could not be converted to Integer\s+full_key: model\.k_one2many"),
+    ],
+)
 def test_bad_hybrid_matching_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
         build_model(tiny_cfg(**{**HYBRID, **overrides}))
@@ -167,8 +176,12 @@ def test_the_shipped_configs_keep_the_option_off_with_h_detrs_settings():
     from helpers import tiny_model_config
 
     full, tiny = OmegaConf.load(ROOT / "configs" / "model" / "deformable_detr.yaml"), tiny_model_config()
-    assert (full.hybrid_matching, full.num_queries_one2many, full.k_one2many, full.lambda_one2many) == \
-        (False, 1500, 6, 1.0)
+    assert (full.hybrid_matching, full.num_queries_one2many, full.k_one2many, full.lambda_one2many) == (
+        False,
+        1500,
+        6,
+        1.0,
+    )
     assert (tiny.hybrid_matching, tiny.num_queries_one2many, tiny.k_one2many) == (False, 5 * tiny.num_queries, 6)
 
 
@@ -185,8 +198,12 @@ def test_one_to_many_losses_are_the_criterions_on_the_targets_repeated_k_times(s
     k = 3
     layers, many = [rand_outputs(2, 6, gen) for _ in range(3)], [rand_outputs(2, 10, gen) for _ in range(3)]
     one2many = {**many[-1], "aux_outputs": many[:-1]}
-    outputs = {**layers[-1], "aux_outputs": layers[:-1], "enc_outputs": rand_outputs(2, 20, gen),
-               "one2many_outputs": one2many}
+    outputs = {
+        **layers[-1],
+        "aux_outputs": layers[:-1],
+        "enc_outputs": rand_outputs(2, 20, gen),
+        "one2many_outputs": one2many,
+    }
     targets = rand_targets(sizes, gen)
     given = torch.tensor(6.0) if num_boxes == "tensor" else num_boxes
     count = 6.0 if num_boxes is not None else max(1.0, float(sum(sizes)))
@@ -200,8 +217,9 @@ def test_one_to_many_losses_are_the_criterions_on_the_targets_repeated_k_times(s
     assert set(losses) == set(one2one) | {name + "_one2many" for name in reference}
     assert "loss_ce_enc_one2many" not in losses
     for name, value in reference.items():
-        torch.testing.assert_close(losses[name + "_one2many"], value, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            losses[name + "_one2many"], value, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
     for name, value in one2one.items():
         torch.testing.assert_close(losses[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -228,8 +246,10 @@ def test_many_blocks_are_solved_on_threads_with_the_pairs_of_one_thread(monkeypa
     criterion = make_criterion()
     sizes = torch.randint(0, 6, (8,), generator=gen).tolist()
     targets = rand_targets(sizes, gen)
-    groups = [(torch.randn(G, 8, Q, 5, generator=gen), torch.rand(G, 8, Q, 4, generator=gen), targets, r)
-              for G, Q, r in ((3, 7, 1), (3, 40, 4))]
+    groups = [
+        (torch.randn(G, 8, Q, 5, generator=gen), torch.rand(G, 8, Q, 4, generator=gen), targets, r)
+        for G, Q, r in ((3, 7, 1), (3, 40, 4))
+    ]
     pools = []
 
     class CountedPool(matcher_module.ThreadPoolExecutor):
@@ -258,14 +278,22 @@ def test_weights_names_and_their_combination_over_passes():
     decoder = {k: v for k, v in plain.weight_dict.items() if not k.endswith("_enc")}
     assert criterion.weight_dict == {**plain.weight_dict, **{k + "_one2many": 0.5 * v for k, v in decoder.items()}}
     assert [r.name for r in criterion.compile_regions(graphs=True)] == [
-        "stacked_losses", "stacked_proposal_losses", "stacked_one2many_losses"]
+        "stacked_losses",
+        "stacked_proposal_losses",
+        "stacked_one2many_losses",
+    ]
     assert all(r.training for r in criterion.compile_regions(graphs=True))
     assert [r.name for r in plain.compile_regions()] == ["stacked_losses", "stacked_proposal_losses"]
     # Per-layer copies are left out of the logged totals; the last layer's one-to-many losses are not.
-    assert [bool(AUX_SUFFIX.search(n)) for n in ("loss_ce_one2many", "loss_ce_0_one2many", "loss_ce_enc")] == \
-        [False, True, True]
-    assert [combination_over_passes(n) for n in ("loss_giou_one2many", "loss_bbox_1_one2many", "class_error_one2many",
-                                                 "cardinality_error_0_one2many")] == ["sum", "sum", "boxes", "images"]
+    assert [bool(AUX_SUFFIX.search(n)) for n in ("loss_ce_one2many", "loss_ce_0_one2many", "loss_ce_enc")] == [
+        False,
+        True,
+        True,
+    ]
+    assert [
+        combination_over_passes(n)
+        for n in ("loss_giou_one2many", "loss_bbox_1_one2many", "class_error_one2many", "cardinality_error_0_one2many")
+    ] == ["sum", "sum", "boxes", "images"]
 
 
 def test_a_criterion_without_k_one2many_refuses_one_to_many_outputs():
@@ -318,8 +346,9 @@ def test_official_layout_weights_start_a_hybrid_model_with_fresh_one_to_many_que
     assert model.query_embed_one2many.weight.shape == (1500, 512)
     assert torch.equal(model.query_embed_one2many.weight, fresh)
     assert torch.equal(model.query_embed.weight, state["query_embed.weight"])
-    assert "1 model tensors not in the checkpoint keep their initialization (query_embed_one2many.weight)" in \
-        caplog.text
+    assert (
+        "1 model tensors not in the checkpoint keep their initialization (query_embed_one2many.weight)" in caplog.text
+    )
 
 
 def earlier_checkpoint(tmp_path: Path) -> tuple[Path, dict]:
@@ -350,8 +379,9 @@ def test_a_hybrid_checkpoint_evaluates_in_a_model_without_the_option(tmp_path, c
     evaluated = build_deformable_detr(tiny_cfg(variant, **SMALL))
     with caplog.at_level(logging.INFO):
         load_model_weights(evaluated, {"model": hybrid.state_dict()}, path=tmp_path / "hybrid.pth")
-    assert ("holds hybrid matching's one-to-many queries (query_embed_one2many.weight)" in caplog.text) == \
-        (variant != "two_stage")  # two-stage's one-to-many queries are proposals: no parameters
+    assert ("holds hybrid matching's one-to-many queries (query_embed_one2many.weight)" in caplog.text) == (
+        variant != "two_stage"
+    )  # two-stage's one-to-many queries are proposals: no parameters
     for (name, e), g in zip(plain.state_dict().items(), evaluated.state_dict().values(), strict=True):
         assert torch.equal(g, e), name
 
@@ -372,14 +402,21 @@ def test_a_hybrid_checkpoint_predicts_and_exports_as_the_model_without_the_optio
 
     for folder in ("hybrid", "plain"):
         (tmp_path / folder).mkdir()
-    hybrid_path = write_checkpoint(tmp_path / "hybrid" / "checkpoint.pth", extra=(
-        "model.dec_layers=1", "model.hybrid_matching=true", "model.num_queries_one2many=24"))
+    hybrid_path = write_checkpoint(
+        tmp_path / "hybrid" / "checkpoint.pth",
+        extra=("model.dec_layers=1", "model.hybrid_matching=true", "model.num_queries_one2many=24"),
+    )
     ckpt = torch.load(hybrid_path, weights_only=False)
     assert "query_embed_one2many.weight" in ckpt["model"]
     plain_path = tmp_path / "plain" / "checkpoint.pth"
-    torch.save({**ckpt, "model": {k: v for k, v in ckpt["model"].items() if k not in ONE2MANY_PARAMETERS},
-                "config": {**ckpt["config"], "model": {**ckpt["config"]["model"], "hybrid_matching": False}}},
-               plain_path)
+    torch.save(
+        {
+            **ckpt,
+            "model": {k: v for k, v in ckpt["model"].items() if k not in ONE2MANY_PARAMETERS},
+            "config": {**ckpt["config"], "model": {**ckpt["config"]["model"], "hybrid_matching": False}},
+        },
+        plain_path,
+    )
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="export", overrides=["device=cpu", f"checkpoint={hybrid_path}", "dynamic=false"])
     cpu = torch.device("cpu")
@@ -413,8 +450,13 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
     from engine.checkpoint.io import load_checkpoint
 
     data_root = tmp_path / "data"
-    hybrid = ("model.hybrid_matching=true", "model.num_queries_one2many=20", "model.k_one2many=2",
-              "total_batch_size=4", "batch_size=2")
+    hybrid = (
+        "model.hybrid_matching=true",
+        "model.num_queries_one2many=20",
+        "model.k_one2many=2",
+        "total_batch_size=4",
+        "batch_size=2",
+    )
     run = trainer.train(compose_run(data_root, tmp_path / "run", *hybrid))
     run_dir = run["output_dir"]
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
@@ -424,11 +466,18 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
     assert not [t for t in tags if "_0" in t]  # per-layer copies are not logged
     assert load_checkpoint(run_dir / "checkpoint.pth")["config"]["model"]["hybrid_matching"] is True
 
-    resumed = trainer.train(compose_run(data_root, tmp_path / "resumed", *hybrid,
-                                        f"resume={run_dir / 'checkpoint_epoch0001.pth'}"))
+    resumed = trainer.train(
+        compose_run(data_root, tmp_path / "resumed", *hybrid, f"resume={run_dir / 'checkpoint_epoch0001.pth'}")
+    )
     assert resumed["losses"] == pytest.approx(run["losses"][3:], rel=1e-5)
 
-    evaluated = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "eval", "eval_only=true",
-                                                        f"checkpoint={run_dir / 'checkpoint.pth'}",
-                                                        "model.hybrid_matching=false"))
+    evaluated = trainer.evaluate_checkpoint(
+        compose_run(
+            data_root,
+            tmp_path / "eval",
+            "eval_only=true",
+            f"checkpoint={run_dir / 'checkpoint.pth'}",
+            "model.hybrid_matching=false",
+        )
+    )
     assert evaluated["eval"] == pytest.approx(run["eval"], abs=1e-12)

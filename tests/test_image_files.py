@@ -24,9 +24,12 @@ def test_exif_orientation_is_applied_and_the_size_checked_after_it(tmp_path):
     shown = load(path, (30, 40))  # the annotation records the size as shown
     assert shown.shape == (40, 30, 3)
     assert shown[:5, -5:, 0].mean() > 200 and shown[:5, :5, 0].mean() < 50  # the corner went to the top right
-    with pytest.raises(ImageReadError, match=r"turned\.jpg \(image id 7\) is 30x40 after its EXIF orientation \(6\) "
-                                             r"turns it; its pixels are stored as 40x30, the size the annotation file "
-                                             r"records: were its boxes drawn on the unturned pixels\?"):
+    with pytest.raises(
+        ImageReadError,
+        match=r"turned\.jpg \(image id 7\) is 30x40 after its EXIF orientation \(6\) "
+        r"turns it; its pixels are stored as 40x30, the size the annotation file "
+        r"records: were its boxes drawn on the unturned pixels\?",
+    ):
         load(path, (40, 30))
 
 

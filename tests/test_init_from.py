@@ -18,10 +18,24 @@ from models import build_deformable_detr
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_YAML = ROOT / "configs" / "model" / "deformable_detr.yaml"
 OFFICIAL_TSV = ROOT / "tests" / "data" / "official_state_dict.tsv"
-TINY = dict(backbone="resnet18", hidden_dim=32, nheads=2, enc_layers=1, dec_layers=2, dim_feedforward=64,
-            num_feature_levels=3, num_queries=6, pretrained="none", msda="pytorch", dropout=0.0)
-VARIANTS = {"base": {}, "box_refine": {"with_box_refine": True},
-            "two_stage": {"with_box_refine": True, "two_stage": True}}
+TINY = dict(
+    backbone="resnet18",
+    hidden_dim=32,
+    nheads=2,
+    enc_layers=1,
+    dec_layers=2,
+    dim_feedforward=64,
+    num_feature_levels=3,
+    num_queries=6,
+    pretrained="none",
+    msda="pytorch",
+    dropout=0.0,
+)
+VARIANTS = {
+    "base": {},
+    "box_refine": {"with_box_refine": True},
+    "two_stage": {"with_box_refine": True, "two_stage": True},
+}
 
 
 def model_cfg(**overrides):
@@ -74,14 +88,17 @@ def assert_loaded_except_class_heads(model, checkpoint_state, fresh, *, heads_ex
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_num_classes_change_reinitializes_only_the_class_heads(tmp_path, variant, caplog):
     source = tiny_cfg(num_classes=7, **VARIANTS[variant])
-    state = saved_model(tmp_path / "ours.pth", source, seed=3,
-                        config={"model": OmegaConf.to_container(source)}, epoch=24, step=1536)
+    state = saved_model(
+        tmp_path / "ours.pth", source, seed=3, config={"model": OmegaConf.to_container(source)}, epoch=24, step=1536
+    )
     # The config asks for the base variant: the checkpoint's recorded one wins.
     cfg = tiny_cfg(num_classes=4, init_from=str(tmp_path / "ours.pth"))
     with caplog.at_level(logging.INFO, logger="engine"):
         model, fresh, report = init_model(cfg, seed=11)
-    assert (cfg.with_box_refine, cfg.two_stage) == (VARIANTS[variant].get("with_box_refine", False),
-                                                    VARIANTS[variant].get("two_stage", False))
+    assert (cfg.with_box_refine, cfg.two_stage) == (
+        VARIANTS[variant].get("with_box_refine", False),
+        VARIANTS[variant].get("two_stage", False),
+    )
     assert model.class_embed[0].out_features == 4
     # class_embed.0..K-1 (two-stage: + the encoder head, listed again under transformer.decoder) x weight, bias
     heads = {"base": 2 * 2, "box_refine": 2 * 2, "two_stage": 2 * 2 * 3}[variant]
@@ -113,9 +130,16 @@ def test_official_layout_state_dict_with_args(tmp_path):
     state = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     for name in state:  # the decoder's heads are the detector's, listed twice in the official file too
         if name.startswith(("transformer.decoder.bbox_embed.", "transformer.decoder.class_embed.")):
-            state[name] = state[name[len("transformer.decoder."):]]
-    args = argparse.Namespace(with_box_refine=True, two_stage=True, hidden_dim=256, num_queries=300, lr=2e-4,
-                              dataset_file="coco", backbone="resnet50")  # no num_classes, as the official args
+            state[name] = state[name[len("transformer.decoder.") :]]
+    args = argparse.Namespace(
+        with_box_refine=True,
+        two_stage=True,
+        hidden_dim=256,
+        num_queries=300,
+        lr=2e-4,
+        dataset_file="coco",
+        backbone="resnet50",
+    )  # no num_classes, as the official args
     torch.save({"model": state, "args": args, "epoch": 49}, tmp_path / "r50_two_stage.pth")
     cfg = model_cfg(num_classes=3, msda="pytorch", pretrained="imagenet", init_from=str(tmp_path / "r50_two_stage.pth"))
     model, fresh, report = init_model(cfg, seed=2)
@@ -150,10 +174,13 @@ def test_other_hidden_dim_is_an_error_naming_the_file_and_parameters(tmp_path):
     cfg = tiny_cfg(num_classes=5, hidden_dim=32, init_from=str(tmp_path / "wide.pth"))
     init = prepare_init_from(cfg)
     model = build_deformable_detr(cfg)
-    with pytest.raises(CheckpointError, match=r"model\.init_from=.*wide\.pth: \d+ parameters have other shapes "
-                                              r"than this model's \(transformer\.level_embed 3x64 in the checkpoint, "
-                                              r"3x32 in the model; .*the checkpoint records hidden_dim=64 "
-                                              r"\(config: 32\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.init_from=.*wide\.pth: \d+ parameters have other shapes "
+        r"than this model's \(transformer\.level_embed 3x64 in the checkpoint, "
+        r"3x32 in the model; .*the checkpoint records hidden_dim=64 "
+        r"\(config: 32\)",
+    ):
         init.load_into(model)
 
 
@@ -161,8 +188,11 @@ def test_other_num_queries_is_an_error(tmp_path):
     saved_model(tmp_path / "q.pth", tiny_cfg(num_queries=6), seed=1)
     cfg = tiny_cfg(num_queries=10, init_from=str(tmp_path / "q.pth"))
     init = prepare_init_from(cfg)
-    with pytest.raises(CheckpointError, match=r"q\.pth: 1 parameters .*query_embed\.weight 6x64 in the checkpoint, "
-                                              r"10x64 in the model"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"q\.pth: 1 parameters .*query_embed\.weight 6x64 in the checkpoint, "
+        r"10x64 in the model",
+    ):
         init.load_into(build_deformable_detr(cfg))
 
 

@@ -22,8 +22,11 @@ def _step(log: StepLog, clock: _Clock, *, starts: float, ends: float) -> None:
     clock.now = starts
     span = ComputeSpan(torch.device("cpu"))
     clock.now = ends
-    log.add(StepDone(number=1, epoch=0, values=torch.tensor([1.0]), size=(2, 3, 8, 8), images=2, data_s=0.0,
-                     compute=span.end()))
+    log.add(
+        StepDone(
+            number=1, epoch=0, values=torch.tensor([1.0]), size=(2, 3, 8, 8), images=2, data_s=0.0, compute=span.end()
+        )
+    )
 
 
 @pytest.mark.parametrize("pauses", [[10.0], [10.0, 12.0]])

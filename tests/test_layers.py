@@ -18,8 +18,18 @@ ENTRY_POINTS = ("train.py", "predict.py", "export.py")
 # What each top-level part may import of ours (besides itself); entry points and bench/ may import anything.
 TOP_LEVEL = {"msda": set(), "models": {"msda"}, "datasets": {"msda"}, "engine": {"msda", "models", "datasets"}}
 # engine's packages (and its modules outside them) by layer: a lower number is a lower layer.
-ENGINE_LAYERS = {"errors": 1, "reporting": 1, "config": 2, "runtime": 3, "compile": 4, "checkpoint": 5,
-                 "evaluation": 6, "train": 7, "predict": 8, "export": 8}
+ENGINE_LAYERS = {
+    "errors": 1,
+    "reporting": 1,
+    "config": 2,
+    "runtime": 3,
+    "compile": 4,
+    "checkpoint": 5,
+    "evaluation": 6,
+    "train": 7,
+    "predict": 8,
+    "export": 8,
+}
 MAX_MODULES_PER_FOLDER = 16
 
 
@@ -87,8 +97,10 @@ def layer_violations(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
             elif here == there == "engine":
                 (package, layer), (other, other_layer) = engine_layer(path), engine_layer(target)
                 if package != other and other_layer >= layer:
-                    problems.append(f"{path}:{line} imports {target}: engine/{package} (layer {layer}) may import "
-                                    f"only packages of lower layers, and engine/{other} is layer {other_layer}")
+                    problems.append(
+                        f"{path}:{line} imports {target}: engine/{package} (layer {layer}) may import "
+                        f"only packages of lower layers, and engine/{other} is layer {other_layer}"
+                    )
     return problems
 
 
@@ -164,25 +176,44 @@ def test_no_code_folder_holds_more_than_16_modules():
     assert crowded == {}
 
 
-@pytest.mark.parametrize("path, source, expected", [
-    ("models/backbone.py", "def f():\n    from engine.runtime.precision import Precision\n",
-     "models/backbone.py:2 imports engine/runtime/precision.py: models/ may import msda"),
-    ("msda/ops.py", "import models.backbone\n",
-     "msda/ops.py:1 imports models/backbone.py: msda/ may import nothing of this project"),
-    ("engine/compile/plan.py", "from engine.train.build import build_training\n",
-     "engine/compile/plan.py:1 imports engine/train/build.py: engine/compile (layer 4) may import only packages of "
-     "lower layers, and engine/train is layer 7"),
-    ("engine/errors.py", "from .reporting.progress import Progress\n",
-     "engine/errors.py:1 imports engine/reporting/progress.py: engine/errors (layer 1) may import only packages of "
-     "lower layers, and engine/reporting is layer 1"),
-])
+@pytest.mark.parametrize(
+    "path, source, expected",
+    [
+        (
+            "models/backbone.py",
+            "def f():\n    from engine.runtime.precision import Precision\n",
+            "models/backbone.py:2 imports engine/runtime/precision.py: models/ may import msda",
+        ),
+        (
+            "msda/ops.py",
+            "import models.backbone\n",
+            "msda/ops.py:1 imports models/backbone.py: msda/ may import nothing of this project",
+        ),
+        (
+            "engine/compile/plan.py",
+            "from engine.train.build import build_training\n",
+            "engine/compile/plan.py:1 imports engine/train/build.py: engine/compile (layer 4) may import only packages of "
+            "lower layers, and engine/train is layer 7",
+        ),
+        (
+            "engine/errors.py",
+            "from .reporting.progress import Progress\n",
+            "engine/errors.py:1 imports engine/reporting/progress.py: engine/errors (layer 1) may import only packages of "
+            "lower layers, and engine/reporting is layer 1",
+        ),
+    ],
+)
 def test_an_import_against_the_layers_fails_naming_both_files(path, source, expected):
     sources = {**project_sources(), path: source}
     assert expected in layer_violations(import_graph(sources))
 
 
 def test_an_import_circle_fails_naming_its_files():
-    sources = {**project_sources(), "engine/runtime/rng.py": "from engine.runtime import precision\n",
-               "engine/runtime/precision.py": "def f():\n    import engine.runtime.rng\n"}
-    assert import_circles(import_graph(sources)) == [["engine/runtime/precision.py", "engine/runtime/rng.py",
-                                                      "engine/runtime/precision.py"]]
+    sources = {
+        **project_sources(),
+        "engine/runtime/rng.py": "from engine.runtime import precision\n",
+        "engine/runtime/precision.py": "def f():\n    import engine.runtime.rng\n",
+    }
+    assert import_circles(import_graph(sources)) == [
+        ["engine/runtime/precision.py", "engine/runtime/rng.py", "engine/runtime/precision.py"]
+    ]

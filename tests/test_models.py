@@ -126,8 +126,14 @@ def test_msdeformattn_init_and_fp32_locations_under_autocast(monkeypatch, seeded
     monkeypatch.setattr(msda, "multi_scale_deformable_attention", spy)
     shapes = torch.tensor([[4, 4], [2, 2]])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = attn(torch.randn(1, 3, 32), torch.rand(1, 3, 2, 2), torch.randn(1, 20, 32), shapes,
-                   torch.tensor([0, 16]), torch.zeros(1, 20, dtype=torch.bool))
+        out = attn(
+            torch.randn(1, 3, 32),
+            torch.rand(1, 3, 2, 2),
+            torch.randn(1, 20, 32),
+            shapes,
+            torch.tensor([0, 16]),
+            torch.zeros(1, 20, dtype=torch.bool),
+        )
     assert seen == {"value": torch.bfloat16, "loc": torch.float32, "impl": "pytorch"}
     assert out.shape == (1, 3, 32)
 
@@ -187,8 +193,10 @@ def test_loss_finite_and_every_trainable_parameter_gets_a_gradient(seeded, varia
     assert [n for n, p in trainable.items() if p.grad is None] == []
     assert [n for n, p in trainable.items() if not torch.isfinite(p.grad).all()] == []
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    assert frozen and all(n.startswith("backbone.0.body.") and "layer2" not in n and "layer3" not in n
-                          and "layer4" not in n for n in frozen)
+    assert frozen and all(
+        n.startswith("backbone.0.body.") and "layer2" not in n and "layer3" not in n and "layer4" not in n
+        for n in frozen
+    )
     with torch.no_grad():
         results = postprocess(out, torch.tensor([[64, 64], [64, 48]]))
     assert len(results) == 2 and results[0]["boxes"].shape[-1] == 4
@@ -243,7 +251,7 @@ def test_backbone_masks_follow_the_padding():
     _, masks, _ = model.features(images, mask)
     for m in masks:  # 16, 8, 4, 2 wide: the right half is padding at every level
         w = m.shape[-1]
-        assert not m[0].any() and m[1, :, w // 2:].all() and not m[1, :, :w // 2].any()
+        assert not m[0].any() and m[1, :, w // 2 :].all() and not m[1, :, : w // 2].any()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -287,9 +295,12 @@ def test_imagenet_weights_unavailable_offline(monkeypatch, tmp_path):
 
     monkeypatch.setattr(type(torchvision.models.ResNet18_Weights.IMAGENET1K_V1), "get_state_dict", offline)
     # An OSError, which the console reports as one message: what it tried to fetch, and how to go without.
-    with pytest.raises(PretrainedWeightsUnavailable, match=r"model\.pretrained=imagenet needs torchvision's .*could "
-                                                          r"not be downloaded \(URLError.*resnet18-f37072fd\.pth.*"
-                                                          r"model\.pretrained=none") as error:
+    with pytest.raises(
+        PretrainedWeightsUnavailable,
+        match=r"model\.pretrained=imagenet needs torchvision's .*could "
+        r"not be downloaded \(URLError.*resnet18-f37072fd\.pth.*"
+        r"model\.pretrained=none",
+    ) as error:
         Backbone(name="resnet18", pretrained="imagenet")
     assert isinstance(error.value, OSError)
 
@@ -307,8 +318,18 @@ def test_pretrained_from_a_file(tmp_path, seeded):
         Backbone(name="resnet18", pretrained=str(tmp_path / "bad.pth"))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"
+            ),
+        ),
+    ],
+)
 def test_masks_are_downsampled_as_the_original_and_export_with_any_batch_size(device):
     """The original interpolates the batch as the channels of one image; ours as a batch of one channel: the
     same masks, and torch.export keeps the batch dynamic (CUDA's decomposition guarded on the channel count)."""
@@ -377,8 +398,8 @@ def _pixel_batch(generator, B=2, H=64, W=96, pad=(0, 24)):
     their masks; and the same batch as the loaders gave it before: normalized on the host, padded with 0."""
     pixels = torch.randint(0, 256, (B, 3, H, W), dtype=torch.uint8, generator=generator)
     mask = torch.zeros(B, H, W, dtype=torch.bool)
-    mask[-1, H - pad[0]:] = True
-    mask[-1, :, W - pad[1]:] = True
+    mask[-1, H - pad[0] :] = True
+    mask[-1, :, W - pad[1] :] = True
     pixels[mask[:, None].expand_as(pixels)] = 0
     normalized = torch.stack([_host_normalized(p) for p in pixels])
     normalized[mask[:, None].expand_as(normalized)] = 0

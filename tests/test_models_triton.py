@@ -65,8 +65,9 @@ def test_triton_and_pytorch_give_the_same_outputs_and_gradients(variant, full_fp
     errors = {}
     for name, truth in grads_64.items():
         scale = truth.abs().max().clamp(min=1e-3)  # relative to each tensor's gradient size
-        errors[name] = tuple(((grads[name].double() - truth).abs().max() / scale).item()
-                             for grads in (grads_tri, grads_ref))
+        errors[name] = tuple(
+            ((grads[name].double() - truth).abs().max() / scale).item() for grads in (grads_tri, grads_ref)
+        )
     # Within 4x the reference's own fp32 error, or 2e-4 of the tensor's largest gradient (fp32 rounding of
     # a sum of thousands of terms); a wrong gradient misses by orders of magnitude more.
     worst = sorted(errors.items(), key=lambda kv: kv[1][0] / max(4 * kv[1][1], 2e-4), reverse=True)[:5]

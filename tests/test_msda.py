@@ -3,7 +3,6 @@
 Forward and all three gradients are compared; inputs are drawn fresh from a seeded generator per test.
 """
 
-
 import pytest
 import torch
 from helpers import MSDA_DEVICES, ORIGINAL_LEVELS, msda_inputs, rel_err
@@ -30,8 +29,7 @@ def run(impl, value, shapes, loc, weights, grad_out=None):
 def assert_matches_reference(inputs, rtol):
     out_t, grads_t = run("triton", *inputs)
     out_r, grads_r = run("pytorch", *inputs)
-    for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_weight"), (out_t, *grads_t),
-                          (out_r, *grads_r)):
+    for name, a, b in zip(("output", "grad_value", "grad_loc", "grad_weight"), (out_t, *grads_t), (out_r, *grads_r)):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < rtol, f"{name}: relative error {rel_err(a, b):.3e} >= {rtol}"
@@ -72,8 +70,7 @@ def test_points_on_borders_and_pixel_centres(gen, device):
     """Locations exactly on 0, 1, pixel centres and half a pixel outside: the floor/validity edge cases."""
     value, shapes, _, weights = msda_inputs(gen, Lq=8, P=4, D=8, device=device)
     H, W = ORIGINAL_LEVELS[0]
-    edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 0.25],
-                         dtype=torch.float64)
+    edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 0.25], dtype=torch.float64)
     xs = edges[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     ys = edges.flip(0)[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     loc = torch.stack([xs, ys], dim=-1).to(device)
@@ -86,8 +83,10 @@ def test_a_nan_location_turns_only_its_query_and_head_nan(gen, device):
     inherits grid_sample's handling, which differs by device: NaN on the CPU, a finite value on CUDA."""
     value, shapes, loc, weights = msda_inputs(gen, D=4, Lq=3, dtype=torch.float32, device=device)
     loc[0, 1, 0, 0, 0, 0] = float("nan")
-    outs = {impl: msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl=impl)
-            for impl in ("triton", "pytorch")}
+    outs = {
+        impl: msda.multi_scale_deformable_attention(value, shapes, None, loc, weights, impl=impl)
+        for impl in ("triton", "pytorch")
+    }
     head = slice(0, 4)  # query 1's NaN sample belongs to head 0
     untouched = torch.ones_like(outs["triton"], dtype=torch.bool)
     untouched[0, 1, head] = False
@@ -147,15 +146,17 @@ def test_reduced_precision(gen, device, dtype, loc_fp32):
     low = (value.to(dtype), shapes, loc.to(loc_dtype), weights.to(loc_dtype))
     grad_out = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     # Ground truth: fp64 on exactly the rounded inputs both implementations see.
-    out_64, grads_64 = run("pytorch", *(t.double() if t.is_floating_point() else t for t in low),
-                           grad_out=grad_out.to(dtype).double())
+    out_64, grads_64 = run(
+        "pytorch", *(t.double() if t.is_floating_point() else t for t in low), grad_out=grad_out.to(dtype).double()
+    )
     out_t, grads_t = run("triton", *low, grad_out=grad_out)
     out_r, grads_r = run("pytorch", *low, grad_out=grad_out)
     assert out_t.dtype == dtype
     assert [g.dtype for g in grads_t] == [dtype, loc_dtype, loc_dtype]
     atol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    for name, t, r, x in zip(("output", "grad_value", "grad_loc", "grad_weight"), (out_t, *grads_t),
-                             (out_r, *grads_r), (out_64, *grads_64)):
+    for name, t, r, x in zip(
+        ("output", "grad_value", "grad_loc", "grad_weight"), (out_t, *grads_t), (out_r, *grads_r), (out_64, *grads_64)
+    ):
         err_t = (t.double().cpu() - x.cpu()).abs().max().item()
         err_r = (r.double().cpu() - x.cpu()).abs().max().item()
         scale = x.abs().max().item()
@@ -168,8 +169,9 @@ def test_reduced_precision(gen, device, dtype, loc_fp32):
 @pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_gradcheck(gen, device):
     # Tiny on purpose: every input element costs two interpreted launches.
-    value, shapes, loc, weights = msda_inputs(gen, N=1, M=1, D=2, Lq=2, P=2, levels=[(3, 2), (2, 2)],
-                                              loc_low=-0.1, loc_high=1.1, device=device)
+    value, shapes, loc, weights = msda_inputs(
+        gen, N=1, M=1, D=2, Lq=2, P=2, levels=[(3, 2), (2, 2)], loc_low=-0.1, loc_high=1.1, device=device
+    )
     inputs = [t.requires_grad_() for t in (value, loc, weights)]
 
     def fn(v, l, w):
@@ -183,40 +185,71 @@ def test_gradcheck(gen, device):
 # ------------------------------------------------------------------------------------------------
 def _bad(gen, **replace):
     value, shapes, loc, weights = msda_inputs(gen, D=8, dtype=torch.float32)
-    args = dict(value=value, spatial_shapes=shapes, level_start_index=None, sampling_locations=loc,
-                attention_weights=weights)
+    args = dict(
+        value=value, spatial_shapes=shapes, level_start_index=None, sampling_locations=loc, attention_weights=weights
+    )
     args.update({k: (v(args) if callable(v) else v) for k, v in replace.items()})
     return args
 
 
 BAD_INPUTS = [
     (dict(value=lambda a: a["value"][0]), ValueError, r"value must have 4 dimensions \(N, S, M, D\)"),
-    (dict(sampling_locations=lambda a: a["sampling_locations"][..., 0]), ValueError,
-     r"sampling_locations must have 6 dimensions"),
-    (dict(attention_weights=lambda a: a["attention_weights"][0]), ValueError,
-     r"attention_weights must have 5 dimensions"),
-    (dict(spatial_shapes=lambda a: a["spatial_shapes"].flatten()), ValueError,
-     r"spatial_shapes must have 2 dimensions"),
+    (
+        dict(sampling_locations=lambda a: a["sampling_locations"][..., 0]),
+        ValueError,
+        r"sampling_locations must have 6 dimensions",
+    ),
+    (
+        dict(attention_weights=lambda a: a["attention_weights"][0]),
+        ValueError,
+        r"attention_weights must have 5 dimensions",
+    ),
+    (
+        dict(spatial_shapes=lambda a: a["spatial_shapes"].flatten()),
+        ValueError,
+        r"spatial_shapes must have 2 dimensions",
+    ),
     (dict(value=lambda a: a["value"][:, :-1]), ValueError, r"S dimension must equal sum\(H\*W\).* = 30, got S = 29"),
-    (dict(level_start_index=torch.tensor([0, 20])), ValueError,
-     r"level_start_index must be the cumulative sizes of spatial_shapes, \[0, 24\], got \[0, 20\]"),
+    (
+        dict(level_start_index=torch.tensor([0, 20])),
+        ValueError,
+        r"level_start_index must be the cumulative sizes of spatial_shapes, \[0, 24\], got \[0, 20\]",
+    ),
     (dict(level_start_index=torch.tensor([0])), ValueError, r"level_start_index must be the cumulative"),
-    (dict(sampling_locations=lambda a: a["sampling_locations"][:, :, :1]), ValueError,
-     r"sampling_locations must be \(N=1, Lq, M=2, L=2, P, 2\)"),
-    (dict(attention_weights=lambda a: a["attention_weights"][..., :1]), ValueError,
-     r"attention_weights must be \(N, Lq, M, L, P\) = \(1, 5, 2, 2, 2\)"),
+    (
+        dict(sampling_locations=lambda a: a["sampling_locations"][:, :, :1]),
+        ValueError,
+        r"sampling_locations must be \(N=1, Lq, M=2, L=2, P, 2\)",
+    ),
+    (
+        dict(attention_weights=lambda a: a["attention_weights"][..., :1]),
+        ValueError,
+        r"attention_weights must be \(N, Lq, M, L, P\) = \(1, 5, 2, 2, 2\)",
+    ),
     (dict(value=lambda a: a["value"].long()), TypeError, r"value must be float32, float16, bfloat16.*got torch.int64"),
-    (dict(value=lambda a: a["value"].bfloat16(), sampling_locations=lambda a: a["sampling_locations"].half()),
-     TypeError, r"sampling_locations must be float32 or value's dtype \(torch.bfloat16\), got torch.float16"),
-    (dict(attention_weights=lambda a: a["attention_weights"].double()), TypeError,
-     r"attention_weights must be float32 or value's dtype"),
+    (
+        dict(value=lambda a: a["value"].bfloat16(), sampling_locations=lambda a: a["sampling_locations"].half()),
+        TypeError,
+        r"sampling_locations must be float32 or value's dtype \(torch.bfloat16\), got torch.float16",
+    ),
+    (
+        dict(attention_weights=lambda a: a["attention_weights"].double()),
+        TypeError,
+        r"attention_weights must be float32 or value's dtype",
+    ),
     (dict(spatial_shapes=lambda a: a["spatial_shapes"].float()), TypeError, r"spatial_shapes must be an integer"),
     (dict(value=[1.0]), TypeError, r"value must be a torch.Tensor of shape \(N, S, M, D\), got list"),
     (dict(spatial_shapes=torch.tensor([[6, 4], [3, 0]])), ValueError, r"spatial_shapes must hold positive"),
-    (dict(sampling_locations=lambda a: a["sampling_locations"].to("meta")), ValueError,
-     r"all tensors must be on value's device \(cpu; .*\), got sampling_locations on meta"),
-    (dict(attention_weights=lambda a: a["attention_weights"].to("meta")), ValueError,
-     r"all tensors must be on value's device \(cpu; .*\), got attention_weights on meta"),
+    (
+        dict(sampling_locations=lambda a: a["sampling_locations"].to("meta")),
+        ValueError,
+        r"all tensors must be on value's device \(cpu; .*\), got sampling_locations on meta",
+    ),
+    (
+        dict(attention_weights=lambda a: a["attention_weights"].to("meta")),
+        ValueError,
+        r"all tensors must be on value's device \(cpu; .*\), got attention_weights on meta",
+    ),
 ]
 
 
@@ -241,8 +274,11 @@ def test_triton_on_cpu_without_interpreter_says_what_to_do(gen, monkeypatch):
 def test_auto_picks_reference_on_cpu(gen, monkeypatch):
     args = _bad(gen)
     calls = []
-    monkeypatch.setattr(msda.ops, "multi_scale_deformable_attention_reference",
-                        lambda *a: calls.append("reference") or msda.multi_scale_deformable_attention_reference(*a))
+    monkeypatch.setattr(
+        msda.ops,
+        "multi_scale_deformable_attention_reference",
+        lambda *a: calls.append("reference") or msda.multi_scale_deformable_attention_reference(*a),
+    )
     msda.multi_scale_deformable_attention(**args, impl="auto")
     assert calls == ["reference"]
 
@@ -256,7 +292,7 @@ def test_int64_flat_index_beyond_2_31():
     N, M, D, H, W = 2, 8, 32, 2048, 2048  # 2*4M*8*32 = 2^31 elements, 8 GiB in fp32
     gen = torch.Generator(device="cuda").manual_seed(0)
     value = torch.randn(N, H * W, M, D, device="cuda", generator=gen)
-    assert value.numel() >= 2 ** 31
+    assert value.numel() >= 2**31
     shapes = torch.tensor([[H, W]], device="cuda")
     Lq, P = 64, 4
     loc = torch.rand(N, Lq, M, 1, P, 2, device="cuda", generator=gen)

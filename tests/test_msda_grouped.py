@@ -40,8 +40,9 @@ def gen():
 
 
 def grouped_results(inputs, family, backward_kwargs, forward_config=None):
-    return kernel_results(*inputs, forward_config=forward_config, forward_kernels="grouped", kernels=family,
-                          **backward_kwargs)
+    return kernel_results(
+        *inputs, forward_config=forward_config, forward_kernels="grouped", kernels=family, **backward_kwargs
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -68,8 +69,9 @@ def test_points_on_pixel_centres_and_borders(gen, device, family, kwargs):
     """Exact pixel centres, 0, 1 and half a pixel outside: the floor, corner validity and cell-key edge cases."""
     levels, value, _, weights, grad_out = kernel_inputs(gen, Lq=8, P=4, levels=((6, 4), (3, 2)), device=device)
     H, W = levels[0]
-    edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 1.5 / H, 0.25],
-                         dtype=torch.float64)
+    edges = torch.tensor(
+        [0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 1.5 / H, 0.25], dtype=torch.float64
+    )
     xs = edges[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     ys = edges.flip(0)[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     inputs = (levels, value, torch.stack([xs, ys], dim=-1).to(device), weights, grad_out)
@@ -124,12 +126,17 @@ GROUPED_CONFIGS = [(4, 16, 1), (2, 1, 2), (16, 4, 4), (1, 2, 1)]
 @pytest.mark.parametrize("config", GROUPED_CONFIGS, ids=[f"{q}q-{c}ch-{w}w" for q, c, w in GROUPED_CONFIGS])
 def test_grouped_block_shapes(gen, device, config):
     """D = 10 in 16 padded channels cut in CH groups; P = 3 samples padded to 4; 5 queries in blocks of 2, 4, 16."""
-    inputs = kernel_inputs(gen, M=2, D=10, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2,
-                           device=device)
+    inputs = kernel_inputs(
+        gen, M=2, D=10, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2, device=device
+    )
     expected = kernel_reference(*inputs)
     configs = {f"grouped_{name}": config for name in ("fused", "keys", "hybrid")}
-    for kwargs in (dict(scheme="fused"), dict(scheme="hybrid", configs={"hybrid_split": 0}), dict(scheme="cells"),
-                   dict(scheme="cells", deterministic=True)):
+    for kwargs in (
+        dict(scheme="fused"),
+        dict(scheme="hybrid", configs={"hybrid_split": 0}),
+        dict(scheme="cells"),
+        dict(scheme="cells", deterministic=True),
+    ):
         kwargs["configs"] = {**configs, **kwargs.get("configs", {})}
         results = grouped_results(inputs, "grouped", kwargs, forward_config=config)
         assert_kernel_close(results, expected, 1e-10, inputs)
@@ -144,10 +151,12 @@ CELL_CONFIGS = [(1, 1, 1), (4, 2, 1), (32, 16, 2)]
 @pytest.mark.parametrize("deterministic", [False, True], ids=["bucket", "sorted"])
 def test_cell_tiles(gen, device, config, deterministic):
     """Cell tiles from one lane per program to many lanes per cell, on dense and sparse levels (D = 12)."""
-    inputs = kernel_inputs(gen, M=1, D=12, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
-                           device=device)
-    results = grouped_results(inputs, "grouped", dict(scheme="cells", deterministic=deterministic,
-                                                      configs={"cells": config}))
+    inputs = kernel_inputs(
+        gen, M=1, D=12, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1, device=device
+    )
+    results = grouped_results(
+        inputs, "grouped", dict(scheme="cells", deterministic=deterministic, configs={"cells": config})
+    )
     assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
 
 
@@ -184,10 +193,13 @@ def test_reduced_precision(gen, device, dtype, family, kwargs):
 @pytest.mark.parametrize("device", MSDA_DEVICES)
 @pytest.mark.parametrize("family", ["classic", "grouped"])
 def test_deterministic_cells_are_bitwise_repeatable_and_agree_with_atomics(gen, device, family):
-    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32,
-                                                          loc_low=-0.1, loc_high=1.1, device=device)
-    runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells", kernels=family)
-            for _ in range(3)]
+    levels, value, loc, weights, grad_out = kernel_inputs(
+        gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32, loc_low=-0.1, loc_high=1.1, device=device
+    )
+    runs = [
+        launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells", kernels=family)
+        for _ in range(3)
+    ]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
@@ -222,27 +234,58 @@ def test_table_picks_the_family_and_the_deterministic_scheme(gen, device, monkey
 
 
 @pytest.mark.parametrize("device", MSDA_DEVICES)
-@pytest.mark.parametrize("call,message", [
-    (lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(4, 3, 4)),
-     r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 3"),
-    (lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(4, 16, 4)),
-     r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 16"),
-    (lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(16, 1, 4, 1)),
-     r"a grouped config is \(BLOCK_Q, CH, num_warps\), got \(16, 1, 4, 1\)"),
-    (lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="fast"),
-     r"kernels must be one of \('classic', 'grouped'\), got 'fast'"),
-    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="split", kernels="grouped"),
-     r"the grouped kernels have no split scheme"),
-    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="fused", deterministic=True),
-     r"a deterministic backward takes scheme gather or cells, got 'fused'"),
-    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="cells", configs={"cells": (8, 5, 4)}),
-     r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 5"),
-    (lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(6, 1, 4)),
-     r"BLOCK_Q must be a power of 2, got 6"),
-    (lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="cells", configs={"cells": (48, 1, 4)}),
-     r"LANES must be a power of 2, got 48"),
-], ids=["CH-not-power-of-2", "CH-above-channels", "classic-config", "unknown-family", "grouped-split",
-        "deterministic-fused", "cells-CH", "BLOCK_Q", "lanes"])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(4, 3, 4)),
+            r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 3",
+        ),
+        (
+            lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(4, 16, 4)),
+            r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 16",
+        ),
+        (
+            lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(16, 1, 4, 1)),
+            r"a grouped config is \(BLOCK_Q, CH, num_warps\), got \(16, 1, 4, 1\)",
+        ),
+        (
+            lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="fast"),
+            r"kernels must be one of \('classic', 'grouped'\), got 'fast'",
+        ),
+        (
+            lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="split", kernels="grouped"),
+            r"the grouped kernels have no split scheme",
+        ),
+        (
+            lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="fused", deterministic=True),
+            r"a deterministic backward takes scheme gather or cells, got 'fused'",
+        ),
+        (
+            lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="cells", configs={"cells": (8, 5, 4)}),
+            r"CH \(channel groups\) must be a power of 2 from 1 to 8 for D=8, got 5",
+        ),
+        (
+            lambda i: launch.forward(i[1], i[0], i[2], i[3], kernels="grouped", config=(6, 1, 4)),
+            r"BLOCK_Q must be a power of 2, got 6",
+        ),
+        (
+            lambda i: launch.backward(i[4], i[1], i[0], i[2], i[3], scheme="cells", configs={"cells": (48, 1, 4)}),
+            r"LANES must be a power of 2, got 48",
+        ),
+    ],
+    ids=[
+        "CH-not-power-of-2",
+        "CH-above-channels",
+        "classic-config",
+        "unknown-family",
+        "grouped-split",
+        "deterministic-fused",
+        "cells-CH",
+        "BLOCK_Q",
+        "lanes",
+    ],
+)
 def test_bad_configuration_raises(gen, device, call, message):
     with pytest.raises(ValueError, match=message):
         call(kernel_inputs(gen, device=device))
@@ -279,8 +322,10 @@ def test_encoder_shape_on_gpu(dtype):
             if name == "grad_loc":  # float32 and fp64 may sample either side of a cell edge: compared off them
                 r, x = r * away, x * away.to(x.device)
             assert rel_err(r, x) < tolerance, f"{family} {kwargs} {name}: {rel_err(r, x):.2e}"
-    runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells",
-                            kernels="grouped") for _ in range(3)]
+    runs = [
+        launch.backward(grad_out, value, levels, loc, weights, deterministic=True, scheme="cells", kernels="grouped")
+        for _ in range(3)
+    ]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)

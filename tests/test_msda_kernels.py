@@ -19,8 +19,13 @@ from helpers import (
 
 from msda import launch, launch_table
 
-SCHEMES = [dict(scheme="fused"), dict(scheme="split"), dict(scheme="gather"), dict(scheme="hybrid"),
-           dict(deterministic=True)]
+SCHEMES = [
+    dict(scheme="fused"),
+    dict(scheme="split"),
+    dict(scheme="gather"),
+    dict(scheme="hybrid"),
+    dict(deterministic=True),
+]
 SCHEME_IDS = ["fused", "split", "gather", "hybrid", "deterministic"]
 
 
@@ -53,8 +58,9 @@ def test_points_on_pixel_centres_and_borders(gen, device, kwargs):
     """Exact pixel centres, 0, 1 and half a pixel outside: the floor / validity / cell-key edge cases."""
     levels, value, _, weights, grad_out = kernel_inputs(gen, Lq=8, P=4, levels=((6, 4), (3, 2)), device=device)
     H, W = levels[0]
-    edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 1.5 / H, 0.25],
-                         dtype=torch.float64)
+    edges = torch.tensor(
+        [0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 1.5 / H, 0.25], dtype=torch.float64
+    )
     xs = edges[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     ys = edges.flip(0)[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     loc = torch.stack([xs, ys], dim=-1).to(device)
@@ -85,8 +91,9 @@ def test_query_block_shapes(gen, device, config):
     """L*P = 9 samples: BLOCK_P 2, 4, 16 leave a partial last step; 5 queries leave a partial block; the
     forward's 5 and 3 steps unrolled twice leave a step after the unrolled ones (compiled on a GPU only: the
     interpreter runs the loop as written)."""
-    inputs = kernel_inputs(gen, M=1, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2,
-                         device=device)
+    inputs = kernel_inputs(
+        gen, M=1, Lq=5, P=3, levels=((4, 5), (3, 3), (1, 2)), loc_low=-0.2, loc_high=1.2, device=device
+    )
     expected = kernel_reference(*inputs)
     configs = {name: config[:3] for name in ("fused", "sample_grads", "scatter", "keys", "hybrid")}
     # fused, split (sample_grads + scatter), the bucket gather (keys) and hybrid: every query-kernel variant.
@@ -98,7 +105,9 @@ def test_query_block_shapes(gen, device, config):
 @pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_forward_config_without_unroll_raises(gen, device):
     levels, value, loc, weights, _ = kernel_inputs(gen, device=device)
-    with pytest.raises(ValueError, match=r"a forward config is \(BLOCK_Q, BLOCK_P, num_warps, UNROLL\), got \(2, 16, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"a forward config is \(BLOCK_Q, BLOCK_P, num_warps, UNROLL\), got \(2, 16, 4\)"
+    ):
         launch.forward(value, levels, loc, weights, config=(2, 16, 4))
 
 
@@ -107,8 +116,9 @@ def test_forward_config_without_unroll_raises(gen, device):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["bucket", "sorted"])
 def test_gather_tiles(gen, device, lanes, deterministic):
     """Gather tiles from one lane per program to many rows per program, with dense and sparse levels."""
-    inputs = kernel_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
-                         device=device)
+    inputs = kernel_inputs(
+        gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1, device=device
+    )
     results = kernel_results(*inputs, scheme="gather", deterministic=deterministic, configs={"gather": (lanes, 4)})
     assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
 
@@ -117,8 +127,9 @@ def test_gather_tiles(gen, device, lanes, deterministic):
 @pytest.mark.parametrize("threshold", [0, 10, 30, 1e9], ids=["all-gathered", "coarse-gathered", "coarsest", "none"])
 def test_hybrid_split_points(gen, device, threshold):
     """Hybrid with every split: all levels gathered, the coarse ones, the coarsest only, none (all scattered)."""
-    inputs = kernel_inputs(gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1,
-                         device=device)
+    inputs = kernel_inputs(
+        gen, M=1, Lq=20, P=2, levels=((5, 4), (2, 3), (1, 1)), loc_low=-0.1, loc_high=1.1, device=device
+    )
     results = kernel_results(*inputs, scheme="hybrid", configs={"hybrid_split": threshold})
     assert_kernel_close(results, kernel_reference(*inputs), 1e-10, inputs)
 
@@ -148,8 +159,7 @@ def test_gather_groups_split_levels_by_density():
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_deterministic_is_bitwise_repeatable_and_agrees_with_atomics(gen, device):
-    inputs = kernel_inputs(gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32, loc_low=-0.1, loc_high=1.1,
-                         device=device)
+    inputs = kernel_inputs(gen, N=2, Lq=50, D=16, P=4, dtype=torch.float32, loc_low=-0.1, loc_high=1.1, device=device)
     levels, value, loc, weights, grad_out = inputs
     runs = [launch.backward(grad_out, value, levels, loc, weights, deterministic=True) for _ in range(3)]
     for run in runs[1:]:
@@ -180,8 +190,7 @@ def test_deterministic_under_torch_deterministic_algorithms(gen, device):
 @pytest.mark.parametrize("kwargs", SCHEMES, ids=SCHEME_IDS)
 def test_reduced_precision_schemes(gen, device, dtype, kwargs):
     """2-byte value with fp32 locations: every gradient within the dtype's rounding of the exact result."""
-    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=24, D=32, dtype=torch.float64,
-                                                        device=device)
+    levels, value, loc, weights, grad_out = kernel_inputs(gen, N=2, Lq=24, D=32, dtype=torch.float64, device=device)
     low = (levels, value.to(dtype), loc.float(), weights.float(), grad_out.to(dtype))
     exact = kernel_reference(levels, *(t.double() for t in low[1:]))  # fp64 on exactly the rounded inputs
     results = kernel_results(*low, **kwargs)
@@ -210,7 +219,7 @@ def test_empty_batch_or_queries(gen, device, kwargs, N, Lq):
 # ------------------------------------------------------------------------------------------------
 def test_pack_levels_bounds():
     assert len(launch.pack_levels(((16383, 16383),))) == 4
-    assert all(2 ** 62 <= v < 2 ** 63 for v in launch.pack_levels(((16383, 1), (2, 16383))))
+    assert all(2**62 <= v < 2**63 for v in launch.pack_levels(((16383, 1), (2, 16383))))
     with pytest.raises(ValueError, match=r"1 to 8 levels with 1 <= H, W < 16384, got \(\(16384, 2\),\)"):
         launch.pack_levels(((16384, 2),))
     with pytest.raises(ValueError, match=r"1 to 8 levels"):
@@ -273,8 +282,9 @@ def test_deterministic_bitwise_on_gpu(dtype):
     loc = (ref_points + 0.01 * torch.randn(N, S, M, 4, P, 2, device="cuda", generator=gen)).contiguous()
     weights = torch.rand(N, S, M, 4 * P, device="cuda", generator=gen).softmax(-1).view(N, S, M, 4, P)
     grad_out = torch.randn(N, S, M * D, device="cuda", generator=gen).to(dtype)
-    runs = [launch.backward(grad_out, value, COCO_LEVELS, loc, weights, deterministic=True, configs=QUICK)
-            for _ in range(5)]
+    runs = [
+        launch.backward(grad_out, value, COCO_LEVELS, loc, weights, deterministic=True, configs=QUICK) for _ in range(5)
+    ]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)

@@ -37,8 +37,9 @@ def test_opcheck_forward_and_backward(gen, device, shape, dtype):
     value, loc, weights, flat_levels = _op_args(gen, device, dtype, **shape)
     args = (value.requires_grad_(), loc.requires_grad_(), weights.requires_grad_(), flat_levels, False)
     torch.library.opcheck(msda.attention_op, args)
-    grad_output = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], generator=gen,
-                              dtype=torch.float64).to(device, dtype)
+    grad_output = torch.randn(
+        value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], generator=gen, dtype=torch.float64
+    ).to(device, dtype)
     backward_args = (grad_output, value.detach(), loc.detach(), weights.detach(), flat_levels, False)
     torch.library.opcheck(torch.ops.msda.attention_backward.default, backward_args)
 
@@ -120,8 +121,9 @@ def test_deterministic_follows_the_global_switch(gen, device, monkeypatch):
         torch.use_deterministic_algorithms(switch)
         try:
             leaves = [t.detach().clone().requires_grad_() for t in (value, loc, weights)]
-            out = msda.multi_scale_deformable_attention(leaves[0], shapes, None, leaves[1], leaves[2],
-                                                        impl="triton", deterministic=explicit)
+            out = msda.multi_scale_deformable_attention(
+                leaves[0], shapes, None, leaves[1], leaves[2], impl="triton", deterministic=explicit
+            )
             out.sum().backward()
         finally:
             torch.use_deterministic_algorithms(False)

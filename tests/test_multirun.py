@@ -22,9 +22,23 @@ pytestmark = pytest.mark.slow
 
 def test_each_job_of_a_multirun_gets_its_own_run_directory_and_its_own_clock(tmp_path):
     runs = tmp_path / "seeds"
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "seed=1,2", f"output_dir={runs}",
-                            *tiny_overrides(tmp_path / "data"), "epochs=1", "eval_images=0"], cwd=tmp_path,
-                           env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "seed=1,2",
+            f"output_dir={runs}",
+            *tiny_overrides(tmp_path / "data"),
+            "epochs=1",
+            "eval_images=0",
+        ],
+        cwd=tmp_path,
+        env=child_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 0, out
     assert (runs / "multirun.yaml").is_file() and not (runs / "checkpoint.pth").exists()
@@ -45,9 +59,21 @@ def test_each_job_of_a_multirun_gets_its_own_run_directory_and_its_own_clock(tmp
 
 
 def test_a_multirun_that_sweeps_output_dir_is_refused_before_anything_runs(tmp_path):
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "output_dir=a,b",
-                            *tiny_overrides(tmp_path / "data"), "epochs=1"], cwd=tmp_path, env=child_env(),
-                           capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "output_dir=a,b",
+            *tiny_overrides(tmp_path / "data"),
+            "epochs=1",
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 1 and "Traceback" not in out, out
     assert out.count("output_dir=a,b: a multirun (-m) takes one output_dir") == 1

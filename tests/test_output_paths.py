@@ -27,13 +27,23 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "photos").mkdir()
     Image.fromarray(torch.randint(0, 255, (40, 60, 3), dtype=torch.uint8).numpy()).save(root / "photos" / "a.png")
     (root / "notes.txt").write_text("a file, not a folder\n")
-    return {"checkpoint": write_checkpoint(root / "checkpoint.pth"), "photos": root / "photos",
-            "file": root / "notes.txt", "root": root}
+    return {
+        "checkpoint": write_checkpoint(root / "checkpoint.pth"),
+        "photos": root / "photos",
+        "file": root / "notes.txt",
+        "root": root,
+    }
 
 
 def run(script: str, *overrides: str, cwd: Path) -> tuple[int, str]:
-    child = subprocess.run([sys.executable, str(ROOT / script), *overrides], cwd=cwd, env=child_env(),
-                           capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [sys.executable, str(ROOT / script), *overrides],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return child.returncode, child.stdout + child.stderr
 
 
@@ -43,15 +53,19 @@ def assert_one_message(code: int, out: str, *expected: str) -> None:
         assert out.count(text) == 1, out
 
 
-@pytest.mark.parametrize("where, reason", [
-    ("under_proc", "No such file or directory"),
-    ("under_a_file", "is a file, not a folder"),
-    ("a_file", "is a file, not a folder"),
-])
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        ("under_proc", "No such file or directory"),
+        ("under_a_file", "is a file, not a folder"),
+        ("a_file", "is a file, not a folder"),
+    ],
+)
 def test_train_refuses_an_output_dir_it_cannot_write_before_anything_runs(files, tmp_path, where, reason):
     output_dir = {"under_proc": UNDER_PROC, "under_a_file": f"{files['file']}/run", "a_file": str(files["file"])}[where]
-    code, out = run("train.py", *tiny_overrides(tmp_path / "data"), "epochs=1", f"output_dir={output_dir}",
-                    cwd=tmp_path)
+    code, out = run(
+        "train.py", *tiny_overrides(tmp_path / "data"), "epochs=1", f"output_dir={output_dir}", cwd=tmp_path
+    )
     assert_one_message(code, out, f"output_dir={output_dir}: cannot create or write into the folder", reason)
     assert not (tmp_path / "data").exists() and not (tmp_path / "outputs").exists()  # nothing ran
     assert files["file"].read_text() == "a file, not a folder\n"
@@ -60,8 +74,14 @@ def test_train_refuses_an_output_dir_it_cannot_write_before_anything_runs(files,
 @pytest.mark.parametrize("where", ["under_proc", "under_a_file"])
 def test_predict_refuses_an_output_dir_it_cannot_write(files, tmp_path, where):
     output_dir = {"under_proc": UNDER_PROC, "under_a_file": f"{files['file']}/predictions"}[where]
-    code, out = run("predict.py", f"checkpoint={files['checkpoint']}", f"images={files['photos']}", "device=cpu",
-                    f"output_dir={output_dir}", cwd=tmp_path)
+    code, out = run(
+        "predict.py",
+        f"checkpoint={files['checkpoint']}",
+        f"images={files['photos']}",
+        "device=cpu",
+        f"output_dir={output_dir}",
+        cwd=tmp_path,
+    )
     assert_one_message(code, out, f"output_dir={output_dir}: cannot create or write into the folder")
 
 
@@ -75,8 +95,9 @@ def test_export_refuses_an_output_that_is_a_folder_before_it_traces(files, tmp_p
     folder = files["root"] / "exports"
     folder.mkdir()
     code, out = run("export.py", f"checkpoint={files['checkpoint']}", "device=cpu", f"output={folder}", cwd=tmp_path)
-    assert_one_message(code, out, f"output={folder}: {folder} is a folder; name the file to write, e.g. "
-                                  f"{folder / 'checkpoint.onnx'}")
+    assert_one_message(
+        code, out, f"output={folder}: {folder} is a folder; name the file to write, e.g. {folder / 'checkpoint.onnx'}"
+    )
     assert "exporting" not in out and list(folder.iterdir()) == []  # refused before the model was loaded
 
 
@@ -89,11 +110,19 @@ def test_the_in_process_commands_check_their_outputs_too(files, tmp_path):
     from engine.errors import OutputPathError
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        predicting = compose(config_name="predict", overrides=[
-            f"checkpoint={files['checkpoint']}", f"images={files['photos']}", "device=cpu",
-            f"output_dir={files['file']}/predictions"])
-        exporting = compose(config_name="export", overrides=[
-            f"checkpoint={files['checkpoint']}", "device=cpu", f"output={files['root']}"])
+        predicting = compose(
+            config_name="predict",
+            overrides=[
+                f"checkpoint={files['checkpoint']}",
+                f"images={files['photos']}",
+                "device=cpu",
+                f"output_dir={files['file']}/predictions",
+            ],
+        )
+        exporting = compose(
+            config_name="export",
+            overrides=[f"checkpoint={files['checkpoint']}", "device=cpu", f"output={files['root']}"],
+        )
     with pytest.raises(OutputPathError, match=r"notes\.txt is a file, not a folder"):
         predictor.predict(predicting)
     with pytest.raises(OutputPathError, match=r"is a folder; name the file to write"):

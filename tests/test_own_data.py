@@ -24,12 +24,31 @@ pytestmark = pytest.mark.slow
 
 def compose_run(data_root: Path, output_dir: Path, *extra: str):
     overrides = [
-        f"dataset.root={data_root}", "dataset.num_train=12", "dataset.num_val=6", "dataset.image_size=64",
-        "dataset.train_scales=[64]", "dataset.max_size=80", "dataset.val_size=64",
-        "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=2",
-        "model.dim_feedforward=64", "model.num_queries=10", "model.num_feature_levels=3", "model.msda=pytorch",
-        "epochs=1", "batch_size=4", "num_workers=0", "log_every=1", "optim.lr=1e-3", "device=cpu",
-        "eval_images=2", "eval_images_min_score=0.0", f"output_dir={output_dir}", *extra,
+        f"dataset.root={data_root}",
+        "dataset.num_train=12",
+        "dataset.num_val=6",
+        "dataset.image_size=64",
+        "dataset.train_scales=[64]",
+        "dataset.max_size=80",
+        "dataset.val_size=64",
+        "model.hidden_dim=32",
+        "model.nheads=2",
+        "model.enc_layers=1",
+        "model.dec_layers=2",
+        "model.dim_feedforward=64",
+        "model.num_queries=10",
+        "model.num_feature_levels=3",
+        "model.msda=pytorch",
+        "epochs=1",
+        "batch_size=4",
+        "num_workers=0",
+        "log_every=1",
+        "optim.lr=1e-3",
+        "device=cpu",
+        "eval_images=2",
+        "eval_images_min_score=0.0",
+        f"output_dir={output_dir}",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
@@ -57,9 +76,15 @@ def finetune(runs):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        result = trainer.train(compose_run(
-            tmp / "three", tmp / "finetune", "dataset.num_categories=3", "model.num_classes=4",
-            f"model.init_from={runs['source'] / 'checkpoint.pth'}"))
+        result = trainer.train(
+            compose_run(
+                tmp / "three",
+                tmp / "finetune",
+                "dataset.num_categories=3",
+                "model.num_classes=4",
+                f"model.init_from={runs['source'] / 'checkpoint.pth'}",
+            )
+        )
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -95,16 +120,22 @@ def test_evaluation_json_and_tensorboard_have_per_class_ap_and_images(finetune):
     assert list(evaluation["per_class"]) == ["person", "bicycle", "car"]
     assert all(v is None or 0.0 <= v <= 1.0 for v in evaluation["per_class"].values())
     acc = events(run_dir)
-    assert {f"eval_per_class/{name}" for name, v in evaluation["per_class"].items() if v is not None} \
-        <= set(acc.Tags()["scalars"])
+    assert {f"eval_per_class/{name}" for name, v in evaluation["per_class"].items() if v is not None} <= set(
+        acc.Tags()["scalars"]
+    )
     image_tags = [t for t in acc.Tags()["images"] if t.startswith("eval_images/")]
     assert len(image_tags) == 2
     assert all([e.step for e in acc.Images(tag)] == [STEPS] for tag in image_tags)
 
 
 def test_eval_only_reports_per_class_and_images(finetune, runs, tmp_path):
-    cfg = compose_run(runs["tmp"] / "three", tmp_path, "dataset.num_categories=3", "eval_only=true",
-                      f"checkpoint={finetune['output_dir'] / 'checkpoint.pth'}")
+    cfg = compose_run(
+        runs["tmp"] / "three",
+        tmp_path,
+        "dataset.num_categories=3",
+        "eval_only=true",
+        f"checkpoint={finetune['output_dir'] / 'checkpoint.pth'}",
+    )
     trainer.evaluate_checkpoint(cfg)
     written = json.loads((tmp_path / "eval.json").read_text())
     trained = json.loads((finetune["output_dir"] / "eval_epoch0001.json").read_text())
@@ -113,10 +144,14 @@ def test_eval_only_reports_per_class_and_images(finetune, runs, tmp_path):
 
 
 def test_init_from_of_another_size_stops_before_training(runs, tmp_path):
-    cfg = compose_run(runs["tmp"] / "six", tmp_path, "model.hidden_dim=64",
-                      f"model.init_from={runs['source'] / 'checkpoint.pth'}")
-    with pytest.raises(CheckpointError, match=r"model\.init_from=.*checkpoint\.pth: \d+ parameters have other shapes.*"
-                                        r"hidden_dim=32 \(config: 64\)"):
+    cfg = compose_run(
+        runs["tmp"] / "six", tmp_path, "model.hidden_dim=64", f"model.init_from={runs['source'] / 'checkpoint.pth'}"
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.init_from=.*checkpoint\.pth: \d+ parameters have other shapes.*"
+        r"hidden_dim=32 \(config: 64\)",
+    ):
         trainer.train(cfg)
     assert not (tmp_path / "checkpoint.pth").exists()
     assert torch.is_tensor(load_checkpoint(runs["source"] / "checkpoint.pth")["model"]["query_embed.weight"])

@@ -44,8 +44,11 @@ def ground_truth_detections(coco: COCO, *, drop_category: int | None = None, see
         if generator is not None:
             xyxy = xyxy + torch.randn(xyxy.shape, generator=generator) * 3
             scores = torch.rand(len(anns), generator=generator)
-        predictions[image_id] = {"boxes": xyxy, "scores": scores,
-                                 "labels": torch.tensor([a["category_id"] for a in anns], dtype=torch.int64)}
+        predictions[image_id] = {
+            "boxes": xyxy,
+            "scores": scores,
+            "labels": torch.tensor([a["category_id"] for a in anns], dtype=torch.int64),
+        }
     return predictions
 
 
@@ -89,8 +92,11 @@ def test_no_detections_give_zero_where_there_is_ground_truth(coco_gt):
 
 def test_repeated_category_names_get_their_ids(coco_gt):
     coco = COCO()
-    coco.dataset = {"images": [], "annotations": [],
-                    "categories": [{"id": 1, "name": "cell"}, {"id": 2, "name": "cell"}, {"id": 5, "name": "nucleus"}]}
+    coco.dataset = {
+        "images": [],
+        "annotations": [],
+        "categories": [{"id": 1, "name": "cell"}, {"id": 2, "name": "cell"}, {"id": 5, "name": "nucleus"}],
+    }
     with contextlib.redirect_stdout(io.StringIO()):
         coco.createIndex()
     assert category_names(coco, [1, 2, 5]) == {1: "cell (id 1)", 2: "cell (id 2)", 5: "nucleus"}

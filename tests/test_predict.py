@@ -41,7 +41,7 @@ def _photo(seed: int, size=(120, 90)) -> Image.Image:
     pixels = torch.randint(0, 60, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
     for _ in range(3):
         x, y = (int(v) for v in torch.randint(0, min(size) // 2, (2,), generator=g))
-        pixels[y:y + 30, x:x + 40] = torch.randint(100, 255, (3,), generator=g, dtype=torch.uint8)
+        pixels[y : y + 30, x : x + 40] = torch.randint(100, 255, (3,), generator=g, dtype=torch.uint8)
     return Image.fromarray(pixels.numpy())
 
 
@@ -59,8 +59,15 @@ def folder(tmp_path_factory) -> Path:
 
 
 def test_detections_are_coco_results_of_the_images_that_pycocotools_loads(checkpoint, folder, tmp_path):
-    out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", f"output_dir={tmp_path}",
-                                            "score_threshold=0.1", "max_detections=5"))
+    out = predictor.predict(
+        compose_predict(
+            f"checkpoint={checkpoint}",
+            f"images={folder}",
+            f"output_dir={tmp_path}",
+            "score_threshold=0.1",
+            "max_detections=5",
+        )
+    )
     images = COCO(str(tmp_path / "images.json"))
     assert sorted(i["file_name"] for i in images.imgs.values()) == ["a.jpg", "b.png", "sub/c.jpg", "sub/d.png"]
     assert {c["id"]: c["name"] for c in images.cats.values()} == CATEGORIES
@@ -88,9 +95,18 @@ def test_boxes_are_in_the_pixels_of_the_image_as_shown(checkpoint, tmp_path):
     exif[EXIF_ORIENTATION] = TURNED_RIGHT
     # Orientation 6 shows the stored pixels turned 90 degrees clockwise: store them turned the other way.
     photo.transpose(Image.Transpose.ROTATE_90).save(turned / "p.jpg", quality=100, subsampling=0, exif=exif)
-    results = [predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={d}",
-                                                 f"output_dir={tmp_path / ('out_' + d.name)}", "score_threshold=0.2",
-                                                 "draw=false")) for d in (upright, turned)]
+    results = [
+        predictor.predict(
+            compose_predict(
+                f"checkpoint={checkpoint}",
+                f"images={d}",
+                f"output_dir={tmp_path / ('out_' + d.name)}",
+                "score_threshold=0.2",
+                "draw=false",
+            )
+        )
+        for d in (upright, turned)
+    ]
     a, b = ([d["bbox"] for d in r["detections"]] for r in results)
     assert len(a) == len(b) > 0
     torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=1.5, rtol=0)  # JPEG's loss, not a turn
@@ -99,11 +115,19 @@ def test_boxes_are_in_the_pixels_of_the_image_as_shown(checkpoint, tmp_path):
 
 
 def test_boxes_are_the_models_relative_boxes_scaled_to_the_original_image(checkpoint, folder, tmp_path):
-    out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder / 'a.jpg'}",
-                                            f"output_dir={tmp_path}", "score_threshold=0", "max_detections=3",
-                                            "draw=false"))
-    trained = load_trained_model(str(checkpoint), compose_predict("checkpoint=x", "images=y").model,
-                                 device=torch.device("cpu"))
+    out = predictor.predict(
+        compose_predict(
+            f"checkpoint={checkpoint}",
+            f"images={folder / 'a.jpg'}",
+            f"output_dir={tmp_path}",
+            "score_threshold=0",
+            "max_detections=3",
+            "draw=false",
+        )
+    )
+    trained = load_trained_model(
+        str(checkpoint), compose_predict("checkpoint=x", "images=y").model, device=torch.device("cpu")
+    )
     image, info = ImageFolder([folder / "a.jpg"], val_size=trained.val_size, max_size=trained.max_size)[0]
     with torch.no_grad():
         outputs = trained.model(image[None], torch.zeros(1, *image.shape[-2:], dtype=torch.bool))
@@ -121,8 +145,9 @@ def test_boxes_are_the_models_relative_boxes_scaled_to_the_original_image(checkp
 
 
 def test_pictures_show_the_detections(checkpoint, folder, tmp_path):
-    predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", f"output_dir={tmp_path}",
-                                      "score_threshold=0.1"))
+    predictor.predict(
+        compose_predict(f"checkpoint={checkpoint}", f"images={folder}", f"output_dir={tmp_path}", "score_threshold=0.1")
+    )
     drawn = sorted(p.relative_to(tmp_path / "images").as_posix() for p in (tmp_path / "images").rglob("*.*"))
     assert drawn == ["a.jpg", "b.png", "sub/c.jpg", "sub/d.png"]  # each file's own name and format
     assert Image.open(tmp_path / "images" / "b.png").format == "PNG"
@@ -144,16 +169,33 @@ def test_an_official_checkpoints_classes_are_cocos(tmp_path):
 
 
 def test_annotations_evaluate_the_detections_and_name_the_classes(checkpoint, folder, tmp_path):
-    images = [{"id": 10 + i, "file_name": name, "width": w, "height": h}
-              for i, (name, (w, h)) in enumerate([("a.jpg", (120, 90)), ("sub/c.jpg", (120, 90))])]
-    annotations = [{"id": 1, "image_id": 10, "category_id": 2, "bbox": [10, 10, 40, 30], "area": 1200, "iscrowd": 0},
-                   {"id": 2, "image_id": 11, "category_id": 1, "bbox": [5, 20, 40, 30], "area": 1200, "iscrowd": 0}]
+    images = [
+        {"id": 10 + i, "file_name": name, "width": w, "height": h}
+        for i, (name, (w, h)) in enumerate([("a.jpg", (120, 90)), ("sub/c.jpg", (120, 90))])
+    ]
+    annotations = [
+        {"id": 1, "image_id": 10, "category_id": 2, "bbox": [10, 10, 40, 30], "area": 1200, "iscrowd": 0},
+        {"id": 2, "image_id": 11, "category_id": 1, "bbox": [5, 20, 40, 30], "area": 1200, "iscrowd": 0},
+    ]
     gt = tmp_path / "gt.json"
-    gt.write_text(json.dumps({"images": images, "annotations": annotations,
-                              "categories": [{"id": 1, "name": "ring"}, {"id": 2, "name": "box"},
-                                             {"id": 3, "name": "wedge"}]}))
-    out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", f"output_dir={tmp_path / 'o'}",
-                                            f"annotations={gt}", "score_threshold=0.5"))
+    gt.write_text(
+        json.dumps(
+            {
+                "images": images,
+                "annotations": annotations,
+                "categories": [{"id": 1, "name": "ring"}, {"id": 2, "name": "box"}, {"id": 3, "name": "wedge"}],
+            }
+        )
+    )
+    out = predictor.predict(
+        compose_predict(
+            f"checkpoint={checkpoint}",
+            f"images={folder}",
+            f"output_dir={tmp_path / 'o'}",
+            f"annotations={gt}",
+            "score_threshold=0.5",
+        )
+    )
     record = json.loads((tmp_path / "o" / "eval.json").read_text())
     assert record["num_images"] == 2 and set(out["eval"]) == {"AP", "AP50", "AP75", "APs", "APm", "APl"}
     assert record["AP"] == out["eval"]["AP"] and set(record["per_class"]) == {"ring", "box", "wedge"}
@@ -163,8 +205,9 @@ def test_annotations_evaluate_the_detections_and_name_the_classes(checkpoint, fo
     assert {c["name"] for c in written.cats.values()} == {"ring", "box", "wedge"}
 
 
-def test_an_unreadable_image_is_skipped_with_one_warning_and_the_good_ones_written(checkpoint, folder, tmp_path,
-                                                                                  caplog):
+def test_an_unreadable_image_is_skipped_with_one_warning_and_the_good_ones_written(
+    checkpoint, folder, tmp_path, caplog
+):
     """The unreadable image in the first batch: the good images' detections and pictures are written all the
     same; an image and another of the same name but another format are two pictures."""
     broken = tmp_path / "broken"
@@ -173,8 +216,15 @@ def test_an_unreadable_image_is_skipped_with_one_warning_and_the_good_ones_writt
     (broken / "good.png").write_bytes((folder / "b.png").read_bytes())
     (broken / "bad.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])  # truncated
     with caplog.at_level("WARNING", logger="engine"):
-        out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={broken}", "batch_size=4",
-                                                f"output_dir={tmp_path / 'o'}", "score_threshold=0"))
+        out = predictor.predict(
+            compose_predict(
+                f"checkpoint={checkpoint}",
+                f"images={broken}",
+                "batch_size=4",
+                f"output_dir={tmp_path / 'o'}",
+                "score_threshold=0",
+            )
+        )
     assert out["skipped"] == [str(broken / "bad.jpg")]
     warnings = [r.getMessage() for r in caplog.records]
     assert sum("bad.jpg" in w for w in warnings) == 1 and any("1 of 3 images could not be read" in w for w in warnings)
@@ -189,16 +239,20 @@ def test_a_folder_of_unreadable_images_is_an_error_naming_it(checkpoint, folder,
     broken.mkdir()
     (broken / "bad.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])
     with pytest.raises(ImageReadError, match=r"none of the 1 images of images=.*broken could be read"):
-        predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={broken}",
-                                          f"output_dir={tmp_path / 'o'}"))
+        predictor.predict(
+            compose_predict(f"checkpoint={checkpoint}", f"images={broken}", f"output_dir={tmp_path / 'o'}")
+        )
 
 
-@pytest.mark.parametrize("setting,message", [
-    ("empty", r"images=.*holds no image files"),
-    ("missing", r"images=.*no such file or folder"),
-    ("score_threshold=1.5", r"score_threshold must be a number in \[0, 1\], got 1.5"),
-    ("max_detections=0", r"max_detections must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("empty", r"images=.*holds no image files"),
+        ("missing", r"images=.*no such file or folder"),
+        ("score_threshold=1.5", r"score_threshold must be a number in \[0, 1\], got 1.5"),
+        ("max_detections=0", r"max_detections must be an integer >= 1, got 0"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(checkpoint, tmp_path, setting, message):
     (tmp_path / "empty").mkdir()
     images = {"empty": tmp_path / "empty", "missing": tmp_path / "nowhere"}.get(setting, tmp_path / "empty")
@@ -210,9 +264,21 @@ def test_bad_input_gets_a_clear_error(checkpoint, tmp_path, setting, message):
 
 
 def test_the_command_line_prints_one_message_for_a_fault_and_writes_a_log(checkpoint, folder, tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "predict.py"), f"checkpoint={checkpoint}",  # noqa: E731
-                                     "device=cpu", "num_workers=0", *a], cwd=tmp_path, env=child_env(),
-                                    capture_output=True, text=True, timeout=300)
+    run = lambda *a: subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "predict.py"),
+            f"checkpoint={checkpoint}",  # noqa: E731
+            "device=cpu",
+            "num_workers=0",
+            *a,
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     bad = run(f"images={tmp_path / 'nowhere'}", f"output_dir={tmp_path / 'bad'}")
     assert bad.returncode == 1 and "no such file or folder" in bad.stderr + bad.stdout
     assert "Traceback" not in bad.stderr + bad.stdout and not (tmp_path / "bad").exists()
@@ -223,17 +289,26 @@ def test_the_command_line_prints_one_message_for_a_fault_and_writes_a_log(checkp
 
 
 def test_checkpoint_may_be_a_run_directory(checkpoint, folder, tmp_path):
-    out = predictor.predict(compose_predict(f"checkpoint={checkpoint.parent}", f"images={folder / 'a.jpg'}",
-                                            f"output_dir={tmp_path}", "draw=false"))
+    out = predictor.predict(
+        compose_predict(
+            f"checkpoint={checkpoint.parent}", f"images={folder / 'a.jpg'}", f"output_dir={tmp_path}", "draw=false"
+        )
+    )
     assert out["images"] == 1 and (tmp_path / "detections.json").is_file()
 
 
 def test_triton_attention_without_a_gpu_is_refused_naming_model_msda(checkpoint, folder, tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would run the kernels on the CPU
-    with pytest.raises(ValueError, match=r"model\.msda=triton runs the Triton kernels, which need a GPU, but this "
-                                         r"run is on cpu"):
-        predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "model.msda=triton",
-                                          f"output_dir={tmp_path / 'o'}"))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.msda=triton runs the Triton kernels, which need a GPU, but this "
+        r"run is on cpu",
+    ):
+        predictor.predict(
+            compose_predict(
+                f"checkpoint={checkpoint}", f"images={folder}", "model.msda=triton", f"output_dir={tmp_path / 'o'}"
+            )
+        )
     assert not (tmp_path / "o" / "detections.json").exists()
 
 
@@ -245,9 +320,22 @@ def test_the_warning_for_an_unreadable_image_names_the_id_images_json_gives_it(c
     (photos / "a.jpg").write_bytes((folder / "a.jpg").read_bytes())
     (photos / "b.jpg").write_bytes((folder / "a.jpg").read_bytes()[:300])  # truncated
     (photos / "c.png").write_bytes((folder / "b.png").read_bytes())
-    child = subprocess.run([sys.executable, str(ROOT / "predict.py"), f"checkpoint={checkpoint}", f"images={photos}",
-                            "device=cpu", "num_workers=0", f"output_dir={tmp_path / 'o'}"], cwd=tmp_path,
-                           env=child_env(), capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "predict.py"),
+            f"checkpoint={checkpoint}",
+            f"images={photos}",
+            "device=cpu",
+            "num_workers=0",
+            f"output_dir={tmp_path / 'o'}",
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 0, out
     ids = {i["file_name"]: i["id"] for i in COCO(str(tmp_path / "o" / "images.json")).imgs.values()}
@@ -260,11 +348,20 @@ def test_detections_move_with_batch_size_through_padding_as_the_readme_says(chec
     README says so beside predict.py's batch_size."""
     scores = {}
     for batch_size in (1, 4):
-        out = predictor.predict(compose_predict(f"checkpoint={checkpoint}", f"images={folder}", "draw=false",
-                                                f"batch_size={batch_size}", "score_threshold=0",
-                                                f"output_dir={tmp_path / str(batch_size)}"))
+        out = predictor.predict(
+            compose_predict(
+                f"checkpoint={checkpoint}",
+                f"images={folder}",
+                "draw=false",
+                f"batch_size={batch_size}",
+                "score_threshold=0",
+                f"output_dir={tmp_path / str(batch_size)}",
+            )
+        )
         scores[batch_size] = sorted(round(d["score"], 4) for d in out["detections"])
     assert scores[1] != scores[4]
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert ("padding changes what the backbone sees: detections and their AP move a little with `batch_size` "
-            "(`batch_size=1` pads nothing)") in readme
+    assert (
+        "padding changes what the backbone sees: detections and their AP move a little with `batch_size` "
+        "(`batch_size=1` pads nothing)"
+    ) in readme

@@ -34,7 +34,9 @@ def global_batch(counts: tuple[int, ...], device="cpu"):
     masks = torch.zeros(WORLD, 96, 128, dtype=torch.bool)
     targets = []
     for n in counts:
-        boxes = torch.cat([torch.rand(n, 2, generator=gen) * 0.5 + 0.25, torch.rand(n, 2, generator=gen) * 0.3 + 0.1], 1)
+        boxes = torch.cat(
+            [torch.rand(n, 2, generator=gen) * 0.5 + 0.25, torch.rand(n, 2, generator=gen) * 0.3 + 0.1], 1
+        )
         targets.append({"labels": torch.randint(1, 7, (n,), generator=gen), "boxes": boxes})
     targets = [{k: v.to(device) for k, v in t.items()} for t in targets]
     return images.to(device), masks.to(device), targets
@@ -44,9 +46,15 @@ def loss_and_grads(model, criterion, images, masks, targets, ctx: DistContext, s
     """The trainer's step (no clipping, lr 0); returns its loss and the gradients it computed."""
     module = getattr(model, "module", model)  # the DDP-wrapped model's own parameters
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.0, fused=True)
-    step = OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
-                     precision=Precision(amp="none", device=ctx.device), clip_max_norm=0.0,
-                     average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients)
+    step = OptimizerStep(
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        precision=Precision(amp="none", device=ctx.device),
+        clip_max_norm=0.0,
+        average_num_boxes=lambda n: average_over_processes(n, ctx),
+        sync_gradients=sync_gradients,
+    )
     values = step(images, masks, targets)
     grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
     return values[0], grads
@@ -69,27 +77,39 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], regi
                 for t in [*model.parameters(), *buffers]:
                     t.add_(1e-2 * torch.rand_like(t))  # positive: running variances stay positive
         if regions:  # as train.py compiles before wrapping; aot_eager traces as inductor does, without codegen
-            compile_model(model.to(device), CompilePlan(mode="default", regions=regions, backbone="eager",
-                                                        backend="aot_eager"), criterion=criterion)
+            compile_model(
+                model.to(device),
+                CompilePlan(mode="default", regions=regions, backbone="eager", backend="aot_eager"),
+                criterion=criterion,
+            )
         ctx = DistContext(rank=rank, world_size=WORLD, local_rank=rank, device=device)
         model.to(device)
         trained, sync_gradients = data_parallel(model, ctx, gradient_sync=sync)  # as train.py does
         if sync == "ddp":
             assert not torch._dynamo.config.optimize_ddp, "data_parallel leaves compiled graphs uncut at DDP's buckets"
         images, masks, targets = global_batch(counts, device)
-        loss, grads = loss_and_grads(trained, criterion, images[rank:rank + 1], masks[rank:rank + 1],
-                                     [targets[rank]], ctx, sync_gradients)
+        loss, grads = loss_and_grads(
+            trained, criterion, images[rank : rank + 1], masks[rank : rank + 1], [targets[rank]], ctx, sync_gradients
+        )
         dist.all_reduce(loss)
         # A file, not a queue: tensors sent through a queue live in the sender's shared memory, gone at exit.
-        torch.save({"loss": (loss / WORLD).item(), "grads": {k: v.cpu() for k, v in grads.items()}},
-                   f"{work}/rank{rank}.pt")
+        torch.save(
+            {"loss": (loss / WORLD).item(), "grads": {k: v.cpu() for k, v in grads.items()}}, f"{work}/rank{rank}.pt"
+        )
     finally:
         dist.destroy_process_group()
 
 
-BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
-            pytest.param("nccl", id="nccl-2-gpus", marks=pytest.mark.skipif(
-                torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (runs on the device machine)"))]
+BACKENDS = [
+    pytest.param("gloo", id="gloo-cpu"),
+    pytest.param(
+        "nccl",
+        id="nccl-2-gpus",
+        marks=pytest.mark.skipif(
+            torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (runs on the device machine)"
+        ),
+    ),
+]
 
 
 # (1, 4): the ranks' images hold different numbers of boxes; (0, 3): one rank's batch has none at all, which
@@ -99,8 +119,11 @@ BACKENDS = [pytest.param("gloo", id="gloo-cpu"),
 # costs a minute of CI); the one process stays eager. (In DDP: the tiny model's layers are below the 1 MiB that
 # Dynamo's DDP cuts start at, so this checks the gradients of compiled layers in DDP, not the cuts themselves;
 # each rank checks that they are off.)
-@pytest.mark.parametrize("counts,compiled", [((1, 4), False), ((0, 3), False), ((1, 4), True)],
-                         ids=["1-and-4-boxes", "no-boxes-on-rank-0", "1-and-4-boxes-compiled"])
+@pytest.mark.parametrize(
+    "counts,compiled",
+    [((1, 4), False), ((0, 3), False), ((1, 4), True)],
+    ids=["1-and-4-boxes", "no-boxes-on-rank-0", "1-and-4-boxes-compiled"],
+)
 @pytest.mark.parametrize("sync", ["allreduce", "ddp"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts, compiled, sync, full_fp32):

@@ -29,9 +29,20 @@ OPERATORS = {"&&", "||", ";", "|"}
 ENVIRONMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 BENCH = re.compile(r"^bench/(\w+)\.py$")
 # Hydra's own command-line flags (not overrides), and those of them that take a value.
-HYDRA_FLAGS = {"--cfg": True, "-c": True, "--package": True, "-p": True, "--info": False, "-i": False,
-               "--help": False, "-h": False, "--hydra-help": False, "--multirun": False, "-m": False,
-               "--resolve": False}
+HYDRA_FLAGS = {
+    "--cfg": True,
+    "-c": True,
+    "--package": True,
+    "-p": True,
+    "--info": False,
+    "-i": False,
+    "--help": False,
+    "-h": False,
+    "--hydra-help": False,
+    "--multirun": False,
+    "-m": False,
+    "--resolve": False,
+}
 
 
 def code_lines(text: str) -> list[tuple[int, str]]:
@@ -76,7 +87,7 @@ def commands(text: str) -> list[tuple[int, str, list[str]]]:
                 scripts = [i for i, token in enumerate(argv) if token.endswith(".py")]
                 if not scripts:
                     continue
-                script, args = argv[scripts[0]], argv[scripts[0] + 1:]
+                script, args = argv[scripts[0]], argv[scripts[0] + 1 :]
             else:
                 continue
             if script in ENTRY_POINTS or BENCH.match(script):
@@ -161,17 +172,28 @@ def test_every_command_of_the_documentation_composes_or_parses(document: Path):
 
 
 def test_the_extraction_reads_continuations_comments_environment_and_torchrun():
-    text = "\n".join(["text outside a block: python train.py not=checked", "```bash",
-                      "CXX=g++ python export.py checkpoint=PATH format=aoti   # a comment",
-                      "python train.py dataset=custom \\", "    epochs=2 \\", "    max_steps=3",
-                      "torchrun --nproc_per_node=8 train.py [overrides] epochs=1",
-                      "pip install -r requirements.txt && python train.py --cfg job seed=1",
-                      "python bench/e2e.py --quick", "python -m pytest -q tests", "```"])
-    assert commands(text) == [(3, "export.py", ["checkpoint=PATH", "format=aoti"]),
-                              (4, "train.py", ["dataset=custom", "epochs=2", "max_steps=3"]),
-                              (7, "train.py", ["[overrides]", "epochs=1"]),
-                              (8, "train.py", ["--cfg", "job", "seed=1"]),
-                              (9, "bench/e2e.py", ["--quick"])]
+    text = "\n".join(
+        [
+            "text outside a block: python train.py not=checked",
+            "```bash",
+            "CXX=g++ python export.py checkpoint=PATH format=aoti   # a comment",
+            "python train.py dataset=custom \\",
+            "    epochs=2 \\",
+            "    max_steps=3",
+            "torchrun --nproc_per_node=8 train.py [overrides] epochs=1",
+            "pip install -r requirements.txt && python train.py --cfg job seed=1",
+            "python bench/e2e.py --quick",
+            "python -m pytest -q tests",
+            "```",
+        ]
+    )
+    assert commands(text) == [
+        (3, "export.py", ["checkpoint=PATH", "format=aoti"]),
+        (4, "train.py", ["dataset=custom", "epochs=2", "max_steps=3"]),
+        (7, "train.py", ["[overrides]", "epochs=1"]),
+        (8, "train.py", ["--cfg", "job", "seed=1"]),
+        (9, "bench/e2e.py", ["--quick"]),
+    ]
     assert overrides_of(["--cfg", "job", "...", "seed=1"]) == ["seed=1"]
     assert problems(text, "x.md") == []
 
@@ -180,13 +202,21 @@ def test_the_extraction_reads_continuations_comments_environment_and_torchrun():
 def test_a_bad_key_and_an_unknown_bench_flag_fail_naming_their_line(document):
     text = (ROOT / document).read_text()
     lines = text.splitlines()
-    bad = lines + ["", "```bash", "python train.py optim.lrr=1e-4", "python bench/e2e.py --no-such-flag",
-                   "python predict.py checkpoint=PATH images=photos/ score_threshold=2", "```"]
+    bad = lines + [
+        "",
+        "```bash",
+        "python train.py optim.lrr=1e-4",
+        "python bench/e2e.py --no-such-flag",
+        "python predict.py checkpoint=PATH images=photos/ score_threshold=2",
+        "```",
+    ]
     found = problems("\n".join(bad), document)
     first = len(lines) + 3
     assert len(found) == 3, found
     assert found[0].startswith(f"{document}:{first}: `python train.py optim.lrr=1e-4`: ")
     assert "optim.lrr" in found[0].split("`: ")[1]
-    assert found[1] == f"{document}:{first + 1}: `python bench/e2e.py --no-such-flag`: unrecognized arguments: " \
-                       "--no-such-flag"
+    assert (
+        found[1] == f"{document}:{first + 1}: `python bench/e2e.py --no-such-flag`: unrecognized arguments: "
+        "--no-such-flag"
+    )
     assert found[2].startswith(f"{document}:{first + 2}: ") and "score_threshold must" in found[2].split("`: ")[1]

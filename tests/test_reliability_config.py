@@ -21,77 +21,118 @@ from engine.errors import CheckpointError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("overrides, cause", [
-    (["optim.lr=fast"], r"Value 'fast' of type 'str' could not be converted to Float\s+full_key: optim\.lr"),
-    (["optim.lr_drop=4.5"], r"could not be converted to Integer\s+full_key: optim\.lr_drop"),
-    (["model.nheads=eight"], r"could not be converted to Integer\s+full_key: model\.nheads"),
-    (["model.msda=cuda"], r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda"),
-    (["compile.regions=model"], r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
-                                r"compile\.regions"),
-    (["compile.backbone=symbolic"], r"Invalid value 'symbolic', expected one of \[dynamic, static, eager\]\s+"
-                                    r"full_key: compile\.backbone"),
-    (["compile.mode=fast"], r"Invalid value 'fast', expected one of \[auto, eager, graphs, default, reduce-overhead\]\s+"
-                            r"full_key: compile\.mode"),
-    # The settings of older versions are gone: each names its key.
-    (["compile=true"], r"full_key: compile"),
-    (["compile_mode=reduce-overhead"], r"Key 'compile_mode' not in 'TrainConfig'"),
-    (["model.backbone=vgg16"], r"Invalid value 'vgg16', expected one of \[resnet18, .*\]\s+full_key: model\.backbone"),
-    (["model.position_embedding=rope"], r"full_key: model\.position_embedding"),
-    (["model.with_box_refine=sometimes"], r"'sometimes' is not a valid bool .*\s+full_key: model\.with_box_refine"),
-    (["dataset.num_train=many"], r"could not be converted to Integer\s+full_key: dataset\.num_train"),
-    (["dataset=coco", "dataset.num_train=10"], r"Key 'num_train' not in 'CocoDatasetConfig'\s+full_key: "
-                                               r"dataset\.num_train"),
-    (["dataset=custom", "dataset.root=/data"], r"Key 'root' not in 'CustomDatasetConfig'"),
-    (["model.nhead=4"], r"Key 'nhead' not in 'ModelConfig'\s+full_key: model\.nhead"),
-    (["resume=[1,2]"], r"full_key: resume"),
-])
+@pytest.mark.parametrize(
+    "overrides, cause",
+    [
+        (["optim.lr=fast"], r"Value 'fast' of type 'str' could not be converted to Float\s+full_key: optim\.lr"),
+        (["optim.lr_drop=4.5"], r"could not be converted to Integer\s+full_key: optim\.lr_drop"),
+        (["model.nheads=eight"], r"could not be converted to Integer\s+full_key: model\.nheads"),
+        (
+            ["model.msda=cuda"],
+            r"Invalid value 'cuda', expected one of \[triton, pytorch, auto\]\s+full_key: model\.msda",
+        ),
+        (
+            ["compile.regions=model"],
+            r"Invalid value 'model', expected one of \[layers, transformer\]\s+full_key: "
+            r"compile\.regions",
+        ),
+        (
+            ["compile.backbone=symbolic"],
+            r"Invalid value 'symbolic', expected one of \[dynamic, static, eager\]\s+"
+            r"full_key: compile\.backbone",
+        ),
+        (
+            ["compile.mode=fast"],
+            r"Invalid value 'fast', expected one of \[auto, eager, graphs, default, reduce-overhead\]\s+"
+            r"full_key: compile\.mode",
+        ),
+        # The settings of older versions are gone: each names its key.
+        (["compile=true"], r"full_key: compile"),
+        (["compile_mode=reduce-overhead"], r"Key 'compile_mode' not in 'TrainConfig'"),
+        (
+            ["model.backbone=vgg16"],
+            r"Invalid value 'vgg16', expected one of \[resnet18, .*\]\s+full_key: model\.backbone",
+        ),
+        (["model.position_embedding=rope"], r"full_key: model\.position_embedding"),
+        (["model.with_box_refine=sometimes"], r"'sometimes' is not a valid bool .*\s+full_key: model\.with_box_refine"),
+        (["dataset.num_train=many"], r"could not be converted to Integer\s+full_key: dataset\.num_train"),
+        (
+            ["dataset=coco", "dataset.num_train=10"],
+            r"Key 'num_train' not in 'CocoDatasetConfig'\s+full_key: "
+            r"dataset\.num_train",
+        ),
+        (["dataset=custom", "dataset.root=/data"], r"Key 'root' not in 'CustomDatasetConfig'"),
+        (["model.nhead=4"], r"Key 'nhead' not in 'ModelConfig'\s+full_key: model\.nhead"),
+        (["resume=[1,2]"], r"full_key: resume"),
+    ],
+)
 def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
     with pytest.raises(ConfigCompositionException) as error:
         compose_train(*overrides)
     assert re.search(cause, str(error.value.__cause__)), str(error.value.__cause__)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optim.lr=-1"], r"optim\.lr must be a finite number > 0, got -1\.0"),
-    (["optim.lr=nan"], r"optim\.lr must be a finite number > 0, got nan"),
-    (["optim.lr_drop=0"], r"optim\.lr_drop must be an integer >= 1"),
-    (["optim.clip_max_norm=-0.1"], r"optim\.clip_max_norm must be a finite number >= 0"),
-    (["model.two_stage=true"], r"model\.two_stage=true needs model\.with_box_refine=true"),
-    (["model.dropout=1.5"], r"model\.dropout must be a number in \[0, 1\), got 1\.5"),
-    (["model.hidden_dim=48", "model.nheads=5"], r"model\.hidden_dim must be divisible by model\.nheads"),
-    (["model.num_classes=0"], r"model\.num_classes must be an integer >= 1 or null"),
-    (["model.hybrid_matching=true", "model.k_one2many=0"], r"model\.k_one2many must be an integer >= 1"),
-    (["device=gpu"], r"device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
-    (["epochs=0", "batch_size=0"], r"epochs must be an integer >= 1, got 0; batch_size must be an integer >= 1"),
-    (["dataset.image_size=8"], r"dataset\.image_size must be at least 16 pixels"),
-    (["dataset.crop_min_size=700"], r"dataset\.crop_min_size \(700\) must not exceed dataset\.crop_max_size"),
-    (["dataset.name=coco"], r"dataset\.name is coco in the synthetic dataset config: choose the set with dataset=coco"),
-    (["dataset.pad_to_multiple=0"], r"dataset\.pad_to_multiple must be"),
-    (["compile.mode=default", "compile.backend=123", "dist_timeout_s=0"], r"dist_timeout_s must be > 0 seconds, got 0\.0"),
-    (["eval_images=-1"], r"eval_images must be an integer >= 0, got -1"),
-    (["profile_steps=[5,4]"], r"profile_steps must be null or \[FIRST,LAST\], optimizer steps counted from 1 with "
-                              r"FIRST <= LAST, got \[5, 4\]"),
-    (["profile_steps=[0,3]"], r"profile_steps must be null or \[FIRST,LAST\].*got \[0, 3\]"),
-    (["profile_steps=[7]"], r"profile_steps must be null or \[FIRST,LAST\].*got \[7\]"),
-    (["compile.mode=reduce-overhead", "compile.backend=aot_eager"],
-     r"compile\.mode=reduce-overhead replays CUDA graphs, which need compile\.backend=inductor; got "
-     r"compile\.backend=aot_eager"),
-    (["compile.mode=eager", "compile.backbone=static"],
-     r"compile\.backbone=static does nothing with compile\.mode=eager"),
-    (["dataset.size_buckets=1"], r"dataset\.size_buckets must be 0 \(no buckets\) or at least 2"),
-    # Hydra's own hint after a typo is '+key=value', which adds a key that nothing reads.
-    (["+optim.lrr=1e-4"], r"unknown settings .*: optim\.lrr is not a setting \(did you mean optim\.lr\?\)"),
-    (["+epoch=3", "+dataset.size_bucket=2"], r"dataset\.size_bucket is not a setting \(did you mean "
-                                             r"dataset\.size_buckets\?\); epoch is not a setting \(did you mean epochs\?\)"),
-    (["+compile.modes=eager"], r"compile\.modes is not a setting \(did you mean compile\.mode\?\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.lr=-1"], r"optim\.lr must be a finite number > 0, got -1\.0"),
+        (["optim.lr=nan"], r"optim\.lr must be a finite number > 0, got nan"),
+        (["optim.lr_drop=0"], r"optim\.lr_drop must be an integer >= 1"),
+        (["optim.clip_max_norm=-0.1"], r"optim\.clip_max_norm must be a finite number >= 0"),
+        (["model.two_stage=true"], r"model\.two_stage=true needs model\.with_box_refine=true"),
+        (["model.dropout=1.5"], r"model\.dropout must be a number in \[0, 1\), got 1\.5"),
+        (["model.hidden_dim=48", "model.nheads=5"], r"model\.hidden_dim must be divisible by model\.nheads"),
+        (["model.num_classes=0"], r"model\.num_classes must be an integer >= 1 or null"),
+        (["model.hybrid_matching=true", "model.k_one2many=0"], r"model\.k_one2many must be an integer >= 1"),
+        (["device=gpu"], r"device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (["epochs=0", "batch_size=0"], r"epochs must be an integer >= 1, got 0; batch_size must be an integer >= 1"),
+        (["dataset.image_size=8"], r"dataset\.image_size must be at least 16 pixels"),
+        (["dataset.crop_min_size=700"], r"dataset\.crop_min_size \(700\) must not exceed dataset\.crop_max_size"),
+        (
+            ["dataset.name=coco"],
+            r"dataset\.name is coco in the synthetic dataset config: choose the set with dataset=coco",
+        ),
+        (["dataset.pad_to_multiple=0"], r"dataset\.pad_to_multiple must be"),
+        (
+            ["compile.mode=default", "compile.backend=123", "dist_timeout_s=0"],
+            r"dist_timeout_s must be > 0 seconds, got 0\.0",
+        ),
+        (["eval_images=-1"], r"eval_images must be an integer >= 0, got -1"),
+        (
+            ["profile_steps=[5,4]"],
+            r"profile_steps must be null or \[FIRST,LAST\], optimizer steps counted from 1 with "
+            r"FIRST <= LAST, got \[5, 4\]",
+        ),
+        (["profile_steps=[0,3]"], r"profile_steps must be null or \[FIRST,LAST\].*got \[0, 3\]"),
+        (["profile_steps=[7]"], r"profile_steps must be null or \[FIRST,LAST\].*got \[7\]"),
+        (
+            ["compile.mode=reduce-overhead", "compile.backend=aot_eager"],
+            r"compile\.mode=reduce-overhead replays CUDA graphs, which need compile\.backend=inductor; got "
+            r"compile\.backend=aot_eager",
+        ),
+        (
+            ["compile.mode=eager", "compile.backbone=static"],
+            r"compile\.backbone=static does nothing with compile\.mode=eager",
+        ),
+        (["dataset.size_buckets=1"], r"dataset\.size_buckets must be 0 \(no buckets\) or at least 2"),
+        # Hydra's own hint after a typo is '+key=value', which adds a key that nothing reads.
+        (["+optim.lrr=1e-4"], r"unknown settings .*: optim\.lrr is not a setting \(did you mean optim\.lr\?\)"),
+        (
+            ["+epoch=3", "+dataset.size_bucket=2"],
+            r"dataset\.size_bucket is not a setting \(did you mean "
+            r"dataset\.size_buckets\?\); epoch is not a setting \(did you mean epochs\?\)",
+        ),
+        (["+compile.modes=eager"], r"compile\.modes is not a setting \(did you mean compile\.mode\?\)"),
+    ],
+)
 def test_out_of_range_values_and_broken_rules_are_caught_before_the_run(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_config(compose_train(*overrides))
 
 
-@pytest.mark.parametrize("overrides", [[], ["dataset=coco"], ["dataset=custom"], ["experiment=two_stage"],
-                                       ["experiment=coco_gpu"]])
+@pytest.mark.parametrize(
+    "overrides", [[], ["dataset=coco"], ["dataset=custom"], ["experiment=two_stage"], ["experiment=coco_gpu"]]
+)
 def test_the_shipped_configs_pass(overrides):
     cfg = check_config(compose_train(*overrides))
     assert OmegaConf.get_type(cfg.dataset).__name__.lower().startswith(cfg.dataset.name)
@@ -99,7 +140,9 @@ def test_the_shipped_configs_pass(overrides):
 
 def test_a_config_composed_without_the_schemas_is_refused():
     untyped = OmegaConf.create(OmegaConf.to_container(compose_train()))
-    with pytest.raises(TypeError, match=r"composed without its schemas: call engine\.config\.registry\.register_configs\(\)"):
+    with pytest.raises(
+        TypeError, match=r"composed without its schemas: call engine\.config\.registry\.register_configs\(\)"
+    ):
         check_config(untyped)
 
 
@@ -111,8 +154,9 @@ def test_a_run_settles_its_config_once_into_a_read_only_copy(tmp_path):
     from datasets import build_dataset
     from engine.train.run import settle_config
 
-    cfg = check_config(compose_train(f"dataset.root={tmp_path}", "dataset.num_train=4", "dataset.num_val=2",
-                                     "model.num_classes=null"))
+    cfg = check_config(
+        compose_train(f"dataset.root={tmp_path}", "dataset.num_train=4", "dataset.num_val=2", "model.num_classes=null")
+    )
     data = {split: build_dataset(split, cfg.dataset, check=False) for split in ("train", "val")}
     settled, init = settle_config(cfg, ckpt=None, resume_path=None, data=data, report=False)
     assert settled.model.num_classes == 7 and cfg.model.num_classes is None and init.path is None
@@ -135,8 +179,14 @@ def test_checkpoints_record_the_config_as_plain_values(tmp_path):
 @pytest.mark.slow
 def test_the_command_line_names_the_bad_key_and_starts_nothing(tmp_path):
     env = child_env()
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "optim.lr=fast"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "optim.lr=fast"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "Error merging override optim.lr=fast" in proc.stderr and "full_key: optim.lr" in proc.stderr
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()
@@ -162,9 +212,14 @@ def test_a_misspelt_choice_of_any_group_is_refused_naming_the_choices(group):
 def test_a_misspelt_experiment_stops_the_command_naming_the_experiments(tmp_path):
     """`experiment` may be left out, but a name that is not in configs/experiment/ is refused like a misspelt
     model, never run as the base model."""
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1",
-                           "experiment=two_stag"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1", "experiment=two_stag"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "Could not find 'experiment/two_stag'" in out and "Traceback" not in out
@@ -178,8 +233,14 @@ def test_triton_attention_on_a_machine_without_a_gpu_is_refused_with_the_setting
     trained, and no run directory left behind (not the operator's error at the first forward)."""
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1",
-                           "model.msda=triton"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *tiny_overrides(tmp_path / "data"), "epochs=1", "model.msda=triton"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out
     assert out.count("model.msda=triton runs the Triton kernels, which need a GPU, but this run is on cpu") == 1, out

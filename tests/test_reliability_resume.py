@@ -61,11 +61,14 @@ def test_auto_skips_newer_runs_of_another_model_and_says_which_it_took(tmp_path,
     (outputs / "2026-01-01" / "12-00-00").mkdir()
     (outputs / "2026-01-01" / "12-00-00" / "checkpoint.pth").write_text("garbage")
     # What may differ: a longer schedule and how to run.
-    current = with_changes(base_config, **{"epochs": 99, "max_steps": 1000, "model.msda": "pytorch",
-                                           "num_workers": 4, "amp": "none", "log_every": 1})
+    current = with_changes(
+        base_config,
+        **{"epochs": 99, "max_steps": 1000, "model.msda": "pytorch", "num_workers": 4, "amp": "none", "log_every": 1},
+    )
     with caplog.at_level(logging.WARNING, logger="engine"):
-        found = find_resume_checkpoint("auto", output_dir=outputs / "2026-01-02" / "08-00-00", search_root=outputs,
-                                       config=current)
+        found = find_resume_checkpoint(
+            "auto", output_dir=outputs / "2026-01-02" / "08-00-00", search_root=outputs, config=current
+        )
     assert found == same
     assert f"resume=auto: continuing {same}" in caplog.text
     assert "12-00-00/checkpoint.pth, which cannot be read" in caplog.text
@@ -84,8 +87,9 @@ def test_auto_starts_afresh_when_only_other_runs_exist(tmp_path, base_config, ca
 def test_auto_takes_the_run_directorys_own_checkpoint_first(tmp_path, base_config):
     outputs, own_dir = tmp_path / "outputs", tmp_path / "fixed_run_dir"
     write_run(outputs, "10-00-00", base_config)
-    own = save_checkpoint({"model": {}, "config": with_changes(base_config, **{"model.hidden_dim": 128})},
-                          own_dir / "checkpoint.pth")
+    own = save_checkpoint(
+        {"model": {}, "config": with_changes(base_config, **{"model.hidden_dim": 128})}, own_dir / "checkpoint.pth"
+    )
     assert find_resume_checkpoint("auto", output_dir=own_dir, search_root=outputs, config=base_config) == own
 
 
@@ -103,12 +107,23 @@ def test_auto_takes_a_run_whose_total_batch_was_split_into_other_passes(tmp_path
     split = write_run(outputs, "10-00-00", with_changes(base_config, total_batch_size=8, batch_size=8))
     current = with_changes(base_config, total_batch_size=8, batch_size=2)
     assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=current) == split
-    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs,
-                                  config=with_changes(base_config, total_batch_size=16, batch_size=8)) is None
+    assert (
+        find_resume_checkpoint(
+            "auto",
+            output_dir=tmp_path / "new",
+            search_root=outputs,
+            config=with_changes(base_config, total_batch_size=16, batch_size=8),
+        )
+        is None
+    )
     other = tmp_path / "other"
     write_run(other, "10-00-00", with_changes(base_config, batch_size=8))
-    assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=other,
-                                  config=with_changes(base_config, batch_size=2)) is None
+    assert (
+        find_resume_checkpoint(
+            "auto", output_dir=tmp_path / "new", search_root=other, config=with_changes(base_config, batch_size=2)
+        )
+        is None
+    )
 
 
 def test_auto_names_what_differs_in_plain_words(tmp_path, base_config, caplog):
@@ -119,21 +134,25 @@ def test_auto_names_what_differs_in_plain_words(tmp_path, base_config, caplog):
     assert "(seed differs)" in caplog.text
 
 
-@pytest.mark.parametrize("old_images, resumed, steps_per_epoch, expected", [
-    (4, dict(epoch=1, step=4, steps_in_epoch=1), 3, (4, 1, False)),  # unchanged: the checkpoint's own count
-    (2, dict(epoch=1, step=9, steps_in_epoch=2), 3, (4, 1, True)),  # 4 images done: 1 step of 4, the next retrains
-    (8, dict(epoch=0, step=1, steps_in_epoch=1), 6, (2, 2, True)),  # 8 images done: 2 steps of 4
-    (2, dict(epoch=2, step=14, steps_in_epoch=0), 3, (6, 0, True)),  # an epoch's end: epochs times this run's steps
-    (1, dict(epoch=0, step=7, steps_in_epoch=7), 3, (1, 1, True)),
-    (4, dict(epoch=0, step=3, steps_in_epoch=3), 3, (3, 3, False)),  # a whole epoch not yet closed
-    (8, dict(epoch=0, step=2, steps_in_epoch=2), 3, (3, 3, True)),  # never more than the epoch's steps
-])
+@pytest.mark.parametrize(
+    "old_images, resumed, steps_per_epoch, expected",
+    [
+        (4, dict(epoch=1, step=4, steps_in_epoch=1), 3, (4, 1, False)),  # unchanged: the checkpoint's own count
+        (2, dict(epoch=1, step=9, steps_in_epoch=2), 3, (4, 1, True)),  # 4 images done: 1 step of 4, the next retrains
+        (8, dict(epoch=0, step=1, steps_in_epoch=1), 6, (2, 2, True)),  # 8 images done: 2 steps of 4
+        (2, dict(epoch=2, step=14, steps_in_epoch=0), 3, (6, 0, True)),  # an epoch's end: epochs times this run's steps
+        (1, dict(epoch=0, step=7, steps_in_epoch=7), 3, (1, 1, True)),
+        (4, dict(epoch=0, step=3, steps_in_epoch=3), 3, (3, 3, False)),  # a whole epoch not yet closed
+        (8, dict(epoch=0, step=2, steps_in_epoch=2), 3, (3, 3, True)),  # never more than the epoch's steps
+    ],
+)
 def test_a_resume_counts_the_steps_done_in_this_runs_steps(old_images, resumed, steps_per_epoch, expected):
     from engine.train.resume import position_in_this_run
     from engine.train.run_plan import Position
 
-    position, note = position_in_this_run(Position(**resumed), steps_per_epoch=steps_per_epoch, step_images=4,
-                                          checkpoint_step_images=old_images)
+    position, note = position_in_this_run(
+        Position(**resumed), steps_per_epoch=steps_per_epoch, step_images=4, checkpoint_step_images=old_images
+    )
     assert (position.step, position.steps_in_epoch, note is not None) == expected
     assert position.epoch == resumed["epoch"]
 
@@ -161,15 +180,20 @@ def test_a_resume_with_another_total_batch_says_how_it_counts_and_trains_its_epo
     stopped = load_checkpoint(run_dir / "checkpoint.pth")
     assert stopped["step"] == 9 and stopped["step_images"] == 2 and stopped["steps_in_epoch"] > 0
     with caplog.at_level(logging.INFO, logger="engine"):
-        resumed = trainer.train(compose_run(data, run_dir, *common, "batch_size=2", "total_batch_size=4",
-                                            "resume=auto"))
+        resumed = trainer.train(
+            compose_run(data, run_dir, *common, "batch_size=2", "total_batch_size=4", "resume=auto")
+        )
     steps_in_epoch = stopped["steps_in_epoch"] * 2 // 4
     step = stopped["epoch"] * STEPS_PER_EPOCH_OF_4 + steps_in_epoch
-    assert ("the checkpoint's optimizer steps took 2 images and this run's take 4, so steps are counted in this "
-            f"run's: its {stopped['steps_in_epoch']} steps of the epoch in progress ({stopped['steps_in_epoch'] * 2} "
-            f"images) count as {steps_in_epoch} of 4 images, and its step 9 is step {step} here") in caplog.text
-    assert (f"at step {step}: epoch {stopped['epoch'] + 1}/2, {steps_in_epoch} of its {STEPS_PER_EPOCH_OF_4} steps "
-            "of 4 images done") in caplog.text
+    assert (
+        "the checkpoint's optimizer steps took 2 images and this run's take 4, so steps are counted in this "
+        f"run's: its {stopped['steps_in_epoch']} steps of the epoch in progress ({stopped['steps_in_epoch'] * 2} "
+        f"images) count as {steps_in_epoch} of 4 images, and its step 9 is step {step} here"
+    ) in caplog.text
+    assert (
+        f"at step {step}: epoch {stopped['epoch'] + 1}/2, {steps_in_epoch} of its {STEPS_PER_EPOCH_OF_4} steps "
+        "of 4 images done"
+    ) in caplog.text
     assert resumed["step"] == 2 * STEPS_PER_EPOCH_OF_4
     assert load_checkpoint(run_dir / "checkpoint.pth")["step_images"] == 4
 
@@ -182,14 +206,21 @@ def checkpoint_of(config: dict, *, epoch=1, step=4) -> dict:
 
 
 def test_the_model_is_the_checkpoints_and_the_rest_the_command_lines(base_config, caplog):
-    recorded = with_changes(base_config, **{"model.hidden_dim": 32, "model.msda": "triton", "optim.lr": 1e-3,
-                                            "optim.lr_drop": 5})
-    cfg = compose_train("model.hidden_dim=64", "model.msda=pytorch", "optim.lr=5e-4", "epochs=30",
-                        "resume=run/checkpoint.pth", "output_dir=elsewhere")
+    recorded = with_changes(
+        base_config, **{"model.hidden_dim": 32, "model.msda": "triton", "optim.lr": 1e-3, "optim.lr_drop": 5}
+    )
+    cfg = compose_train(
+        "model.hidden_dim=64",
+        "model.msda=pytorch",
+        "optim.lr=5e-4",
+        "epochs=30",
+        "resume=run/checkpoint.pth",
+        "output_dir=elsewhere",
+    )
     with caplog.at_level(logging.WARNING, logger="engine"):
         effective = config_for_resume(cfg, checkpoint_of(recorded), path="run/checkpoint.pth")
-    assert effective.model.hidden_dim == 32           # architecture: the checkpoint's
-    assert effective.model.msda == "pytorch"          # how to run: the command line's
+    assert effective.model.hidden_dim == 32  # architecture: the checkpoint's
+    assert effective.model.msda == "pytorch"  # how to run: the command line's
     assert effective.optim.lr == 5e-4 and effective.optim.lr_drop == 20 and effective.epochs == 30
     assert cfg.model.hidden_dim == 64  # the caller's config is left alone
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -211,9 +242,17 @@ def test_no_warning_when_nothing_differs(base_config, caplog):
     assert not caplog.records
 
 
-@pytest.mark.parametrize("overrides, ckpt, message", [
-    (["epochs=6"], dict(epoch=6, step=24), r"checkpoint run\.pth has completed 6 epochs and epochs=6: nothing is left"),
-    (["max_steps=24"], dict(epoch=3, step=24), r"is at step 24 and max_steps=24: nothing is left to train")])
+@pytest.mark.parametrize(
+    "overrides, ckpt, message",
+    [
+        (
+            ["epochs=6"],
+            dict(epoch=6, step=24),
+            r"checkpoint run\.pth has completed 6 epochs and epochs=6: nothing is left",
+        ),
+        (["max_steps=24"], dict(epoch=3, step=24), r"is at step 24 and max_steps=24: nothing is left to train"),
+    ],
+)
 def test_a_resume_with_nothing_left_to_train_is_an_error(base_config, overrides, ckpt, message):
     with pytest.raises(ValueError, match=message):
         config_for_resume(compose_train(*overrides), checkpoint_of(base_config, **ckpt), path="run.pth")
@@ -242,9 +281,17 @@ def trained_state(cfg_optim, *, epochs: int) -> dict:
         sum(p.sum() for p in model.parameters()).backward()
         optimizer.step()
         scheduler.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict(),
-            "grad_scaler": {}, "epoch": epochs, "step": epochs, "steps_in_epoch": 0, "rng": {},
-            "config": {"optim": plain_config(cfg_optim)}}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": scheduler.state_dict(),
+        "grad_scaler": {},
+        "epoch": epochs,
+        "step": epochs,
+        "steps_in_epoch": 0,
+        "rng": {},
+        "config": {"optim": plain_config(cfg_optim)},
+    }
 
 
 def restored(ckpt, cfg_optim):
@@ -252,8 +299,9 @@ def restored(ckpt, cfg_optim):
     optimizer = build_optimizer(model, cfg_optim)
     scheduler = build_lr_scheduler(optimizer, cfg_optim)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=scheduler, scaler=scaler,
-                           cfg_optim=cfg_optim, path="c.pth")
+    restore_training_state(
+        ckpt, model=model, optimizer=optimizer, lr_scheduler=scheduler, scaler=scaler, cfg_optim=cfg_optim, path="c.pth"
+    )
     return optimizer, scheduler
 
 
@@ -297,8 +345,11 @@ def test_an_optimizer_state_of_other_groups_is_a_checkpoint_error():
 
 def test_a_recorded_model_setting_this_version_refuses_names_the_checkpoint(base_config):
     recorded = with_changes(base_config, **{"model.backbone": "resnet152"})
-    with pytest.raises(CheckpointError, match=r"checkpoint old\.pth records model\.backbone='resnet152', which this "
-                                              r"version does not accept \(Invalid value 'resnet152'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint old\.pth records model\.backbone='resnet152', which this "
+        r"version does not accept \(Invalid value 'resnet152'",
+    ):
         config_for_resume(compose_train(), checkpoint_of(recorded), path="old.pth")
 
 
@@ -312,15 +363,40 @@ def test_what_a_resume_may_change_comes_from_the_schemas_roles():
 
     keys = flatten(plain_config(compose_train()))
     may_change = {key for key in keys if resumable_change(key)}
-    assert {"epochs", "max_steps", "device", "amp", "num_workers", "log_every", "compile.mode", "compile.regions",
-            "compile.backbone", "compile.cache_dir", "model.msda", "model.pretrained", "dataset.verify"} <= may_change
-    assert not may_change & {"seed", "batch_size", "optim.lr", "model.hidden_dim", "model.num_classes",
-                             "dataset.root", "dataset.train_scales", "dataset.size_buckets", "resume"}
+    assert {
+        "epochs",
+        "max_steps",
+        "device",
+        "amp",
+        "num_workers",
+        "log_every",
+        "compile.mode",
+        "compile.regions",
+        "compile.backbone",
+        "compile.cache_dir",
+        "model.msda",
+        "model.pretrained",
+        "dataset.verify",
+    } <= may_change
+    assert not may_change & {
+        "seed",
+        "batch_size",
+        "optim.lr",
+        "model.hidden_dim",
+        "model.num_classes",
+        "dataset.root",
+        "dataset.train_scales",
+        "dataset.size_buckets",
+        "resume",
+    }
     # An evaluated checkpoint imposes its model but never how to run it: the same keys, from the same roles.
-    how_to_run_model = {key.partition(".")[2] for key in keys if key.startswith("model.") and role_of(key) == HOW_TO_RUN}
+    how_to_run_model = {
+        key.partition(".")[2] for key in keys if key.startswith("model.") and role_of(key) == HOW_TO_RUN
+    }
     recorded = {k: "from the checkpoint" for k in ("msda", "pretrained", "init_from", "hidden_dim")}
-    merged = model_config_for_checkpoint({k: "from the config" for k in recorded}, {"model": {}, "config": {
-        "model": recorded}}, path="x")
+    merged = model_config_for_checkpoint(
+        {k: "from the config" for k in recorded}, {"model": {}, "config": {"model": recorded}}, path="x"
+    )
     assert {k for k, v in merged.items() if v != "from the checkpoint"} == how_to_run_model
 
 
@@ -331,8 +407,14 @@ def legacy(config: dict, **old) -> dict:
 
 
 def test_a_checkpoint_with_the_old_compile_keys_resumes_and_reports_them_in_the_new_layout(base_config, caplog):
-    recorded = legacy(base_config, compile=True, compile_mode="reduce-overhead", compile_regions="layers",
-                      compile_backbone="eager", compile_backend="inductor")
+    recorded = legacy(
+        base_config,
+        compile=True,
+        compile_mode="reduce-overhead",
+        compile_regions="layers",
+        compile_backbone="eager",
+        compile_backend="inductor",
+    )
     cfg = compose_train("epochs=30", "compile.mode=eager")
     with caplog.at_level(logging.WARNING, logger="engine"):
         effective = config_for_resume(cfg, checkpoint_of(recorded), path="old/checkpoint.pth")
@@ -344,21 +426,32 @@ def test_a_checkpoint_with_the_old_compile_keys_resumes_and_reports_them_in_the_
 
 def test_resume_auto_takes_a_checkpoint_with_the_old_compile_keys(tmp_path, base_config):
     outputs = tmp_path / "outputs"
-    old = write_run(outputs, "10-00-00", legacy(base_config, compile=False, compile_mode="default",
-                                                compile_backend="inductor", compile_regions="transformer",
-                                                compile_backbone="eager"))
+    old = write_run(
+        outputs,
+        "10-00-00",
+        legacy(
+            base_config,
+            compile=False,
+            compile_mode="default",
+            compile_backend="inductor",
+            compile_regions="transformer",
+            compile_backbone="eager",
+        ),
+    )
     assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config) == old
 
 
 def test_a_checkpoint_from_before_hybrid_matching_resumes_without_it_and_is_another_run_than_one_with_it(
-        tmp_path, base_config):
+    tmp_path, base_config
+):
     """A model recorded before model.hybrid_matching existed trained without it: a resume keeps it off (for
     two-stage nothing else would tell), and resume=auto does not take it for a run with the option on."""
     before = copy.deepcopy(base_config)
     for key in ("hybrid_matching", "num_queries_one2many", "k_one2many", "lambda_one2many"):
         del before["model"][key]
-    effective = config_for_resume(compose_train("epochs=30", "model.hybrid_matching=true"), checkpoint_of(before),
-                                  path="old/checkpoint.pth")
+    effective = config_for_resume(
+        compose_train("epochs=30", "model.hybrid_matching=true"), checkpoint_of(before), path="old/checkpoint.pth"
+    )
     assert effective.model.hybrid_matching is False
     outputs = tmp_path / "outputs"
     old = write_run(outputs, "10-00-00", before)
@@ -402,15 +495,31 @@ def test_a_resume_into_the_other_memory_layout_continues_the_same_run(channels_l
 
     model, optimizer, scheduler = build(not channels_last_after)
     _steps(model, optimizer, steps=3, seed=1)
-    ckpt = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                          "lr_scheduler": scheduler.state_dict(), "grad_scaler": {}, "epoch": 0, "step": 3,
-                          "steps_in_epoch": 3, "rng": {}, "config": {"optim": plain_config(cfg_optim)}})
+    ckpt = copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),
+            "grad_scaler": {},
+            "epoch": 0,
+            "step": 3,
+            "steps_in_epoch": 3,
+            "rng": {},
+            "config": {"optim": plain_config(cfg_optim)},
+        }
+    )
     _steps(model, optimizer, steps=2, seed=2)  # the uninterrupted run
 
     resumed, resumed_optimizer, resumed_scheduler = build(channels_last_after)
-    restore_training_state(ckpt, model=resumed, optimizer=resumed_optimizer,
-                           lr_scheduler=resumed_scheduler, scaler=torch.amp.GradScaler("cuda", enabled=False),
-                           cfg_optim=cfg_optim, path="c.pth")
+    restore_training_state(
+        ckpt,
+        model=resumed,
+        optimizer=resumed_optimizer,
+        lr_scheduler=resumed_scheduler,
+        scaler=torch.amp.GradScaler("cuda", enabled=False),
+        cfg_optim=cfg_optim,
+        path="c.pth",
+    )
     for p in resumed.parameters():
         for key, value in resumed_optimizer.state[p].items():
             if value.shape == p.shape:

@@ -83,8 +83,13 @@ def test_a_non_finite_step_is_skipped_without_touching_weights_or_moments(seeded
 def test_the_step_needs_a_non_negative_clip_norm():
     model, criterion, _ = build_model(tiny_cfg(msda="pytorch", **SMALL))
     with pytest.raises(ValueError, match="clip_max_norm must be >= 0"):
-        OptimizerStep(model=model, criterion=criterion, optimizer=build_optimizer(model, optim_cfg()),
-                  precision=Precision(amp="none", device=torch.device("cpu")), clip_max_norm=-1.0)
+        OptimizerStep(
+            model=model,
+            criterion=criterion,
+            optimizer=build_optimizer(model, optim_cfg()),
+            precision=Precision(amp="none", device=torch.device("cpu")),
+            clip_max_norm=-1.0,
+        )
 
 
 # Tracing a whole model takes a while on a CPU: the two implementations, each on one variant (two-stage
@@ -119,8 +124,9 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
     for name, p in eager.named_parameters():
         if p.grad is not None:
             scale = p.grad.abs().max().clamp(min=1e-3)
-            torch.testing.assert_close(grads[name].grad / scale, p.grad / scale, rtol=1e-4, atol=atol,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                grads[name].grad / scale, p.grad / scale, rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

@@ -27,8 +27,7 @@ PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12
 
 def test_idle_time_goes_to_the_innermost_phase_around_it():
     busy = [(1, 5), (4, 9), (22, 30)]  # overlapping activities count once
-    assert idle_by_phase(busy, PHASES) == {"step.forward": 2, "step.losses": 7, "step.matching": 3,
-                                          "step.backward": 2}
+    assert idle_by_phase(busy, PHASES) == {"step.forward": 2, "step.losses": 7, "step.matching": 3, "step.backward": 2}
 
 
 def test_idle_time_outside_every_phase_is_not_counted():
@@ -38,8 +37,9 @@ def test_idle_time_outside_every_phase_is_not_counted():
 
 
 def test_a_gpu_that_never_runs_idles_for_the_whole_of_every_phase():
-    assert idle_by_phase([], PHASES) == pytest.approx({"step.forward": 10, "step.losses": 7, "step.matching": 3,
-                                                       "step.backward": 10})
+    assert idle_by_phase([], PHASES) == pytest.approx(
+        {"step.forward": 10, "step.losses": 7, "step.matching": 3, "step.backward": 10}
+    )
 
 
 def test_several_steps_add_up_per_phase():
@@ -103,20 +103,30 @@ def test_busy_time_counts_overlapping_activities_once_and_only_inside_the_window
 
 
 def _event(name, start, end, *, device=False, annotation=False):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), is_user_annotation=annotation,
-                           device_type=DeviceType.CUDA if device else DeviceType.CPU)
+    return SimpleNamespace(
+        name=name,
+        time_range=SimpleNamespace(start=start, end=end),
+        is_user_annotation=annotation,
+        device_type=DeviceType.CUDA if device else DeviceType.CPU,
+    )
 
 
-@pytest.mark.parametrize("steps, first, last, warned", [
-    ((5, 9), 1, 3, "this run trains steps 1 to 3"),  # beyond the run's end
-    ((5, 9), 12, 20, "this run trains steps 12 to 20"),  # a resume after the range
-    ((5, 9), 21, 20, "this run trains no step"),  # a resume of a finished run
-    ((5, 9), 9, 20, None), ((5, 9), 1, 5, None), ((5, 9), 6, 8, None),
-])
+@pytest.mark.parametrize(
+    "steps, first, last, warned",
+    [
+        ((5, 9), 1, 3, "this run trains steps 1 to 3"),  # beyond the run's end
+        ((5, 9), 12, 20, "this run trains steps 12 to 20"),  # a resume after the range
+        ((5, 9), 21, 20, "this run trains no step"),  # a resume of a finished run
+        ((5, 9), 9, 20, None),
+        ((5, 9), 1, 5, None),
+        ((5, 9), 6, 8, None),
+    ],
+)
 def test_a_range_the_run_never_reaches_is_said_at_its_start(tmp_path, caplog, steps, first, last, warned):
     with caplog.at_level("WARNING"):
-        StepProfiler(steps, output_dir=tmp_path, device=torch.device("cpu"), timing=RunTiming(started=0.0),
-                     trains=(first, last))
+        StepProfiler(
+            steps, output_dir=tmp_path, device=torch.device("cpu"), timing=RunTiming(started=0.0), trains=(first, last)
+        )
     if warned is None:
         assert not caplog.records
     else:
@@ -144,8 +154,11 @@ class _FakeProfile:
     def events(self):
         if not self.records:
             return []
-        return [_event("kernel_a", 0, 600, device=True), _event("kernel_b", 300, 900, device=True),
-                _event("step.forward", 0, 2000, device=True, annotation=True)]
+        return [
+            _event("kernel_a", 0, 600, device=True),
+            _event("kernel_b", 300, 900, device=True),
+            _event("step.forward", 0, 2000, device=True, annotation=True),
+        ]
 
     def export_chrome_trace(self, path):
         Path(path).write_text("{}")
@@ -178,8 +191,7 @@ def fake_gpu_profiler(monkeypatch, tmp_path):
 
     def make(steps):
         timing = RunTiming(started=0.0)
-        profiler = StepProfiler(steps, output_dir=tmp_path, device=torch.device("cuda"), timing=timing,
-                                trains=(1, 100))
+        profiler = StepProfiler(steps, output_dir=tmp_path, device=torch.device("cuda"), timing=timing, trains=(1, 100))
         profiler.clock, profiler.syncs, profiler.profiled = clock, syncs, []
         return profiler
 
@@ -191,15 +203,17 @@ def _run(profiler, numbers, *, epoch_ends_after=None):
         profiler.before_step(number)
         profiler.profiled.append(profiler.timing.profiling)
         profiler.clock.now += 2e-3
-        profiler.after_step(StepDone(number=number, epoch=0, values=None, size=(2, 3, 8, 8), images=2, data_s=0.0,
-                                     compute=None))
+        profiler.after_step(
+            StepDone(number=number, epoch=0, values=None, size=(2, 3, 8, 8), images=2, data_s=0.0, compute=None)
+        )
         if number == epoch_ends_after:
             profiler.epoch_end(EpochEnd(epoch=0, complete=True))
     profiler.close(Ending.DONE)
 
 
-def test_a_gpu_profile_records_the_gpu_alone_and_its_busy_share_over_the_host_clocks_wall_time(fake_gpu_profiler,
-                                                                                              tmp_path):
+def test_a_gpu_profile_records_the_gpu_alone_and_its_busy_share_over_the_host_clocks_wall_time(
+    fake_gpu_profiler, tmp_path
+):
     """The kernels span 900 us of the 3 steps' 6 ms: the steps' time is the host's, not the kernels' span, which
     would leave out the time the GPU had nothing queued; overlapping kernels count once, a range's GPU twin not."""
     from torch.profiler import ProfilerActivity
@@ -250,16 +264,23 @@ def test_a_profiler_that_fails_costs_a_warning_not_the_run(tmp_path, caplog, mon
     with caplog.at_level("WARNING"):
         assert profiler.before_step(1)
         torch.ones(3).sum()
-        assert profiler.after_step(StepDone(number=1, epoch=0, values=None, size=(1, 3, 8, 8), images=1, data_s=0.0,
-                                            compute=None))
+        assert profiler.after_step(
+            StepDone(number=1, epoch=0, values=None, size=(1, 3, 8, 8), images=1, data_s=0.0, compute=None)
+        )
     assert profiler.summary["error"] == "profiling steps 1-1 failed: disk full"
     assert timing.profile == profiler.summary and not timing.profiling
     assert "the run goes on unprofiled" in caplog.text and not list(tmp_path.iterdir())
 
 
 def _kernel(name, ts, dur, grid=(1, 1, 1), correlation=None, cat="kernel"):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
-            "args": {"grid": list(grid), **({"correlation": correlation} if correlation is not None else {})}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "args": {"grid": list(grid), **({"correlation": correlation} if correlation is not None else {})},
+    }
 
 
 def test_the_gpu_time_of_a_step_is_charged_to_its_parts_by_what_each_piece_is_and_where_it_falls():
@@ -274,22 +295,31 @@ def test_the_gpu_time_of_a_step_is_charged_to_its_parts_by_what_each_piece_is_an
         t += 10.0
 
     for step in range(2):
-        add("conv_fprop")                                   # backbone
-        add("value_proj_gemm", correlation=100 + step)      # an encoder layer as one graph: its rest, its attention
+        add("conv_fprop")  # backbone
+        add("value_proj_gemm", correlation=100 + step)  # an encoder layer as one graph: its rest, its attention
         add("msda_forward_kernel", grid=(4000, 8, 1), correlation=100 + step)
-        add("ffn_gemm")                                     # encoder rest
-        add("msda_forward_kernel", grid=(60, 8, 1))         # decoder attention
-        add("heads_gemm")                                   # decoder rest
+        add("ffn_gemm")  # encoder rest
+        add("msda_forward_kernel", grid=(60, 8, 1))  # decoder attention
+        add("heads_gemm")  # decoder rest
         add("Memcpy DtoH (Device -> Pinned)", cat="gpu_memcpy")  # the matching's copy
-        add("focal_loss_kernel")                            # losses
-        add("msda_backward_kernel", grid=(60, 8, 1))        # decoder attention backward
-        add("ffn_gemm_backward")                            # decoder rest
-        add("msda_backward_kernel", grid=(4000, 8, 1))      # encoder attention backward
-        add("conv_dgrad")                                   # backbone
+        add("focal_loss_kernel")  # losses
+        add("msda_backward_kernel", grid=(60, 8, 1))  # decoder attention backward
+        add("ffn_gemm_backward")  # decoder rest
+        add("msda_backward_kernel", grid=(4000, 8, 1))  # encoder attention backward
+        add("conv_dgrad")  # backbone
         add("multi_tensor_apply_kernel<FusedAdamMathFunctor>")  # update
-        t += 20.0                                           # idle between steps
+        t += 20.0  # idle between steps
     parts = gpu_time_by_part({"traceEvents": events}, steps=2)
     us = {part: round(ms * 1e3, 6) for part, ms in parts.items()}
-    assert us == {"backbone": 20.0, "encoder attention": 20.0, "encoder rest": 20.0, "decoder attention": 20.0,
-                  "decoder rest": 20.0, "matching and losses": 20.0, "update": 10.0, "copies": 0.0, "idle": 10.0}
+    assert us == {
+        "backbone": 20.0,
+        "encoder attention": 20.0,
+        "encoder rest": 20.0,
+        "decoder attention": 20.0,
+        "decoder rest": 20.0,
+        "matching and losses": 20.0,
+        "update": 10.0,
+        "copies": 0.0,
+        "idle": 10.0,
+    }
     assert gpu_time_by_part({"traceEvents": []}, steps=2) == {}

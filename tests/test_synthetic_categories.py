@@ -50,8 +50,16 @@ def test_changing_num_categories_regenerates_the_set(tmp_path):
 
 
 def test_the_dataset_config_key_reaches_the_set(tmp_path):
-    cfg = {"name": "synthetic", "root": str(tmp_path / "syn"), **SMALL, "num_categories": 2,
-           "train_scales": [48], "max_size": 64, "val_size": 48, "crop": False}
+    cfg = {
+        "name": "synthetic",
+        "root": str(tmp_path / "syn"),
+        **SMALL,
+        "num_categories": 2,
+        "train_scales": [48],
+        "max_size": 64,
+        "val_size": 48,
+        "crop": False,
+    }
     dataset = build_dataset("val", cfg)
     assert sorted(dataset.coco.cats) == [1, 2]
     assert all(int(label) in (1, 2) for i in range(len(dataset)) for label in dataset[i][1]["labels"])

@@ -29,10 +29,13 @@ def _steps(timing: RunTiming, clock: _Clock, count: int, *, size=(4, 3, 64, 96),
         timing.step_ended(before, size=size, data_s=0.0)
 
 
-@pytest.mark.parametrize("compile_at, first_steady", [
-    (None, 2 + (20 - 2) // 2 + 1),  # warm from step 3 (two warm-up steps of the size): steps 12 to 20
-    (9, 10 + (20 - 10) // 2 + 1),   # step 10 compiled a graph: steps 11 to 20 are warm, the last half from 16
-])
+@pytest.mark.parametrize(
+    "compile_at, first_steady",
+    [
+        (None, 2 + (20 - 2) // 2 + 1),  # warm from step 3 (two warm-up steps of the size): steps 12 to 20
+        (9, 10 + (20 - 10) // 2 + 1),  # step 10 compiled a graph: steps 11 to 20 are warm, the last half from 16
+    ],
+)
 def test_steady_steps_are_the_second_half_of_the_warm_steps_after_the_last_graph_compiled(compile_at, first_steady):
     clock = _Clock()
     timing = RunTiming(started=0.0, clock=clock)

@@ -23,17 +23,20 @@ BOXES = (3, 0, 5, 1, 2, 4, 1, 2)  # per image of the step
 PROCESSES = 4
 
 
-@pytest.mark.parametrize("total, batch_size, world, expected", [
-    (None, 2, 1, StepBatch(total=2, per_process=2, passes=1)),
-    (None, 2, 8, StepBatch(total=16, per_process=2, passes=1)),
-    (32, 32, 1, StepBatch(total=32, per_process=32, passes=1)),
-    (32, 32, 2, StepBatch(total=32, per_process=16, passes=1)),
-    (32, 32, 8, StepBatch(total=32, per_process=4, passes=1)),
-    (32, 8, 1, StepBatch(total=32, per_process=32, passes=4)),
-    (32, 12, 1, StepBatch(total=32, per_process=32, passes=4)),  # passes of 8: 32 in 3 would not be equal
-    (30, 4, 1, StepBatch(total=30, per_process=30, passes=10)),
-    (8, 2, 2, StepBatch(total=8, per_process=4, passes=2)),
-])
+@pytest.mark.parametrize(
+    "total, batch_size, world, expected",
+    [
+        (None, 2, 1, StepBatch(total=2, per_process=2, passes=1)),
+        (None, 2, 8, StepBatch(total=16, per_process=2, passes=1)),
+        (32, 32, 1, StepBatch(total=32, per_process=32, passes=1)),
+        (32, 32, 2, StepBatch(total=32, per_process=16, passes=1)),
+        (32, 32, 8, StepBatch(total=32, per_process=4, passes=1)),
+        (32, 8, 1, StepBatch(total=32, per_process=32, passes=4)),
+        (32, 12, 1, StepBatch(total=32, per_process=32, passes=4)),  # passes of 8: 32 in 3 would not be equal
+        (30, 4, 1, StepBatch(total=30, per_process=30, passes=10)),
+        (8, 2, 2, StepBatch(total=8, per_process=4, passes=2)),
+    ],
+)
 def test_the_step_batch_follows_from_the_total_and_the_world_size(total, batch_size, world, expected):
     batch = step_batch(total_batch_size=total, batch_size=batch_size, world_size=world)
     assert batch == expected
@@ -47,9 +50,11 @@ def test_a_total_the_processes_cannot_share_is_an_error_naming_it():
 
 def test_the_step_batch_says_the_total_and_the_share():
     assert step_batch(total_batch_size=32, batch_size=8, world_size=2).describe(2) == (
-        "batch 32 per optimizer step (16 per process x 2 processes, 2 passes of 8 accumulated)")
+        "batch 32 per optimizer step (16 per process x 2 processes, 2 passes of 8 accumulated)"
+    )
     assert step_batch(total_batch_size=None, batch_size=2, world_size=1).describe(1) == (
-        "batch 2 per optimizer step (2 per process x 1 process, 1 pass of 2)")
+        "batch 2 per optimizer step (2 per process x 1 process, 1 pass of 2)"
+    )
 
 
 def step_batch_data():
@@ -65,15 +70,20 @@ def step_batch_data():
     return images, masks, targets
 
 
-def run_step(model, criterion, images, masks, targets, ctx: DistContext, *, sync_gradients=None,
-             images_per_pass=None):
+def run_step(model, criterion, images, masks, targets, ctx: DistContext, *, sync_gradients=None, images_per_pass=None):
     """The trainer's step (lr 0, no clipping: the weights stay); its value vector, the gradients it left and the
     vector's names."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
-    step = OptimizerStep(model=model, criterion=criterion, optimizer=optimizer,
-                         precision=Precision(amp="none", device=ctx.device), clip_max_norm=0.0,
-                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients,
-                         images_per_pass=images_per_pass)
+    step = OptimizerStep(
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        precision=Precision(amp="none", device=ctx.device),
+        clip_max_norm=0.0,
+        average_num_boxes=lambda n: average_over_processes(n, ctx),
+        sync_gradients=sync_gradients,
+        images_per_pass=images_per_pass,
+    )
     values = step(images, masks, targets)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return values, grads, step.value_names
@@ -97,8 +107,9 @@ def _process_main(rank: int, work: str, hybrid: bool) -> None:
         trained, sync_gradients = data_parallel(model, ctx, gradient_sync="allreduce")  # as train.py does
         images, masks, targets = step_batch_data()
         share = slice(2 * rank, 2 * rank + 2)
-        values, grads, _ = run_step(trained, criterion, images[share], masks[share], targets[share], ctx,
-                                    sync_gradients=sync_gradients)
+        values, grads, _ = run_step(
+            trained, criterion, images[share], masks[share], targets[share], ctx, sync_gradients=sync_gradients
+        )
         dist.all_reduce(values)  # the log interval's mean over processes (engine/train/hooks/interval_report.py)
         torch.save({"values": values / PROCESSES, "grads": grads}, f"{work}/process{rank}.pt")
     finally:
@@ -109,8 +120,7 @@ def assert_same(values, grads, expected_values, expected_grads, what: str, *, sk
     # Every entry of the value vector (total loss, gradient norm, each loss and logged metric) but ``skip`` to 1e-5
     # relative; each gradient tensor to 1e-5 of its largest entry.
     kept = [i for i in range(len(values)) if i not in skip]
-    torch.testing.assert_close(values[kept], expected_values[kept], rtol=1e-5, atol=1e-7,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(values[kept], expected_values[kept], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: {m}")
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         scale = expected_grads[name].abs().max().clamp_min(1e-12)

@@ -50,8 +50,18 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     run_dir = tiny_run["output_dir"]
     assert tiny_run["step"] == 2 * STEPS_PER_EPOCH and len(tiny_run["losses"]) == 2 * STEPS_PER_EPOCH
     tags = set(scalars(run_dir).Tags()["scalars"])
-    for tag in ("train/step_time_ms", "train/data_time_ms", "train/images_per_s", "train/loss", "train/lr",
-                "train/lr_backbone", "train/loss_ce", "train/loss_bbox_unscaled", "eval/AP", "eval/AP50"):
+    for tag in (
+        "train/step_time_ms",
+        "train/data_time_ms",
+        "train/images_per_s",
+        "train/loss",
+        "train/lr",
+        "train/lr_backbone",
+        "train/loss_ce",
+        "train/loss_bbox_unscaled",
+        "eval/AP",
+        "eval/AP50",
+    ):
         assert tag in tags, tag
     step_times = scalars(run_dir).Scalars("train/step_time_ms")
     assert [e.step for e in step_times] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
@@ -59,7 +69,9 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
 
     for name in ("checkpoint.pth", "checkpoint_epoch0001.pth", "checkpoint_epoch0002.pth"):
         assert (run_dir / name).is_file(), name
-    timing = json.loads((run_dir / "timing.json").read_text())  # where the run's time went (engine/train/hooks/timing.py)
+    timing = json.loads(
+        (run_dir / "timing.json").read_text()
+    )  # where the run's time went (engine/train/hooks/timing.py)
     assert timing == tiny_run["timing"] and timing["steps"] == 2 * STEPS_PER_EPOCH
     assert timing["compile_s"] == 0 and timing["graphs_compiled"] == 0  # the CPU runs eagerly
     assert 0 < timing["train_s"] < timing["total_s"] and 0 < timing["eval_s"] < timing["total_s"]
@@ -77,16 +89,22 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     evaluation = json.loads((run_dir / "eval_epoch0002.json").read_text())
     assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step", "per_class"}
     assert list(evaluation.pop("per_class")) == ["person", "bicycle", "car", "motorcycle", "airplane", "bus"]
-    assert evaluation == pytest.approx({**tiny_run["eval"], "epoch": 2, "step": 2 * STEPS_PER_EPOCH, "epoch_complete": True,
-                                        "num_images": 8})
+    assert evaluation == pytest.approx(
+        {**tiny_run["eval"], "epoch": 2, "step": 2 * STEPS_PER_EPOCH, "epoch_complete": True, "num_images": 8}
+    )
     assert all(-1.0 <= evaluation[k] <= 1.0 for k in ("AP", "AP50", "AP75"))
 
 
 def test_eval_only_reproduces_the_final_evaluation(tiny_run, data_root, tmp_path):
-    cfg = compose_run(data_root, tmp_path, "eval_only=true",
-                      f"checkpoint={tiny_run['output_dir'] / 'checkpoint.pth'}",
-                      # the architecture comes from the checkpoint's recorded config, not from these
-                      "model.hidden_dim=64", "model.num_queries=30")
+    cfg = compose_run(
+        data_root,
+        tmp_path,
+        "eval_only=true",
+        f"checkpoint={tiny_run['output_dir'] / 'checkpoint.pth'}",
+        # the architecture comes from the checkpoint's recorded config, not from these
+        "model.hidden_dim=64",
+        "model.num_queries=30",
+    )
     result = trainer.evaluate_checkpoint(cfg)
     assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-12)
     written = json.loads((tmp_path / "eval.json").read_text())
@@ -101,8 +119,11 @@ def test_eval_only_reads_the_variant_from_official_style_args(tiny_run, data_roo
     del args.num_classes  # the official args do not record it (91, from the dataset)
     path = tmp_path / "official_style.pth"
     torch.save({"model": ours["model"], "args": args, "epoch": 1}, path)
-    result = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={path}",
-                                          "model.hidden_dim=64", "model.dec_layers=6"))
+    result = trainer.evaluate_checkpoint(
+        compose_run(
+            data_root, tmp_path, "eval_only=true", f"checkpoint={path}", "model.hidden_dim=64", "model.dec_layers=6"
+        )
+    )
     assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-12)
 
 
@@ -132,9 +153,18 @@ def test_compiled_run_trains_and_evaluates_as_the_eager_run(data_root, tmp_path,
     torch._dynamo.reset()
     common = ("epochs=1", "model.dropout=0.0")  # dropout draws its mask in another order once traced
     eager = trainer.train(compose_run(data_root, tmp_path / "eager", *common))
-    compiled = trainer.train(compose_run(data_root, tmp_path / "compiled", *common, "compile.mode=default",
-                                         "compile.backend=aot_eager", f"compile.regions={regions}",
-                                         f"compile.backbone={backbone}", "compile.evaluation=true"))
+    compiled = trainer.train(
+        compose_run(
+            data_root,
+            tmp_path / "compiled",
+            *common,
+            "compile.mode=default",
+            "compile.backend=aot_eager",
+            f"compile.regions={regions}",
+            f"compile.backbone={backbone}",
+            "compile.evaluation=true",
+        )
+    )
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     # The tiny model scores AP 0 after one epoch either way: compare the trained weights instead (the
     # detections of compiled evaluation are compared in tests/test_compile.py).
@@ -194,9 +224,12 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
         return model, criterion, postprocess
 
     monkeypatch.setattr(engine.train.build, "build_model", build_model_with_nan_in_epoch_2)
-    with pytest.raises(NonFiniteLossError, match=rf"non-finite loss .* epoch 2, step {STEPS_PER_EPOCH + 2} "
-                                                         r".*loss_bbox=nan"
-                                                         r".*checkpoint\.pth, is kept"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match=rf"non-finite loss .* epoch 2, step {STEPS_PER_EPOCH + 2} "
+        r".*loss_bbox=nan"
+        r".*checkpoint\.pth, is kept",
+    ):
         trainer.train(compose_run(data_root, tmp_path))
     kept = load_checkpoint(tmp_path / "checkpoint.pth")
     assert (kept["epoch"], kept["step"]) == (1, STEPS_PER_EPOCH)
@@ -216,9 +249,20 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gr
     data_root = tmp_path / "data"
     uneven = ["dataset.num_train=18", "dataset.num_val=7"]
     env = child_env(OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), *tiny_overrides(data_root), *uneven, "epochs=1", "batch_size=2", "dist_timeout_s=120",
-           f"gradient_sync={gradient_sync}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        *tiny_overrides(data_root),
+        *uneven,
+        "epochs=1",
+        "batch_size=2",
+        "dist_timeout_s=120",
+        f"gradient_sync={gradient_sync}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
@@ -234,16 +278,26 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gr
     # Scored on every validation image (each rank ran 4 of the 7), with the same figures as one process
     # evaluating the same weights.
     assert ddp_eval["num_images"] == 7
-    single = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "single", *uneven, "eval_only=true",
-                                          f"checkpoint={run_dir / 'checkpoint.pth'}"))
+    single = trainer.evaluate_checkpoint(
+        compose_run(
+            data_root, tmp_path / "single", *uneven, "eval_only=true", f"checkpoint={run_dir / 'checkpoint.pth'}"
+        )
+    )
     assert {k: ddp_eval[k] for k in single["eval"]} == pytest.approx(single["eval"], abs=1e-12)
 
 
 def test_missing_coco_annotations_is_a_clear_error(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            "dataset=coco", f"dataset.root={tmp_path / 'coco'}", "model=tiny", f"output_dir={tmp_path / 'run'}",
-            "device=cpu"])
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "dataset=coco",
+                f"dataset.root={tmp_path / 'coco'}",
+                "model=tiny",
+                f"output_dir={tmp_path / 'run'}",
+                "device=cpu",
+            ],
+        )
     with pytest.raises(FileNotFoundError, match=r"annotation file not found: .*instances_train2017\.json"):
         trainer.train(cfg)
 
@@ -260,8 +314,11 @@ def test_a_run_without_size_buckets_is_warned_when_its_plan_builds_graphs_per_si
         warn_unbounded_sizes(cfg, object(), CompilePlan(mode="graphs"), training=True)  # buckets: nothing
         warn_unbounded_sizes(cfg, None, None, training=True)  # eager: nothing
     assert len(caplog.records) == 1
-    assert ("dataset.size_buckets=0 with compile.mode=graphs: each new padded batch size records CUDA graphs again"
-            in caplog.text and "dataset.pad_to_multiple=32" in caplog.text)
+    assert (
+        "dataset.size_buckets=0 with compile.mode=graphs: each new padded batch size records CUDA graphs again"
+        in caplog.text
+        and "dataset.pad_to_multiple=32" in caplog.text
+    )
 
 
 # Written by train.py at commit 9f3f177, before engine/ became packages (`python train.py max_steps=2 epochs=1
@@ -276,29 +333,36 @@ def test_a_checkpoint_written_before_the_engine_packages_resumes_and_evaluates(d
 
     checkpoint = tmp_path / "checkpoint_of_9f3f177.pth"
     checkpoint.write_bytes(lzma.decompress(FLAT_ENGINE_CHECKPOINT.read_bytes()))
-    resumed = trainer.train(compose_run(data_root, tmp_path / "resumed", f"resume={checkpoint}",
-                                        "max_steps=3", "epochs=1", "optim.lr=2e-4"))
+    resumed = trainer.train(
+        compose_run(data_root, tmp_path / "resumed", f"resume={checkpoint}", "max_steps=3", "epochs=1", "optim.lr=2e-4")
+    )
     assert resumed["step"] == 3 and len(resumed["losses"]) == 1  # the two steps it held, then one more
     assert load_checkpoint(tmp_path / "resumed" / "checkpoint.pth")["config"]["model"]["backbone"] == "resnet18"
-    evaluated = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path / "evaluated", "eval_only=true",
-                                                        f"checkpoint={checkpoint}"))
+    evaluated = trainer.evaluate_checkpoint(
+        compose_run(data_root, tmp_path / "evaluated", "eval_only=true", f"checkpoint={checkpoint}")
+    )
     assert set(evaluated["eval"]) == {"AP", "AP50", "AP75", "APs", "APm", "APl"}
 
 
-def test_a_resume_never_fetches_the_backbone_weights_its_checkpoint_replaces(tiny_run, data_root, tmp_path,
-                                                                             monkeypatch):
+def test_a_resume_never_fetches_the_backbone_weights_its_checkpoint_replaces(
+    tiny_run, data_root, tmp_path, monkeypatch
+):
     import models.backbone
 
-    monkeypatch.setattr(models.backbone, "_imagenet_state_dict",
-                        lambda name: pytest.fail("fetched ImageNet weights for a resumed model"))
+    monkeypatch.setattr(
+        models.backbone,
+        "_imagenet_state_dict",
+        lambda name: pytest.fail("fetched ImageNet weights for a resumed model"),
+    )
     epoch_one = tiny_run["output_dir"] / "checkpoint_epoch0001.pth"
     resumed = trainer.train(compose_run(data_root, tmp_path, f"resume={epoch_one}", "model.pretrained=imagenet"))
     assert resumed["step"] == 2 * STEPS_PER_EPOCH
 
 
 def test_eval_only_takes_a_run_directory_for_its_checkpoint(tiny_run, data_root, tmp_path):
-    result = trainer.evaluate_checkpoint(compose_run(data_root, tmp_path, "eval_only=true",
-                                                     f"checkpoint={tiny_run['output_dir']}"))
+    result = trainer.evaluate_checkpoint(
+        compose_run(data_root, tmp_path, "eval_only=true", f"checkpoint={tiny_run['output_dir']}")
+    )
     assert result["eval"] == pytest.approx(tiny_run["eval"], abs=1e-4)
 
 
@@ -313,14 +377,16 @@ def _profiled_run(data_root: Path, run_dir: Path, *overrides: str) -> dict:
     return profile
 
 
-def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_epochs_end(data_root, tmp_path,
-                                                                                       monkeypatch):
+def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_epochs_end(
+    data_root, tmp_path, monkeypatch
+):
     """A range that crosses the end of an epoch is profiled up to there: never the epoch's checkpoint and
     evaluation, which would count as the steps' time."""
     from engine.train.hooks.evaluation import EpochEvaluation
     from engine.train.hooks.saving import CheckpointSaver
 
     for hook in (CheckpointSaver, EpochEvaluation):
+
         def unprofiled(self, end, _epoch_end=hook.epoch_end):
             assert not self.timing.profiling, "the epoch's checkpoint and evaluation ran inside the profile"
             return _epoch_end(self, end)
@@ -335,8 +401,11 @@ def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_epo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 def test_profile_steps_on_the_gpu_gives_its_busy_share(data_root, tmp_path):
     last = 2 * STEPS_PER_EPOCH
-    result = trainer.train(compose_run(data_root, tmp_path, "device=cuda", "compile.mode=graphs", "epochs=2",
-                                       f"profile_steps=[{last - 1},{last}]"))
+    result = trainer.train(
+        compose_run(
+            data_root, tmp_path, "device=cuda", "compile.mode=graphs", "epochs=2", f"profile_steps=[{last - 1},{last}]"
+        )
+    )
     profile = result["timing"]["profile"]
     assert profile["profiled_steps"] == [last - 1, last]
     assert 0 < profile["gpu_busy"] <= 1 and 0 < profile["gpu_work_ms"] <= profile["step_ms"]
@@ -380,13 +449,33 @@ def test_eval_only_of_a_checkpoint_without_the_datas_classes_gives_advice_that_w
     from trained_checkpoint import write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path / "four_classes.pth", extra=("model.num_queries=10",))
-    child = subprocess.run([sys.executable, str(ROOT / "train.py"), *tiny_overrides(data_root), "eval_only=true",
-                            f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'eval'}"], cwd=tmp_path,
-                           env=child_env(), capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *tiny_overrides(data_root),
+            "eval_only=true",
+            f"checkpoint={checkpoint}",
+            f"output_dir={tmp_path / 'eval'}",
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = child.stdout + child.stderr
     assert child.returncode == 1 and "Traceback" not in out, out
     assert out.count("the checkpoint's class head (4 classes) covers ids 0..3 only") == 1, out
     assert f"model.init_from={checkpoint}" in out and "set model.num_classes" not in out
-    fine_tuned = trainer.train(compose_run(data_root, tmp_path / "fine_tuned", f"model.init_from={checkpoint}",
-                                           "epochs=1", "max_steps=1", "eval_images=0"))
+    fine_tuned = trainer.train(
+        compose_run(
+            data_root,
+            tmp_path / "fine_tuned",
+            f"model.init_from={checkpoint}",
+            "epochs=1",
+            "max_steps=1",
+            "eval_images=0",
+        )
+    )
     assert fine_tuned["step"] == 1 and "AP" in fine_tuned["eval"]

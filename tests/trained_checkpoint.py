@@ -14,9 +14,20 @@ from models.deformable_attention import MSDeformAttn
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = {1: "circle", 2: "square", 3: "triangle"}
-TINY_MODEL = ["model=tiny", "model.hidden_dim=32", "model.nheads=2", "model.enc_layers=1", "model.dec_layers=2",
-              "model.dim_feedforward=64", "model.num_queries=12", "model.num_feature_levels=3",
-              "model.num_classes=4", "model.msda=pytorch", "dataset.val_size=96", "dataset.max_size=128"]
+TINY_MODEL = [
+    "model=tiny",
+    "model.hidden_dim=32",
+    "model.nheads=2",
+    "model.enc_layers=1",
+    "model.dec_layers=2",
+    "model.dim_feedforward=64",
+    "model.num_queries=12",
+    "model.num_feature_levels=3",
+    "model.num_classes=4",
+    "model.msda=pytorch",
+    "dataset.val_size=96",
+    "dataset.max_size=128",
+]
 
 
 def write_checkpoint(path: Path, *, seed: int = 0, extra: tuple[str, ...] = ()) -> Path:
@@ -33,6 +44,14 @@ def write_checkpoint(path: Path, *, seed: int = 0, extra: tuple[str, ...] = ()) 
                 module.attention_weights.weight.normal_(0, 0.05)
         for head in model.class_embed:
             head.bias.normal_(0, 1.0)
-    torch.save({"model": model.state_dict(), "config": plain_config(cfg), "categories": dict(CATEGORIES),
-                "epoch": 1, "step": 10}, path)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "config": plain_config(cfg),
+            "categories": dict(CATEGORIES),
+            "epoch": 1,
+            "step": 10,
+        },
+        path,
+    )
     return path

@@ -29,7 +29,8 @@ def check_training_state(ckpt: dict, *, path: str | os.PathLike) -> None:
     if missing:
         raise CheckpointError(
             f"checkpoint {path} cannot be resumed: it has no {', '.join(missing)} (resume needs a checkpoint.pth "
-            f"written by this trainer; an official checkpoint can be evaluated with eval_only=true checkpoint=PATH)")
+            f"written by this trainer; an official checkpoint can be evaluated with eval_only=true checkpoint=PATH)"
+        )
 
 
 def recorded_model_config(ckpt: dict) -> dict:
@@ -47,8 +48,9 @@ def shown(value) -> str:
     return repr(value.value if isinstance(value, enum.Enum) else value)
 
 
-def model_config_for_checkpoint(cfg_model: dict, ckpt: dict, *, path: str | os.PathLike,
-                                keys: Collection[str] | None = None) -> dict:
+def model_config_for_checkpoint(
+    cfg_model: dict, ckpt: dict, *, path: str | os.PathLike, keys: Collection[str] | None = None
+) -> dict:
     """``cfg_model`` with the values the checkpoint records (our config or the official args; only ``keys`` when
     given) put in, except the how-to-run ones: the weights fix the architecture. ``pretrained`` becomes none, as the
     checkpoint replaces the ImageNet backbone weights."""
@@ -68,7 +70,7 @@ def model_state_dict(ckpt: dict) -> dict:
     """``ckpt['model']`` with the ``module.`` prefix of a DDP-wrapped save removed."""
     state = ckpt["model"]
     if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     return state
 
 
@@ -81,28 +83,43 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
     unused = sorted(k for k in state if k in ONE2MANY_PARAMETERS and k not in own)
     if unused:
         state = {k: v for k, v in state.items() if k not in unused}
-        log.info("checkpoint %s holds hybrid matching's one-to-many queries (%s), which this model "
-                 "(model.hybrid_matching=false) has not: left out, as inference uses the one-to-one queries alone",
-                 path, ", ".join(unused))
+        log.info(
+            "checkpoint %s holds hybrid matching's one-to-many queries (%s), which this model "
+            "(model.hybrid_matching=false) has not: left out, as inference uses the one-to-one queries alone",
+            path,
+            ", ".join(unused),
+        )
     fresh = sorted(k for k in own if k in ONE2MANY_PARAMETERS and k not in state)
-    reshaped = [f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
-                for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]
+    reshaped = [
+        f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
+        for k, v in state.items()
+        if k in own and torch.is_tensor(v) and v.shape != own[k].shape
+    ]
     if reshaped:
         raise CheckpointError(
             f"checkpoint {path} does not fit the model: {len(reshaped)} parameters differ in shape (e.g. "
             f"{'; '.join(reshaped[:3])}). Check model.num_classes, model.hidden_dim, model.num_queries, "
-            f"model.num_feature_levels and the other sizes against the checkpoint")
+            f"model.num_feature_levels and the other sizes against the checkpoint"
+        )
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if k not in fresh]
-    problems = [f"{len(keys)} {kind} (e.g. {keys[:3]})"
-                for kind, keys in (("missing", missing), ("unexpected", result.unexpected_keys)) if keys]
+    problems = [
+        f"{len(keys)} {kind} (e.g. {keys[:3]})"
+        for kind, keys in (("missing", missing), ("unexpected", result.unexpected_keys))
+        if keys
+    ]
     if problems:
         raise CheckpointError(
             f"checkpoint {path} does not fit the model: parameters {'; '.join(problems)}. Check the variant "
-            f"(model.with_box_refine, model.two_stage) and the model sizes against the checkpoint")
+            f"(model.with_box_refine, model.two_stage) and the model sizes against the checkpoint"
+        )
     if fresh:
-        log.info("checkpoint %s has no one-to-many queries of hybrid matching (%s): they keep their initialization "
-                 "(inference does not use them)", path, ", ".join(fresh))
+        log.info(
+            "checkpoint %s has no one-to-many queries of hybrid matching (%s): they keep their initialization "
+            "(inference does not use them)",
+            path,
+            ", ".join(fresh),
+        )
 
 
 def read_recorded_config(path: str | os.PathLike) -> dict | None:

@@ -25,9 +25,21 @@ log = logging.getLogger(__name__)
 # The variant decides which parameters exist, so it is taken from the checkpoint (as eval_only does).
 VARIANT_KEYS = ("with_box_refine", "two_stage")
 # The sizes stay the config's: a checkpoint that does not fit them is an error, with these as the hint.
-SIZE_KEYS = ("backbone", "dilation", "hidden_dim", "nheads", "enc_layers", "dec_layers", "dim_feedforward",
-             "num_feature_levels", "enc_n_points", "dec_n_points", "num_queries", "num_queries_one2many",
-             "position_embedding")
+SIZE_KEYS = (
+    "backbone",
+    "dilation",
+    "hidden_dim",
+    "nheads",
+    "enc_layers",
+    "dec_layers",
+    "dim_feedforward",
+    "num_feature_levels",
+    "enc_n_points",
+    "dec_n_points",
+    "num_queries",
+    "num_queries_one2many",
+    "position_embedding",
+)
 # Per-class outputs: class_embed.<layer>.{weight (num_classes, C), bias (num_classes,)}.
 CLASS_HEAD = re.compile(r"(^|\.)class_embed\.\d+\.(weight|bias)$")
 NAMES_SHOWN = 5
@@ -80,10 +92,13 @@ class InitFrom:
                 f"model.init_from={path}: {len(mismatched)} parameters have other shapes than this model's "
                 f"({'; '.join(mismatched[:NAMES_SHOWN])}{'; ...' if len(mismatched) > NAMES_SHOWN else ''}). Only "
                 f"the classification heads may differ (num_classes); set the model sizes (model.hidden_dim, "
-                f"model.num_queries, ... or model=...) to the checkpoint's{self.size_hint}")
+                f"model.num_queries, ... or model=...) to the checkpoint's{self.size_hint}"
+            )
         if not report.loaded:
-            raise CheckpointError(f"model.init_from={path}: none of its {len(state)} tensors has a name of this "
-                                  f"model (e.g. {list(state)[:3]}); expected a Deformable DETR checkpoint")
+            raise CheckpointError(
+                f"model.init_from={path}: none of its {len(state)} tensors has a name of this "
+                f"model (e.g. {list(state)[:3]}); expected a Deformable DETR checkpoint"
+            )
         model.load_state_dict(matching, strict=False)
         self.state = None  # the model holds the weights now; do not keep a second copy for the whole run
         log.info(describe(report, path=path))
@@ -105,8 +120,10 @@ def prepare_init_from(cfg_model) -> InitFrom:
     wanted = model_config_for_checkpoint(current, ckpt, path=path, keys=VARIANT_KEYS)
     recorded = recorded_model_config(ckpt)
     state = model_state_dict(ckpt)
-    from_names = {"with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
-                  "two_stage": any(k.startswith("transformer.enc_output.") for k in state)}
+    from_names = {
+        "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
+        "two_stage": any(k.startswith("transformer.enc_output.") for k in state),
+    }
     for key, value in from_names.items():
         if key not in recorded and wanted[key] != value:
             log.info("model.%s=%r from the parameter names in %s (config said %r)", key, value, path, wanted[key])
@@ -116,8 +133,11 @@ def prepare_init_from(cfg_model) -> InitFrom:
     for key in (*VARIANT_KEYS, "pretrained"):
         if key in cfg_model:
             cfg_model[key] = wanted[key]
-    differing = [f"{k}={recorded[k]!r} (config: {current[k]!r})" for k in SIZE_KEYS
-                 if k in recorded and recorded[k] != current[k]]
+    differing = [
+        f"{k}={recorded[k]!r} (config: {current[k]!r})"
+        for k in SIZE_KEYS
+        if k in recorded and recorded[k] != current[k]
+    ]
     hint = f"; the checkpoint records {', '.join(differing)}" if differing else ""
     return InitFrom(path=path, state=state, size_hint=hint)
 
@@ -125,14 +145,19 @@ def prepare_init_from(cfg_model) -> InitFrom:
 def describe(report: InitReport, *, path: Path) -> str:
     """One log line: what was loaded (per top-level module), re-initialized and skipped."""
     by_module = Counter(name.split(".")[0] for name in report.loaded)
-    line = (f"init_from {path}: loaded {len(report.loaded)} tensors ("
-            f"{', '.join(f'{m} {n}' for m, n in by_module.items())})")
+    line = (
+        f"init_from {path}: loaded {len(report.loaded)} tensors ({', '.join(f'{m} {n}' for m, n in by_module.items())})"
+    )
     if report.reinitialized:
-        line += (f"; re-initialized {len(report.reinitialized)} class-head tensors, num_classes "
-                 f"{report.num_classes[0]} -> {report.num_classes[1]} ({_names(report.reinitialized)})")
+        line += (
+            f"; re-initialized {len(report.reinitialized)} class-head tensors, num_classes "
+            f"{report.num_classes[0]} -> {report.num_classes[1]} ({_names(report.reinitialized)})"
+        )
     if report.not_in_checkpoint:
-        line += (f"; {len(report.not_in_checkpoint)} model tensors not in the checkpoint keep their initialization "
-                 f"({_names(report.not_in_checkpoint)})")
+        line += (
+            f"; {len(report.not_in_checkpoint)} model tensors not in the checkpoint keep their initialization "
+            f"({_names(report.not_in_checkpoint)})"
+        )
     line += f"; skipped {len(report.skipped)} checkpoint tensors not in this model"
     if report.skipped:
         line += f" ({_names(report.skipped)})"

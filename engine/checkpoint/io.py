@@ -43,11 +43,15 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
             free_mb = shutil.disk_usage(path.parent).free / 2**20
         except OSError:
             free_mb = float("nan")
-        kept = (f"{path} still holds the previous checkpoint" if path.exists()
-                else "no checkpoint had been written there yet")
+        kept = (
+            f"{path} still holds the previous checkpoint"
+            if path.exists()
+            else "no checkpoint had been written there yet"
+        )
         raise CheckpointWriteError(
             f"could not write checkpoint {path} ({_write_failure(error)}; {free_mb:.0f} MB free on its "
-            f"disk); {kept}. Free disk space or set output_dir to another disk, then resume") from None
+            f"disk); {kept}. Free disk space or set output_dir to another disk, then resume"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
@@ -76,7 +80,8 @@ def check_free_space(directory: str | os.PathLike, needed: int) -> None:
     if free < needed:
         raise CheckpointWriteError(
             f"{directory} has {free / 2**20:.0f} MB free, and a checkpoint of this run takes about "
-            f"{needed / 2**20:.0f} MB: free disk space or set output_dir to a disk with room")
+            f"{needed / 2**20:.0f} MB: free disk space or set output_dir to a disk with room"
+        )
 
 
 def _temporary_name(path: Path) -> Path:
@@ -120,8 +125,10 @@ def publish_as(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
     except OSError as error:
-        raise CheckpointWriteError(f"wrote checkpoint {src} but could not publish it as {dst} "
-                                   f"({error.strerror or error}); {src} holds the latest state: resume={src}") from None
+        raise CheckpointWriteError(
+            f"wrote checkpoint {src} but could not publish it as {dst} "
+            f"({error.strerror or error}); {src} holds the latest state: resume={src}"
+        ) from None
     return dst
 
 
@@ -129,8 +136,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     """Read a checkpoint (a file, or a run directory's latest) onto the CPU with weights_only=True, allowing the
     official checkpoints' argparse.Namespace; CheckpointError naming the path and what was expected."""
     given, path = Path(path), named_checkpoint(path)
-    expected = ("a torch.save file holding a dict with a 'model' state_dict (a checkpoint of this trainer or an "
-                f"official Deformable DETR checkpoint), or a run directory holding its {LATEST}")
+    expected = (
+        "a torch.save file holding a dict with a 'model' state_dict (a checkpoint of this trainer or an "
+        f"official Deformable DETR checkpoint), or a run directory holding its {LATEST}"
+    )
     if not path.is_file():
         if path != given:
             raise CheckpointError(f"checkpoint {given} is a directory without a {LATEST} (expected {expected})")
@@ -140,8 +149,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         with torch.serialization.safe_globals([argparse.Namespace]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load fails in many ways on a foreign file (KeyError for text); name the file
-        raise CheckpointError(f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, "
-                              f"corrupt or not {expected}") from e
+        raise CheckpointError(
+            f"could not read checkpoint {path} ({_load_failure(e)}); the file is truncated, corrupt or not {expected}"
+        ) from e
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
         got = type(obj).__name__ if not isinstance(obj, dict) else f"dict with keys {sorted(obj)[:10]}"
         raise CheckpointError(f"checkpoint {path} holds {got}; expected {expected}")

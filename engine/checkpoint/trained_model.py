@@ -51,8 +51,9 @@ class CheckpointModel:
         load_model_weights(model, ckpt, path=self.path)
 
 
-def checkpoint_model(checkpoint: str | Path, cfg_model, *, msda: str | None = None,
-                     weights: str = "ema") -> CheckpointModel:
+def checkpoint_model(
+    checkpoint: str | Path, cfg_model, *, msda: str | None = None, weights: str = "ema"
+) -> CheckpointModel:
     """The detector ``checkpoint`` (a file or a run directory) holds: ``cfg_model`` (DictConfig or dict) with what the
     checkpoint records put in; ``msda``: the attention to run instead of the config's; ``weights``: "ema" or "raw"."""
     path = named_checkpoint(checkpoint)
@@ -84,8 +85,15 @@ class TrainedModel:
     step: int
 
 
-def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.device, msda: str | None = None,
-                       categories: dict[int, str] | None = None, weights: str = "ema") -> TrainedModel:
+def load_trained_model(
+    checkpoint: str | Path,
+    cfg_model,
+    *,
+    device: torch.device,
+    msda: str | None = None,
+    categories: dict[int, str] | None = None,
+    weights: str = "ema",
+) -> TrainedModel:
     """``checkpoint_model``'s detector built, loaded and on ``device`` in eval mode; ``categories``: names to use
     instead of the checkpoint's (e.g. from an annotation file)."""
     source = checkpoint_model(checkpoint, cfg_model, msda=msda, weights=weights)
@@ -99,9 +107,16 @@ def load_trained_model(checkpoint: str | Path, cfg_model, *, device: torch.devic
         val_size, max_size = int(dataset["val_size"]), int(dataset["max_size"])
     if categories is None:
         categories = recorded_categories(source.ckpt, source.model_config["num_classes"])
-    return TrainedModel(model=model, postprocess=postprocess.to(device), model_config=source.model_config,
-                        categories=categories, val_size=val_size, max_size=max_size, checkpoint=source.path,
-                        step=source.step)
+    return TrainedModel(
+        model=model,
+        postprocess=postprocess.to(device),
+        model_config=source.model_config,
+        categories=categories,
+        val_size=val_size,
+        max_size=max_size,
+        checkpoint=source.path,
+        step=source.step,
+    )
 
 
 def recorded_categories(ckpt: dict, num_classes: int) -> dict[int, str]:

@@ -22,8 +22,14 @@ def host_copy(obj, _copies: dict | None = None):
     rebuilt, anything else shared. Identical views (tied weights) get one copy, so torch.save writes them once."""
     copies = {} if _copies is None else _copies
     if torch.is_tensor(obj):
-        key = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.stride(),
-               obj.dtype)
+        key = (
+            obj.device,
+            obj.untyped_storage().data_ptr(),
+            obj.storage_offset(),
+            tuple(obj.shape),
+            obj.stride(),
+            obj.dtype,
+        )
         if key not in copies or obj.numel() == 0:
             copies[key] = obj.detach().to("cpu", copy=True)
         return copies[key]
@@ -49,8 +55,9 @@ class CheckpointWriter:
         self.wait()
         self._written.clear()
         # Not a daemon: a process that exits with a write in flight finishes it first.
-        self._thread = threading.Thread(target=self._write, args=(host_copy(state), Path(path), also_as),
-                                        name="checkpoint-writer")
+        self._thread = threading.Thread(
+            target=self._write, args=(host_copy(state), Path(path), also_as), name="checkpoint-writer"
+        )
         self._thread.start()
         return time.perf_counter() - t0
 

@@ -39,8 +39,9 @@ def use_compile_cache(cache_dir: str) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ValueError(f"compile.cache_dir={cache_dir}: cannot create {root} ({error.strerror}); point it at a "
-                         "writable directory") from error
+        raise ValueError(
+            f"compile.cache_dir={cache_dir}: cannot create {root} ({error.strerror}); point it at a writable directory"
+        ) from error
     torch._inductor.config.fx_graph_cache = True
     if hasattr(torch._functorch.config, "enable_autograd_cache"):
         torch._functorch.config.enable_autograd_cache = True

@@ -23,8 +23,11 @@ class CompileTotals:
 
     def since(self, earlier: CompileTotals) -> CompileTotals:
         by = {k: v - earlier.by_function.get(k, 0) for k, v in self.by_function.items()}
-        return CompileTotals(seconds=self.seconds - earlier.seconds, graphs=self.graphs - earlier.graphs,
-                             by_function={k: v for k, v in by.items() if v})
+        return CompileTotals(
+            seconds=self.seconds - earlier.seconds,
+            graphs=self.graphs - earlier.graphs,
+            by_function={k: v for k, v in by.items() if v},
+        )
 
 
 class CompileClock:
@@ -74,8 +77,10 @@ class CompileClock:
         with self._lock:
             for metrics in get_compilation_metrics():
                 # Frame ids start again after torch._dynamo.reset(): the start time tells two "0/0"s apart.
-                key = (str(getattr(metrics, "compile_id", None)), getattr(metrics, "start_time_us", None)
-                       or getattr(metrics, "start_time", None))
+                key = (
+                    str(getattr(metrics, "compile_id", None)),
+                    getattr(metrics, "start_time_us", None) or getattr(metrics, "start_time", None),
+                )
                 if key not in self._seen and getattr(metrics, "co_name", None):
                     self._seen.add(key)
                     self._graphs[metrics.co_name] += 1

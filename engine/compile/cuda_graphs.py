@@ -75,15 +75,22 @@ class GraphedMethod:
     def __call__(self, *args):
         if not self._applies(args):
             return self.method(self.owner, *args)
-        key = (tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args), torch.is_autocast_enabled("cuda"),
-               torch.get_autocast_dtype("cuda"))
+        key = (
+            tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args),
+            torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"),
+        )
         replay = self._graphs.get(key)
         if replay is None:
             if full := self._full(args[0].device):
                 if not self._told_full:
                     self._told_full = True
-                    log.warning("%s: %s; new sizes run eagerly (fewer dataset.size_buckets, or a smaller "
-                                "batch_size, let every size be recorded)", self.name, full)
+                    log.warning(
+                        "%s: %s; new sizes run eagerly (fewer dataset.size_buckets, or a smaller "
+                        "batch_size, let every size be recorded)",
+                        self.name,
+                        full,
+                    )
                 return self.method(self.owner, *args)
             replay = self._graphs[key] = self._record(args)
         return replay(*args)
@@ -94,33 +101,45 @@ class GraphedMethod:
             return f"{MAX_SIZES} sizes recorded as CUDA graphs, the most kept"
         total = torch.cuda.get_device_properties(device).total_memory
         if torch.cuda.memory_reserved(device) > GRAPH_MEMORY_SHARE * total:
-            return (f"{torch.cuda.memory_reserved(device) / 2**30:.0f} of the GPU's {total / 2**30:.0f} GiB are "
-                    f"taken, more than {GRAPH_MEMORY_SHARE:.0%}")
+            return (
+                f"{torch.cuda.memory_reserved(device) / 2**30:.0f} of the GPU's {total / 2**30:.0f} GiB are "
+                f"taken, more than {GRAPH_MEMORY_SHARE:.0%}"
+            )
         return None
 
     def _applies(self, args) -> bool:
         if not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return False
         if self.backward:
-            return (torch.is_grad_enabled() and self.owner.training
-                    and (self._trains_parameters or any(a.requires_grad for a in args)))
+            return (
+                torch.is_grad_enabled()
+                and self.owner.training
+                and (self._trains_parameters or any(a.requires_grad for a in args))
+            )
         return not torch.is_grad_enabled()
 
     def _record(self, args: tuple):
         if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
-            raise RuntimeError("CUDA graphs need autocast without its weight cache (torch.autocast(..., "
-                               "cache_enabled=False), as engine.runtime.precision.Precision.autocast does)")
+            raise RuntimeError(
+                "CUDA graphs need autocast without its weight cache (torch.autocast(..., "
+                "cache_enabled=False), as engine.runtime.precision.Precision.autocast does)"
+            )
         started = time.perf_counter()
         flat = _FlatOutputs(self.owner, self.method)
         # The graphs' own inputs, leaves: recording must not reach the autograd graph the arguments came from.
         static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-        replay = (_TrainingRecording(flat, static, pool=self.pool) if self.backward
-                  else self._record_inference(flat, static))
+        replay = (
+            _TrainingRecording(flat, static, pool=self.pool) if self.backward else self._record_inference(flat, static)
+        )
         torch.cuda.current_stream().synchronize()
         seconds = time.perf_counter() - started
         CompileClock.get().record_capture(self.name, seconds)
-        log.info("%s: recorded the CUDA graphs of size %s in %.1f s", self.name,
-                 " ".join("x".join(map(str, a.shape)) or "1" for a in args), seconds)
+        log.info(
+            "%s: recorded the CUDA graphs of size %s in %.1f s",
+            self.name,
+            " ".join("x".join(map(str, a.shape)) or "1" for a in args),
+            seconds,
+        )
         return replay
 
     def _record_inference(self, flat: _FlatOutputs, static: tuple):
@@ -149,8 +168,9 @@ class _TrainingRecording:
 
         def warm_up():  # the backward too: its first calls autotune and load kernels as well
             outputs = [o for o in flat(*static) if o.requires_grad]
-            torch.autograd.grad(outputs, surface, grad_outputs=[torch.empty_like(o) for o in outputs],
-                                allow_unused=True)
+            torch.autograd.grad(
+                outputs, surface, grad_outputs=[torch.empty_like(o) for o in outputs], allow_unused=True
+            )
 
         stream = warmed_up_stream(warm_up)
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -158,8 +178,12 @@ class _TrainingRecording:
             outputs = flat(*static)
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
         with torch.cuda.graph(self.backward_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-            grads = torch.autograd.grad([o for o in outputs if o.requires_grad], surface,
-                                        grad_outputs=[g for g in self.grad_outputs if g is not None], allow_unused=True)
+            grads = torch.autograd.grad(
+                [o for o in outputs if o.requires_grad],
+                surface,
+                grad_outputs=[g for g in self.grad_outputs if g is not None],
+                allow_unused=True,
+            )
         self.outputs = tuple(o.detach() for o in outputs)  # the recording's autograd graph goes with ``outputs``
         given = iter(grads)
         # One gradient buffer (or None) per input of _Replay after the recording: the arguments, then parameters.

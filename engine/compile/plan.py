@@ -43,11 +43,11 @@ EVALUATION_BATCHES_TO_COMPILE = 1000
 class CompilePlan:
     """What this run compiles, the ``compile`` settings resolved for its device (``resolve_compile``)."""
 
-    mode: str = "reduce-overhead"   # one of COMPILE_MODES
+    mode: str = "reduce-overhead"  # one of COMPILE_MODES
     regions: str = DEFAULT_REGIONS  # one of REGION_CHOICES
-    backbone: str = "dynamic"       # one of TRAIN_BACKBONE_CHOICES
-    backend: str = "inductor"       # torch.compile's backend, or a backend callable (tests)
-    evaluation: bool = False        # DeformableDETR.detect compiled, one graph per evaluation size
+    backbone: str = "dynamic"  # one of TRAIN_BACKBONE_CHOICES
+    backend: str = "inductor"  # torch.compile's backend, or a backend callable (tests)
+    evaluation: bool = False  # DeformableDETR.detect compiled, one graph per evaluation size
 
     @property
     def cuda_graphs(self) -> bool:
@@ -70,15 +70,22 @@ class CompilePlan:
 
     def compiled_per_size(self, *, training: bool = True) -> list[str]:
         """The regions Inductor compiles again for each new input size."""
-        return (["the backbone"] if training and self.backbone == "static" else []) + \
-            (["evaluation's graph"] if self.evaluation else [])
+        return (["the backbone"] if training and self.backbone == "static" else []) + (
+            ["evaluation's graph"] if self.evaluation else []
+        )
 
     def describe(self, *, losses: bool = True) -> str:
         if not self.inductor:
-            return ("CUDA graphs of the eager model (training" + (", the losses" if losses else "")
-                    + (", evaluation" if self.evaluation else "") + "), recorded once per size; nothing compiled")
-        parts = ["the transformer's layers and the heads" if self.regions == "layers"
-                 else "the transformer with its heads", "the position encoding"]
+            return (
+                "CUDA graphs of the eager model (training"
+                + (", the losses" if losses else "")
+                + (", evaluation" if self.evaluation else "")
+                + "), recorded once per size; nothing compiled"
+            )
+        parts = [
+            "the transformer's layers and the heads" if self.regions == "layers" else "the transformer with its heads",
+            "the position encoding",
+        ]
         backbone = {"dynamic": ["the backbone"], "static": ["the backbone (a graph per size)"], "eager": []}
         parts += backbone[self.backbone]
         if losses:
@@ -89,36 +96,48 @@ class CompilePlan:
         return f"torch.compile ({self.backend}{graphs}) of {', '.join(parts)}"
 
 
-def resolve_compile(cfg_compile, *, device: torch.device, evaluation_batches: int = 0,
-                    training_steps: int = 0, pass_batch: int = 0) -> CompilePlan | None:
+def resolve_compile(
+    cfg_compile, *, device: torch.device, evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0
+) -> CompilePlan | None:
     """The plan for the ``compile`` group on ``device``, or None for eager; ValueError naming the keys of settings
     that cannot work on this device. This process's ``evaluation_batches`` decide compile.evaluation=null, its
     ``training_steps`` auto's choice on a GPU, and the images of one training pass (``pass_batch``) regions=null."""
     mode = str(cfg_compile.mode)
     if mode == "eager":
         return None
-    inductor_keys = [f"compile.{key}={getattr(cfg_compile, key)}" for key in INDUCTOR_KEYS
-                     if getattr(cfg_compile, key) is not None]
+    inductor_keys = [
+        f"compile.{key}={getattr(cfg_compile, key)}" for key in INDUCTOR_KEYS if getattr(cfg_compile, key) is not None
+    ]
     if mode == "auto":
         if device.type != "cuda":
-            chosen = inductor_keys + ([f"compile.evaluation={cfg_compile.evaluation}"]
-                                      if cfg_compile.evaluation is not None else [])
+            chosen = inductor_keys + (
+                [f"compile.evaluation={cfg_compile.evaluation}"] if cfg_compile.evaluation is not None else []
+            )
             if chosen:
-                raise ValueError(f"{', '.join(chosen)} does nothing here: compile.mode=auto compiles on a GPU only "
-                                 f"and this run is on {device}; set compile.mode=default to compile on the CPU")
+                raise ValueError(
+                    f"{', '.join(chosen)} does nothing here: compile.mode=auto compiles on a GPU only "
+                    f"and this run is on {device}; set compile.mode=default to compile on the CPU"
+                )
             return None
         mode = "reduce-overhead" if inductor_keys or training_steps >= STEPS_TO_COMPILE else "graphs"
     if mode in ("reduce-overhead", "graphs") and device.type != "cuda":
-        raise ValueError(f"compile.mode={mode} replays CUDA graphs and needs a GPU, but this run is on "
-                         f"{device}; set compile.mode=default (or device=cuda)")
+        raise ValueError(
+            f"compile.mode={mode} replays CUDA graphs and needs a GPU, but this run is on "
+            f"{device}; set compile.mode=default (or device=cuda)"
+        )
     evaluation = cfg_compile.evaluation
     if mode == "graphs":  # recording an evaluation size costs about a second: always worth it
         return CompilePlan(mode=mode, evaluation=True if evaluation is None else bool(evaluation))
     if evaluation is None:
         evaluation = evaluation_batches >= EVALUATION_BATCHES_TO_COMPILE
     regions = cfg_compile.regions or ("layers" if pass_batch >= LAYERS_FROM_BATCH else DEFAULT_REGIONS)
-    return CompilePlan(mode=mode, regions=str(regions), backbone=str(cfg_compile.backbone or "dynamic"),
-                       backend=cfg_compile.backend or "inductor", evaluation=bool(evaluation))
+    return CompilePlan(
+        mode=mode,
+        regions=str(regions),
+        backbone=str(cfg_compile.backbone or "dynamic"),
+        backend=cfg_compile.backend or "inductor",
+        evaluation=bool(evaluation),
+    )
 
 
 def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch.nn.Module | None = None):
@@ -155,8 +174,11 @@ def compile_model(model: torch.nn.Module, plan: CompilePlan, *, criterion: torch
     if criterion is not None:
         for region in criterion.compile_regions():
             _compile_region(criterion, region, plan)
-    compiling_steps = ("the first step of each new size" if plan.compiled_per_size(training=criterion is not None)
-                       else "the first step")
+    compiling_steps = (
+        "the first step of each new size"
+        if plan.compiled_per_size(training=criterion is not None)
+        else "the first step"
+    )
     log.info("%s; %s includes its compilation", plan.describe(losses=criterion is not None), compiling_steps)
     return model
 

@@ -62,21 +62,28 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.image_size is not None and (len(self.image_size) != 2 or any(
-                side < SIDE_MULTIPLE or side % SIDE_MULTIPLE for side in self.image_size)):
-            problems.append(f"image_size must be null (the checkpoint's evaluation size) or [height, width], "
-                            f"each a multiple of {SIDE_MULTIPLE}, got {list(self.image_size)!r}")
+        if self.image_size is not None and (
+            len(self.image_size) != 2 or any(side < SIDE_MULTIPLE or side % SIDE_MULTIPLE for side in self.image_size)
+        ):
+            problems.append(
+                f"image_size must be null (the checkpoint's evaluation size) or [height, width], "
+                f"each a multiple of {SIDE_MULTIPLE}, got {list(self.image_size)!r}"
+            )
         if self.batch_size < 1:
             problems.append(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         elif self.dynamic and self.batch_size < 2:
-            problems.append("batch_size must be >= 2 with dynamic=true: torch.export fixes a dimension traced at "
-                            f"size 1, so a sample batch of 1 would export a graph for batches of 1 only (got "
-                            f"{self.batch_size}; dynamic=false exports one fixed batch size)")
+            problems.append(
+                "batch_size must be >= 2 with dynamic=true: torch.export fixes a dimension traced at "
+                f"size 1, so a sample batch of 1 would export a graph for batches of 1 only (got "
+                f"{self.batch_size}; dynamic=false exports one fixed batch size)"
+            )
         if self.max_detections < 1:
             problems.append(f"max_detections must be an integer >= 1, got {self.max_detections!r}")
         if not MIN_OPSET <= self.opset <= MAX_OPSET:
-            problems.append(f"opset must be from {MIN_OPSET} to {MAX_OPSET} (the ONNX opsets this export writes and "
-                            f"checks; {DEFAULT_OPSET} by default), got {self.opset!r}")
+            problems.append(
+                f"opset must be from {MIN_OPSET} to {MAX_OPSET} (the ONNX opsets this export writes and "
+                f"checks; {DEFAULT_OPSET} by default), got {self.opset!r}"
+            )
         for key in ("logits", "boxes"):
             value = getattr(self.tolerance, key)
             if value is not None and not (math.isfinite(value) and value > 0):
@@ -85,29 +92,51 @@ class ExportConfig:
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         onnx = self.format == ExportFormat.onnx
         if onnx and self.msda_node == MsdaNode.triton:
-            problems.append("msda_node=triton is for format=aoti (the package calls the Triton op); an ONNX file "
-                            "takes msda_node=reference (any runtime) or msda_node=tensorrt (TensorRT's plugin)")
+            problems.append(
+                "msda_node=triton is for format=aoti (the package calls the Triton op); an ONNX file "
+                "takes msda_node=reference (any runtime) or msda_node=tensorrt (TensorRT's plugin)"
+            )
         if not onnx and self.msda_node == MsdaNode.tensorrt:
-            problems.append("msda_node=tensorrt is for format=onnx (a node for TensorRT's plugin); an AOTInductor "
-                            "package takes msda_node=reference or msda_node=triton")
+            problems.append(
+                "msda_node=tensorrt is for format=onnx (a node for TensorRT's plugin); an AOTInductor "
+                "package takes msda_node=reference or msda_node=triton"
+            )
         if onnx and self.dtype == ExportDtype.bf16:
-            problems.append("dtype=bf16 is for format=aoti: onnxruntime has few bfloat16 kernels and TensorRT's "
-                            "attention plugin takes float32 or float16; use dtype=fp16 or fp32 for ONNX")
+            problems.append(
+                "dtype=bf16 is for format=aoti: onnxruntime has few bfloat16 kernels and TensorRT's "
+                "attention plugin takes float32 or float16; use dtype=fp16 or fp32 for ONNX"
+            )
         if onnx and self.quick_compile:
-            problems.append("quick_compile=true is for format=aoti (it compiles the package's kernels quicker); "
-                            "an ONNX export compiles nothing")
+            problems.append(
+                "quick_compile=true is for format=aoti (it compiles the package's kernels quicker); "
+                "an ONNX export compiles nothing"
+            )
         if problems:
             raise ValueError("bad export settings (configs/export.yaml; fix the override): " + "; ".join(problems))
 
 
-def default_output(*, checkpoint: str | Path, format: str, dtype: str = "fp32", msda_node: str | None = None,
-                   postprocess: bool = False, dynamic: bool = True) -> Path:
+def default_output(
+    *,
+    checkpoint: str | Path,
+    format: str,
+    dtype: str = "fp32",
+    msda_node: str | None = None,
+    postprocess: bool = False,
+    dynamic: bool = True,
+) -> Path:
     """Where an export goes when ``output`` is null: beside the checkpoint, named after it and tagged with each
     non-default setting, so that variants do not overwrite each other (checkpoint.fp16.tensorrt.onnx)."""
     path = named_checkpoint(checkpoint)
-    tags = [tag for tag, differs in ((str(dtype), str(dtype) != "fp32"),
-                                     (str(msda_node), msda_node is not None and str(msda_node) != "reference"),
-                                     ("postprocess", postprocess), ("static", not dynamic)) if differs]
+    tags = [
+        tag
+        for tag, differs in (
+            (str(dtype), str(dtype) != "fp32"),
+            (str(msda_node), msda_node is not None and str(msda_node) != "reference"),
+            ("postprocess", postprocess),
+            ("static", not dynamic),
+        )
+        if differs
+    ]
     return path.with_name(".".join([path.stem, *tags]) + SUFFIXES[ExportFormat(str(format))])
 
 
@@ -115,8 +144,14 @@ def output_path(cfg) -> Path:
     """``cfg.output`` or, when null, default_output of its settings."""
     if cfg.output:
         return Path(cfg.output)
-    return default_output(checkpoint=cfg.checkpoint, format=cfg.format, dtype=cfg.dtype, msda_node=cfg.msda_node,
-                          postprocess=cfg.postprocess, dynamic=cfg.dynamic)
+    return default_output(
+        checkpoint=cfg.checkpoint,
+        format=cfg.format,
+        dtype=cfg.dtype,
+        msda_node=cfg.msda_node,
+        postprocess=cfg.postprocess,
+        dynamic=cfg.dynamic,
+    )
 
 
 def export_directory(output: str | None, checkpoint: str) -> str:

@@ -42,8 +42,10 @@ def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
     """``cfg`` after the rules OmegaConf could not apply (ranges, rules between keys, unknown keys): ValueError naming
     the key; TypeError if ``cfg`` was composed without ``schema`` (default TrainConfig), its types then unchecked."""
     if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
-        raise TypeError("the config was composed without its schemas: call engine.config.registry.register_configs() "
-                        "before hydra.compose / @hydra.main (train.py, predict.py and export.py do this on import)")
+        raise TypeError(
+            "the config was composed without its schemas: call engine.config.registry.register_configs() "
+            "before hydra.compose / @hydra.main (train.py, predict.py and export.py do this on import)"
+        )
     if unknown := unknown_keys(cfg):
         raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))
     OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules

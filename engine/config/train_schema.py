@@ -57,8 +57,10 @@ class OptimConfig:
             if not (math.isfinite(value) and value >= 0):
                 problems.append(f"optim.{key} must be a finite number >= 0, got {value!r}")
         if self.lr_drop < 1:
-            problems.append(f"optim.lr_drop must be an integer >= 1 (epochs before the lr is multiplied by "
-                            f"lr_gamma; more than epochs never drops it), got {self.lr_drop!r}")
+            problems.append(
+                f"optim.lr_drop must be an integer >= 1 (epochs before the lr is multiplied by "
+                f"lr_gamma; more than epochs never drops it), got {self.lr_drop!r}"
+            )
         if not (math.isfinite(self.lr_gamma) and self.lr_gamma > 0):
             problems.append(f"optim.lr_gamma must be a finite number > 0, got {self.lr_gamma!r}")
         if problems:
@@ -78,18 +80,25 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        chosen = {key: getattr(self, key) for key in (*INDUCTOR_KEYS, "evaluation")
-                  if getattr(self, key) is not None}
+        chosen = {key: getattr(self, key) for key in (*INDUCTOR_KEYS, "evaluation") if getattr(self, key) is not None}
         if self.mode == CompileMode.eager and chosen:
-            problems += [f"compile.{key}={value} does nothing with compile.mode=eager (drop it, or choose a compiled "
-                         f"mode: compile.mode=auto|default|reduce-overhead)" for key, value in chosen.items()]
+            problems += [
+                f"compile.{key}={value} does nothing with compile.mode=eager (drop it, or choose a compiled "
+                f"mode: compile.mode=auto|default|reduce-overhead)"
+                for key, value in chosen.items()
+            ]
         if self.mode == CompileMode.graphs:
-            problems += [f"compile.{key}={value} does nothing with compile.mode=graphs, which compiles nothing (drop "
-                         f"it, or compile: compile.mode=reduce-overhead)" for key, value in chosen.items()
-                         if key in INDUCTOR_KEYS]
+            problems += [
+                f"compile.{key}={value} does nothing with compile.mode=graphs, which compiles nothing (drop "
+                f"it, or compile: compile.mode=reduce-overhead)"
+                for key, value in chosen.items()
+                if key in INDUCTOR_KEYS
+            ]
         if self.mode in (CompileMode.auto, CompileMode["reduce-overhead"]) and self.backend not in (None, "inductor"):
-            problems.append(f"compile.mode={self.mode} replays CUDA graphs, which need compile.backend=inductor; got "
-                            f"compile.backend={self.backend} (set compile.mode=default to use another backend)")
+            problems.append(
+                f"compile.mode={self.mode} replays CUDA graphs, which need compile.backend=inductor; got "
+                f"compile.backend={self.backend} (set compile.mode=default to use another backend)"
+            )
         if not self.cache_dir:
             problems.append("compile.cache_dir must be a directory path")
         if problems:
@@ -114,8 +123,16 @@ class EmaConfig:
 
 
 # Run setting -> smallest allowed value, for the integer ones.
-_INTEGER_MINIMUM = {"seed": 0, "epochs": 1, "batch_size": 1, "num_workers": 0, "eval_every": 1,
-                    "checkpoint_every": 1, "log_every": 1, "eval_images": 0}
+_INTEGER_MINIMUM = {
+    "seed": 0,
+    "epochs": 1,
+    "batch_size": 1,
+    "num_workers": 0,
+    "eval_every": 1,
+    "checkpoint_every": 1,
+    "log_every": 1,
+    "eval_images": 0,
+}
 
 
 @dataclass
@@ -153,25 +170,36 @@ class TrainConfig:
     checkpoint_weights: CheckpointWeights = _role(INVOCATION, CheckpointWeights.ema)
 
     def __post_init__(self) -> None:
-        problems = [f"{key} must be an integer >= {low}, got {getattr(self, key)!r}"
-                    for key, low in _INTEGER_MINIMUM.items() if getattr(self, key) < low]
+        problems = [
+            f"{key} must be an integer >= {low}, got {getattr(self, key)!r}"
+            for key, low in _INTEGER_MINIMUM.items()
+            if getattr(self, key) < low
+        ]
         if self.total_batch_size is not None and self.total_batch_size < 1:
-            problems.append(f"total_batch_size must be null (batch_size per process) or an integer >= 1, got "
-                            f"{self.total_batch_size!r}")
+            problems.append(
+                f"total_batch_size must be null (batch_size per process) or an integer >= 1, got "
+                f"{self.total_batch_size!r}"
+            )
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be null or an integer >= 1, got {self.max_steps!r}")
         if not 0 <= self.eval_images_min_score <= 1:
-            problems.append(f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
-                            f"drawn), got {self.eval_images_min_score!r}")
+            problems.append(
+                f"eval_images_min_score must be a number in [0, 1] (the lowest score of a detection "
+                f"drawn), got {self.eval_images_min_score!r}"
+            )
         if self.checkpoint_minutes is not None and not self.checkpoint_minutes > 0:
-            problems.append(f"checkpoint_minutes must be > 0 or null (only at epoch ends), got "
-                            f"{self.checkpoint_minutes!r}")
+            problems.append(
+                f"checkpoint_minutes must be > 0 or null (only at epoch ends), got {self.checkpoint_minutes!r}"
+            )
         if not self.dist_timeout_s > 0:
             problems.append(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s!r}")
-        if self.profile_steps is not None and not (len(self.profile_steps) == 2
-                                                   and 1 <= self.profile_steps[0] <= self.profile_steps[1]):
-            problems.append(f"profile_steps must be null or [FIRST,LAST], optimizer steps counted from 1 with "
-                            f"FIRST <= LAST, got {self.profile_steps!r}")
+        if self.profile_steps is not None and not (
+            len(self.profile_steps) == 2 and 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            problems.append(
+                f"profile_steps must be null or [FIRST,LAST], optimizer steps counted from 1 with "
+                f"FIRST <= LAST, got {self.profile_steps!r}"
+            )
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if problems:
@@ -192,8 +220,12 @@ def role_of(key: str, schema: type = TrainConfig) -> str:
 
 
 # Top-level keys of the compile settings before they became the ``compile`` group, as checkpoints recorded them.
-LEGACY_COMPILE_KEYS = {"compile_mode": "mode", "compile_regions": "regions", "compile_backbone": "backbone",
-                       "compile_backend": "backend"}
+LEGACY_COMPILE_KEYS = {
+    "compile_mode": "mode",
+    "compile_regions": "regions",
+    "compile_backbone": "backbone",
+    "compile_backend": "backend",
+}
 
 
 def upgrade_recorded_config(recorded: dict) -> dict:

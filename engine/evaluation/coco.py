@@ -44,9 +44,21 @@ class Evaluation:
 
 @torch.no_grad()
 @rng_preserved()
-def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, device: torch.device, precision: Precision,
-                  keep_detections: Iterable[int] = (), ranks: Ranks | None = None, compiled: bool = False,
-                  backend: str = "auto", progress_every_s: float = PROGRESS_EVERY_S, should_stop=None) -> Evaluation:
+def evaluate_coco(
+    *,
+    model: torch.nn.Module,
+    postprocess,
+    loader,
+    coco_gt,
+    device: torch.device,
+    precision: Precision,
+    keep_detections: Iterable[int] = (),
+    ranks: Ranks | None = None,
+    compiled: bool = False,
+    backend: str = "auto",
+    progress_every_s: float = PROGRESS_EVERY_S,
+    should_stop=None,
+) -> Evaluation:
     """COCO bbox AP of ``model`` on ``loader`` (see Evaluation), with the detections of the ``keep_detections``
     image ids; the random generators are left as they were. ``backend``: datasets.cocoeval_backend's choices.
 
@@ -64,8 +76,9 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     except (AttributeError, TypeError):  # a loader without a sized dataset
         total = None
     share = None if total is None else -(-total // world_size)  # as the evaluation sampler splits them
-    progress = EvaluationProgress(total_images=share, every_s=progress_every_s, enabled=is_main,
-                                  share_of=total if world_size > 1 else None)
+    progress = EvaluationProgress(
+        total_images=share, every_s=progress_every_s, enabled=is_main, share_of=total if world_size > 1 else None
+    )
     started = time.perf_counter()
     stopped = False
     for images, masks, targets in loader:
@@ -95,8 +108,21 @@ def evaluate_coco(*, model: torch.nn.Module, postprocess, loader, coco_gt, devic
     if is_main:
         if not evaluator.num_detections:
             log.warning("evaluation: no detections on any of the %d images; every AP is 0", num_images)
-        log.info("evaluation of %d images: inference %.1f s (%.1f img/s), COCOeval %.1f s (%s)", num_images,
-                 inference_s, num_images / max(inference_s, 1e-9), cocoeval_s, PACKAGES[evaluator.backend])
+        log.info(
+            "evaluation of %d images: inference %.1f s (%.1f img/s), COCOeval %.1f s (%s)",
+            num_images,
+            inference_s,
+            num_images / max(inference_s, 1e-9),
+            cocoeval_s,
+            PACKAGES[evaluator.backend],
+        )
     kept = {int(i): evaluator.results[int(i)] for i in keep_detections if int(i) in evaluator.results}
-    return Evaluation(stats=stats, per_class=evaluator.per_class, num_images=num_images, detections=kept,
-                      inference_s=inference_s, cocoeval_s=cocoeval_s, cocoeval_backend=evaluator.backend)
+    return Evaluation(
+        stats=stats,
+        per_class=evaluator.per_class,
+        num_images=num_images,
+        detections=kept,
+        inference_s=inference_s,
+        cocoeval_s=cocoeval_s,
+        cocoeval_backend=evaluator.backend,
+    )

@@ -42,15 +42,24 @@ def display_scale(*, height: int, width: int) -> float:
     return 1.0
 
 
-def draw_detections(image: torch.Tensor, *, ground_truth: torch.Tensor, boxes: torch.Tensor,
-                    labels: list[str]) -> torch.Tensor:
+def draw_detections(
+    image: torch.Tensor, *, ground_truth: torch.Tensor, boxes: torch.Tensor, labels: list[str]
+) -> torch.Tensor:
     """(3, H, W) uint8 with ground truth (g, 4) in green, then detections (d, 4) with ``labels`` on top; xyxy pixels."""
     if len(ground_truth):
         image = draw_bounding_boxes(image, ground_truth, colors=GROUND_TRUTH_COLOUR, width=2)
     if len(boxes):
         font = label_font()
-        image = draw_bounding_boxes(image, boxes, labels=labels, colors=DETECTION_COLOUR, width=2,
-                                    fill_labels=True, font=font.path, font_size=SIZE if font.path else None)
+        image = draw_bounding_boxes(
+            image,
+            boxes,
+            labels=labels,
+            colors=DETECTION_COLOUR,
+            width=2,
+            fill_labels=True,
+            font=font.path,
+            font_size=SIZE if font.path else None,
+        )
     return image
 
 
@@ -89,10 +98,17 @@ class DetectionImages:
             anns = [a for a in self.dataset.coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
             kept = [d for d in detections.get(image_id, []) if d["score"] >= self.min_score]
             font = label_font()
-            labels = [f"{font.label(self.names.get(d['category_id'], str(d['category_id'])), d['category_id'])} "
-                      f"{d['score']:.2f}" for d in kept]
-            pictures[image_id] = draw_detections(image, ground_truth=_xyxy([a["bbox"] for a in anns], scale),
-                                                 boxes=_xyxy([d["bbox"] for d in kept], scale), labels=labels)
+            labels = [
+                f"{font.label(self.names.get(d['category_id'], str(d['category_id'])), d['category_id'])} "
+                f"{d['score']:.2f}"
+                for d in kept
+            ]
+            pictures[image_id] = draw_detections(
+                image,
+                ground_truth=_xyxy([a["bbox"] for a in anns], scale),
+                boxes=_xyxy([d["bbox"] for d in kept], scale),
+                labels=labels,
+            )
         return pictures
 
     def write(self, writer, detections: dict[int, list[dict]], step: int) -> None:
@@ -108,5 +124,6 @@ def _xyxy(xywh: list, scale: float) -> torch.Tensor:
 
 def build_detection_images(cfg, dataset, *, enabled: bool) -> DetectionImages:
     """From the run settings ``eval_images`` and ``eval_images_min_score``; nothing drawn unless ``enabled``."""
-    return DetectionImages(dataset=dataset, num_images=cfg.eval_images if enabled else 0,
-                           min_score=cfg.eval_images_min_score)
+    return DetectionImages(
+        dataset=dataset, num_images=cfg.eval_images if enabled else 0, min_score=cfg.eval_images_min_score
+    )

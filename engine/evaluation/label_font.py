@@ -10,10 +10,26 @@ from pathlib import Path
 from PIL import ImageFont
 
 # In order of preference: the widest coverage first (CJK included), then fonts most systems have.
-FONT_FILES = ("NotoSansCJK-Regular.ttc", "NotoSansCJKsc-Regular.otf", "NotoSans-Regular.ttf", "DejaVuSans.ttf",
-              "LiberationSans-Regular.ttf", "Arial Unicode.ttf", "ArialUnicode.ttf", "arial.ttf", "Arial.ttf")
-FONT_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts", "~/.local/share/fonts", "~/.fonts", "/Library/Fonts",
-             "/System/Library/Fonts", "C:/Windows/Fonts")
+FONT_FILES = (
+    "NotoSansCJK-Regular.ttc",
+    "NotoSansCJKsc-Regular.otf",
+    "NotoSans-Regular.ttf",
+    "DejaVuSans.ttf",
+    "LiberationSans-Regular.ttf",
+    "Arial Unicode.ttf",
+    "ArialUnicode.ttf",
+    "arial.ttf",
+    "Arial.ttf",
+)
+FONT_DIRS = (
+    "/usr/share/fonts",
+    "/usr/local/share/fonts",
+    "~/.local/share/fonts",
+    "~/.fonts",
+    "/Library/Fonts",
+    "/System/Library/Fonts",
+    "C:/Windows/Fonts",
+)
 SIZE = 11
 
 

@@ -49,12 +49,16 @@ def check_cxx_compiler(compiler: str | None = None) -> None:
     if has_shared_libstdcxx(compiler) is not False:
         return
     fallback = shutil.which("g++")
-    suggestion = (f"CXX={fallback}" if fallback and has_shared_libstdcxx(fallback)
-                  else "CXX= a compiler whose -print-file-name=libstdc++.so gives a path")
+    suggestion = (
+        f"CXX={fallback}"
+        if fallback and has_shared_libstdcxx(fallback)
+        else "CXX= a compiler whose -print-file-name=libstdc++.so gives a path"
+    )
     raise AotiCompilerError(
         f"format=aoti: the C++ compiler {compiler} has no shared libstdc++ (`{compiler} -print-file-name=libstdc++.so`"
         f" finds no file), so it would link a static copy into the package, and torch crashes (a segmentation "
-        f"fault) loading such a package. Run the export with {suggestion} (Inductor compiles with $CXX, else g++)")
+        f"fault) loading such a package. Run the export with {suggestion} (Inductor compiles with $CXX, else g++)"
+    )
 
 
 def write_aoti(program: torch.export.ExportedProgram, path: Path, *, quick: bool = False) -> Path:
@@ -62,8 +66,11 @@ def write_aoti(program: torch.export.ExportedProgram, path: Path, *, quick: bool
     check_cxx_compiler()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # an earlier export's package: replaced whole
-    return Path(torch._inductor.aoti_compile_and_package(program, package_path=str(path),
-                                                         inductor_configs=dict(QUICK_COMPILE) if quick else None))
+    return Path(
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(path), inductor_configs=dict(QUICK_COMPILE) if quick else None
+        )
+    )
 
 
 class AotiRunner:

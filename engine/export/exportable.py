@@ -87,15 +87,18 @@ def smallest_multiple(model: nn.Module) -> int:
             return multiple
 
 
-def trace(detector: ExportableDetector, inputs: tuple[torch.Tensor, ...], *,
-          dynamic: bool) -> torch.export.ExportedProgram:
+def trace(
+    detector: ExportableDetector, inputs: tuple[torch.Tensor, ...], *, dynamic: bool
+) -> torch.export.ExportedProgram:
     """torch.export of ``detector`` on ``inputs``, with dynamic batch and sides (multiples of 32) or fixed at the
     inputs' shape; a ValueError naming image_size when the images are too small for the model's feature levels."""
     height, width = inputs[0].shape[-2:]
     least = SIDE_MULTIPLE * smallest_multiple(detector.model)
     if min(height, width) < least:
-        raise ValueError(f"image_size must be at least {least} x {least} for this model (its smallest feature level "
-                         f"needs 2 pixels a side), got {height} x {width}")
+        raise ValueError(
+            f"image_size must be at least {least} x {least} for this model (its smallest feature level "
+            f"needs 2 pixels a side), got {height} x {width}"
+        )
     shapes = None
     if dynamic:
         batch = torch.export.Dim("batch", min=1, max=LARGEST_BATCH)

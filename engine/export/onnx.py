@@ -19,9 +19,16 @@ log = logging.getLogger(__name__)
 SPLIT_NUM_OUTPUTS_OPSET = 18
 
 
-def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names: tuple[str, ...],
-               output_names: tuple[str, ...], opset: int, tensorrt: bool = False,
-               metadata: dict[str, object] | None = None) -> Path:
+def write_onnx(
+    program: torch.export.ExportedProgram,
+    path: Path,
+    *,
+    input_names: tuple[str, ...],
+    output_names: tuple[str, ...],
+    opset: int,
+    tensorrt: bool = False,
+    metadata: dict[str, object] | None = None,
+) -> Path:
     """``program`` as an ONNX file at ``path``, ``metadata`` (as strings) in its metadata_props; a ValueError
     naming the opset when the file is not valid at ``opset`` (check_opset)."""
     import onnx
@@ -32,9 +39,16 @@ def write_onnx(program: torch.export.ExportedProgram, path: Path, *, input_names
 
         table = translation_table()
     with quieter():
-        onnx_program = torch.onnx.export(program, dynamo=True, opset_version=opset, input_names=list(input_names),
-                                         output_names=list(output_names), custom_translation_table=table,
-                                         optimize=True, verbose=False)
+        onnx_program = torch.onnx.export(
+            program,
+            dynamo=True,
+            opset_version=opset,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            custom_translation_table=table,
+            optimize=True,
+            verbose=False,
+        )
     model = fit_opset(onnx_program.model_proto, opset)
     for key, value in (metadata or {}).items():
         entry = model.metadata_props.add()
@@ -84,13 +98,16 @@ def fit_opset(model, opset: int):
         shape = shapes.get(node.input[0])
         size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
         if size is None:
-            raise ValueError(f"opset={opset}: the graph splits {node.input[0]!r} along a dimension whose size is known "
-                             f"only when it runs, which Split before opset {SPLIT_NUM_OUTPUTS_OPSET} cannot express: "
-                             f"export with opset={SPLIT_NUM_OUTPUTS_OPSET} or later")
+            raise ValueError(
+                f"opset={opset}: the graph splits {node.input[0]!r} along a dimension whose size is known "
+                f"only when it runs, which Split before opset {SPLIT_NUM_OUTPUTS_OPSET} cannot express: "
+                f"export with opset={SPLIT_NUM_OUTPUTS_OPSET} or later"
+            )
         part = -(-size // parts)
         name = f"{node.name or node.output[0]}_sizes"
-        graph.initializer.append(numpy_helper.from_array(
-            np.array([part] * (parts - 1) + [size - part * (parts - 1)], dtype=np.int64), name))
+        graph.initializer.append(
+            numpy_helper.from_array(np.array([part] * (parts - 1) + [size - part * (parts - 1)], dtype=np.int64), name)
+        )
         node.attribute.remove(num_outputs)
         del node.input[1:]
         node.input.append(name)
@@ -104,14 +121,18 @@ def check_opset(path: Path, opset: int) -> None:
     model = onnx.load(str(path), load_external_data=False)
     declared = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     if declared != [opset]:
-        raise ValueError(f"opset={opset}: the ONNX exporter wrote opset {declared} instead, so {path} is not the file "
-                         f"asked for; export with another opset (the default is {DEFAULT_OPSET})")
+        raise ValueError(
+            f"opset={opset}: the ONNX exporter wrote opset {declared} instead, so {path} is not the file "
+            f"asked for; export with another opset (the default is {DEFAULT_OPSET})"
+        )
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as error:
-        raise ValueError(f"opset={opset}: {path} is not a valid ONNX file at that opset, and runtimes would refuse it "
-                         f"({str(error).strip().splitlines()[0]}); export with another opset (the default is "
-                         f"{DEFAULT_OPSET})") from error
+        raise ValueError(
+            f"opset={opset}: {path} is not a valid ONNX file at that opset, and runtimes would refuse it "
+            f"({str(error).strip().splitlines()[0]}); export with another opset (the default is "
+            f"{DEFAULT_OPSET})"
+        ) from error
 
 
 class OnnxRunner:
@@ -126,8 +147,10 @@ class OnnxRunner:
             if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
                 providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0, "use_tf32": 0}))
             else:
-                log.warning("onnxruntime has no CUDA provider here (pip install onnxruntime-gpu): the parity check "
-                            "runs the ONNX file on the CPU")
+                log.warning(
+                    "onnxruntime has no CUDA provider here (pip install onnxruntime-gpu): the parity check "
+                    "runs the ONNX file on the CPU"
+                )
         self.path = path
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3  # errors only: its warnings about unused initializers are noise here
@@ -137,21 +160,23 @@ class OnnxRunner:
             raise ValueError(
                 f"onnxruntime ({', '.join(p if isinstance(p, str) else p[0] for p in providers)}) cannot load {path}, "
                 f"so it could not be checked: {str(error).strip()[:500]}. The file is written; "
-                f"{what_to_try(path)}") from error
+                f"{what_to_try(path)}"
+            ) from error
         self.input_names = [i.name for i in self.session.get_inputs()]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(inputs) != len(self.input_names):
-            raise ValueError(f"the ONNX file takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
-                             f"got {len(inputs)}")
+            raise ValueError(
+                f"the ONNX file takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(inputs)}"
+            )
         feed = {name: tensor.detach().cpu().numpy() for name, tensor in zip(self.input_names, inputs)}
         try:
             outputs = self.session.run(None, feed)
         except Exception as error:  # e.g. a kernel this onnxruntime lacks (float16 ones on the CPU provider)
             raise ValueError(
                 f"onnxruntime ({', '.join(self.session.get_providers())}) could not run the exported file, so it "
-                f"could not be checked: {str(error).strip()[:500]}. The file is written; {what_to_try(self.path)}") \
-                from error
+                f"could not be checked: {str(error).strip()[:500]}. The file is written; {what_to_try(self.path)}"
+            ) from error
         return tuple(torch.from_numpy(np.asarray(output)) for output in outputs)
 
 
@@ -164,5 +189,7 @@ def what_to_try(path: Path) -> str:
     if any(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in model.graph.input):
         return "to check it here, export dtype=fp32, or on a GPU with onnxruntime-gpu installed (device=cuda)"
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    return (f"a float32 file should load: onnxruntime {onnxruntime.__version__} may be older than its opset "
-            f"({opset}): export with the default opset, or install a newer onnxruntime")
+    return (
+        f"a float32 file should load: onnxruntime {onnxruntime.__version__} may be older than its opset "
+        f"({opset}): export with the default opset, or install a newer onnxruntime"
+    )

@@ -38,8 +38,9 @@ def tolerance_for(dtype: str, *, logits: float | None = None, boxes: float | Non
     if str(dtype) not in DEFAULT_TOLERANCES:
         raise ValueError(f"dtype must be one of {sorted(DEFAULT_TOLERANCES)}, got {dtype!r}")
     default = DEFAULT_TOLERANCES[str(dtype)]
-    return Tolerance(logits=default.logits if logits is None else logits,
-                     boxes=default.boxes if boxes is None else boxes)
+    return Tolerance(
+        logits=default.logits if logits is None else logits, boxes=default.boxes if boxes is None else boxes
+    )
 
 
 @dataclass
@@ -60,18 +61,25 @@ class ParityReport:
 
     @property
     def failures(self) -> list[str]:
-        failed = [f"{name} differ by up to {value:.3g} (tolerance {self.limit(name):.3g})"
-                  for name, value in self.differences.items() if not value <= self.limit(name)]
+        failed = [
+            f"{name} differ by up to {value:.3g} (tolerance {self.limit(name):.3g})"
+            for name, value in self.differences.items()
+            if not value <= self.limit(name)
+        ]
         if self.label_mismatches:
             failed.append(f"{self.label_mismatches} labels differ at ranks whose scores are clear of their neighbours")
         return failed
 
     def describe(self) -> str:
-        parts = [f"{name} max |diff| {value:.3g} (tolerance {self.limit(name):.3g})"
-                 for name, value in self.differences.items()]
+        parts = [
+            f"{name} max |diff| {value:.3g} (tolerance {self.limit(name):.3g})"
+            for name, value in self.differences.items()
+        ]
         if self.ranks is not None:
-            parts.append(f"labels and boxes compared at {self.ranks_compared} of {self.ranks} ranks, "
-                         f"{self.label_mismatches} labels differ")
+            parts.append(
+                f"labels and boxes compared at {self.ranks_compared} of {self.ranks} ranks, "
+                f"{self.label_mismatches} labels differ"
+            )
         return f"{self.images} images: " + ", ".join(parts)
 
 
@@ -81,8 +89,9 @@ def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(difference.nan_to_num(nan=torch.inf, posinf=torch.inf).max()) if difference.numel() else 0.0
 
 
-def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
-                    target_sizes: torch.Tensor | None = None) -> ParityReport:
+def compare_outputs(
+    exported: tuple, reference: tuple, *, tolerance: Tolerance, target_sizes: torch.Tensor | None = None
+) -> ParityReport:
     """A ParityReport of ``exported`` against ``reference``: (pred_logits, pred_boxes), or (scores, labels,
     boxes) with the ``target_sizes`` (B, 2) the boxes are scaled to."""
     if len(reference) != len(exported):
@@ -99,9 +108,14 @@ def compare_outputs(exported: tuple, reference: tuple, *, tolerance: Tolerance,
     h, w = target_sizes.detach().cpu().double().unbind(1)
     scale = torch.stack([w, h, w, h], dim=1)[:, None, :]  # (B, 1, 4)
     box_difference = largest_difference((boxes.double() / scale)[stable], (ref_boxes.double() / scale)[stable])
-    return ParityReport(differences={"scores": score_difference, "boxes": box_difference}, tolerance=tolerance,
-                        images=ref_scores.shape[0], label_mismatches=int((labels[stable] != ref_labels[stable]).sum()),
-                        ranks_compared=int(stable.sum()), ranks=stable.numel())
+    return ParityReport(
+        differences={"scores": score_difference, "boxes": box_difference},
+        tolerance=tolerance,
+        images=ref_scores.shape[0],
+        label_mismatches=int((labels[stable] != ref_labels[stable]).sum()),
+        ranks_compared=int(stable.sum()),
+        ranks=stable.numel(),
+    )
 
 
 def clear_ranks(scores: torch.Tensor, *, margin: float) -> torch.Tensor:
@@ -125,19 +139,27 @@ def exact_float32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def check_parity(run_exported: Callable[..., tuple], reference: nn.Module, inputs: tuple[torch.Tensor, ...], *,
-                 tolerance: Tolerance, what: str) -> ParityReport:
+def check_parity(
+    run_exported: Callable[..., tuple],
+    reference: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    tolerance: Tolerance,
+    what: str,
+) -> ParityReport:
     """The ParityReport of ``run_exported`` against ``reference`` (the PyTorch detector) on ``inputs``;
     ExportParityError naming ``what`` (e.g. the file) when a difference exceeds ``tolerance``."""
     with torch.no_grad(), exact_float32():  # a package's convolutions are ATen's: they follow the flags too
         exported = tuple(run_exported(*inputs))
         expected = tuple(reference.eval()(*inputs))
-    report = compare_outputs(exported, expected, tolerance=tolerance,
-                             target_sizes=inputs[2] if len(inputs) > 2 else None)
+    report = compare_outputs(
+        exported, expected, tolerance=tolerance, target_sizes=inputs[2] if len(inputs) > 2 else None
+    )
     if report.failures:
         raise ExportParityError(
             f"{what} does not match the PyTorch model on the sample batch: {'; '.join(report.failures)} "
             f"({report.describe()}). The export is kept for inspection; a wrong graph (a size fixed at the sample's, "
             f"an op the runtime computes otherwise) shows here. If the difference is only precision, set "
-            f"tolerance.logits / tolerance.boxes (configs/export.yaml)")
+            f"tolerance.logits / tolerance.boxes (configs/export.yaml)"
+        )
     return report

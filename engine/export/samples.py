@@ -53,7 +53,7 @@ def recorded_validation_folder(config: dict | None) -> Path | None:
 def sample_batch(shape: SampleShape, *, folder: Path | None, seed: int = 0) -> SampleBatch:
     """The first ``shape.batch`` images of ``folder`` (sorted by path; cycled when there are fewer), else noise."""
     try:
-        paths = find_images(folder)[:shape.batch] if folder is not None else []
+        paths = find_images(folder)[: shape.batch] if folder is not None else []
     except ValueError:  # a folder without images: the batch is noise then
         paths = []
     if not paths:
@@ -69,8 +69,12 @@ def sample_batch(shape: SampleShape, *, folder: Path | None, seed: int = 0) -> S
         images[index, :, :h, :w] = InputPixels().normalize(F.resize(pixels, [h, w], antialias=True))
         mask[index, :h, :w] = False
         sizes.append((height, width))
-    return SampleBatch(images=images, mask=mask, target_sizes=torch.tensor(sizes, dtype=torch.int64),
-                       source=f"{len(paths)} validation image(s) of {folder}")
+    return SampleBatch(
+        images=images,
+        mask=mask,
+        target_sizes=torch.tensor(sizes, dtype=torch.int64),
+        source=f"{len(paths)} validation image(s) of {folder}",
+    )
 
 
 def random_batch(shape: SampleShape, *, seed: int = 0) -> SampleBatch:

@@ -26,14 +26,26 @@ PLUGIN_INPUTS = ("value", "spatial_shapes", "level_start_index", "sampling_locat
 def _plugin_schema() -> OpSchema:
     """The node's signature, for onnxscript's graph builder (not registered with onnx: nothing else needs it)."""
     parameter = OpSchema.FormalParameter
-    inputs = [parameter(name, "tensor(int32)" if name in ("spatial_shapes", "level_start_index") else "T")
-              for name in PLUGIN_INPUTS]
-    attributes = [OpSchema.Attribute(name, OpSchema.AttrType.STRING, description, required=False)
-                  for name, description in (("plugin_version", "the plugin's version in TensorRT's registry"),
-                                            ("plugin_namespace", "the plugin's namespace; empty for TensorRT's"))]
-    return OpSchema(PLUGIN_NAME, PLUGIN_DOMAIN, 1, inputs=inputs, outputs=[parameter("output", "T")],
-                    type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "value's type")],
-                    attributes=attributes)
+    inputs = [
+        parameter(name, "tensor(int32)" if name in ("spatial_shapes", "level_start_index") else "T")
+        for name in PLUGIN_INPUTS
+    ]
+    attributes = [
+        OpSchema.Attribute(name, OpSchema.AttrType.STRING, description, required=False)
+        for name, description in (
+            ("plugin_version", "the plugin's version in TensorRT's registry"),
+            ("plugin_namespace", "the plugin's namespace; empty for TensorRT's"),
+        )
+    ]
+    return OpSchema(
+        PLUGIN_NAME,
+        PLUGIN_DOMAIN,
+        1,
+        inputs=inputs,
+        outputs=[parameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "value's type")],
+        attributes=attributes,
+    )
 
 
 _PLUGIN = Op(Opset(PLUGIN_DOMAIN, 1), PLUGIN_NAME, _plugin_schema())
@@ -50,14 +62,20 @@ def translate_attention(value, sampling_locations, attention_weights, flat_level
     """msda::attention(value, sampling_locations, attention_weights, [H_0, W_0, H_1, ...], deterministic) as the
     plugin node (``deterministic`` concerns only the backward). The host-integer level sizes become the two int32
     tensors; the float inputs are cast to value's dtype (the model computes sampling locations in float32)."""
-    spatial_shapes = op.Reshape(op.Concat(*[_as_vector(size) for size in flat_levels], axis=0),
-                                op.Constant(value_ints=[-1, 2]))  # (L, 2) int64
+    spatial_shapes = op.Reshape(
+        op.Concat(*[_as_vector(size) for size in flat_levels], axis=0), op.Constant(value_ints=[-1, 2])
+    )  # (L, 2) int64
     level_sizes = op.ReduceProd(spatial_shapes, op.Constant(value_ints=[1]), keepdims=0)  # (L,)
     level_start_index = op.CumSum(level_sizes, op.Constant(value_int=0), exclusive=1)  # 0, S_0, S_0 + S_1, ...
-    output = _PLUGIN(value, op.Cast(spatial_shapes, to=onnx.TensorProto.INT32),
-                     op.Cast(level_start_index, to=onnx.TensorProto.INT32),
-                     op.CastLike(sampling_locations, value), op.CastLike(attention_weights, value),
-                     plugin_version=PLUGIN_VERSION, plugin_namespace="")
+    output = _PLUGIN(
+        value,
+        op.Cast(spatial_shapes, to=onnx.TensorProto.INT32),
+        op.Cast(level_start_index, to=onnx.TensorProto.INT32),
+        op.CastLike(sampling_locations, value),
+        op.CastLike(attention_weights, value),
+        plugin_version=PLUGIN_VERSION,
+        plugin_namespace="",
+    )
     # The plugin's output type and shape, for readers of the graph (ONNX cannot infer a foreign node's).
     output.dtype = value.dtype
     if value.shape is not None and sampling_locations.shape is not None:

@@ -53,19 +53,35 @@ def predict(cfg: DictConfig) -> dict:
     device = resolve_device(cfg.device)
     check_msda_device(cfg.model.msda, device)
     names = category_names(gt, gt.getCatIds()) if gt is not None else None
-    trained = load_trained_model(cfg.checkpoint, cfg.model, device=device, categories=names,
-                                 weights=cfg.checkpoint_weights)
+    trained = load_trained_model(
+        cfg.checkpoint, cfg.model, device=device, categories=names, weights=cfg.checkpoint_weights
+    )
     postprocess = PostProcess(num_select=cfg.max_detections)
     val_size, max_size = cfg.image_size or trained.val_size, cfg.max_size or trained.max_size
-    log.info("%d images from %s | %s (step %d, %d classes, attention %s) on %s | short side %d, long side at most %d",
-             len(paths), cfg.images, trained.checkpoint, trained.step, trained.model_config["num_classes"],
-             trained.model_config["msda"], device, val_size, max_size)
+    log.info(
+        "%d images from %s | %s (step %d, %d classes, attention %s) on %s | short side %d, long side at most %d",
+        len(paths),
+        cfg.images,
+        trained.checkpoint,
+        trained.step,
+        trained.model_config["num_classes"],
+        trained.model_config["msda"],
+        device,
+        val_size,
+        max_size,
+    )
 
     folder = ImageFolder(paths, val_size=val_size, max_size=max_size, keep_pixels=cfg.draw, image_ids=ids)
-    loader = DataLoader(folder, batch_size=cfg.batch_size, num_workers=cfg.num_workers, collate_fn=_collate,
-                        pin_memory=device.type == "cuda")
-    predictions = Predictions(output_dir, root=root, categories=trained.categories,
-                              score_threshold=cfg.score_threshold, draw=cfg.draw)
+    loader = DataLoader(
+        folder,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.num_workers,
+        collate_fn=_collate,
+        pin_memory=device.type == "cuda",
+    )
+    predictions = Predictions(
+        output_dir, root=root, categories=trained.categories, score_threshold=cfg.score_threshold, draw=cfg.draw
+    )
     precision = Precision(amp=cfg.amp, device=device)
     started = last_report = time.perf_counter()
     done, skipped = 0, []
@@ -78,31 +94,58 @@ def predict(cfg: DictConfig) -> dict:
             if not infos:
                 continue
             with precision.autocast():
-                outputs = trained.model.detect(images.to(device, non_blocking=True),
-                                               masks.to(device, non_blocking=True))
+                outputs = trained.model.detect(
+                    images.to(device, non_blocking=True), masks.to(device, non_blocking=True)
+                )
             outputs = {k: outputs[k].float() for k in ("pred_logits", "pred_boxes")}
             sizes = torch.tensor([info["orig_size"] for info in infos], device=device)
             for info, result in zip(infos, postprocess(outputs, sizes)):
-                predictions.add(image_id=ids[info["index"]], path=info["path"], orig_size=info["orig_size"],
-                                result=result, pixels=info.get("pixels"))
+                predictions.add(
+                    image_id=ids[info["index"]],
+                    path=info["path"],
+                    orig_size=info["orig_size"],
+                    result=result,
+                    pixels=info.get("pixels"),
+                )
             done += len(infos)
             now = time.perf_counter()
             if now - last_report >= PROGRESS_EVERY_S or done == len(paths):
                 rate = done / (now - started)
-                log.info("%d/%d images [%3.0f%%] %.1f img/s | ETA %s", done, len(paths), 100 * done / len(paths),
-                         rate, format_duration((len(paths) - done) / rate))
+                log.info(
+                    "%d/%d images [%3.0f%%] %.1f img/s | ETA %s",
+                    done,
+                    len(paths),
+                    100 * done / len(paths),
+                    rate,
+                    format_duration((len(paths) - done) / rate),
+                )
                 last_report = now
     if len(skipped) == len(paths):
         raise ImageReadError(f"none of the {len(paths)} images of images={cfg.images} could be read (each named above)")
     if skipped:
-        log.warning("%d of %d images could not be read and were skipped (each named above); the detections of the "
-                    "others are written", len(skipped), len(paths))
+        log.warning(
+            "%d of %d images could not be read and were skipped (each named above); the detections of the "
+            "others are written",
+            len(skipped),
+            len(paths),
+        )
     detections_json, images_json = predictions.write()
-    log.info("%d detections with score >= %g in %s (images: %s)%s", len(predictions.detections), cfg.score_threshold,
-             detections_json, images_json, f"; pictures in {output_dir / 'images'}" if cfg.draw else "")
+    log.info(
+        "%d detections with score >= %g in %s (images: %s)%s",
+        len(predictions.detections),
+        cfg.score_threshold,
+        detections_json,
+        images_json,
+        f"; pictures in {output_dir / 'images'}" if cfg.draw else "",
+    )
     stats = evaluate_predictions(predictions, gt, output_dir=output_dir, cfg=cfg) if gt is not None else None
-    return {"output_dir": output_dir, "images": len(paths), "detections": predictions.detections, "eval": stats,
-            "skipped": skipped}
+    return {
+        "output_dir": output_dir,
+        "images": len(paths),
+        "detections": predictions.detections,
+        "eval": stats,
+        "skipped": skipped,
+    }
 
 
 def read_ground_truth(annotations: str) -> COCO:
@@ -117,7 +160,7 @@ def image_ids(paths: list[Path], *, root: Path, gt: COCO | None) -> list[int]:
     """An id per image: its id in ``gt`` (matched by file_name: the path under ``root``, else the file's name),
     else 1, 2, ... after the largest id of ``gt``."""
     by_name: dict[str, int] = {}
-    for image_id, image in (gt.imgs.items() if gt is not None else ()):
+    for image_id, image in gt.imgs.items() if gt is not None else ():
         by_name.setdefault(Path(image["file_name"]).as_posix(), image_id)
         by_name.setdefault(Path(image["file_name"]).name, image_id)
     next_id = max(gt.imgs, default=0) + 1 if gt is not None else 1
@@ -128,8 +171,11 @@ def image_ids(paths: list[Path], *, root: Path, gt: COCO | None) -> list[int]:
             found, next_id, unmatched = next_id, next_id + 1, unmatched + 1
         ids.append(found)
     if gt is not None and unmatched:
-        log.warning("%d of %d images are not in the annotation file (matched by file_name): they are predicted, "
-                    "not evaluated", unmatched, len(paths))
+        log.warning(
+            "%d of %d images are not in the annotation file (matched by file_name): they are predicted, not evaluated",
+            unmatched,
+            len(paths),
+        )
     return ids
 
 
@@ -138,16 +184,28 @@ def evaluate_predictions(predictions: Predictions, gt: COCO, *, output_dir: Path
     the annotation file has; written to eval.json."""
     scored = {i: r for i, r in predictions.all_detections.items() if i in gt.imgs}
     if not scored:
-        raise ValueError(f"annotations={cfg.annotations}: none of the images is in it (images are matched by "
-                         "file_name, as a path under the images folder or as the file's name)")
+        raise ValueError(
+            f"annotations={cfg.annotations}: none of the images is in it (images are matched by "
+            "file_name, as a path under the images folder or as the file's name)"
+        )
     evaluator = CocoEvaluator(gt, backend=cfg.eval_backend)
     evaluator.update(scored)
     stats = evaluator.summarize()
     log_cocoeval_output(evaluator.cocoeval_output, log)
-    write_eval_json(output_dir / "eval.json", stats=stats, per_class=evaluator.per_class, num_images=len(scored),
-                    checkpoint=str(Path(cfg.checkpoint).resolve()), annotations=str(Path(cfg.annotations).resolve()))
-    log.info("evaluation on %s (%d images): %s", cfg.annotations, len(scored),
-             " ".join(f"{k} {v:.4f}" for k, v in stats.items()))
+    write_eval_json(
+        output_dir / "eval.json",
+        stats=stats,
+        per_class=evaluator.per_class,
+        num_images=len(scored),
+        checkpoint=str(Path(cfg.checkpoint).resolve()),
+        annotations=str(Path(cfg.annotations).resolve()),
+    )
+    log.info(
+        "evaluation on %s (%d images): %s",
+        cfg.annotations,
+        len(scored),
+        " ".join(f"{k} {v:.4f}" for k, v in stats.items()),
+    )
     return stats
 
 

@@ -26,8 +26,16 @@ class Progress:
     that takes minutes. The ETA adds the evaluations still to come (``evaluation_steps``: the steps after which one
     runs), each at what the last ones took, or before the first at an estimate from ``val_images``."""
 
-    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, steps_per_epoch: int | None = None,
-                 evaluation_steps: tuple[int, ...] = (), val_images: int = 0):
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        steps_per_epoch: int | None = None,
+        evaluation_steps: tuple[int, ...] = (),
+        val_images: int = 0,
+    ):
         self.total_steps = total_steps
         self.start_step = start_step
         self.enabled = enabled
@@ -48,9 +56,21 @@ class Progress:
         evaluations = sum(1 for s in self.evaluation_steps if s >= step)
         return self.step_seconds(step, excluded_s) * (self.total_steps - step) + evaluations * evaluation_s
 
-    def report(self, *, step: int, epoch: int, epochs: int, loss: float, parts: dict[str, float],
-               lr: float, step_ms: float, data_ms: float, images_per_s: float, excluded_s: float = 0.0,
-               evaluation_s: float | None = None) -> None:
+    def report(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        epochs: int,
+        loss: float,
+        parts: dict[str, float],
+        lr: float,
+        step_ms: float,
+        data_ms: float,
+        images_per_s: float,
+        excluded_s: float = 0.0,
+        evaluation_s: float | None = None,
+    ) -> None:
         """One progress line; ``evaluation_s``: one evaluation's mean time so far (None: estimated)."""
         if not self.enabled:
             return
@@ -60,16 +80,37 @@ class Progress:
             evaluation_s = self.val_images / (INFERENCE_SPEED_UP * images_per_s) if images_per_s > 0 else 0.0
         eta = self.eta_seconds(step, excluded_s, evaluation_s)
         evaluations = sum(1 for s in self.evaluation_steps if s >= step)
-        with_evaluations = (f" with {evaluations} evaluation{'s' if evaluations != 1 else ''} of "
-                            f"{'~' if estimated else ''}{format_duration(evaluation_s)}") if evaluations else ""
+        with_evaluations = (
+            (
+                f" with {evaluations} evaluation{'s' if evaluations != 1 else ''} of "
+                f"{'~' if estimated else ''}{format_duration(evaluation_s)}"
+            )
+            if evaluations
+            else ""
+        )
         epoch_eta = ""
         if self.steps_per_epoch:
             left = min(self.total_steps, (epoch + 1) * self.steps_per_epoch) - step
             epoch_eta = f", epoch {format_duration(self.step_seconds(step, excluded_s) * left)}"
         parts_txt = " ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in parts.items())
-        log.info("epoch %d/%d step %d/%d [%3.0f%%] loss %.4f (%s) lr %.2e | step %.0f ms data %.0f ms "
-                 "%.1f img/s | ETA %s (run%s)%s", epoch + 1, epochs, step, self.total_steps, pct, loss, parts_txt,
-                 lr, step_ms, data_ms, images_per_s, format_duration(eta), with_evaluations, epoch_eta)
+        log.info(
+            "epoch %d/%d step %d/%d [%3.0f%%] loss %.4f (%s) lr %.2e | step %.0f ms data %.0f ms "
+            "%.1f img/s | ETA %s (run%s)%s",
+            epoch + 1,
+            epochs,
+            step,
+            self.total_steps,
+            pct,
+            loss,
+            parts_txt,
+            lr,
+            step_ms,
+            data_ms,
+            images_per_s,
+            format_duration(eta),
+            with_evaluations,
+            epoch_eta,
+        )
 
 
 class EvaluationProgress:
@@ -111,8 +152,16 @@ class EvaluationProgress:
             return  # the pass is done: its closing line follows
         self._last_report = now
         rate = self.images_per_s(images)
-        done = (f"{images} images" if self.total_images is None
-                else f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]")
+        done = (
+            f"{images} images"
+            if self.total_images is None
+            else f"{images}/{self.total_images} images [{100.0 * images / max(1, self.total_images):3.0f}%]"
+        )
         share = f" (this process's share of {self.share_of})" if self.share_of is not None else ""
-        log.info("evaluation %s%s %s img/s | ETA %s", done, share, "?" if math.isnan(rate) else f"{rate:.1f}",
-                 format_duration(self.eta_seconds(images)))
+        log.info(
+            "evaluation %s%s %s img/s | ETA %s",
+            done,
+            share,
+            "?" if math.isnan(rate) else f"{rate:.1f}",
+            format_duration(self.eta_seconds(images)),
+        )

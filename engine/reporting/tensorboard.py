@@ -30,8 +30,9 @@ class ScalarWriter:
         if self._writer is None:
             return
         if image.dim() != 3 or image.shape[0] != 3 or image.dtype != torch.uint8:
-            raise ValueError(f"add_image({tag!r}): expected a (3, H, W) uint8 image, got {tuple(image.shape)} "
-                             f"{image.dtype}")
+            raise ValueError(
+                f"add_image({tag!r}): expected a (3, H, W) uint8 image, got {tuple(image.shape)} {image.dtype}"
+            )
         self._writer.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def flush(self) -> None:

@@ -32,9 +32,14 @@ PIN_MEMORY_THREAD = "_pin_memory_loop"
 T = TypeVar("T")
 
 
-def run_reporting_faults(job: Callable[[], object], *, run_dir: Path | None, log: logging.Logger, dated: bool = False,
-                         interrupted: str = "stopped at once by a second Ctrl-C: the steps since the last checkpoint "
-                                            "are lost") -> None:
+def run_reporting_faults(
+    job: Callable[[], object],
+    *,
+    run_dir: Path | None,
+    log: logging.Logger,
+    dated: bool = False,
+    interrupted: str = "stopped at once by a second Ctrl-C: the steps since the last checkpoint are lost",
+) -> None:
     """Run ``job`` (module docstring): returns when it succeeds, else exits or re-raises. ``run_dir``: Hydra's run
     directory, removed when a fault leaves it untouched (remove_if_untouched, ``dated``); ``interrupted``: the message
     for a KeyboardInterrupt."""
@@ -81,8 +86,11 @@ def loader_thread_tracebacks_to_log(log: logging.Logger) -> Iterator[None]:
 
     def hook(args: threading.ExceptHookArgs) -> None:
         if args.thread is not None and PIN_MEMORY_THREAD in args.thread.name:
-            log.error("the data loader's pin-memory thread stopped:", extra=FILE_ONLY,
-                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+            log.error(
+                "the data loader's pin-memory thread stopped:",
+                extra=FILE_ONLY,
+                exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+            )
             return
         printing(args)
 

@@ -21,8 +21,9 @@ def _to(batch, device: torch.device):
     if isinstance(targets, BatchTargets):  # the loader's: a copy per key, not per image and key
         targets = targets.to(device, non_blocking=True)
     else:
-        targets = [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()}
-                   for t in targets]
+        targets = [
+            {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in t.items()} for t in targets
+        ]
     return images.to(device, non_blocking=True), masks.to(device, non_blocking=True), targets
 
 

@@ -69,10 +69,19 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> Dist
         torch.cuda.set_device(dev)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
-                       owns_group=owns_group, timeout_s=timeout_s)
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            init_method="env://",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=dev,
+        owns_group=owns_group,
+        timeout_s=timeout_s,
+    )
 
 
 def shutdown_distributed(ctx: DistContext) -> None:
@@ -86,7 +95,8 @@ def _collective(name: str, ctx: DistContext, fn, *args, **kwargs):
     except (RuntimeError, ValueError) as error:  # DistBackendError and gloo's timeouts are RuntimeErrors
         raise CollectiveError(
             f"rank {ctx.rank} of {ctx.world_size}: {name} failed or timed out (dist_timeout_s={ctx.timeout_s:g}); "
-            f"another rank stopped, crashed or fell behind: look for its error above. ({error})") from error
+            f"another rank stopped, crashed or fell behind: look for its error above. ({error})"
+        ) from error
 
 
 def barrier(ctx: DistContext) -> None:
@@ -157,8 +167,9 @@ class Ranks:
         return broadcast_object(obj, self.ctx)
 
 
-def data_parallel(model: torch.nn.Module, ctx: DistContext, *, gradient_sync: str = "allreduce",
-                  find_unused_parameters: bool = False) -> tuple[torch.nn.Module, Callable[[], None] | None]:
+def data_parallel(
+    model: torch.nn.Module, ctx: DistContext, *, gradient_sync: str = "allreduce", find_unused_parameters: bool = False
+) -> tuple[torch.nn.Module, Callable[[], None] | None]:
     """(module to train, what to call after backward): engine.train.step.OptimizerStep's ``model`` and
     ``sync_gradients``. allreduce: (``model``, GradientAllReduce(model).sync); ddp: (``model`` in
     DistributedDataParallel, None); a world of one: (``model``, None).
@@ -180,9 +191,13 @@ def data_parallel(model: torch.nn.Module, ctx: DistContext, *, gradient_sync: st
     # cuts would only add CUDA-graph replays. Read when a graph is compiled.
     dynamo_config.optimize_ddp = False
     newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                                  find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
-                                  **({"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}))
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=True,
+        **({"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}),
+    )
     return ddp, None
 
 
@@ -197,8 +212,10 @@ class GradientAllReduce:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         for name, p in named:  # the gradients become views of one flat buffer, each laid out as its parameter
             if not _dense(p):
-                raise ValueError(f"gradient_sync=allreduce needs parameters that fill their memory (contiguous in "
-                                 f"some order of their dimensions); {name} does not (use gradient_sync=ddp)")
+                raise ValueError(
+                    f"gradient_sync=allreduce needs parameters that fill their memory (contiguous in "
+                    f"some order of their dimensions); {name} does not (use gradient_sync=ddp)"
+                )
         self._groups = list(_by_dtype(p for _, p in named).values())
         if ctx.distributed:
             _check_same_layout(model, ctx)
@@ -224,14 +241,19 @@ class GradientAllReduce:
 def _check_same_layout(model: torch.nn.Module, ctx: DistContext) -> None:
     """ValueError unless every rank holds the same parameters and buffers (order, shapes, dtypes, strides): the
     flat collectives would otherwise pair unrelated values, or on NCCL wait forever."""
-    layout = [(name, tuple(t.shape), str(t.dtype), t.stride())
-              for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    layout = [
+        (name, tuple(t.shape), str(t.dtype), t.stride())
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    ]
     for rank, other in enumerate(all_gather_object(layout, ctx)):
         if other != layout:
-            first = next((f"{mine} here, {theirs} on rank {rank}" for mine, theirs in zip(layout, other)
-                          if mine != theirs), f"{len(layout)} tensors here, {len(other)} on rank {rank}")
-            raise ValueError(f"rank {ctx.rank}: the model differs between ranks ({first}); every process must "
-                             "build the same model")
+            first = next(
+                (f"{mine} here, {theirs} on rank {rank}" for mine, theirs in zip(layout, other) if mine != theirs),
+                f"{len(layout)} tensors here, {len(other)} on rank {rank}",
+            )
+            raise ValueError(
+                f"rank {ctx.rank}: the model differs between ranks ({first}); every process must build the same model"
+            )
 
 
 def _by_dtype(tensors) -> dict[torch.dtype, list[torch.Tensor]]:
@@ -267,8 +289,10 @@ def _laid_out_as(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` cut into tensors shaped and laid out as ``like``'s (dense), in order (views, no copy)."""
-    return [piece.as_strided(t.shape, t.stride()) if _dense(t) else piece.view(t.shape)
-            for piece, t in zip(flat.split([t.numel() for t in like]), like)]
+    return [
+        piece.as_strided(t.shape, t.stride()) if _dense(t) else piece.view(t.shape)
+        for piece, t in zip(flat.split([t.numel() for t in like]), like)
+    ]
 
 
 def average_over_processes(value: float, ctx: DistContext) -> Callable[[], float | torch.Tensor]:

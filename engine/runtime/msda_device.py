@@ -13,7 +13,9 @@ def check_msda_device(msda: str, device: torch.device) -> None:
     try:
         resolve_impl(str(msda), device)
     except ValueError as error:
-        raise ValueError(f"model.msda={msda} runs the Triton kernels, which need a GPU, but this run is on {device}: "
-                         "set model.msda=auto (Triton on a GPU, the PyTorch reference elsewhere) or "
-                         "model.msda=pytorch, or run on a GPU (device=cuda); TRITON_INTERPRET=1 runs the kernels on "
-                         "the CPU through Triton's interpreter, very slowly") from error
+        raise ValueError(
+            f"model.msda={msda} runs the Triton kernels, which need a GPU, but this run is on {device}: "
+            "set model.msda=auto (Triton on a GPU, the PyTorch reference elsewhere) or "
+            "model.msda=pytorch, or run on a GPU (device=cuda); TRITON_INTERPRET=1 runs the kernels on "
+            "the CPU through Triton's interpreter, very slowly"
+        ) from error

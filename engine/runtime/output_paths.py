@@ -19,8 +19,10 @@ def writable_folder(path: str | os.PathLike, *, setting: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
     except OSError as error:
-        raise OutputPathError(f"{setting}: cannot create or write into the folder {path}: {why(path, error)}. "
-                              "Choose a folder you can write to") from error
+        raise OutputPathError(
+            f"{setting}: cannot create or write into the folder {path}: {why(path, error)}. "
+            "Choose a folder you can write to"
+        ) from error
     return path
 
 

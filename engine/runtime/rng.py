@@ -28,10 +28,13 @@ def capture_rng_state() -> dict:
     np_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
-        "numpy": {"bit_generator": np_state["bit_generator"],
-                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                  "pos": int(np_state["state"]["pos"]),
-                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -43,8 +46,14 @@ def restore_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # setstate needs tuples, a reader may give lists
     n = state["numpy"]
-    np.random.set_state({"bit_generator": n["bit_generator"], "has_gauss": n["has_gauss"], "gauss": n["gauss"],
-                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]}})
+    np.random.set_state(
+        {
+            "bit_generator": n["bit_generator"],
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+        }
+    )
     torch.set_rng_state(state["torch"])
     # CUDA states only when the device count matches: on another machine a resume gets fresh CUDA generators.
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():

@@ -59,8 +59,15 @@ class RunLock:
                 self._take_over_if_stale()
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump({"pid": os.getpid(), "host": socket.gethostname(),
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500]}, f)
+                json.dump(
+                    {
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "command": " ".join(sys.argv)[:500],
+                    },
+                    f,
+                )
             self.held = True
             return
         raise RunDirectoryInUse(f"{self.path.parent} is being locked and unlocked by another process; try again")
@@ -78,13 +85,20 @@ class RunLock:
         here = socket.gethostname()
         if pid is not None and pid != os.getpid() and (host != here or process_alive(pid)):
             where = f"process {pid}" + (f" on {host}" if host != here else "")
-            check = ("" if host == here else f"; this host ({here}) cannot tell whether it still runs: if it does not, "
-                     f"delete {self.path}")
+            check = (
+                ""
+                if host == here
+                else f"; this host ({here}) cannot tell whether it still runs: if it does not, delete {self.path}"
+            )
             raise RunDirectoryInUse(
                 f"run directory {self.path.parent} is in use by {where}, started {owner.get('started', '?')} "
-                f"({owner.get('command', '?')}){check}. Wait for it to end, stop it, or choose another output_dir")
-        log.warning("run directory %s: taking over the lock of %s, which no longer runs", self.path.parent,
-                    f"process {pid}" if pid is not None else "a process that left it unreadable")
+                f"({owner.get('command', '?')}){check}. Wait for it to end, stop it, or choose another output_dir"
+            )
+        log.warning(
+            "run directory %s: taking over the lock of %s, which no longer runs",
+            self.path.parent,
+            f"process {pid}" if pid is not None else "a process that left it unreadable",
+        )
         self.path.unlink(missing_ok=True)
 
     def release(self) -> None:
@@ -105,8 +119,10 @@ def held_before_hydra(argv: list[str]) -> RunLock | None:
     if is_sweep(key, directory):
         if not multirun:
             return None  # Hydra refuses a sweep without -m, naming it
-        raise SettingsError(f"{key}={directory}: a multirun (-m) takes one {key}, and runs each job in a folder of its "
-                            f"own under it ({key}/0, {key}/1, ...); to name each job's folder, run the jobs one by one")
+        raise SettingsError(
+            f"{key}={directory}: a multirun (-m) takes one {key}, and runs each job in a folder of its "
+            f"own under it ({key}/0, {key}/1, ...); to name each job's folder, run the jobs one by one"
+        )
     lock = RunLock(writable_folder(directory, setting=f"{key}={directory}"))
     lock.acquire()
     return lock

@@ -59,10 +59,17 @@ class StopRequest:
         """Log the request, once; ``evaluating``: seen between an evaluation's batches, which it stops."""
         if self.signum is not None and not self._announced:
             self._announced = True
-            doing = ("stopping this evaluation, then writing checkpoint.pth, whose resume runs it first, and stopping"
-                     if evaluating else "finishing this step, then writing checkpoint.pth and stopping")
-            log.warning("%s received: %s%s", signal.Signals(self.signum).name, doing,
-                        " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else "")
+            doing = (
+                "stopping this evaluation, then writing checkpoint.pth, whose resume runs it first, and stopping"
+                if evaluating
+                else "finishing this step, then writing checkpoint.pth and stopping"
+            )
+            log.warning(
+                "%s received: %s%s",
+                signal.Signals(self.signum).name,
+                doing,
+                " (Ctrl-C again to stop at once)" if self.signum == signal.SIGINT else "",
+            )
 
 
 def ignore_stop_signals(worker_id: int | None = None) -> None:

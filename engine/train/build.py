@@ -33,8 +33,17 @@ class RunModel:
     compile_plan: CompilePlan | None  # what was compiled, or None (eager)
 
 
-def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool, init: InitFrom | None = None,
-                    evaluation_batches: int = 0, training_steps: int = 0, pass_batch: int = 0) -> RunModel:
+def build_run_model(
+    cfg_model,
+    cfg_compile,
+    *,
+    ctx: DistContext,
+    training: bool,
+    init: InitFrom | None = None,
+    evaluation_batches: int = 0,
+    training_steps: int = 0,
+    pass_batch: int = 0,
+) -> RunModel:
     """``cfg_model`` built on ctx's device, ``init``'s weights (model.init_from) loaded before it moves, and
     compiled in place as ``cfg_compile`` resolves there (names unchanged: weights load afterwards): for ``training``
     its training regions and losses too, else only evaluation's graph, if the plan compiles it. The counts decide
@@ -48,8 +57,13 @@ def build_run_model(cfg_model, cfg_compile, *, ctx: DistContext, training: bool,
     model.to(ctx.device)
     if ctx.device.type == "cuda":
         model.use_channels_last()  # before the optimizer and a resumed state take the parameters' layout
-    plan = resolve_compile(cfg_compile, device=ctx.device, evaluation_batches=evaluation_batches,
-                           training_steps=training_steps, pass_batch=pass_batch)
+    plan = resolve_compile(
+        cfg_compile,
+        device=ctx.device,
+        evaluation_batches=evaluation_batches,
+        training_steps=training_steps,
+        pass_batch=pass_batch,
+    )
     if training:
         criterion.to(ctx.device)
         if plan is not None:
@@ -75,23 +89,39 @@ class TrainingSetup:
         return self.run_model.model
 
 
-def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt: dict | None = None,
-                   ckpt_path: str | os.PathLike | None = None, evaluation_batches: int = 0,
-                   training_steps: int = 0) -> TrainingSetup:
+def build_training(
+    cfg,
+    *,
+    ctx: DistContext,
+    init: InitFrom | None = None,
+    ckpt: dict | None = None,
+    ckpt_path: str | os.PathLike | None = None,
+    evaluation_batches: int = 0,
+    training_steps: int = 0,
+) -> TrainingSetup:
     """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes. ``init``: a new run's
     model.init_from weights; ``ckpt``, ``ckpt_path``: a checkpoint to resume (weights, optimizer, schedule and scaler,
     engine.train.resume); ``evaluation_batches``, ``training_steps``: as build_run_model takes them."""
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
     batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
-    run_model = build_run_model(cfg.model, cfg.compile, ctx=ctx, training=True, init=init,
-                                evaluation_batches=evaluation_batches, training_steps=training_steps,
-                                pass_batch=batch.per_pass)
+    run_model = build_run_model(
+        cfg.model,
+        cfg.compile,
+        ctx=ctx,
+        training=True,
+        init=init,
+        evaluation_batches=evaluation_batches,
+        training_steps=training_steps,
+        pass_batch=batch.per_pass,
+    )
     model, criterion = run_model.model, run_model.criterion
     plan = run_model.compile_plan
     if plan is not None and plan.mode == "graphs" and ctx.world_size > 1 and cfg.gradient_sync == "ddp":
-        raise ValueError("compile.mode=graphs records the backward as a CUDA graph, which DistributedDataParallel's "
-                         "hooks cannot run inside; use gradient_sync=allreduce (the default) or "
-                         "compile.mode=reduce-overhead")
+        raise ValueError(
+            "compile.mode=graphs records the backward as a CUDA graph, which DistributedDataParallel's "
+            "hooks cannot run inside; use gradient_sync=allreduce (the default) or "
+            "compile.mode=reduce-overhead"
+        )
     optimizer = build_optimizer(model, cfg.optim)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.optim)
     precision = Precision(amp=cfg.amp, device=ctx.device)
@@ -101,13 +131,28 @@ def build_training(cfg, *, ctx: DistContext, init: InitFrom | None = None, ckpt:
         # location by a thousandth of its offset. Process-wide; a run with amp=none stays in full float32.
         torch.backends.cuda.matmul.allow_tf32 = True
     if ckpt is not None:  # before data_parallel, which starts every rank from rank 0's weights
-        restore_training_state(ckpt, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                               scaler=precision.scaler, cfg_optim=cfg.optim, path=ckpt_path)
-    trained, sync_gradients = data_parallel(model, ctx, gradient_sync=cfg.gradient_sync,
-                                            find_unused_parameters=cfg.find_unused_parameters)
-    step = OptimizerStep(model=trained, criterion=criterion, optimizer=optimizer, precision=precision,
-                         clip_max_norm=cfg.optim.clip_max_norm,
-                         average_num_boxes=lambda n: average_over_processes(n, ctx), sync_gradients=sync_gradients,
-                         images_per_pass=batch.per_pass if batch.passes > 1 else None)
-    return TrainingSetup(run_model=run_model, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision,
-                         step=step)
+        restore_training_state(
+            ckpt,
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            scaler=precision.scaler,
+            cfg_optim=cfg.optim,
+            path=ckpt_path,
+        )
+    trained, sync_gradients = data_parallel(
+        model, ctx, gradient_sync=cfg.gradient_sync, find_unused_parameters=cfg.find_unused_parameters
+    )
+    step = OptimizerStep(
+        model=trained,
+        criterion=criterion,
+        optimizer=optimizer,
+        precision=precision,
+        clip_max_norm=cfg.optim.clip_max_norm,
+        average_num_boxes=lambda n: average_over_processes(n, ctx),
+        sync_gradients=sync_gradients,
+        images_per_pass=batch.per_pass if batch.passes > 1 else None,
+    )
+    return TrainingSetup(
+        run_model=run_model, optimizer=optimizer, lr_scheduler=lr_scheduler, precision=precision, step=step
+    )

@@ -32,31 +32,48 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     model variant and sizes come from the checkpoint when it records them (our config, or the official checkpoints'
     args), otherwise from the config (e.g. experiment=two_stage)."""
     if not cfg.checkpoint:
-        raise ValueError("eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official "
-                         "Deformable DETR one)")
+        raise ValueError(
+            "eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official Deformable DETR one)"
+        )
     cfg = check_config(cfg)
     with in_run_directory(cfg) as (ctx, output_dir):
         prepare_compilation(cfg)
         source = checkpoint_model(cfg.checkpoint, cfg.model, weights=cfg.checkpoint_weights)
         val_set = build_datasets(cfg, ctx, ("val",))["val"]
         # The classes of the checkpoint's class head, checked against the category ids.
-        resolve_num_classes(source.model_config["num_classes"], {"val": val_set},
-                            checkpoint_state=source.ckpt["model"], evaluated=str(source.path))
+        resolve_num_classes(
+            source.model_config["num_classes"],
+            {"val": val_set},
+            checkpoint_state=source.ckpt["model"],
+            evaluated=str(source.path),
+        )
         # batch_size: the most images one pass takes; evaluation needs less memory than training's passes.
         buckets = size_buckets(cfg, ctx, None, val_set, batch_size=cfg.batch_size)
         loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets, batch_size=cfg.batch_size)
-        run_model = build_run_model(source.model_config, cfg.compile, ctx=ctx, training=False,
-                                    evaluation_batches=len(loader.batch_sampler))
+        run_model = build_run_model(
+            source.model_config, cfg.compile, ctx=ctx, training=False, evaluation_batches=len(loader.batch_sampler)
+        )
         plan = run_model.compile_plan
         if ctx.is_main:
             warn_unbounded_sizes(cfg, buckets, plan, training=False)
         source.load_into(run_model.model)
-        validation = Validation(model=run_model.model, postprocess=run_model.postprocess, loader=loader,
-                                coco_gt=val_set.coco, precision=Precision(amp=cfg.amp, device=ctx.device),
-                                ranks=Ranks(ctx), compiled=plan is not None and plan.evaluation,
-                                backend=cfg.eval_backend,
-                                detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main))
+        validation = Validation(
+            model=run_model.model,
+            postprocess=run_model.postprocess,
+            loader=loader,
+            coco_gt=val_set.coco,
+            precision=Precision(amp=cfg.amp, device=ctx.device),
+            ranks=Ranks(ctx),
+            compiled=plan is not None and plan.evaluation,
+            backend=cfg.eval_backend,
+            detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main),
+        )
         with contextlib.closing(ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)) as writer:
-            evaluation = validation.run(writer=writer, json_path=output_dir / "eval.json", step=source.step,
-                                        what=f"of {source.path}", checkpoint=str(source.path.resolve()))
+            evaluation = validation.run(
+                writer=writer,
+                json_path=output_dir / "eval.json",
+                step=source.step,
+                what=f"of {source.path}",
+                checkpoint=str(source.path.resolve()),
+            )
         return {"output_dir": output_dir, "eval": evaluation.stats}

@@ -23,8 +23,9 @@ class TrainingLoop:
     """Runs ``plan`` from ``position`` with ``step`` on ``loader``'s batches, calling ``hooks`` in their order
     (``loader``: datasets.build_data_loader(train=True), whose batch_sampler is the stream of all epochs)."""
 
-    def __init__(self, *, step: OptimizerStep, loader, position: Position, plan: RunPlan, hooks: list[Hook],
-                 ctx: DistContext):
+    def __init__(
+        self, *, step: OptimizerStep, loader, position: Position, plan: RunPlan, hooks: list[Hook], ctx: DistContext
+    ):
         self.step, self.loader, self.position, self.plan = step, loader, position, plan
         self.hooks, self.ctx = hooks, ctx
         self._batches = None
@@ -70,9 +71,18 @@ class TrainingLoop:
             compute = ComputeSpan(self.ctx.device)
             values = self.step(images, masks, targets)
             pos.step, pos.steps_in_epoch = pos.step + 1, pos.steps_in_epoch + 1
-            self._call("after_step", StepDone(number=pos.step, epoch=epoch, values=values, size=tuple(images.shape),
-                                              images=len(targets) * self.ctx.world_size, data_s=data_s,
-                                              compute=compute.end()))
+            self._call(
+                "after_step",
+                StepDone(
+                    number=pos.step,
+                    epoch=epoch,
+                    values=values,
+                    size=tuple(images.shape),
+                    images=len(targets) * self.ctx.world_size,
+                    data_s=data_s,
+                    compute=compute.end(),
+                ),
+            )
         complete = pos.steps_in_epoch == plan.steps_per_epoch
         if complete:
             pos.epoch, pos.steps_in_epoch = epoch + 1, 0

@@ -12,8 +12,11 @@ import torch
 
 def group_base_lrs(cfg_optim) -> dict[str, float]:
     """Each group's lr before any drop (also what a resumed run applies when optim.lr* changed)."""
-    return {"rest": cfg_optim.lr, "backbone": cfg_optim.lr_backbone,
-            "linear_proj": cfg_optim.lr * cfg_optim.lr_linear_proj_mult}
+    return {
+        "rest": cfg_optim.lr,
+        "backbone": cfg_optim.lr_backbone,
+        "linear_proj": cfg_optim.lr * cfg_optim.lr_linear_proj_mult,
+    }
 
 
 def build_optimizer(model: torch.nn.Module, cfg_optim) -> torch.optim.AdamW:
@@ -45,4 +48,3 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg_optim) -> torch.opt
 def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Current lr per named group, for logging."""
     return {g.get("name", str(i)): g["lr"] for i, g in enumerate(optimizer.param_groups)}
-

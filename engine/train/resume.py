@@ -64,9 +64,11 @@ def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, A
     """(key, checkpoint's value, command line's value) for every setting both record with another value; a null
     model.num_classes on the command line ("from the data", which the checkpoint answers) is no difference."""
     old, new = flatten(upgrade_recorded_config(recorded)), flatten(current)
-    return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys())
-            if role_of(key) != INVOCATION and old[key] != new[key]
-            and not (key == "model.num_classes" and new[key] is None)]
+    return [
+        (key, old[key], new[key])
+        for key in sorted(old.keys() & new.keys())
+        if role_of(key) != INVOCATION and old[key] != new[key] and not (key == "model.num_classes" and new[key] is None)
+    ]
 
 
 def run_identity_differences(recorded: dict, current: dict) -> list[str]:
@@ -104,13 +106,22 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
         differences = run_identity_differences(recorded, config)
         if not differences:
             written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
-            log.warning("resume=auto: continuing %s (written %s), the newest checkpoint under %s of a run with "
-                        "this run's settings; pass resume=null to start afresh", path, written, search_root)
+            log.warning(
+                "resume=auto: continuing %s (written %s), the newest checkpoint under %s of a run with "
+                "this run's settings; pass resume=null to start afresh",
+                path,
+                written,
+                search_root,
+            )
             return path
         others.append(f"{path} ({', '.join(differences[:3])} {'differs' if len(differences) == 1 else 'differ'})")
     if others:
-        log.warning("resume=auto: starting from scratch; the %d checkpoints under %s are of other runs, e.g. %s",
-                    len(others), search_root, others[0])
+        log.warning(
+            "resume=auto: starting from scratch; the %d checkpoints under %s are of other runs, e.g. %s",
+            len(others),
+            search_root,
+            others[0],
+        )
     else:
         log.info("resume=auto: no checkpoint found, starting from scratch")
     return None
@@ -127,16 +138,20 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
             try:
                 effective.model[key] = value  # typed node: the recorded value is checked like an override
             except OmegaConfBaseException as error:
-                raise CheckpointError(f"checkpoint {path} records model.{key}={value!r}, which this version does not "
-                                      f"accept ({str(error).splitlines()[0]})") from error
+                raise CheckpointError(
+                    f"checkpoint {path} records model.{key}={value!r}, which this version does not "
+                    f"accept ({str(error).splitlines()[0]})"
+                ) from error
     # The checkpoint's weights replace the backbone's: nothing to fetch (offline, a download would only fail).
     effective.model.pretrained = "none"
     if report:
         lines = []
         for key, old, new in setting_differences(recorded, plain_config(cfg)):
             if _kept_from_checkpoint(key):
-                lines.append(f"{key}: {old!r} kept from the checkpoint, not {new!r} (a resumed model keeps its "
-                             "architecture, classes and loss; start a new run to change them)")
+                lines.append(
+                    f"{key}: {old!r} kept from the checkpoint, not {new!r} (a resumed model keeps its "
+                    "architecture, classes and loss; start a new run to change them)"
+                )
             else:
                 lines.append(f"{key}: {new!r} from the command line, applied (the checkpoint had {old!r})")
         if lines:
@@ -144,12 +159,16 @@ def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, r
     if ckpt.get("pending_evaluation"):  # stopped during an evaluation: the resume runs it, whatever is left
         return effective
     if ckpt["epoch"] >= effective.epochs:
-        raise ValueError(f"resume: checkpoint {path} has completed {ckpt['epoch']} epochs and epochs="
-                         f"{effective.epochs}: nothing is left to train (raise epochs to train on; evaluate it "
-                         f"with eval_only=true checkpoint={path})")
+        raise ValueError(
+            f"resume: checkpoint {path} has completed {ckpt['epoch']} epochs and epochs="
+            f"{effective.epochs}: nothing is left to train (raise epochs to train on; evaluate it "
+            f"with eval_only=true checkpoint={path})"
+        )
     if effective.max_steps is not None and ckpt["step"] >= effective.max_steps:
-        raise ValueError(f"resume: checkpoint {path} is at step {ckpt['step']} and max_steps={effective.max_steps}: "
-                         "nothing is left to train (raise max_steps, or set it to null)")
+        raise ValueError(
+            f"resume: checkpoint {path} is at step {ckpt['step']} and max_steps={effective.max_steps}: "
+            "nothing is left to train (raise max_steps, or set it to null)"
+        )
     return effective
 
 
@@ -165,8 +184,16 @@ def _state_laid_out_as_parameters(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
-def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           lr_scheduler, scaler, cfg_optim, path: str | os.PathLike) -> None:
+def restore_training_state(
+    ckpt: dict,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler,
+    scaler,
+    cfg_optim,
+    path: str | os.PathLike,
+) -> None:
     """Load weights, optimizer, scheduler and scaler from ``ckpt`` into ``model`` (unwrapped); errors name the file.
     A changed schedule (SCHEDULE_KEYS) is then applied; an unchanged one leaves the state exactly as saved, so the
     resumed run computes what an uninterrupted one would."""
@@ -177,9 +204,11 @@ def restore_training_state(ckpt: dict, *, model: torch.nn.Module, optimizer: tor
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
         scaler.load_state_dict(ckpt["grad_scaler"])
     except (ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not fit this run's "
-                              f"parameter groups ({error}); was it written by another version of the model "
-                              "or with other optim.lr_backbone_names / lr_linear_proj_names?") from error
+        raise CheckpointError(
+            f"checkpoint {path}: its optimizer or scheduler state does not fit this run's "
+            f"parameter groups ({error}); was it written by another version of the model "
+            "or with other optim.lr_backbone_names / lr_linear_proj_names?"
+        ) from error
     recorded = (ckpt.get("config") or {}).get("optim")
     if isinstance(recorded, dict) and any(recorded.get(k) != cfg_optim[k] for k in SCHEDULE_KEYS):
         apply_schedule(optimizer, lr_scheduler, cfg_optim)
@@ -195,8 +224,9 @@ def checkpoint_step_images(ckpt: dict) -> int | None:
     return int(value) if value else None
 
 
-def position_in_this_run(position: Position, *, steps_per_epoch: int, step_images: int,
-                         checkpoint_step_images: int | None) -> tuple[Position, str | None]:
+def position_in_this_run(
+    position: Position, *, steps_per_epoch: int, step_images: int, checkpoint_step_images: int | None
+) -> tuple[Position, str | None]:
     """A resumed checkpoint's ``position`` counted in this run's steps (epochs done x steps per epoch + steps done of
     the epoch in progress, which the plan and the progress line count on), and what changed (None: nothing). When
     the checkpoint's steps took other images than this run's, the epoch in progress goes on after the images it had
@@ -209,10 +239,12 @@ def position_in_this_run(position: Position, *, steps_per_epoch: int, step_image
     if (step, steps_in_epoch) == (position.step, position.steps_in_epoch):
         return position, None
     if old_images != step_images:
-        why = (f"the checkpoint's optimizer steps took {old_images} images and this run's take {step_images}, so "
-               f"steps are counted in this run's: its {position.steps_in_epoch} steps of the epoch in progress "
-               f"({position.steps_in_epoch * old_images} images) count as {steps_in_epoch} of {step_images} images, "
-               f"and")
+        why = (
+            f"the checkpoint's optimizer steps took {old_images} images and this run's take {step_images}, so "
+            f"steps are counted in this run's: its {position.steps_in_epoch} steps of the epoch in progress "
+            f"({position.steps_in_epoch * old_images} images) count as {steps_in_epoch} of {step_images} images, "
+            f"and"
+        )
     else:
         why = f"this run has {steps_per_epoch} steps per epoch, so"
     note = f"{why} its step {position.step} is step {step} here (TensorBoard's curves go on from step {step})"
@@ -228,7 +260,7 @@ def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) ->
     for i, group in enumerate(optimizer.param_groups):
         group_base = base[group["name"]]
         group["initial_lr"] = lr_scheduler.base_lrs[i] = group_base
-        group["lr"] = group_base * cfg_optim.lr_gamma ** drops
+        group["lr"] = group_base * cfg_optim.lr_gamma**drops
         group["weight_decay"] = cfg_optim.weight_decay
     lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
@@ -239,12 +271,20 @@ def explained_failure(error: BaseException, output_dir: str | os.PathLike) -> Ba
     latest = Path(output_dir) / LATEST
     if isinstance(error, ImageReadError):  # a damaged image met while training
         fix = "fix or remove the file (and its annotations)"
-        hint = (f"The run's last checkpoint is {latest}: {fix}, then continue with resume={latest}" if latest.is_file()
-                else f"No checkpoint of this run has been written yet: {fix} and start again")
+        hint = (
+            f"The run's last checkpoint is {latest}: {fix}, then continue with resume={latest}"
+            if latest.is_file()
+            else f"No checkpoint of this run has been written yet: {fix} and start again"
+        )
         return ImageReadError(f"{worker_error_message(error)}\n{hint}")
     if is_worker_death(error):
-        hint = (f"The run's last checkpoint is {latest}: continue with resume={latest}" if latest.is_file()
-                else "No checkpoint of this run had been written yet: start it again")
-        return LoaderWorkerDied(f"a data loader worker process died ({worker_error_message(error)}): it was killed, or "
-                                f"ran out of memory (fewer num_workers use less)\n{hint}")
+        hint = (
+            f"The run's last checkpoint is {latest}: continue with resume={latest}"
+            if latest.is_file()
+            else "No checkpoint of this run had been written yet: start it again"
+        )
+        return LoaderWorkerDied(
+            f"a data loader worker process died ({worker_error_message(error)}): it was killed, or "
+            f"ran out of memory (fewer num_workers use less)\n{hint}"
+        )
     return None

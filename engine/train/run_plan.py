@@ -25,8 +25,9 @@ class StepBatch:
 
     def describe(self, world_size: int) -> str:
         processes = f"{world_size} process{'es' if world_size > 1 else ''}"
-        passes = (f"{self.passes} passes of {self.per_pass} accumulated" if self.passes > 1
-                  else f"1 pass of {self.per_pass}")
+        passes = (
+            f"{self.passes} passes of {self.per_pass} accumulated" if self.passes > 1 else f"1 pass of {self.per_pass}"
+        )
         return f"batch {self.total} per optimizer step ({self.per_process} per process x {processes}, {passes})"
 
 
@@ -36,9 +37,11 @@ def step_batch(*, total_batch_size: int | None, batch_size: int, world_size: int
     if total_batch_size is None:
         return StepBatch(total=batch_size * world_size, per_process=batch_size, passes=1)
     if total_batch_size % world_size:
-        raise ValueError(f"total_batch_size={total_batch_size} cannot be shared equally by {world_size} processes: "
-                         f"set a multiple of {world_size}, or total_batch_size=null for batch_size={batch_size} per "
-                         "process")
+        raise ValueError(
+            f"total_batch_size={total_batch_size} cannot be shared equally by {world_size} processes: "
+            f"set a multiple of {world_size}, or total_batch_size=null for batch_size={batch_size} per "
+            "process"
+        )
     share = total_batch_size // world_size
     passes = -(-share // batch_size)  # the fewest passes of at most batch_size images ...
     while share % passes:  # ... that split the share equally (every pass the same size: one CUDA graph)
@@ -63,8 +66,13 @@ class Position:
         process: several processes draw from generators of their own, which one checkpoint does not hold."""
         if ckpt is None:
             return cls()
-        return cls(epoch=ckpt["epoch"], step=ckpt["step"], steps_in_epoch=ckpt["steps_in_epoch"],
-                   rng=ckpt["rng"] if world_size == 1 else None, pending_evaluation=ckpt.get("pending_evaluation"))
+        return cls(
+            epoch=ckpt["epoch"],
+            step=ckpt["step"],
+            steps_in_epoch=ckpt["steps_in_epoch"],
+            rng=ckpt["rng"] if world_size == 1 else None,
+            pending_evaluation=ckpt.get("pending_evaluation"),
+        )
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,15 @@ def plan_run(cfg, *, batch: StepBatch, steps_per_epoch: int, start: Position) ->
     evaluation_steps = tuple(sorted({step for step in ends if step < total} | {total}))
     last_epoch = min(cfg.epochs, math.ceil(total / max(1, steps_per_epoch)))
     evaluations = len(range(start.epoch + cfg.eval_every, last_epoch + 1, cfg.eval_every)) + 1
-    return RunPlan(batch=batch, steps_per_epoch=steps_per_epoch, epochs=cfg.epochs, total_steps=total,
-                   evaluation_steps=evaluation_steps, evaluations=evaluations, start_step=start.step,
-                   eval_every=cfg.eval_every, log_every=cfg.log_every, seed=cfg.seed)
+    return RunPlan(
+        batch=batch,
+        steps_per_epoch=steps_per_epoch,
+        epochs=cfg.epochs,
+        total_steps=total,
+        evaluation_steps=evaluation_steps,
+        evaluations=evaluations,
+        start_step=start.step,
+        eval_every=cfg.eval_every,
+        log_every=cfg.log_every,
+        seed=cfg.seed,
+    )

@@ -35,8 +35,10 @@ def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
         elif HydraConfig.initialized():
             chosen = str(Path(HydraConfig.get().runtime.output_dir).resolve())
         else:
-            raise ValueError("output_dir is not set: run through `python train.py` (Hydra picks the run "
-                             "directory) or pass output_dir=PATH")
+            raise ValueError(
+                "output_dir is not set: run through `python train.py` (Hydra picks the run "
+                "directory) or pass output_dir=PATH"
+            )
         writable_folder(chosen, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
     return Path(broadcast_object(chosen, ctx))
 
@@ -77,24 +79,42 @@ def size_buckets(cfg: DictConfig, ctx: DistContext, train_set, val_set, *, batch
     ``batch_size`` images, the same on every rank; rank 0 logs them."""
     buckets = build_size_buckets(train_set, val_set, cfg.dataset, batch_size=batch_size, seed=cfg.seed)
     if ctx.is_main:
-        log.info("size buckets: %s", buckets.describe() if buckets is not None else
-                 f"off (dataset.size_buckets=0): each batch is padded to its largest image, rounded up to a multiple "
-                 f"of {cfg.dataset.pad_to_multiple}")
+        log.info(
+            "size buckets: %s",
+            buckets.describe()
+            if buckets is not None
+            else f"off (dataset.size_buckets=0): each batch is padded to its largest image, rounded up to a multiple "
+            f"of {cfg.dataset.pad_to_multiple}",
+        )
     return buckets
 
 
 def build_loader(dataset, cfg: DictConfig, ctx: DistContext, *, train: bool, buckets, batch_size: int):
     """This process's loader of ``dataset``, ``batch_size`` images a batch."""
-    return build_data_loader(dataset, batch_size=batch_size, num_workers=cfg.num_workers, train=train,
-                             buckets=buckets, seed=cfg.seed, rank=ctx.rank, world_size=ctx.world_size,
-                             pad_to_multiple=cfg.dataset.pad_to_multiple, worker_init_fn=ignore_stop_signals,
-                             pin_memory=ctx.device.type == "cuda")
+    return build_data_loader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=cfg.num_workers,
+        train=train,
+        buckets=buckets,
+        seed=cfg.seed,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        pad_to_multiple=cfg.dataset.pad_to_multiple,
+        worker_init_fn=ignore_stop_signals,
+        pin_memory=ctx.device.type == "cuda",
+    )
 
 
 def warn_unbounded_sizes(cfg: DictConfig, buckets, plan, *, training: bool) -> None:
     """Without size buckets, a plan that builds graphs per input size builds them for every padded size met."""
     work = plan.per_size_work(training=training) if plan is not None and buckets is None else None
     if work:
-        log.warning("dataset.size_buckets=0 with compile.mode=%s: each new padded batch size %s again (every multiple "
-                    "of dataset.pad_to_multiple=%d up to the largest image); the size buckets bound that to a few "
-                    "sizes, compile.mode=eager builds nothing", cfg.compile.mode, work, cfg.dataset.pad_to_multiple)
+        log.warning(
+            "dataset.size_buckets=0 with compile.mode=%s: each new padded batch size %s again (every multiple "
+            "of dataset.pad_to_multiple=%d up to the largest image); the size buckets bound that to a few "
+            "sizes, compile.mode=eager builds nothing",
+            cfg.compile.mode,
+            work,
+            cfg.dataset.pad_to_multiple,
+        )

@@ -37,10 +37,18 @@ class OptimizerStep:
                        passes whose gradients add up; None: one pass
     """
 
-    def __init__(self, *, model: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 precision: Precision, clip_max_norm: float,
-                 average_num_boxes: Callable[[float], NumBoxes] | None = None,
-                 sync_gradients: Callable[[], None] | None = None, images_per_pass: int | None = None):
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        criterion: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        clip_max_norm: float,
+        average_num_boxes: Callable[[float], NumBoxes] | None = None,
+        sync_gradients: Callable[[], None] | None = None,
+        images_per_pass: int | None = None,
+    ):
         if clip_max_norm < 0:
             raise ValueError(f"clip_max_norm must be >= 0 (0 disables clipping), got {clip_max_norm}")
         if images_per_pass is not None and images_per_pass < 1:
@@ -69,10 +77,12 @@ class OptimizerStep:
         loss = parts = None
         for first in range(0, len(targets), size):
             # One pass takes the batch itself, not a view of it: Dynamo traces a view through its base.
-            pass_images, pass_masks = (images, masks) if passes == 1 else \
-                (images[first:first + size], masks[first:first + size])
-            pass_loss, pass_parts = self._forward_backward(pass_images, pass_masks, targets[first:first + size],
-                                                           num_boxes)
+            pass_images, pass_masks = (
+                (images, masks) if passes == 1 else (images[first : first + size], masks[first : first + size])
+            )
+            pass_loss, pass_parts = self._forward_backward(
+                pass_images, pass_masks, targets[first : first + size], num_boxes
+            )
             if passes > 1:
                 pass_parts = pass_parts * self._pass_coefficients(targets, first, size, passes, pass_parts.device)
             loss = pass_loss if loss is None else loss + pass_loss
@@ -110,13 +120,14 @@ class OptimizerStep:
             raise ValueError(f"a batch of {images} images cannot be split into passes of {self.images_per_pass}")
         return images // self.images_per_pass
 
-    def _pass_coefficients(self, targets: list[dict], first: int, size: int, passes: int,
-                           device: torch.device) -> torch.Tensor:
+    def _pass_coefficients(
+        self, targets: list[dict], first: int, size: int, passes: int, device: torch.device
+    ) -> torch.Tensor:
         """(K,) what one pass's values count for in the step's: the losses divided by the step's box count add
         up; a mean over images (cardinality_error) is averaged over the equal passes; a mean over matched boxes
         (class_error) is weighted by the pass's boxes."""
         boxes = sum(len(t["labels"]) for t in targets)
-        in_pass = sum(len(t["labels"]) for t in targets[first:first + size])
+        in_pass = sum(len(t["labels"]) for t in targets[first : first + size])
         share = {"sum": 1.0, "images": 1.0 / passes, "boxes": in_pass / boxes if boxes else 1.0 / passes}
         coefficients = torch.tensor([share[combination_over_passes(k)] for k in self.loss_names])
         return to_device_async(coefficients, device)

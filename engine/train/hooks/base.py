@@ -52,13 +52,13 @@ class ComputeSpan:
 class StepDone:
     """What an optimizer step did."""
 
-    number: int             # counted from 1 over the whole run (a resumed run goes on counting)
-    epoch: int              # counted from 0
-    values: torch.Tensor    # the step's result vector on the device (engine.train.step.OptimizerStep)
-    size: tuple             # the batch's shape (B, C, H, W) on this process
-    images: int             # the step's images over all processes
-    data_s: float           # how long the loop waited for the batch
-    compute: ComputeSpan    # the step's own time, the batch's wait left out
+    number: int  # counted from 1 over the whole run (a resumed run goes on counting)
+    epoch: int  # counted from 0
+    values: torch.Tensor  # the step's result vector on the device (engine.train.step.OptimizerStep)
+    size: tuple  # the batch's shape (B, C, H, W) on this process
+    images: int  # the step's images over all processes
+    data_s: float  # how long the loop waited for the batch
+    compute: ComputeSpan  # the step's own time, the batch's wait left out
 
 
 @dataclass(frozen=True)

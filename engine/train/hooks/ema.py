@@ -57,8 +57,10 @@ class ModelEma(Hook):
                 torch._foreach_copy_(self.live, kept)
 
     def state_dict(self) -> dict:
-        return {"model": {name: t.detach().clone() for name, t in zip(self.names, self.average)},
-                "updates": self.updates}
+        return {
+            "model": {name: t.detach().clone() for name, t in zip(self.names, self.average)},
+            "updates": self.updates,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -66,8 +68,9 @@ class ModelEma(Hook):
         missing = [name for name in self.names if name not in averaged]
         if missing:
             raise ValueError(f"the checkpoint's EMA has no {missing[0]} ({len(missing)} tensors missing)")
-        torch._foreach_copy_(self.average, [averaged[name].to(t.device, t.dtype) for name, t in
-                                            zip(self.names, self.average)])
+        torch._foreach_copy_(
+            self.average, [averaged[name].to(t.device, t.dtype) for name, t in zip(self.names, self.average)]
+        )
         self.updates = int(state["updates"])
 
 
@@ -80,6 +83,7 @@ def build_ema(cfg_ema, model: torch.nn.Module, ckpt: dict | None) -> ModelEma | 
     if ckpt is not None and EMA_KEY in ckpt:
         ema.load_state_dict(ckpt[EMA_KEY])
     elif ckpt is not None:
-        log.warning("ema.decay=%s: the resumed checkpoint holds no EMA; it starts from the resumed weights",
-                    cfg_ema.decay)
+        log.warning(
+            "ema.decay=%s: the resumed checkpoint holds no EMA; it starts from the resumed weights", cfg_ema.decay
+        )
     return ema

@@ -31,9 +31,20 @@ class EpochEvaluation(Hook):
     With an ``ema``, the raw weights are evaluated first (TensorBoard's eval_raw/* and a log line), then the average,
     whose figures are the evaluation's (eval/*, the json, ``stats``)."""
 
-    def __init__(self, validation: Validation, *, output_dir: Path, writer: ScalarWriter, timing: RunTiming,
-                 ctx: DistContext, position: Position, plan: RunPlan, saver: CheckpointSaver, stopping: StopControl,
-                 ema: ModelEma | None = None):
+    def __init__(
+        self,
+        validation: Validation,
+        *,
+        output_dir: Path,
+        writer: ScalarWriter,
+        timing: RunTiming,
+        ctx: DistContext,
+        position: Position,
+        plan: RunPlan,
+        saver: CheckpointSaver,
+        stopping: StopControl,
+        ema: ModelEma | None = None,
+    ):
         self.validation, self.output_dir, self.writer = validation, Path(output_dir), writer
         self.timing, self.ctx, self.position, self.plan = timing, ctx, position, plan
         self.saver, self.stopping, self.ema = saver, stopping, ema
@@ -70,8 +81,14 @@ class EpochEvaluation(Hook):
         step = self.position.step
         before, t0 = self.timing.clock.totals(), time.perf_counter()
         what, json_path = f"after epoch {epoch}, step {step}", self.output_dir / f"eval_epoch{epoch:04d}.json"
-        run = functools.partial(self.validation.run, writer=self.writer, step=step, epoch=epoch,
-                                epoch_complete=complete, should_stop=self.stopping.during_evaluation)
+        run = functools.partial(
+            self.validation.run,
+            writer=self.writer,
+            step=step,
+            epoch=epoch,
+            epoch_complete=complete,
+            should_stop=self.stopping.during_evaluation,
+        )
         try:
             if self.ema is None:
                 evaluation = run(json_path=json_path, what=what)
@@ -79,8 +96,11 @@ class EpochEvaluation(Hook):
                 raw = run(json_path=None, what=what, record=False)
                 if self.ctx.is_main:
                     self.writer.add("eval_raw", raw.stats, step)
-                    log.info("evaluation %s of the raw weights: %s", what,
-                             " ".join(f"{k} {v:.4f}" for k, v in raw.stats.items()))
+                    log.info(
+                        "evaluation %s of the raw weights: %s",
+                        what,
+                        " ".join(f"{k} {v:.4f}" for k, v in raw.stats.items()),
+                    )
                 with self.ema.applied():
                     evaluation = run(json_path=json_path, what=f"{what} of the model EMA")
         except EvaluationStopped:

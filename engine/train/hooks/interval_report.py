@@ -34,13 +34,13 @@ log = logging.getLogger(__name__)
 class Interval:
     """Host values of the steps since the last flush."""
 
-    first_step: int                 # global index (0-based) of the first step in the interval
-    rows: list[dict[str, float]]    # one per step: name -> value (averaged over processes)
-    step_ms: float                  # mean time of a step's compute (CUDA events, or the host clock on CPU)
-    data_ms: float                  # mean host time waiting for a batch
-    images_per_s: float             # all processes' images over the interval's wall time
+    first_step: int  # global index (0-based) of the first step in the interval
+    rows: list[dict[str, float]]  # one per step: name -> value (averaged over processes)
+    step_ms: float  # mean time of a step's compute (CUDA events, or the host clock on CPU)
+    data_ms: float  # mean host time waiting for a batch
+    images_per_s: float  # all processes' images over the interval's wall time
     wall_s: float
-    stop_requested: bool = False    # some process was asked to stop (engine/runtime/stop_request.py)
+    stop_requested: bool = False  # some process was asked to stop (engine/runtime/stop_request.py)
 
     def first_non_finite(self, names: tuple[str, ...]) -> tuple[int, dict[str, float]] | None:
         """(global step index, row) of the first step where one of ``names`` is NaN/inf, else None."""
@@ -85,10 +85,15 @@ class StepLog:
         step_ms = [span.ms() for span in self._spans]
         now = time.perf_counter()
         wall_s = self._paused_wall_s + now - self._t_flush
-        interval = Interval(first_step=self._first_step, rows=[dict(zip(names, row)) for row in values],
-                            step_ms=sum(step_ms) / len(step_ms), data_ms=sum(self._data_ms) / len(self._data_ms),
-                            images_per_s=self._images / max(wall_s, 1e-9), wall_s=wall_s,
-                            stop_requested=flag_row[0] > 0)
+        interval = Interval(
+            first_step=self._first_step,
+            rows=[dict(zip(names, row)) for row in values],
+            step_ms=sum(step_ms) / len(step_ms),
+            data_ms=sum(self._data_ms) / len(self._data_ms),
+            images_per_s=self._images / max(wall_s, 1e-9),
+            wall_s=wall_s,
+            stop_requested=flag_row[0] > 0,
+        )
         self._values, self._spans, self._data_ms, self._images = [], [], [], 0
         self._t_flush, self._paused_wall_s = now, 0.0
         return interval
@@ -108,9 +113,19 @@ class IntervalReporter(Hook):
     was asked to stop travels in the same read. ``describe_kept``: what a run that stops without saving keeps
     (saving.py), for its message."""
 
-    def __init__(self, *, step: OptimizerStep, ctx: DistContext, writer: ScalarWriter, progress: Progress,
-                 timing: RunTiming, plan: RunPlan, stopping: StopControl, fp16_skips_overflows: bool,
-                 describe_kept: Callable[[], str]):
+    def __init__(
+        self,
+        *,
+        step: OptimizerStep,
+        ctx: DistContext,
+        writer: ScalarWriter,
+        progress: Progress,
+        timing: RunTiming,
+        plan: RunPlan,
+        stopping: StopControl,
+        fp16_skips_overflows: bool,
+        describe_kept: Callable[[], str],
+    ):
         self.step, self.ctx, self.describe_kept = step, ctx, describe_kept
         self.writer, self.progress, self.timing, self.plan, self.stopping = writer, progress, timing, plan, stopping
         # fp16's GradScaler skips overflowing steps itself: only the loss is checked then.
@@ -155,23 +170,40 @@ class IntervalReporter(Hook):
         last = interval.rows[-1]
         lrs = group_lrs(self.step.optimizer)
         weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_SUFFIX.search(k)}
-        scalars = {"loss": last["loss"], **weighted, **{f"{k}_unscaled": last[k] for k in weighted},
-                   "lr": lrs.get("rest", next(iter(lrs.values()))), "step_time_ms": interval.step_ms,
-                   "data_time_ms": interval.data_ms, "images_per_s": interval.images_per_s,
-                   "grad_norm": last["grad_norm"]}
+        scalars = {
+            "loss": last["loss"],
+            **weighted,
+            **{f"{k}_unscaled": last[k] for k in weighted},
+            "lr": lrs.get("rest", next(iter(lrs.values()))),
+            "step_time_ms": interval.step_ms,
+            "data_time_ms": interval.data_ms,
+            "images_per_s": interval.images_per_s,
+            "grad_norm": last["grad_norm"],
+        }
         if "backbone" in lrs:
             scalars["lr_backbone"] = lrs["backbone"]
         if self.ctx.device.type == "cuda":
             scalars["max_memory_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
         self.writer.add("train", scalars, step)
-        self.progress.report(step=step, epoch=epoch, epochs=self.plan.epochs, loss=last["loss"], parts=weighted,
-                             lr=scalars["lr"], step_ms=interval.step_ms, data_ms=interval.data_ms,
-                             images_per_s=interval.images_per_s, evaluation_s=self.timing.evaluation_s,
-                             excluded_s=self.timing.not_training_s + self.timing.eval_s)
+        self.progress.report(
+            step=step,
+            epoch=epoch,
+            epochs=self.plan.epochs,
+            loss=last["loss"],
+            parts=weighted,
+            lr=scalars["lr"],
+            step_ms=interval.step_ms,
+            data_ms=interval.data_ms,
+            images_per_s=interval.images_per_s,
+            evaluation_s=self.timing.evaluation_s,
+            excluded_s=self.timing.not_training_s + self.timing.eval_s,
+        )
 
     def _non_finite_message(self, step: int, row: dict, *, epoch: int) -> str:
         what, value = ("loss", row["loss"]) if not math.isfinite(row["loss"]) else ("gradient norm", row["grad_norm"])
         kept = self.describe_kept()  # the last good checkpoint may still be being written
         losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_SUFFIX.search(k))
-        return (f"non-finite {what} ({value}) at epoch {epoch + 1}, step {step + 1} ({losses}); that update was "
-                f"skipped and the run stops without saving: {kept}. Try a lower optim.lr, amp=none, or check the data")
+        return (
+            f"non-finite {what} ({value}) at epoch {epoch + 1}, step {step + 1} ({losses}); that update was "
+            f"skipped and the run stops without saving: {kept}. Try a lower optim.lr, amp=none, or check the data"
+        )

@@ -36,8 +36,11 @@ def is_device_work(event) -> bool:
 
 def device_activity(events) -> list[tuple[float, float]]:
     """(start, end) in microseconds of every GPU activity among a profile's events."""
-    return [(e.time_range.start, e.time_range.end) for e in events
-            if is_device_work(e) and e.time_range.end > e.time_range.start]
+    return [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if is_device_work(e) and e.time_range.end > e.time_range.start
+    ]
 
 
 def busy_time(busy: list[tuple[float, float]], start: float, end: float) -> float:
@@ -56,8 +59,18 @@ class StepProfiler(Hook):
     goes on counting), or nothing for None. ``summary`` holds the figures once the profile has ended; they also go
     to ``timing.profile`` (timing.json), and ``timing.profiling`` is set while a profile records."""
 
-    def __init__(self, steps: tuple[int, int] | None, *, output_dir: Path, device: torch.device, timing: RunTiming,
-                 trains: tuple[int, int], rank: int = 0, world_size: int = 1, report: bool = True):
+    def __init__(
+        self,
+        steps: tuple[int, int] | None,
+        *,
+        output_dir: Path,
+        device: torch.device,
+        timing: RunTiming,
+        trains: tuple[int, int],
+        rank: int = 0,
+        world_size: int = 1,
+        report: bool = True,
+    ):
         self.steps = tuple(steps) if steps is not None else None
         self.output_dir, self.device, self.timing, self.report = Path(output_dir), device, timing, report
         self.suffix = f".rank{rank}" if world_size > 1 else ""
@@ -71,8 +84,12 @@ class StepProfiler(Hook):
             log.warning("profile_steps=[%d,%d] will profile nothing: this run trains %s", *self.steps, trained)
 
     def before_step(self, number: int) -> bool:
-        if self._profile is not None or self.summary is not None or self.steps is None \
-                or not self.steps[0] <= number <= self.steps[1]:
+        if (
+            self._profile is not None
+            or self.summary is not None
+            or self.steps is None
+            or not self.steps[0] <= number <= self.steps[1]
+        ):
             return False
         from torch.profiler import ProfilerActivity, profile
 
@@ -128,11 +145,15 @@ class StepProfiler(Hook):
         steps = last - first + 1
         busy = device_activity(events) if self._cuda else []
         work_us = busy_time(busy, min(a for a, _ in busy), max(b for _, b in busy)) if busy else None
-        self.summary = {"profiled_steps": [first, last], "steps": steps, "step_ms": wall_us / steps / 1e3,
-                        "gpu_busy": None if work_us is None else min(1.0, work_us / wall_us),
-                        "gpu_work_ms": None if work_us is None else work_us / steps / 1e3,
-                        "graphs_compiled": CompileClock.get().totals().since(self._compiled_before).graphs,
-                        "trace": trace.name}
+        self.summary = {
+            "profiled_steps": [first, last],
+            "steps": steps,
+            "step_ms": wall_us / steps / 1e3,
+            "gpu_busy": None if work_us is None else min(1.0, work_us / wall_us),
+            "gpu_work_ms": None if work_us is None else work_us / steps / 1e3,
+            "graphs_compiled": CompileClock.get().totals().since(self._compiled_before).graphs,
+            "trace": trace.name,
+        }
         self.timing.profile = self.summary
         if self.report:
             self._log()
@@ -145,12 +166,18 @@ class StepProfiler(Hook):
         if summary["gpu_busy"] is not None:
             text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
         if summary["graphs_compiled"]:
-            text += (f"; {summary['graphs_compiled']} graphs compiled or recorded in these steps: not like the "
-                     "steady steps, and in these figures")
+            text += (
+                f"; {summary['graphs_compiled']} graphs compiled or recorded in these steps: not like the "
+                "steady steps, and in these figures"
+            )
         log.info("%s; trace %s", text, summary["trace"])
         if self._cuda and summary["gpu_busy"] is None:
-            log.warning("torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not allowed to "
-                        "trace): the GPU's busy share is unknown", first, last)
+            log.warning(
+                "torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not allowed to "
+                "trace): the GPU's busy share is unknown",
+                first,
+                last,
+            )
 
     def _give_up(self, why: str) -> None:
         self._profile = None

@@ -24,9 +24,24 @@ class CheckpointSaver(Hook):
     name) lets predict.py and export.py name the classes; ``extra_state`` maps a key to an object with
     ``state_dict()`` (model EMA), saved under that key and restored by resume."""
 
-    def __init__(self, *, output_dir: Path, is_main: bool, model: torch.nn.Module, optimizer, lr_scheduler, scaler,
-                 config_record: dict, categories: dict, checkpoint_every: int, checkpoint_minutes: float | None,
-                 timing: RunTiming, position: Position, plan: RunPlan, extra_state: dict | None = None):
+    def __init__(
+        self,
+        *,
+        output_dir: Path,
+        is_main: bool,
+        model: torch.nn.Module,
+        optimizer,
+        lr_scheduler,
+        scaler,
+        config_record: dict,
+        categories: dict,
+        checkpoint_every: int,
+        checkpoint_minutes: float | None,
+        timing: RunTiming,
+        position: Position,
+        plan: RunPlan,
+        extra_state: dict | None = None,
+    ):
         self.output_dir, self.is_main = Path(output_dir), is_main
         self.latest = self.output_dir / LATEST
         self.model, self.optimizer, self.lr_scheduler, self.scaler = model, optimizer, lr_scheduler, scaler
@@ -67,13 +82,21 @@ class CheckpointSaver(Hook):
         interrupted, if any, for the resume to run first."""
         position = self.position
         if self.is_main:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "lr_scheduler": self.lr_scheduler.state_dict(), "grad_scaler": self.scaler.state_dict(),
-                     "epoch": position.epoch, "steps_in_epoch": position.steps_in_epoch, "step": position.step,
-                     "config": self.config_record, "categories": self.categories, "rng": capture_rng_state(),
-                     # for a resume with another total batch to count the steps done (resume.py, position_in_this_run)
-                     "step_images": self.plan.batch.total,
-                     **{key: part.state_dict() for key, part in self.extra_state.items()}}
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "grad_scaler": self.scaler.state_dict(),
+                "epoch": position.epoch,
+                "steps_in_epoch": position.steps_in_epoch,
+                "step": position.step,
+                "config": self.config_record,
+                "categories": self.categories,
+                "rng": capture_rng_state(),
+                # for a resume with another total batch to count the steps done (resume.py, position_in_this_run)
+                "step_images": self.plan.batch.total,
+                **{key: part.state_dict() for key, part in self.extra_state.items()},
+            }
             if position.pending_evaluation is not None:
                 state["pending_evaluation"] = position.pending_evaluation
             epoch_file = epoch_done and position.epoch % self.checkpoint_every == 0  # published as latest once written
@@ -84,8 +107,12 @@ class CheckpointSaver(Hook):
     def due(self) -> bool:
         """Mid-epoch, ``checkpoint_minutes`` since the last save (rank 0 alone: it writes, no collective)."""
         minutes = self.checkpoint_minutes
-        return (self.is_main and minutes is not None and time.monotonic() - self._last_save >= 60 * minutes
-                and self.position.steps_in_epoch < self.plan.steps_per_epoch)
+        return (
+            self.is_main
+            and minutes is not None
+            and time.monotonic() - self._last_save >= 60 * minutes
+            and self.position.steps_in_epoch < self.plan.steps_per_epoch
+        )
 
     def wait(self) -> None:
         """Until the write in flight is on disk (its error raised); the time counts as the checkpoint's."""
@@ -94,5 +121,8 @@ class CheckpointSaver(Hook):
     def describe_kept(self) -> str:
         """What a run stopped without saving keeps, for its message (once any write in flight has ended)."""
         self.writer.wait_quietly()
-        return (f"the last good checkpoint, {self.latest}, is kept (resume={self.latest})" if self.latest.exists()
-                else "no checkpoint had been written yet")
+        return (
+            f"the last good checkpoint, {self.latest}, is kept (resume={self.latest})"
+            if self.latest.exists()
+            else "no checkpoint had been written yet"
+        )

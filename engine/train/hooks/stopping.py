@@ -22,9 +22,17 @@ class StopControl(Hook):
     """Whether the run stops after the current step (StopRequested), and the TrainingStopped that ends its STOPPED
     close, once the hooks before it have saved ``position`` into ``latest``."""
 
-    def __init__(self, request: StopRequest, *, distributed: bool, is_main: bool,
-                 any_process: Callable[[bool], bool] = bool, position: Position | None = None, total_steps: int = 0,
-                 latest: Path | None = None):
+    def __init__(
+        self,
+        request: StopRequest,
+        *,
+        distributed: bool,
+        is_main: bool,
+        any_process: Callable[[bool], bool] = bool,
+        position: Position | None = None,
+        total_steps: int = 0,
+        latest: Path | None = None,
+    ):
         self.request, self.distributed, self.is_main = request, distributed, is_main
         self.position, self.total_steps, self.latest = position, total_steps, latest
         self.any_process = any_process  # whether any process says so (a collective on several)
@@ -41,8 +49,13 @@ class StopControl(Hook):
     def close(self, ending: Ending) -> None:
         if ending is Ending.STOPPED:
             pending = self.position.pending_evaluation
-            raise self.stopped(epoch=self.position.epoch, step=self.position.step, total_steps=self.total_steps,
-                               latest=self.latest, evaluation=pending["epoch"] if pending else None)
+            raise self.stopped(
+                epoch=self.position.epoch,
+                step=self.position.step,
+                total_steps=self.total_steps,
+                latest=self.latest,
+                evaluation=pending["epoch"] if pending else None,
+            )
 
     def due(self) -> bool:
         """Stop after this step: announced once, then acted on where every process knows of it."""
@@ -62,17 +75,23 @@ class StopControl(Hook):
             return False
         return self.any_process(requested)
 
-    def stopped(self, *, epoch: int, step: int, total_steps: int, latest: Path,
-                evaluation: int | None = None) -> TrainingStopped:
+    def stopped(
+        self, *, epoch: int, step: int, total_steps: int, latest: Path, evaluation: int | None = None
+    ) -> TrainingStopped:
         """The exception to raise once ``latest`` holds ``step`` (``evaluation``: during the evaluation after that
         epoch, which a resume runs first); rank 0 logs where to go on from."""
         self.request.announce(evaluating=evaluation is not None)  # announced before the stop it caused
         signum = self.request.signum if self.request.signum is not None else int(signal.SIGTERM)
         by = signal.Signals(signum).name if self.request.requested else "another process"
-        where = (f"during the evaluation after epoch {evaluation}, at step {step} of {total_steps}"
-                 if evaluation is not None else f"at epoch {epoch + 1}, step {step} of {total_steps}")
-        message = (f"stopped by {by} {where}: {latest} holds that step; continue with resume=auto (in this run "
-                   f"directory) or resume={latest}" + (", which evaluates first" if evaluation is not None else ""))
+        where = (
+            f"during the evaluation after epoch {evaluation}, at step {step} of {total_steps}"
+            if evaluation is not None
+            else f"at epoch {epoch + 1}, step {step} of {total_steps}"
+        )
+        message = (
+            f"stopped by {by} {where}: {latest} holds that step; continue with resume=auto (in this run "
+            f"directory) or resume={latest}" + (", which evaluates first" if evaluation is not None else "")
+        )
         if self.is_main:
             log.warning(message)
         return TrainingStopped(signum, message)

@@ -64,8 +64,9 @@ class RunTiming(Hook):
 
     def after_step(self, done: StepDone) -> None:
         compiled = self.step_ended(self._before, size=done.size, data_s=done.data_s, profiled=self._step_profiled)
-        self.report_compilation(compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})",
-                                step=done.number)
+        self.report_compilation(
+            compiled, what=f"step {done.number} ({done.size[-2]}x{done.size[-1]})", step=done.number
+        )
 
     def pause(self) -> None:
         """What is not a step (evaluation, checkpoints) is timed apart: the next step's wall time starts now."""
@@ -76,8 +77,14 @@ class RunTiming(Hook):
         if not self.report or (not compiled.graphs and compiled.seconds < 1.0):
             return
         total = self.compile
-        log.info("%s: %s in %.1f s%s; %.1f s of compilation in this run so far", what, describe_work(compiled),
-                 compiled.seconds, f" ({parts})" if (parts := describe_graphs(compiled)) else "", total.seconds)
+        log.info(
+            "%s: %s in %.1f s%s; %.1f s of compilation in this run so far",
+            what,
+            describe_work(compiled),
+            compiled.seconds,
+            f" ({parts})" if (parts := describe_graphs(compiled)) else "",
+            total.seconds,
+        )
         if self.writer is not None:
             self.writer.add("compile", {"seconds": total.seconds, "graphs": total.graphs}, step)
 
@@ -95,8 +102,9 @@ class RunTiming(Hook):
             self._last_step_end = now
         return self.clock.totals()
 
-    def step_ended(self, before: CompileTotals, *, size: tuple, data_s: float = 0.0,
-                   profiled: bool = False) -> CompileTotals:
+    def step_ended(
+        self, before: CompileTotals, *, size: tuple, data_s: float = 0.0, profiled: bool = False
+    ) -> CompileTotals:
         """The compilation this step did (empty when none); the rest of its wall time counts as warm-up at one of
         the first two steps of batch ``size`` (B, C, H, W), else as training. ``data_s``: its wait for the
         loader. A ``profiled`` step (profile_steps) is not one of the steady steps: the profiler slows it."""
@@ -139,31 +147,54 @@ class RunTiming(Hook):
         """The second half of the warm steps since the last graph compiled, what a long run's steps are like: their
         median wall time, images/s, share of time waiting for the loader, padded pixels per image, the wall-clock
         window they ran in (time.time()) and the first one's number."""
-        late = self.warm_steps[len(self.warm_steps) // 2:]
+        late = self.warm_steps[len(self.warm_steps) // 2 :]
         if not late:
             return None
         walls, waits, images, pixels, ends, numbers = zip(*late)
         seconds = sum(walls)
-        return {"steps": len(late), "step_ms": statistics.median(walls) * 1e3, "images_per_s": sum(images) / seconds,
-                "data_wait_share": sum(waits) / seconds, "pixels_per_image": sum(p * n for p, n in zip(pixels, images))
-                / sum(images), "window": [ends[0] - walls[0], ends[-1]], "first_step": numbers[0]}
+        return {
+            "steps": len(late),
+            "step_ms": statistics.median(walls) * 1e3,
+            "images_per_s": sum(images) / seconds,
+            "data_wait_share": sum(waits) / seconds,
+            "pixels_per_image": sum(p * n for p, n in zip(pixels, images)) / sum(images),
+            "window": [ends[0] - walls[0], ends[-1]],
+            "first_step": numbers[0],
+        }
 
     def record(self, **extra) -> dict:
         compiled, steady = self.compile, self.steady()
-        return {"total_s": time.perf_counter() - self.started, "setup_s": self.setup_s,
-                "first_step_s": self.first_step_s, "compile_s": compiled.seconds, "warmup_s": self.warmup_s,
-                "train_s": self.train_s, "eval_s": self.eval_s, "checkpoint_s": self.checkpoint_s, "steps": self.steps,
-                "steady_step_ms": steady["step_ms"] if steady else None, "steady": steady,
-                "graphs_compiled": compiled.graphs, "graphs_by_function": compiled.by_function,
-                **({"profile": self.profile} if self.profile else {}), **extra}
+        return {
+            "total_s": time.perf_counter() - self.started,
+            "setup_s": self.setup_s,
+            "first_step_s": self.first_step_s,
+            "compile_s": compiled.seconds,
+            "warmup_s": self.warmup_s,
+            "train_s": self.train_s,
+            "eval_s": self.eval_s,
+            "checkpoint_s": self.checkpoint_s,
+            "steps": self.steps,
+            "steady_step_ms": steady["step_ms"] if steady else None,
+            "steady": steady,
+            "graphs_compiled": compiled.graphs,
+            "graphs_by_function": compiled.by_function,
+            **({"profile": self.profile} if self.profile else {}),
+            **extra,
+        }
 
     def summary(self, record: dict) -> str:
         steady = f"{record['steady_step_ms']:.0f} ms" if record["steady_step_ms"] is not None else "-"
-        parts = [f"setup {format_duration(record['setup_s'] or 0)}", f"compile {format_duration(record['compile_s'])}",
-                 f"warm-up {format_duration(record['warmup_s'])}", f"training {format_duration(record['train_s'])}",
-                 f"evaluation {format_duration(record['eval_s'])}"]
-        return (f"{record['steps']} steps in {format_duration(record['total_s'])} ({', '.join(parts)}); steady step "
-                f"{steady}; {record['graphs_compiled']} graphs compiled")
+        parts = [
+            f"setup {format_duration(record['setup_s'] or 0)}",
+            f"compile {format_duration(record['compile_s'])}",
+            f"warm-up {format_duration(record['warmup_s'])}",
+            f"training {format_duration(record['train_s'])}",
+            f"evaluation {format_duration(record['eval_s'])}",
+        ]
+        return (
+            f"{record['steps']} steps in {format_duration(record['total_s'])} ({', '.join(parts)}); steady step "
+            f"{steady}; {record['graphs_compiled']} graphs compiled"
+        )
 
     def write(self, output_dir: str | os.PathLike, record: dict) -> Path:
         return write_json(Path(output_dir) / TIMING_FILE, record, indent=2)
