@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import RESULTS, header_lines, run_header, table, write_report  # noqa: E402
-from bench.throughput import run_row, write_coco_like  # noqa: E402
+from bench.report import RESULTS, header_lines, run_header, table, write_report
+from bench.throughput import run_row, write_coco_like
 
 SCALING_TARGET = 0.95  # of linear
 

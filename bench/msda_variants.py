@@ -143,7 +143,7 @@ _WORKER_INPUTS: dict = {}
 
 
 def _warm(task) -> str:
-    name, N, Lq, dtype_name, kind, config = task
+    _name, N, Lq, dtype_name, kind, config = task
     try:
         if (N, Lq, dtype_name) not in _WORKER_INPUTS:
             _WORKER_INPUTS[(N, Lq, dtype_name)] = make_inputs(N, Lq, M, D, DTYPES[dtype_name], "uniform")

@@ -7,6 +7,7 @@ gives a run's busy share and trace; the analysis of where the GPU idles is here.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import statistics
 import time
@@ -87,7 +88,7 @@ def _innermost_pieces(phases: list[tuple[str, float, float]]) -> list[tuple[str,
     ordered = sorted(phases, key=lambda p: (p[1], -p[2]))
     bounds = sorted({t for _, a, b in phases for t in (a, b)})
     pieces, open_phases, following = [], [], 0  # open_phases: a heap of (-rank, end, name) of started phases
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         while following < len(ordered) and ordered[following][1] <= a:
             name, _, end = ordered[following]
             heapq.heappush(open_phases, (-following, end, name))

@@ -46,8 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report  # noqa: E402
-from bench.step_profile import PARTS, gpu_time_by_part  # noqa: E402
+from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report
+from bench.step_profile import PARTS, gpu_time_by_part
 
 COCO_TRAIN_IMAGES = 118_287
 RECIPE_EPOCHS = 50
@@ -182,14 +182,13 @@ class BusySampler:
             import pynvml
 
             pynvml.nvmlInit()
-            self._read = lambda handle=pynvml.nvmlDeviceGetHandleByIndex(0): (
-                pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-            )
-        except Exception:  # noqa: BLE001 - no NVML (the CPU): no busy share
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._read = lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        except Exception:  # no NVML (the CPU): no busy share
             self._read = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "BusySampler":
+    def __enter__(self) -> BusySampler:
         if self._read is not None:
             self._thread.start()
         return self

@@ -12,11 +12,11 @@ from .synthetic import ensure_synthetic_dataset
 from .transforms import make_coco_transforms
 
 __all__ = [
+    "DATASET_SCHEMAS",
     "AnnotationFileError",
     "BatchPlan",
     "CocoDetection",
     "CocoEvaluator",
-    "DATASET_SCHEMAS",
     "DatasetConfig",
     "DatasetName",
     "ImageReadError",

@@ -146,7 +146,7 @@ def clean_annotations(data: dict) -> tuple[dict, AnnotationReport]:
     category_ids = {c.get("id") for c in data["categories"] if isinstance(c, dict)}
     report = AnnotationReport(total=len(data["annotations"]))
     candidates, candidate_ids = [], []
-    for index, ann in enumerate(data["annotations"]):
+    for ann in data["annotations"]:
         reason = _entry_problem(ann, images, category_ids)
         if reason:
             report.add(reason, ann["id"])

@@ -62,7 +62,7 @@ class CocoEvaluator:
     "faster" without the package, is a ValueError here rather than after a whole pass of inference.
     """
 
-    def __init__(self, coco_gt: COCO, *, ranks: "RankExchange | None" = None, backend: str = "auto") -> None:
+    def __init__(self, coco_gt: COCO, *, ranks: RankExchange | None = None, backend: str = "auto") -> None:
         self.coco_gt = coco_gt
         self.ranks = ranks
         self.backend = resolve_backend(backend)

@@ -103,7 +103,7 @@ def _pins_through_the_method() -> bool:
 
     try:
         return pin_memory(Probe()) == "method"
-    except Exception:  # noqa: BLE001 - any other behaviour: the per-image dicts of before
+    except Exception:  # any other behaviour: the per-image dicts of before
         return False
 
 

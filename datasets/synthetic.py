@@ -16,6 +16,7 @@ The same parameters give byte-identical json and identical JPEG files (on the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -64,8 +65,8 @@ def _place_objects(
     placed: list[tuple[int, list[int]]] = []
     for cls in classes:
         for _ in range(20):  # rejection sampling: keep every object recognisable under overlap
-            w = max(2, int(round(rng.uniform(*OBJECT_SIDE) * width)))
-            h = max(2, int(round(rng.uniform(*OBJECT_SIDE) * height)))
+            w = max(2, round(rng.uniform(*OBJECT_SIDE) * width))
+            h = max(2, round(rng.uniform(*OBJECT_SIDE) * height))
             x0 = int(rng.integers(0, width - w + 1))
             y0 = int(rng.integers(0, height - h + 1))
             box = [x0, y0, x0 + w, y0 + h]
@@ -108,7 +109,7 @@ def make_image(
     the first ``num_categories`` classes of CLASSES; with all of them the draws are those of the full set.
     """
     rng = np.random.default_rng([seed, SPLIT_CODES[split], index])
-    short = int(round(image_size * rng.uniform(0.75, 1.0)))
+    short = round(image_size * rng.uniform(0.75, 1.0))
     height, width = (image_size, short) if rng.random() < 0.5 else (short, image_size)
     background = rng.integers(90, 170, size=3)  # dull grey-ish, far from the saturated class colours
     noise = rng.integers(-8, 9, size=(height, width, 3))
@@ -264,10 +265,8 @@ def _install(staging: Path, root: Path, params: dict) -> None:
         return  # another rank finished first; its set is identical to ours
     if root.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old.", dir=root.parent))
-        try:
+        with contextlib.suppress(FileNotFoundError):  # another process moved it first
             os.replace(root, old / root.name)
-        except FileNotFoundError:
-            pass  # another process moved it first
         shutil.rmtree(old, ignore_errors=True)
     try:
         os.rename(staging, root)

@@ -22,7 +22,8 @@ there. Calling a transform draws from torch's global RNG instead and applies at 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torchvision import tv_tensors
@@ -84,7 +85,7 @@ def size_with_aspect_ratio(*, height: int, width: int, size: int, max_size: int 
     if max_size is not None:
         short, long = float(min(height, width)), float(max(height, width))
         if long / short * size > max_size:
-            size = int(round(max_size * short / long))
+            size = round(max_size * short / long)
     if (width <= height and width == size) or (height <= width and height == size):
         return height, width
     if width < height:

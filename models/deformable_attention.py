@@ -52,8 +52,8 @@ class MSDeformAttn(nn.Module):
     """Each query reads P points per head and level around its reference point and mixes them.
 
     The attention itself is ``msda.multi_scale_deformable_attention`` through ``msda`` ("auto" | "triton" |
-    "pytorch"); it follows ``torch.use_deterministic_algorithms`` for a deterministic backward. Sampling locations are computed in float32 with autocast off: in bf16 a location on a
-    167-wide level is off by up to a pixel.
+    "pytorch"); it follows ``torch.use_deterministic_algorithms`` for a deterministic backward. Sampling locations
+    are computed in float32 with autocast off: in bf16 a location on a 167-wide level is off by up to a pixel.
     """
 
     def __init__(

@@ -276,7 +276,7 @@ class DeformableTransformer(nn.Module):
         memory (N, S, C), memory_padding_mask (N, S) -> (output_memory (N, S, C), output_proposals (N, S, 4)
         as inverse-sigmoid cxcywh, +inf on padding and on proposals not within (0.01, 0.99)).
         """
-        N, S, C = memory.shape
+        N, _S, _C = memory.shape
         proposals = []
         cur = 0
         for lvl, (H, W) in enumerate(spatial_shapes):

@@ -77,7 +77,7 @@ class PositionEmbeddingLearned(nn.Module):
     def forward(self, mask: torch.Tensor) -> torch.Tensor:
         """mask (B, H, W) bool -> (B, 2*num_pos_feats, H, W)."""
         B, H, W = mask.shape
-        if H > self.max_size or W > self.max_size:
+        if self.max_size < H or self.max_size < W:
             raise ValueError(
                 f"learned position embedding supports feature maps up to {self.max_size}x{self.max_size}, "
                 f"got {H}x{W}; use position_embedding=sine for larger inputs"

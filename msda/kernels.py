@@ -183,16 +183,16 @@ def msda_forward_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
-    pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
+    _pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     d_in = (d < D)[None, None, :]
-    S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
+    S, _C = _layout_totals(levels01, levels23, levels45, levels67, L)
     batch_row0 = n.to(tl.int64) * S  # first value row of batch n
 
     acc = tl.zeros((BLOCK_Q, BLOCK_P, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P, BLOCK_D)
     for step in tl.range(0, (L * P + BLOCK_P - 1) // BLOCK_P, loop_unroll_factor=UNROLL):
         # ---- load: locations and weights of BLOCK_P samples per query
-        sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
+        _sample, s_in, _level, H, W, row0, _cell0, loc_x, loc_y, attn = _load_samples(
             loc_ptr, weight_ptr, query_row, q_in, step, levels01, levels23, levels45, levels67, L, P, BLOCK_P
         )
         x = _pixel(loc_x, W, COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P)

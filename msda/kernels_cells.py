@@ -64,11 +64,11 @@ def msda_cell_partials_kernel(
 ):
     """A program owns BLOCK_K cells of one (n, m) and walks their runs BLOCK_E samples at a time."""
     pid_nm = tl.program_id(1)
-    S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
+    _S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
     cell = c_begin + tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,) cells of (n, m)
     k_in = cell < c_end
     key = pid_nm * C + cell  # (BLOCK_K,) int64 global cell
-    H, W, row0, cell0 = _levels_of(
+    H, W, _row0, cell0 = _levels_of(
         _level_of(cell, levels01, levels23, levels45, levels67, L, True), levels01, levels23, levels45, levels67, L
     )
     local = cell - cell0
@@ -149,7 +149,7 @@ def msda_cell_rows_kernel(
     S, C = _layout_totals(levels01, levels23, levels45, levels67, L)
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) value rows of (n, m)
     s_in = s < S
-    H, W, row0, cell0 = _levels_of(
+    _H, W, row0, cell0 = _levels_of(
         _level_of(s, levels01, levels23, levels45, levels67, L, False), levels01, levels23, levels45, levels67, L
     )
     pixel = s - row0

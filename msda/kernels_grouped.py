@@ -38,7 +38,7 @@ def _widen(v, COMPUTE_DTYPE: tl.constexpr):
     """v in COMPUTE_DTYPE. A bfloat16 is the upper half of its float32, so widening is a 16-bit shift: done on the
     bits, LLVM makes it one instruction per element (an AND or a shift of the packed pair), where its fpext of
     the upper element of a pair takes two (a byte permute and a shift)."""
-    if v.dtype == tl.bfloat16 and COMPUTE_DTYPE == tl.float32:
+    if v.dtype == tl.bfloat16 and tl.float32 == COMPUTE_DTYPE:
         return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     return v.to(COMPUTE_DTYPE)
 

@@ -201,7 +201,7 @@ def cell_grad_value(
     order, bounds (N*M*C + 1,) the inclusive prefix sums of the samples per cell (the ends of their runs) or, when
     ``filled`` (after the bucket fill), the starts. config = (lanes, CH, num_warps) of the cell pass; the row
     pass takes as many rows as make one fp32 chunk of CH channels per thread."""
-    N, S, M, D = grad_value.shape
+    N, _S, M, D = grad_value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     cells, rows, partial_shape, partial_dtype = cell_plans(N, Lq, M, D, L, P, grad_value.dtype, levels, config, filled)
     partial = torch.empty(partial_shape, dtype=partial_dtype, device=grad_value.device)  # (N*M*C, 4, D)

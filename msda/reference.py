@@ -22,7 +22,7 @@ def multi_scale_deformable_attention_reference(
     spatial_shapes is an (L, 2) tensor or a list of (H, W) pairs.
     Computation happens in value's dtype (as the original); sampling locations are cast to it.
     """
-    N, S, M, D = value.shape
+    N, _S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     levels = spatial_shapes.tolist() if isinstance(spatial_shapes, torch.Tensor) else spatial_shapes
     level_sizes = [h * w for h, w in levels]  # no int(): sizes may be symbolic under torch.compile

@@ -29,11 +29,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Tests import the project's top-level packages (msda, models, datasets, ...) from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch._dynamo.config as dynamo_config  # noqa: E402  (imports triton: after the Triton switch above)
+import torch._dynamo.config as dynamo_config  # imports triton: after the Triton switch above
 
-from engine.compile.plan import RECOMPILE_LIMIT  # noqa: E402  (after the path and the Triton switch above)
-from engine.config.registry import register_configs  # noqa: E402  (after the path and the Triton switch above)
-from engine.reporting.log_filter import keep_file_only_off_console  # noqa: E402
+from engine.compile.plan import RECOMPILE_LIMIT  # after the path and the Triton switch above
+from engine.config.registry import register_configs  # after the path and the Triton switch above
+from engine.reporting.log_filter import keep_file_only_off_console
 
 register_configs()
 

@@ -34,7 +34,7 @@ def test_a_difference_within_the_larger_spread_passes_and_one_beyond_fails():
     assert per_config["triton-eager"]["mean_ap"] == pytest.approx(0.25)
     assert per_config["triton-eager"]["spread_ap"] == pytest.approx(0.02)
     # The target is noted beside the verdict: 0.25 is met by a mean of 0.25, not by 0.21.
-    assert AP_TARGET == pytest.approx(0.25)
+    assert pytest.approx(0.25) == AP_TARGET
     assert per_config["triton-eager"]["meets_ap_target"] and not per_config["pytorch-eager"]["meets_ap_target"]
     compiled = comparison(summary, "triton-compiled")
     assert compiled["reference"] == "triton-eager" and compiled["passed"]

@@ -4,6 +4,7 @@ import argparse
 import logging
 import os
 import random
+import re
 import time
 
 import numpy as np
@@ -55,7 +56,7 @@ def test_unreadable_checkpoint_names_the_file(tmp_path, content):
 def test_truncated_checkpoint_is_a_clear_error(tmp_path, state):
     path = save_checkpoint(state, tmp_path / "checkpoint.pth")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="checkpoint.pth"):
+    with pytest.raises(CheckpointError, match=re.escape("checkpoint.pth")):
         load_checkpoint(path)
 
 
@@ -66,7 +67,7 @@ def test_missing_checkpoint(tmp_path):
 
 def test_checkpoint_without_model_is_rejected(tmp_path):
     torch.save({"weights": {}}, tmp_path / "other.pth")
-    with pytest.raises(CheckpointError, match="expected a torch.save file holding a dict with a 'model'"):
+    with pytest.raises(CheckpointError, match=re.escape("expected a torch.save file holding a dict with a 'model'")):
         load_checkpoint(tmp_path / "other.pth")
 
 

@@ -45,7 +45,7 @@ def test_composes_and_builds(overrides):
     check_config(cfg)
     if cfg.model.num_classes is None:  # dataset=custom: the trainer takes it from the annotations
         cfg.model.num_classes = 3
-    model, criterion, postprocess = build_model(cfg.model)
+    model, criterion, _postprocess = build_model(cfg.model)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert criterion.weight_dict
     optimizer = build_optimizer(model, cfg.optim)

@@ -56,7 +56,7 @@ def test_matcher_cost_and_assignment_match_brute_force(gen, Q, n):
     torch.testing.assert_close(C, torch.tensor(cost), rtol=1e-5, atol=1e-5)
 
     # Brute force: every injective assignment of min(Q, n) pairs.
-    if Q >= n:
+    if n <= Q:
         candidates = [list(zip(qs, range(n))) for qs in itertools.permutations(range(Q), n)]
     else:
         candidates = [list(zip(range(Q), ts)) for ts in itertools.permutations(range(n), Q)]
@@ -145,7 +145,7 @@ def test_matcher_matches_non_finite_predictions_last_and_the_loss_reports_them(g
     outputs = rand_outputs(1, 4, gen)
     outputs["pred_boxes"][0, 1, 0] = float("nan")
     outputs["pred_logits"][0, 2] = float("nan")
-    ((rows, cols),) = HungarianMatcher()(outputs, rand_targets([2], gen))
+    ((rows, _cols),) = HungarianMatcher()(outputs, rand_targets([2], gen))
     assert sorted(rows.tolist()) == [0, 3]  # the two finite queries take the two targets
     outputs["pred_boxes"][:] = float("nan")
     losses = make_criterion(aux_loss=False)(outputs, rand_targets([2], gen))

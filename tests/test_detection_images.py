@@ -81,7 +81,7 @@ def test_detections_above_the_threshold_are_drawn_over_the_ground_truth(val_set)
     assert ground_truth_only.shape == (3, round(height * scale), round(width * scale))
     assert ground_truth_only.dtype == torch.uint8
     plain = F.resize(raw, list(ground_truth_only.shape[-2:]), antialias=True)
-    x, y, w, h = val_set.coco.imgToAnns[image_id][0]["bbox"]
+    x, y, _w, h = val_set.coco.imgToAnns[image_id][0]["bbox"]
     left, middle = int(x * scale), int((y + h / 2) * scale)
     assert tuple(ground_truth_only[:, middle, left].tolist()) == GROUND_TRUTH_COLOUR
     assert not torch.equal(plain, ground_truth_only)

@@ -7,6 +7,7 @@ its children with SIGTERM before it waits for them: a failing run that left them
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -103,10 +104,8 @@ class Run:
     def kill_all(self) -> None:
         # A run stopped before it started its workers has none: the console then says where it was.
         for pid in [*child_pids(self.process.pid, expect_some=False), self.process.pid]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait()
 
 

@@ -299,7 +299,7 @@ def test_weights_names_and_their_combination_over_passes():
 def test_a_criterion_without_k_one2many_refuses_one_to_many_outputs():
     gen = torch.Generator().manual_seed(0)
     outputs = {**rand_outputs(1, 4, gen), "one2many_outputs": rand_outputs(1, 6, gen)}
-    with pytest.raises(ValueError, match="one2many_outputs .* but the criterion has no k_one2many"):
+    with pytest.raises(ValueError, match=r"one2many_outputs .* but the criterion has no k_one2many"):
         make_criterion(aux_loss=False)(outputs, rand_targets([2], gen))
 
 

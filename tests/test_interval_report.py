@@ -1,4 +1,5 @@
-"""engine/train/hooks/interval_report.py: the images/s a log interval reports, when something that is not a step paused it."""
+"""engine/train/hooks/interval_report.py: the images/s a log interval reports, when something that is not a step
+paused it."""
 
 from __future__ import annotations
 

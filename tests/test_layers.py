@@ -192,14 +192,14 @@ def test_no_code_folder_holds_more_than_16_modules():
         (
             "engine/compile/plan.py",
             "from engine.train.build import build_training\n",
-            "engine/compile/plan.py:1 imports engine/train/build.py: engine/compile (layer 4) may import only packages of "
-            "lower layers, and engine/train is layer 7",
+            "engine/compile/plan.py:1 imports engine/train/build.py: engine/compile (layer 4) may import only "
+            "packages of lower layers, and engine/train is layer 7",
         ),
         (
             "engine/errors.py",
             "from .reporting.progress import Progress\n",
-            "engine/errors.py:1 imports engine/reporting/progress.py: engine/errors (layer 1) may import only packages of "
-            "lower layers, and engine/reporting is layer 1",
+            "engine/errors.py:1 imports engine/reporting/progress.py: engine/errors (layer 1) may import only "
+            "packages of lower layers, and engine/reporting is layer 1",
         ),
     ],
 )

@@ -314,7 +314,7 @@ def test_pretrained_from_a_file(tmp_path, seeded):
     bad = copy.deepcopy(state)
     bad.pop("conv1.weight")
     torch.save(bad, tmp_path / "bad.pth")
-    with pytest.raises(ValueError, match="missing.*conv1.weight"):
+    with pytest.raises(ValueError, match=r"missing.*conv1\.weight"):
         Backbone(name="resnet18", pretrained=str(tmp_path / "bad.pth"))
 
 
@@ -417,7 +417,7 @@ def test_pixels_are_normalized_as_torchvision_normalizes_them_and_padding_is_zer
     unmasked = normalizer(pixels)
     assert unmasked.dtype == torch.float32 and (unmasked[mask[:, None].expand_as(unmasked)] != 0).all()
     assert normalizer(expected, mask) is expected  # float: already normalized
-    with pytest.raises(ValueError, match="pixels must be uint8.*float32"):
+    with pytest.raises(ValueError, match=r"pixels must be uint8.*float32"):
         normalizer.normalize(expected, mask)
     assert list(normalizer.state_dict()) == []  # constants: no key the official checkpoints lack
 

@@ -69,7 +69,7 @@ def test_matches_reference(gen, device, shape, dtype, rtol):
 def test_points_on_borders_and_pixel_centres(gen, device):
     """Locations exactly on 0, 1, pixel centres and half a pixel outside: the floor/validity edge cases."""
     value, shapes, _, weights = msda_inputs(gen, Lq=8, P=4, D=8, device=device)
-    H, W = ORIGINAL_LEVELS[0]
+    _H, W = ORIGINAL_LEVELS[0]
     edges = torch.tensor([0.0, 1.0, 0.5 / W, 1 - 0.5 / W, -0.5 / W, 1 + 0.5 / W, 1.0 / W, 0.25], dtype=torch.float64)
     xs = edges[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]
     ys = edges.flip(0)[torch.randint(len(edges), (1, 8, 2, 2, 4), generator=gen)]

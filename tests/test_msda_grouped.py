@@ -7,6 +7,8 @@ points outside [0, 1], 1x1 levels and empty batches; then block shapes, reduced 
 repeatability and the errors a bad configuration raises.
 """
 
+import itertools
+
 import pytest
 import torch
 from helpers import (
@@ -165,7 +167,7 @@ def test_cell_groups_split_levels_by_density():
     S = sum(h * w for h, w in levels)
     groups = launch_grouped.cell_groups(levels, S, 4, 64)  # encoder: 5, 21, 80 and 289 samples a cell
     assert groups[0][0] == 0 and groups[-1][1] == sum((h + 1) * (w + 1) for h, w in levels)
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     assert [g[2] for g in groups] == [1, 4, 16, 64]  # lanes per cell grow with the density, >= 4 samples a lane
     assert launch_grouped.cell_groups(levels, 300, 4, 64) == [(0, groups[-1][1], 1)]  # decoder: all sparse
     assert [g[2] for g in launch_grouped.cell_groups(levels, S, 4, 16)] == [1, 4, 16]  # at most all lanes

@@ -5,6 +5,8 @@ tests/test_msda.py checks the public op with the default launch configuration; h
 gather tile shape is checked against the grid_sample reference, output and all three gradients.
 """
 
+import itertools
+
 import pytest
 import torch
 from helpers import (
@@ -148,7 +150,7 @@ def test_gather_groups_split_levels_by_density():
     S = sum(h * w for h, w in levels)
     groups = launch.gather_groups(levels, S, 4, 32)  # encoder: cells get denser level by level
     assert groups[0][0] == 0 and groups[-1][1] == S
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     assert [g[2] for g in groups] == sorted(g[2] for g in groups) and len(groups) > 1
     assert all(32 % g[2] == 0 for g in groups)
     assert launch.gather_groups(levels, 300, 4, 32)[0][2] == 1  # decoder: sparse fine levels, one lane a row

@@ -96,7 +96,7 @@ def test_dynamic_shapes_propagate_through_the_op(gen):
 
     compiled = torch.compile(fn, fullgraph=True, backend=counter, dynamic=True)
     for levels in ([(6, 4), (3, 2)], [(9, 7), (5, 4)], [(12, 10), (6, 5)]):
-        value, shapes, loc, weights = msda_inputs(gen, D=4, Lq=5, levels=levels, device=device)
+        value, _shapes, loc, weights = msda_inputs(gen, D=4, Lq=5, levels=levels, device=device)
         leaves = [t.requires_grad_() for t in (value, loc, weights)]
         out = compiled(*leaves, levels)
         expected = msda.multi_scale_deformable_attention(value, levels, None, loc, weights, impl="pytorch")

@@ -81,7 +81,7 @@ def test_detections_are_coco_results_of_the_images_that_pycocotools_loads(checkp
         for d in own:
             x, y, w, h = d["bbox"]
             assert d["score"] >= 0.1 and d["category_id"] in range(4)
-            assert -0.01 <= x and x + w <= image["width"] + 0.01 and -0.01 <= y and y + h <= image["height"] + 0.01
+            assert x >= -0.01 and x + w <= image["width"] + 0.01 and y >= -0.01 and y + h <= image["height"] + 0.01
 
 
 def test_boxes_are_in_the_pixels_of_the_image_as_shown(checkpoint, tmp_path):
@@ -264,21 +264,23 @@ def test_bad_input_gets_a_clear_error(checkpoint, tmp_path, setting, message):
 
 
 def test_the_command_line_prints_one_message_for_a_fault_and_writes_a_log(checkpoint, folder, tmp_path):
-    run = lambda *a: subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "predict.py"),
-            f"checkpoint={checkpoint}",  # noqa: E731
-            "device=cpu",
-            "num_workers=0",
-            *a,
-        ],
-        cwd=tmp_path,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    def run(*a):
+        return subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "predict.py"),
+                f"checkpoint={checkpoint}",
+                "device=cpu",
+                "num_workers=0",
+                *a,
+            ],
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
     bad = run(f"images={tmp_path / 'nowhere'}", f"output_dir={tmp_path / 'bad'}")
     assert bad.returncode == 1 and "no such file or folder" in bad.stderr + bad.stdout
     assert "Traceback" not in bad.stderr + bad.stdout and not (tmp_path / "bad").exists()

@@ -203,12 +203,13 @@ def test_a_training_set_without_annotations_is_an_error(tmp_path):
             r"val\.json: annotations\[0\] has no 'id'",
         ),
         (
-            '{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": [{"id": 3, "image_id": 1, "category_id": 1}]}',
+            '{"images": [{"id": 1, "file_name": "1.jpg"}], '
+            '"annotations": [{"id": 3, "image_id": 1, "category_id": 1}]}',
             r"val\.json: annotations\[0\] \(id 3\) has no 'bbox'",
         ),
         (
-            '{"images": [{"id": 1, "file_name": "1.jpg"}], "annotations": [{"id": "a3", "image_id": 1, "category_id": 1, '
-            '"bbox": [1, 1, 5, 5]}]}',
+            '{"images": [{"id": 1, "file_name": "1.jpg"}], '
+            '"annotations": [{"id": "a3", "image_id": 1, "category_id": 1, "bbox": [1, 1, 5, 5]}]}',
             r"annotations\[0\] has id 'a3', not an integer",
         ),
         (

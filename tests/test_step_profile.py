@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -138,7 +139,7 @@ class _FakeProfile:
     span 900 us (two of them, overlapping), and a named range's GPU twin that must not count; ``records``: whether
     it records any GPU activity (CUPTI may not be allowed to)."""
 
-    started: list = []
+    started: ClassVar[list] = []
     records = True
 
     def __init__(self, activities):

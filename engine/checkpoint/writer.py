@@ -87,7 +87,7 @@ class CheckpointWriter:
             try:
                 self.wait()
                 return
-            except Exception as error:  # noqa: BLE001 - the run's own error is the one to report
+            except Exception as error:  # the run's own error is the one to report
                 if self._thread is None:  # wait() had joined the thread: the write's own error
                     log.error("%s", error)
                     return
@@ -101,7 +101,7 @@ class CheckpointWriter:
             saved = save_checkpoint(state, path)
             if also_as is not None:
                 publish_as(saved, also_as)
-        except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
+        except BaseException as error:  # handed to the thread that waits
             self._error = error
         finally:
             self._written.set()

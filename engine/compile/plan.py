@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo.config
-import torch._inductor.config  # noqa: F401  (hasattr below)
-import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, set below)
+import torch._inductor.config  # hasattr below
+import torch.fx.experimental._config  # use_duck_shape, set below
 
 from engine.config.choices import (
     COMPILE_MODES,

@@ -59,7 +59,7 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
         return []
     known = [f.name for f in dataclasses.fields(schema)]
     problems = []
-    for key in node.keys():
+    for key in node:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""

@@ -34,7 +34,7 @@ def is_sweep(key: str, value: str) -> bool:
 
     try:
         return OverridesParser.create().parse_override(f"{key}={value}").is_sweep_override()
-    except Exception:  # noqa: BLE001 - not an override Hydra takes: Hydra says so itself when it composes
+    except Exception:  # not an override Hydra takes: Hydra says so itself when it composes
         return False
 
 

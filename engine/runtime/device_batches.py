@@ -59,7 +59,7 @@ class DeviceBatches:
             self._ahead = self._copy(next(self._batches))
         except StopIteration:  # the last batch of a finite iterator is still handed out
             pass
-        except Exception as error:  # noqa: BLE001 - not this batch's: raised when the next one is asked for
+        except Exception as error:  # not this batch's: raised when the next one is asked for
             self._failed = error
         return batch
 

@@ -102,7 +102,7 @@ class StepProfiler(Hook):
                 torch.cuda.synchronize(self.device)  # the steps before are not this profile's
             self._profile = profile(activities=[ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU])
             self._profile.__enter__()
-        except Exception as error:  # noqa: BLE001 - a profiler that cannot start costs the run nothing
+        except Exception as error:  # a profiler that cannot start costs the run nothing
             self._give_up(f"torch.profiler could not start: {error}")
             return False
         self._first = self._last = number
@@ -139,7 +139,7 @@ class StepProfiler(Hook):
             partial = trace.with_name(trace.name + ".partial")
             profile.export_chrome_trace(str(partial))
             os.replace(partial, trace)
-        except Exception as error:  # noqa: BLE001 - a failed profile costs the run nothing
+        except Exception as error:  # a failed profile costs the run nothing
             self._give_up(f"profiling steps {first}-{last} failed: {error}")
             return True
         steps = last - first + 1
