@@ -173,6 +173,8 @@ MODEL_KEYS = frozenset(f.name for f in fields(ModelConfig))
 
 
 def _read(cfg: Any, schema: type, keys: frozenset[str] | None = None):
+    if isinstance(cfg, schema):
+        return cfg  # checked when it was made (a config's one check, engine/config/registry.py)
     if not isinstance(cfg, (dict, DictConfig)):
         raise TypeError(f"model config must be a mapping (configs/model/*.yaml), got {type(cfg).__name__}")
     if keys is not None:
@@ -185,7 +187,8 @@ def _read(cfg: Any, schema: type, keys: frozenset[str] | None = None):
 
 
 def read_model_config(cfg: Any) -> ModelConfig:
-    """A model config (composed DictConfig or plain mapping) checked into a :class:`ModelConfig`."""
+    """A model config (composed DictConfig or plain mapping) checked into a :class:`ModelConfig`; a ModelConfig
+    as it is."""
     return _read(cfg, ModelConfig)
 
 

@@ -386,6 +386,45 @@ def dead_pid() -> int:
     return int(child.stdout)
 
 
+def hook_run_state(
+    output_dir: Path, *, device: torch.device | None = None, start_step: int = 0, total_steps: int = 100, hooks=()
+):
+    """A RunState (engine/train/hooks/base.py) of a one-process run of ``total_steps`` steps in one epoch from
+    ``start_step``, for calling hooks directly; its writer writes nothing."""
+    from engine.reporting.tensorboard import ScalarWriter
+    from engine.runtime.distributed import DistContext
+    from engine.runtime.stop_request import StopRequest
+    from engine.train.hooks.base import RunMetrics, RunState
+    from engine.train.run_plan import Position, RunPlan, StepBatch
+    from engine.train.run_stop import RunStop
+    from engine.train.run_timing import RunTiming
+
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device or torch.device("cpu"))
+    plan = RunPlan(
+        batch=StepBatch(total=2, per_process=2, passes=1),
+        steps_per_epoch=total_steps,
+        epochs=1,
+        total_steps=total_steps,
+        evaluation_steps=(total_steps,),
+        evaluations=1,
+        start_step=start_step,
+        eval_every=1,
+        log_every=1,
+        seed=0,
+    )
+    return RunState(
+        position=Position(step=start_step, steps_in_epoch=start_step),
+        plan=plan,
+        timing=RunTiming(started=0.0),
+        metrics=RunMetrics(),
+        writer=ScalarWriter(log_dir=None, enabled=False),
+        ctx=ctx,
+        output_dir=Path(output_dir),
+        stop=RunStop(StopRequest(), ctx),
+        hooks=list(hooks),
+    )
+
+
 def compose_run(data_root: Path, output_dir: Path, *extra: str):
     """The tiny run (``tiny_overrides``) into ``output_dir``, with ``extra`` overrides."""
     return compose_train(*tiny_overrides(data_root), f"output_dir={output_dir}", *extra)

@@ -86,12 +86,15 @@ def test_a_run_chooses_the_regions_by_the_images_of_one_pass_not_of_the_step(mon
     passes of 8 (gradient accumulation) is compiled as a batch of 8 is."""
     from hydra import compose, initialize_config_dir
 
+    import engine.compile.run_model as run_model
     import engine.train.build as build
     from engine.config.registry import check_config
     from engine.runtime.distributed import DistContext
 
-    resolve, passes = build.resolve_compile, []
-    monkeypatch.setattr(build, "resolve_compile", lambda *a, **k: passes.append(k["pass_batch"]) or resolve(*a, **k))
+    resolve, passes = run_model.resolve_compile, []
+    monkeypatch.setattr(
+        run_model, "resolve_compile", lambda *a, **k: passes.append(k["pass_batch"]) or resolve(*a, **k)
+    )
     context = DistContext(rank=0, world_size=1, local_rank=0, device=CPU)
     configs = os.path.join(os.path.dirname(__file__), "..", "configs")
     for batch_size in (8, 32):

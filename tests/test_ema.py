@@ -41,7 +41,7 @@ def test_the_average_follows_the_warmed_up_decay_exactly():
     expected = {name: t.detach().clone().double() for name, t in net.state_dict().items() if t.is_floating_point()}
     for n in range(1, 8):
         _step(net, gen)
-        ema.after_step(None)
+        ema.after_step(None, None)
         d = 0.9 * (1 - math.exp(-n / 3))
         for name, t in net.state_dict().items():
             if name in expected:
@@ -59,7 +59,7 @@ def test_the_average_is_in_the_model_inside_applied_only_and_round_trips_through
     ema = ModelEma(net, decay=0.5, warmup_steps=1)
     for _ in range(3):
         _step(net, gen)
-        ema.after_step(None)
+        ema.after_step(None, None)
     raw = {k: v.clone() for k, v in net.state_dict().items()}
     weight = net.linear.weight
     with ema.applied():

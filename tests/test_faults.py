@@ -20,11 +20,12 @@ import train as trainer
 from datasets import build_dataset
 from engine.checkpoint.io import load_checkpoint, save_checkpoint
 from engine.errors import CheckpointWriteError, RunDirectoryInUse
+from engine.runtime.distributed import DistContext
 from engine.runtime.run_lock import LOCK_FILE
 from engine.runtime.stop_request import StopRequest, TrainingStopped
 from engine.train.hooks.base import ComputeSpan, StepDone
 from engine.train.hooks.interval_report import StepLog
-from engine.train.hooks.stopping import StopControl
+from engine.train.run_stop import RunStop
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
@@ -99,6 +100,7 @@ def test_every_rank_learns_of_a_stop_at_the_same_interval():
                 number=1,
                 epoch=0,
                 values=torch.tensor([1.0, 2.0]),
+                names=("loss", "grad_norm"),
                 size=(2, 3, 8, 8),
                 images=2,
                 data_s=0.0,
@@ -131,7 +133,9 @@ class SignalInsideTheAnnouncement(StopRequest):
     "decision, announced", [("due", "finishing this step"), ("during_evaluation", "stopping this evaluation")]
 )
 def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_on_it(decision, announced, caplog):
-    control = StopControl(SignalInsideTheAnnouncement(), distributed=False, is_main=True)
+    control = RunStop(
+        SignalInsideTheAnnouncement(), DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    )
     asks = {"due": control.due, "during_evaluation": lambda: control.during_evaluation(final=False)}[decision]
     with caplog.at_level(logging.WARNING, logger="engine"):
         stops = [asks() for _ in range(2)]
@@ -142,7 +146,7 @@ def test_a_stop_signal_landing_as_a_step_ends_is_announced_before_the_run_stops_
 
 def test_a_stop_signal_after_the_last_check_is_still_announced_before_its_stop_message(caplog):
     request = StopRequest()
-    control = StopControl(request, distributed=True, is_main=True)
+    control = RunStop(request, DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu")))
     control.heard(True)  # another process asked; this one's own signal lands as the run stops
     request.signum = int(signal.SIGTERM)
     with caplog.at_level(logging.WARNING, logger="engine"):

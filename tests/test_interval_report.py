@@ -25,7 +25,14 @@ def _step(log: StepLog, clock: _Clock, *, starts: float, ends: float) -> None:
     clock.now = ends
     log.add(
         StepDone(
-            number=1, epoch=0, values=torch.tensor([1.0]), size=(2, 3, 8, 8), images=2, data_s=0.0, compute=span.end()
+            number=1,
+            epoch=0,
+            values=torch.tensor([1.0]),
+            names=("loss",),
+            size=(2, 3, 8, 8),
+            images=2,
+            data_s=0.0,
+            compute=span.end(),
         )
     )
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from child_process import child_env
 from helpers import compose_train, tiny_overrides
 from hydra.errors import ConfigCompositionException
@@ -146,22 +147,97 @@ def test_a_config_composed_without_the_schemas_is_refused():
         check_config(untyped)
 
 
-def test_a_run_settles_its_config_once_into_a_read_only_copy(tmp_path):
-    """The classes come from the data where model.num_classes is null, into the run's own copy; nothing changes the
-    config after that, and the caller's is left as it was."""
+SMALL_SET = ("dataset.num_train=4", "dataset.num_val=2", "device=cpu", "num_workers=0")
+
+
+@pytest.fixture
+def one_check(monkeypatch):
+    """Every config the run checks through engine/train/settle.py, as it looked when checked, and whether it was
+    read-only once the check returned."""
+    import engine.train.settle
+
+    checked, check = [], engine.train.settle.check_and_freeze
+
+    def recording(cfg, *args):
+        before = OmegaConf.to_container(cfg)
+        typed = check(cfg, *args)  # raises for a refused config
+        checked.append((before, OmegaConf.is_readonly(cfg)))
+        return typed
+
+    monkeypatch.setattr(engine.train.settle, "check_and_freeze", recording)
+    return checked
+
+
+def _settle(cfg, tmp_path):
+    from engine.runtime.distributed import DistContext
+    from engine.train.settle import settle_training
+
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return settle_training(cfg, ctx, tmp_path / "run")
+
+
+def _resumable(path: Path, cfg, **model) -> Path:
+    """A checkpoint whose training state is all a resume reads before the config's check, its config ``cfg``'s with
+    ``model`` put in (as another version, or a hand-edited file, may record it)."""
+    config = plain_config(cfg)
+    config["model"].update(model)
+    state = {key: {} for key in ("optimizer", "lr_scheduler", "grad_scaler", "rng")}
+    return save_checkpoint({"model": {}, "config": config, "epoch": 1, "steps_in_epoch": 0, "step": 2, **state}, path)
+
+
+def test_a_run_settles_its_config_then_checks_it_once_then_freezes_it(tmp_path, one_check):
+    """The classes come from the data where model.num_classes is null, into the run's own copy; the one check sees
+    the settled value, and nothing changes the config after it; the caller's is left as it was."""
     from omegaconf.errors import ReadonlyConfigError
 
-    from datasets import build_dataset
-    from engine.train.run import settle_config
-
-    cfg = check_config(
-        compose_train(f"dataset.root={tmp_path}", "dataset.num_train=4", "dataset.num_val=2", "model.num_classes=null")
-    )
-    data = {split: build_dataset(split, cfg.dataset, check=False) for split in ("train", "val")}
-    settled, init = settle_config(cfg, ckpt=None, resume_path=None, data=data, report=False)
-    assert settled.model.num_classes == 7 and cfg.model.num_classes is None and init.path is None
+    cfg = compose_train(f"dataset.root={tmp_path / 'data'}", *SMALL_SET, "model.num_classes=null")
+    settled = _settle(cfg, tmp_path)
+    assert settled.cfg.model.num_classes == 7 and cfg.model.num_classes is None and settled.init.path is None
+    assert len(one_check) == 1 and one_check[0][0]["model"]["num_classes"] == 7 and one_check[0][1]
+    assert settled.checked.model.num_classes == 7  # the typed config the model is built from
     with pytest.raises(ReadonlyConfigError):
-        settled.model.num_classes = 3
+        settled.cfg.model.num_classes = 3
+
+
+def test_a_resumed_checkpoints_model_is_checked_with_the_run(tmp_path, one_check):
+    """A model the check refuses (hidden_dim not a multiple of 32) recorded by the checkpoint: refused by the run's
+    one check, naming the key, before anything is built."""
+    cfg = compose_train(f"dataset.root={tmp_path / 'data'}", *SMALL_SET)
+    checkpoint = _resumable(tmp_path / "old.pth", cfg, hidden_dim=48)
+    with pytest.raises(ValueError, match=r"model\.hidden_dim must be a multiple of 32 .*, got 48"):
+        _settle(compose_train(f"dataset.root={tmp_path / 'data'}", *SMALL_SET, f"resume={checkpoint}"), tmp_path)
+    assert one_check == []  # refused by that check, which never returned
+
+
+def test_init_froms_variant_is_checked_with_the_run(tmp_path, one_check):
+    """model.init_from takes the checkpoint's variant: one that cannot work (two-stage without box refinement) is
+    refused by the run's check, naming the keys."""
+    cfg = compose_train(f"dataset.root={tmp_path / 'data'}", *SMALL_SET)
+    checkpoint = _resumable(tmp_path / "odd.pth", cfg, two_stage=True, with_box_refine=False)
+    with pytest.raises(ValueError, match=r"model\.two_stage=true needs model\.with_box_refine=true"):
+        _settle(
+            compose_train(f"dataset.root={tmp_path / 'data'}", *SMALL_SET, f"model.init_from={checkpoint}"), tmp_path
+        )
+    assert one_check == []
+
+
+def test_an_evaluated_checkpoints_model_is_checked_then_frozen(tmp_path, one_check):
+    from datasets import build_dataset
+    from engine.checkpoint.trained_model import checkpoint_model
+    from engine.train.settle import settle_evaluation
+
+    cfg = compose_train(f"dataset.root={tmp_path / 'data'}", *SMALL_SET, "eval_only=true")
+    val_set = build_dataset("val", cfg.dataset)
+    for hidden_dim, refused in ((64, False), (48, True)):
+        path = _resumable(tmp_path / f"{hidden_dim}.pth", cfg, hidden_dim=hidden_dim)
+        source = checkpoint_model(path, cfg.model)
+        if refused:
+            with pytest.raises(ValueError, match=r"model\.hidden_dim must be a multiple of 32 .*, got 48"):
+                settle_evaluation(cfg, source, val_set)
+            continue
+        settled, checked = settle_evaluation(cfg, source, val_set)
+        assert settled.model.hidden_dim == checked.model.hidden_dim == 64 and OmegaConf.is_readonly(settled)
+    assert [(recorded["model"]["hidden_dim"], frozen) for recorded, frozen in one_check] == [(64, True)]
 
 
 def test_checkpoints_record_the_config_as_plain_values(tmp_path):

@@ -276,17 +276,15 @@ def test_validation_category_ids_are_checked_too(tmp_path):
 
 
 def test_evaluation_takes_the_classes_of_the_checkpoint(tmp_path):
-    import torch
-
     write_set(tmp_path, "val", annotations=[{"id": 5, "image_id": 1, "category_id": 2, "bbox": [1, 1, 5, 5]}])
     data = {"val": build_dataset("val", custom(tmp_path))}
-    assert resolve_num_classes(None, data, checkpoint_state={"class_embed.0.weight": torch.zeros(4, 8)}) == 4
+    assert resolve_num_classes(4, data, evaluated="run/checkpoint.pth") == 4
     with pytest.raises(
         ValueError,
         match=r"the checkpoint's class head \(2 classes\) covers ids 0\.\.1 only: this "
         r"checkpoint was trained for other category ids",
     ):
-        resolve_num_classes(None, data, checkpoint_state={"class_embed.weight": torch.zeros(2, 8)})
+        resolve_num_classes(2, data, evaluated="run/checkpoint.pth")
 
 
 # ---------------------------------------------------------------------------------------- dataset configs

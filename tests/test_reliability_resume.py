@@ -15,6 +15,7 @@ from helpers import compose_train
 
 from engine.checkpoint.io import save_checkpoint
 from engine.config.registry import plain_config
+from engine.config.train_schema import upgrade_recorded_config
 from engine.errors import CheckpointError
 from engine.train.optim import build_lr_scheduler, build_optimizer
 from engine.train.resume import config_for_resume, find_resume_checkpoint, restore_training_state
@@ -202,6 +203,9 @@ def test_a_resume_with_another_total_batch_says_how_it_counts_and_trains_its_epo
 
 
 def checkpoint_of(config: dict, *, epoch=1, step=4) -> dict:
+    """A checkpoint recording ``config`` as a resume reads it (engine/train/resume.py, load_resumed_checkpoint): the
+    config in this version's layout."""
+    config = upgrade_recorded_config(config)
     return {"model": {}, "config": config, "epoch": epoch, "step": step, "steps_in_epoch": 0}
 
 

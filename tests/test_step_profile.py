@@ -14,14 +14,13 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import image_batch, make_step, two_box_targets
+from helpers import hook_run_state, image_batch, make_step, two_box_targets
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.step_profile import STEP_PHASES, gpu_time_by_part, idle_by_phase
 from engine.train.hooks.base import Ending, EpochEnd, StepDone
 from engine.train.hooks.profiling import StepProfiler, busy_time, is_device_work
-from engine.train.hooks.timing import RunTiming
 
 PHASES = [("step.forward", 0, 10), ("step.losses", 10, 20), ("step.matching", 12, 15), ("step.backward", 20, 30)]
 
@@ -125,9 +124,7 @@ def _event(name, start, end, *, device=False, annotation=False):
 )
 def test_a_range_the_run_never_reaches_is_said_at_its_start(tmp_path, caplog, steps, first, last, warned):
     with caplog.at_level("WARNING"):
-        StepProfiler(
-            steps, output_dir=tmp_path, device=torch.device("cpu"), timing=RunTiming(started=0.0), trains=(first, last)
-        )
+        StepProfiler(steps).start(hook_run_state(tmp_path, start_step=first - 1, total_steps=last))
     if warned is None:
         assert not caplog.records
     else:
@@ -191,25 +188,30 @@ def fake_gpu_profiler(monkeypatch, tmp_path):
     monkeypatch.setattr(profiling.time, "perf_counter", clock)
 
     def make(steps):
-        timing = RunTiming(started=0.0)
-        profiler = StepProfiler(steps, output_dir=tmp_path, device=torch.device("cuda"), timing=timing, trains=(1, 100))
+        profiler = StepProfiler(steps)
+        profiler.run = hook_run_state(tmp_path, device=torch.device("cuda"))
         profiler.clock, profiler.syncs, profiler.profiled = clock, syncs, []
         return profiler
 
     return make
 
 
+def _step_done(number: int) -> StepDone:
+    return StepDone(
+        number=number, epoch=0, values=None, names=(), size=(2, 3, 8, 8), images=2, data_s=0.0, compute=None
+    )
+
+
 def _run(profiler, numbers, *, epoch_ends_after=None):
+    run = profiler.run
     for number in numbers:
-        profiler.before_step(number)
-        profiler.profiled.append(profiler.timing.profiling)
+        profiler.before_step(run, number)
+        profiler.profiled.append(run.timing.profiling)
         profiler.clock.now += 2e-3
-        profiler.after_step(
-            StepDone(number=number, epoch=0, values=None, size=(2, 3, 8, 8), images=2, data_s=0.0, compute=None)
-        )
+        profiler.after_step(run, _step_done(number))
         if number == epoch_ends_after:
-            profiler.epoch_end(EpochEnd(epoch=0, complete=True))
-    profiler.close(Ending.DONE)
+            profiler.epoch_end(run, EpochEnd(epoch=0, complete=True))
+    profiler.close(run, Ending.DONE)
 
 
 def test_a_gpu_profile_records_the_gpu_alone_and_its_busy_share_over_the_host_clocks_wall_time(
@@ -227,7 +229,7 @@ def test_a_gpu_profile_records_the_gpu_alone_and_its_busy_share_over_the_host_cl
     assert summary["profiled_steps"] == [3, 5] and summary["steps"] == 3
     assert summary["step_ms"] == pytest.approx(2.0) and summary["gpu_busy"] == pytest.approx(0.9 / 6)
     assert summary["gpu_work_ms"] == pytest.approx(0.3)
-    assert profiler.timing.profile == summary and summary["trace"] == "profile_steps_3-5.json"
+    assert profiler.run.timing.profile == summary and summary["trace"] == "profile_steps_3-5.json"
     assert [p.name for p in tmp_path.iterdir()] == ["profile_steps_3-5.json"]
     assert len(profiler.syncs) == 2  # before and after: no earlier step's kernel in it, all of its own
 
@@ -260,16 +262,14 @@ def test_a_profiler_that_fails_costs_a_warning_not_the_run(tmp_path, caplog, mon
         raise OSError("disk full")
 
     monkeypatch.setattr(profile, "export_chrome_trace", broken_export)
-    timing = RunTiming(started=0.0)
-    profiler = StepProfiler((1, 1), output_dir=tmp_path, device=torch.device("cpu"), timing=timing, trains=(1, 3))
+    run = hook_run_state(tmp_path, total_steps=3)
+    profiler = StepProfiler((1, 1))
     with caplog.at_level("WARNING"):
-        assert profiler.before_step(1)
+        assert profiler.before_step(run, 1)
         torch.ones(3).sum()
-        assert profiler.after_step(
-            StepDone(number=1, epoch=0, values=None, size=(1, 3, 8, 8), images=1, data_s=0.0, compute=None)
-        )
+        assert profiler.after_step(run, _step_done(1))
     assert profiler.summary["error"] == "profiling steps 1-1 failed: disk full"
-    assert timing.profile == profiler.summary and not timing.profiling
+    assert run.timing.profile == profiler.summary and not run.timing.profiling
     assert "the run goes on unprofiled" in caplog.text and not list(tmp_path.iterdir())
 
 

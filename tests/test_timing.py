@@ -1,11 +1,11 @@
-"""engine/train/hooks/timing.py: which steps the steady figures (bench/throughput.py's rows) are taken from."""
+"""engine/train/run_timing.py: which steps the steady figures (bench/throughput.py's rows) are taken from."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.compile.clock import CompileTotals
-from engine.train.hooks.timing import RunTiming
+from engine.train.run_timing import RunTiming
 
 
 class _Clock:

@@ -69,9 +69,7 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
 
     for name in ("checkpoint.pth", "checkpoint_epoch0001.pth", "checkpoint_epoch0002.pth"):
         assert (run_dir / name).is_file(), name
-    timing = json.loads(
-        (run_dir / "timing.json").read_text()
-    )  # where the run's time went (engine/train/hooks/timing.py)
+    timing = json.loads((run_dir / "timing.json").read_text())  # where the run's time went (engine/train/run_timing.py)
     assert timing == tiny_run["timing"] and timing["steps"] == 2 * STEPS_PER_EPOCH
     assert timing["compile_s"] == 0 and timing["graphs_compiled"] == 0  # the CPU runs eagerly
     assert 0 < timing["train_s"] < timing["total_s"] and 0 < timing["eval_s"] < timing["total_s"]
@@ -90,7 +88,14 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step", "per_class"}
     assert list(evaluation.pop("per_class")) == ["person", "bicycle", "car", "motorcycle", "airplane", "bus"]
     assert evaluation == pytest.approx(
-        {**tiny_run["eval"], "epoch": 2, "step": 2 * STEPS_PER_EPOCH, "epoch_complete": True, "num_images": 8}
+        {
+            **tiny_run["eval"],
+            "epoch": 2,
+            "step": 2 * STEPS_PER_EPOCH,
+            "epoch_complete": True,
+            "num_images": 8,
+            "weights": "raw",
+        }
     )
     assert all(-1.0 <= evaluation[k] <= 1.0 for k in ("AP", "AP50", "AP75"))
 
@@ -204,10 +209,10 @@ def test_checkpoint_of_another_variant_is_a_clear_error(tiny_run, data_root, tmp
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data_root, tmp_path, monkeypatch):
-    import engine.train.build
+    import engine.compile.run_model
 
     calls = {"n": 0}
-    build_model = engine.train.build.build_model
+    build_model = engine.compile.run_model.build_model
 
     def build_model_with_nan_in_epoch_2(cfg_model):
         model, criterion, postprocess = build_model(cfg_model)
@@ -223,7 +228,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
         criterion.forward = nan_loss
         return model, criterion, postprocess
 
-    monkeypatch.setattr(engine.train.build, "build_model", build_model_with_nan_in_epoch_2)
+    monkeypatch.setattr(engine.compile.run_model, "build_model", build_model_with_nan_in_epoch_2)
     with pytest.raises(
         NonFiniteLossError,
         match=rf"non-finite loss .* epoch 2, step {STEPS_PER_EPOCH + 2} "
@@ -387,9 +392,9 @@ def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_epo
 
     for hook in (CheckpointSaver, EpochEvaluation):
 
-        def unprofiled(self, end, _epoch_end=hook.epoch_end):
-            assert not self.timing.profiling, "the epoch's checkpoint and evaluation ran inside the profile"
-            return _epoch_end(self, end)
+        def unprofiled(self, run, end, _epoch_end=hook.epoch_end):
+            assert not run.timing.profiling, "the epoch's checkpoint and evaluation ran inside the profile"
+            return _epoch_end(self, run, end)
 
         monkeypatch.setattr(hook, "epoch_end", unprofiled)
     profile = _profiled_run(data_root, tmp_path, "epochs=2", f"profile_steps=[2,{STEPS_PER_EPOCH + 1}]")

@@ -10,6 +10,7 @@ import os
 from collections.abc import Collection
 
 import torch
+from omegaconf.errors import OmegaConfBaseException
 
 from engine.config.run_files import named_checkpoint
 from engine.config.train_schema import HOW_TO_RUN, role_of
@@ -21,6 +22,12 @@ log = logging.getLogger(__name__)
 TRAINING_STATE = ("optimizer", "lr_scheduler", "grad_scaler", "epoch", "steps_in_epoch", "step", "rng")
 # A checkpoint's model EMA (engine/train/hooks/ema.py): {"model": floating tensors by name, "updates": steps averaged}.
 EMA_KEY = "ema"
+
+
+def averaged_weights(ckpt: dict) -> dict | None:
+    """The model EMA's weights a checkpoint holds (floating tensors by name), or None."""
+    share = ckpt.get(EMA_KEY)
+    return share["model"] if isinstance(share, dict) and isinstance(share.get("model"), dict) else None
 
 
 def check_training_state(ckpt: dict, *, path: str | os.PathLike) -> None:
@@ -64,6 +71,19 @@ def model_config_for_checkpoint(
     if "pretrained" in merged:
         merged["pretrained"] = "none"
     return merged
+
+
+def put_recorded_model(model_node, recorded: dict, *, path: str | os.PathLike) -> None:
+    """The model settings a checkpoint records (``recorded``) into the typed config node ``model_node``, each
+    checked like an override; CheckpointError naming the file and the key for a value this version refuses."""
+    for key, value in recorded.items():
+        try:
+            model_node[key] = value
+        except OmegaConfBaseException as error:
+            raise CheckpointError(
+                f"checkpoint {path} records model.{key}={value!r}, which this version does not accept "
+                f"({str(error).splitlines()[0]})"
+            ) from error
 
 
 def model_state_dict(ckpt: dict) -> dict:

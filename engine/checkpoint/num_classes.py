@@ -26,20 +26,18 @@ def resolve_num_classes(
     num_classes: int | None,
     datasets: dict[str, CocoDetection],
     *,
-    checkpoint_state: dict | None = None,
     evaluated: str | None = None,
     resumed_from: str | None = None,
 ) -> int:
-    """``num_classes`` (None: the training annotations' largest category id plus one, logged), or for an evaluation
-    the class head rows of ``checkpoint_state`` (the weights of ``evaluated``). ValueError naming the file, the id,
-    an annotation and a fix when a split's category id does not fit; ``resumed_from``: the checkpoint a resumed run,
+    """``num_classes`` (None: the training annotations' largest category id plus one, logged). ValueError naming the
+    file, the id, an annotation and a fix when a split's category id does not fit; ``evaluated``: the checkpoint an
+    evaluation scores, whose class head has ``num_classes`` rows; ``resumed_from``: the checkpoint a resumed run,
     whose model keeps its classes, came from."""
-    evaluating, resumed = bool(checkpoint_state), resumed_from is not None and num_classes is not None
+    evaluating, resumed = evaluated is not None, resumed_from is not None and num_classes is not None
     source = f"model.num_classes={num_classes}"
     if resumed:
         source = f"the model resumed from {resumed_from} ({num_classes} classes)"
     if evaluating:
-        num_classes = classes_in_weights(checkpoint_state) or num_classes
         source = f"the checkpoint's class head ({num_classes} classes)"
 
     def fix(needed: int) -> str:

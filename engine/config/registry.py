@@ -41,6 +41,19 @@ def register_configs() -> None:
 def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
     """``cfg`` after the rules OmegaConf could not apply (ranges, rules between keys, unknown keys): ValueError naming
     the key; TypeError if ``cfg`` was composed without ``schema`` (default TrainConfig), its types then unchecked."""
+    _checked(cfg, schema)
+    return cfg
+
+
+def check_and_freeze(cfg: DictConfig, schema: type | None = None):
+    """A settled config's one check (``check_config``), then read-only: the typed object the check built (a
+    ``schema`` instance, TrainConfig by default), whose parts the run builds from without checking them again."""
+    checked = _checked(cfg, schema)
+    OmegaConf.set_readonly(cfg, True)
+    return checked
+
+
+def _checked(cfg: DictConfig, schema: type | None):
     if OmegaConf.get_type(cfg) is not (schema or TrainConfig):
         raise TypeError(
             "the config was composed without its schemas: call engine.config.registry.register_configs() "
@@ -48,8 +61,7 @@ def check_config(cfg: DictConfig, schema: type | None = None) -> DictConfig:
         )
     if unknown := unknown_keys(cfg):
         raise ValueError("unknown settings (an override with '+' adds a key that nothing reads): " + "; ".join(unknown))
-    OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules
-    return cfg
+    return OmegaConf.to_object(cfg)  # builds every dataclass, which runs its __post_init__ rules
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:

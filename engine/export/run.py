@@ -13,7 +13,6 @@ import torch
 from omegaconf import DictConfig
 
 from datasets.size_buckets import round_up
-from engine.checkpoint.contents import read_recorded_config
 from engine.checkpoint.trained_model import load_trained_model
 from engine.config.export_schema import SIDE_MULTIPLE, ExportConfig, ExportFormat, MsdaNode, default_output, output_path
 from engine.config.registry import check_config
@@ -57,7 +56,7 @@ def export(cfg: DictConfig) -> dict:
         max(least, round_up(side, SIDE_MULTIPLE)) for side in (trained.val_size, trained.max_size)
     ]
     shape = SampleShape(batch=cfg.batch_size, height=height, width=width)
-    folder = recorded_validation_folder(read_recorded_config(cfg.checkpoint))
+    folder = recorded_validation_folder(trained.source.recorded_config)
     sample = sample_batch(shape, folder=folder)
     inputs = sample.inputs(postprocess=cfg.postprocess, dtype=dtype, device=device)
     log.info(

@@ -1,6 +1,6 @@
-"""One assembly of what runs: the model on its device, compiled as the run's plan says, and for training the
-optimizer, schedule, precision, data parallelism and step. train.py, bench/ and the tests all build through it, so
-that a benchmark times the step a run takes, compiled as a run compiles it."""
+"""One assembly of a training: the model on its device, compiled as the run's plan says (engine/compile/run_model.py),
+its optimizer, schedule, precision, data parallelism and step. train.py, bench/ and the tests all build through it,
+so that a benchmark times the step a run takes, compiled as a run compiles it."""
 
 from __future__ import annotations
 
@@ -10,68 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint.init_from import InitFrom
-from engine.compile.plan import CompilePlan, compile_model, resolve_compile
+from engine.compile.run_model import RunModel, build_run_model
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
-from engine.runtime.msda_device import check_msda_device
 from engine.runtime.precision import Precision
 from engine.runtime.rng import seed_all
-from models import build_model
 
 from .optim import build_lr_scheduler, build_optimizer
 from .resume import restore_training_state
-from .run_plan import step_batch
+from .run_plan import StepBatch, step_batch
 from .step import OptimizerStep
-
-
-@dataclass
-class RunModel:
-    """The model of a run on its device, and how it was compiled."""
-
-    model: torch.nn.Module  # the unwrapped DeformableDETR (checkpoints, evaluation); compiled regions are in it
-    criterion: torch.nn.Module  # its SetCriterion (on the device when built for training)
-    postprocess: torch.nn.Module  # boxes and scores from its outputs
-    compile_plan: CompilePlan | None  # what was compiled, or None (eager)
-
-
-def build_run_model(
-    cfg_model,
-    cfg_compile,
-    *,
-    ctx: DistContext,
-    training: bool,
-    init: InitFrom | None = None,
-    evaluation_batches: int = 0,
-    training_steps: int = 0,
-    pass_batch: int = 0,
-) -> RunModel:
-    """``cfg_model`` built on ctx's device, ``init``'s weights (model.init_from) loaded before it moves, and
-    compiled in place as ``cfg_compile`` resolves there (names unchanged: weights load afterwards): for ``training``
-    its training regions and losses too, else only evaluation's graph, if the plan compiles it. The counts decide
-    the plan's open choices: this process's ``evaluation_batches`` (compile.evaluation=null), the run's
-    ``training_steps`` (compile.mode=auto on a GPU) and ``pass_batch``, the images of one training pass
-    (compile.regions=null)."""
-    check_msda_device(cfg_model["msda"], ctx.device)  # before anything is built for a device it cannot run on
-    model, criterion, postprocess = build_model(cfg_model)
-    if init is not None:
-        init.load_into(model)  # weights of matching name and shape; still epoch 0 with a fresh optimizer
-    model.to(ctx.device)
-    if ctx.device.type == "cuda":
-        model.use_channels_last()  # before the optimizer and a resumed state take the parameters' layout
-    plan = resolve_compile(
-        cfg_compile,
-        device=ctx.device,
-        evaluation_batches=evaluation_batches,
-        training_steps=training_steps,
-        pass_batch=pass_batch,
-    )
-    if training:
-        criterion.to(ctx.device)
-        if plan is not None:
-            compile_model(model, plan, criterion=criterion)  # in place: training and evaluation
-    elif plan is not None and plan.evaluation:
-        # The training regions are wrapped too but never called here: only the evaluation graph compiles.
-        compile_model(model, plan)
-    return RunModel(model=model, criterion=criterion, postprocess=postprocess, compile_plan=plan)
 
 
 @dataclass
@@ -93,23 +40,29 @@ def build_training(
     cfg,
     *,
     ctx: DistContext,
+    batch: StepBatch | None = None,
+    model_config=None,
     init: InitFrom | None = None,
     ckpt: dict | None = None,
     ckpt_path: str | os.PathLike | None = None,
     evaluation_batches: int = 0,
     training_steps: int = 0,
 ) -> TrainingSetup:
-    """The training of ``cfg`` (a composed, checked config) on ``ctx``'s device and processes. ``init``: a new run's
-    model.init_from weights; ``ckpt``, ``ckpt_path``: a checkpoint to resume (weights, optimizer, schedule and scaler,
-    engine.train.resume); ``evaluation_batches``, ``training_steps``: as build_run_model takes them."""
+    """The training of ``cfg`` (a composed config) on ``ctx``'s device and processes. ``batch``: the run's step batch
+    (None: from cfg); ``model_config``: the checked ModelConfig of cfg.model (None: cfg.model, checked as it is
+    built); ``init``: a new run's model.init_from weights; ``ckpt``, ``ckpt_path``: a checkpoint to resume (weights,
+    optimizer, schedule and scaler, engine.train.resume); ``evaluation_batches``, ``training_steps``: as
+    build_run_model takes them."""
     seed_all(cfg.seed)  # the same initial weights on every rank (data_parallel also broadcasts rank 0's)
-    batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
+    if batch is None:
+        batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     run_model = build_run_model(
-        cfg.model,
+        cfg.model if model_config is None else model_config,
         cfg.compile,
-        ctx=ctx,
+        device=ctx.device,
         training=True,
-        init=init,
+        # weights of matching name and shape, before the model moves; still epoch 0 with a fresh optimizer
+        load_weights=init.load_into if init is not None else None,
         evaluation_batches=evaluation_batches,
         training_steps=training_steps,
         pass_batch=batch.per_pass,

@@ -7,16 +7,13 @@ import contextlib
 
 from omegaconf import DictConfig
 
-from engine.checkpoint.num_classes import resolve_num_classes
-from engine.checkpoint.trained_model import checkpoint_model
-from engine.config.registry import check_config
+from engine.checkpoint.trained_model import build_trained_model, checkpoint_model
 from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.tensorboard import ScalarWriter
 from engine.runtime.distributed import Ranks
 from engine.runtime.precision import Precision
 
-from .build import build_run_model
 from .run_setup import (
     build_datasets,
     build_loader,
@@ -25,6 +22,7 @@ from .run_setup import (
     size_buckets,
     warn_unbounded_sizes,
 )
+from .settle import settle_evaluation
 
 
 def evaluate_checkpoint(cfg: DictConfig) -> dict:
@@ -35,31 +33,27 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
         raise ValueError(
             "eval_only=true needs checkpoint=PATH (a checkpoint of this trainer or an official Deformable DETR one)"
         )
-    cfg = check_config(cfg)
     with in_run_directory(cfg) as (ctx, output_dir):
         prepare_compilation(cfg)
         source = checkpoint_model(cfg.checkpoint, cfg.model, weights=cfg.checkpoint_weights)
         val_set = build_datasets(cfg, ctx, ("val",))["val"]
-        # The classes of the checkpoint's class head, checked against the category ids.
-        resolve_num_classes(
-            source.model_config["num_classes"],
-            {"val": val_set},
-            checkpoint_state=source.ckpt["model"],
-            evaluated=str(source.path),
-        )
+        cfg, checked = settle_evaluation(cfg, source, val_set)
         # batch_size: the most images one pass takes; evaluation needs less memory than training's passes.
         buckets = size_buckets(cfg, ctx, None, val_set, batch_size=cfg.batch_size)
         loader = build_loader(val_set, cfg, ctx, train=False, buckets=buckets, batch_size=cfg.batch_size)
-        run_model = build_run_model(
-            source.model_config, cfg.compile, ctx=ctx, training=False, evaluation_batches=len(loader.batch_sampler)
+        trained = build_trained_model(
+            source,
+            device=ctx.device,
+            model_config=checked.model,
+            cfg_compile=cfg.compile,
+            evaluation_batches=len(loader.batch_sampler),
         )
-        plan = run_model.compile_plan
+        plan = trained.compile_plan
         if ctx.is_main:
             warn_unbounded_sizes(cfg, buckets, plan, training=False)
-        source.load_into(run_model.model)
         validation = Validation(
-            model=run_model.model,
-            postprocess=run_model.postprocess,
+            model=trained.model,
+            postprocess=trained.postprocess,
             loader=loader,
             coco_gt=val_set.coco,
             precision=Precision(amp=cfg.amp, device=ctx.device),

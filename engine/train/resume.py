@@ -18,16 +18,20 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
 from datasets import ImageReadError
 from datasets.loader import is_worker_death, worker_error_message
-from engine.checkpoint.contents import load_model_weights, read_recorded_config
-from engine.checkpoint.io import LATEST
+from engine.checkpoint.contents import (
+    check_training_state,
+    load_model_weights,
+    put_recorded_model,
+    read_recorded_config,
+)
+from engine.checkpoint.io import LATEST, load_checkpoint
 from engine.config.registry import plain_config
 from engine.config.run_files import named_checkpoint
 from engine.config.train_schema import HOW_TO_RUN, INVOCATION, LENGTH, role_of, upgrade_recorded_config
-from engine.errors import CheckpointError, LoaderWorkerDied
+from engine.errors import CheckpointError, LoaderWorkerDied, NonFiniteLossError
 from models.model_config import MODEL_KEYS
 
 from .optim import group_base_lrs
@@ -61,9 +65,10 @@ def resumable_change(key: str) -> bool:
 
 
 def setting_differences(recorded: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint's value, command line's value) for every setting both record with another value; a null
-    model.num_classes on the command line ("from the data", which the checkpoint answers) is no difference."""
-    old, new = flatten(upgrade_recorded_config(recorded)), flatten(current)
+    """(key, checkpoint's value, command line's value) for every setting both record with another value (``recorded``
+    in this version's layout: upgrade_recorded_config); a null model.num_classes on the command line ("from the data",
+    which the checkpoint answers) is no difference."""
+    old, new = flatten(recorded), flatten(current)
     return [
         (key, old[key], new[key])
         for key in sorted(old.keys() & new.keys())
@@ -100,6 +105,8 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
         if path.resolve() == own.resolve():
             continue
         recorded = read_recorded_config(path)
+        if recorded is not None:
+            recorded = upgrade_recorded_config(recorded)
         if recorded is None:
             log.warning("resume=auto: skipping %s, which cannot be read as a checkpoint of this trainer", path)
             continue
@@ -127,21 +134,23 @@ def find_resume_checkpoint(resume: str | None, *, output_dir: Path, search_root:
     return None
 
 
+def load_resumed_checkpoint(path: str | os.PathLike) -> dict:
+    """The checkpoint a run resumes, read once: its training state checked, its recorded config in this version's
+    layout (upgrade_recorded_config) under "config"."""
+    ckpt = load_checkpoint(path)
+    check_training_state(ckpt, path=path)
+    ckpt["config"] = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
+    return ckpt
+
+
 def config_for_resume(cfg: DictConfig, ckpt: dict, *, path: str | os.PathLike, report: bool = True) -> DictConfig:
-    """The config a run resumed from ``ckpt`` uses: the checkpoint's model, everything else from ``cfg``; ``report``
-    (rank 0) logs the settings that differ, each with the value used. Raises ValueError when the checkpoint has
-    already done what the schedule asks, so a resumed run never starts only to stop."""
-    recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
+    """The config a run resumed from ``ckpt`` (load_resumed_checkpoint's) uses: the checkpoint's model, everything
+    else from ``cfg``; ``report`` (rank 0) logs the settings that differ, each with the value used. Raises ValueError
+    when the checkpoint has already done what the schedule asks, so a resumed run never starts only to stop."""
+    recorded = ckpt["config"]
     effective = copy.deepcopy(cfg)
-    for key, value in (recorded.get("model") or {}).items():
-        if _kept_from_checkpoint(f"model.{key}"):
-            try:
-                effective.model[key] = value  # typed node: the recorded value is checked like an override
-            except OmegaConfBaseException as error:
-                raise CheckpointError(
-                    f"checkpoint {path} records model.{key}={value!r}, which this version does not "
-                    f"accept ({str(error).splitlines()[0]})"
-                ) from error
+    kept = {key: value for key, value in (recorded.get("model") or {}).items() if _kept_from_checkpoint(f"model.{key}")}
+    put_recorded_model(effective.model, kept, path=path)
     # The checkpoint's weights replace the backbone's: nothing to fetch (offline, a download would only fail).
     effective.model.pretrained = "none"
     if report:
@@ -219,7 +228,7 @@ def checkpoint_step_images(ckpt: dict) -> int | None:
     its total_batch_size, else its batch_size (one process's: the processes were not counted), else None."""
     if ckpt.get("step_images"):
         return int(ckpt["step_images"])
-    recorded = upgrade_recorded_config(ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {})
+    recorded = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     value = recorded.get("total_batch_size") or recorded.get("batch_size")
     return int(value) if value else None
 
@@ -266,9 +275,17 @@ def apply_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, cfg_optim) ->
 
 
 def explained_failure(error: BaseException, output_dir: str | os.PathLike) -> BaseException | None:
-    """A training run's failure in the user's words where the data caused it (a damaged image, a dead loader worker),
-    with where to go on from; None for any other error."""
+    """A training run's failure in the user's words where the data or the losses caused it (a damaged image, a dead
+    loader worker, a non-finite loss), with what the run keeps and where to go on from; None for any other error.
+    Called once the run's hooks have closed, so that no checkpoint is being written."""
     latest = Path(output_dir) / LATEST
+    if isinstance(error, NonFiniteLossError):
+        kept = (
+            f"the last good checkpoint, {latest}, is kept (resume={latest})"
+            if latest.exists()
+            else "no checkpoint had been written yet"
+        )
+        return NonFiniteLossError(f"{error}: {kept}. Try a lower optim.lr, amp=none, or check the data")
     if isinstance(error, ImageReadError):  # a damaged image met while training
         fix = "fix or remove the file (and its annotations)"
         hint = (

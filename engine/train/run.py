@@ -1,88 +1,68 @@
-"""A training run as ``python train.py`` makes it: data, resume, the run's plan and model, its hooks, then the loop
-(``train(cfg)``). ``build_hooks`` is the index of what a run does besides stepping."""
+"""A training run as ``python train.py`` makes it (``train(cfg, hooks=[...])``): its config settled, checked and
+frozen (settle.py), the run's plan, model and step, its hooks and their shared state, then the loop. ``build_hooks``
+is the index of what a run does besides stepping; ``hooks=`` adds one's own (engine/train/hooks/base.py says what a
+hook is called with, and when)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from datasets.per_class_ap import category_names
-from engine.checkpoint.contents import EMA_KEY, check_training_state
-from engine.checkpoint.init_from import InitFrom, prepare_init_from
-from engine.checkpoint.io import LATEST, load_checkpoint
-from engine.checkpoint.num_classes import resolve_num_classes
-from engine.config.registry import check_config, plain_config
+from engine.config.registry import plain_config
 from engine.evaluation.detection_images import build_detection_images
 from engine.evaluation.validation import Validation
 from engine.reporting.progress import Progress
 from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import DistContext, Ranks, any_process, broadcast_object
+from engine.runtime.distributed import DistContext, Ranks
 from engine.runtime.stop_request import StopRequest
 
 from .build import TrainingSetup, build_training
-from .hooks.base import Hook
-from .hooks.ema import ModelEma, build_ema
+from .hooks.base import Hook, RunMetrics, RunState
+from .hooks.ema import build_ema
 from .hooks.evaluation import EpochEvaluation
 from .hooks.interval_report import IntervalReporter
 from .hooks.lr_schedule import EpochLrSchedule
 from .hooks.profiling import StepProfiler
-from .hooks.saving import CheckpointSaver
+from .hooks.saving import CheckpointSaver, restore_checkpoint_shares
 from .hooks.stopping import StopControl
-from .hooks.timing import RunTiming, peak_memory_gib
+from .hooks.timing import StepTiming
 from .loop import TrainingLoop
-from .resume import (
-    checkpoint_step_images,
-    config_for_resume,
-    explained_failure,
-    find_resume_checkpoint,
-    position_in_this_run,
-)
+from .resume import checkpoint_step_images, explained_failure, position_in_this_run
 from .run_plan import Position, RunPlan, plan_run, step_batch
-from .run_setup import (
-    build_datasets,
-    build_loader,
-    in_run_directory,
-    prepare_compilation,
-    size_buckets,
-    warn_unbounded_sizes,
-)
+from .run_setup import build_loader, in_run_directory, prepare_compilation, size_buckets, warn_unbounded_sizes
+from .run_stop import RunStop
+from .run_timing import RunTiming, peak_memory_gib
+from .settle import settle_training
 
 log = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig, *, started: float | None = None) -> dict:
+def train(cfg: DictConfig, *, hooks: Sequence[Hook] = (), started: float | None = None) -> dict:
     """Train (and evaluate) as ``cfg`` says; returns {"output_dir", "losses" (per step run here), "eval", "step",
-    "timing"}. ``started``: the job's start (time.perf_counter), from which timing.json counts; default now."""
+    "timing"}. ``hooks``: hooks of one's own, called in their order after the run's own (its checkpoint written and
+    its evaluation done) and before its stop control; ``started``: the job's start (time.perf_counter), from which
+    timing.json counts; default now."""
     started = time.perf_counter() if started is None else started
-    cfg = check_config(cfg)
     with in_run_directory(cfg) as (ctx, output_dir), StopRequest() as stop:
-        return run_training(cfg, ctx, output_dir, stop, started=started)
+        return run_training(cfg, ctx, output_dir, stop, hooks=list(hooks), started=started)
 
 
-def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest, *, started: float) -> dict:
+def run_training(
+    cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: StopRequest, *, hooks: list[Hook], started: float
+) -> dict:
     """The run inside its directory, its lock held and its stop signals caught (``train``)."""
     timing = RunTiming(started=started, report=ctx.is_main)
+    prepare_compilation(cfg)
+    settled = settle_training(cfg, ctx, output_dir)
+    cfg, data, ckpt, resume_path = settled.cfg, settled.data, settled.ckpt, settled.resume_path
     batch = step_batch(total_batch_size=cfg.total_batch_size, batch_size=cfg.batch_size, world_size=ctx.world_size)
     if ctx.is_main:
         log.info("%s", batch.describe(ctx.world_size))
-    prepare_compilation(cfg)
-    # The data first: it is checked before anything is trained, and may decide model.num_classes.
-    data = build_datasets(cfg, ctx, ("train", "val"))
-    resume_path, ckpt = None, None
-    if ctx.is_main:  # rank 0 picks (resume=auto looks at file times), so every rank resumes from the same file
-        resume_path = find_resume_checkpoint(
-            cfg.resume, output_dir=output_dir, search_root=Path("outputs"), config=plain_config(cfg)
-        )
-    resume_path = broadcast_object(resume_path, ctx)
-    if resume_path is not None:
-        ckpt = load_checkpoint(resume_path)
-        check_training_state(ckpt, path=resume_path)
-    cfg, init = settle_config(cfg, ckpt=ckpt, resume_path=resume_path, data=data, report=ctx.is_main)
 
     buckets = size_buckets(cfg, ctx, data["train"], data["val"], batch_size=batch.per_process)
     train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets, batch_size=batch.per_process)
@@ -112,7 +92,9 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
     setup = build_training(
         cfg,
         ctx=ctx,
-        init=init,
+        batch=batch,
+        model_config=settled.checked.model,
+        init=settled.init,
         ckpt=ckpt,
         ckpt_path=resume_path,
         evaluation_batches=len(val_loader.batch_sampler) * plan.evaluations,
@@ -146,30 +128,30 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
             steps_per_epoch,
             cfg.epochs,
         )
-    hooks = build_hooks(
-        cfg,
-        ctx,
-        output_dir,
-        setup,
-        plan=plan,
+    own = build_hooks(cfg, ctx, setup, plan=plan, val_loader=val_loader, val_set=data["val"])
+    run = RunState(
         position=position,
+        plan=plan,
         timing=timing,
-        stop=stop,
-        val_loader=val_loader,
-        val_set=data["val"],
-        ckpt=ckpt,
+        metrics=RunMetrics(),
+        writer=ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main),
+        ctx=ctx,
+        output_dir=output_dir,
+        stop=RunStop(stop, ctx),
+        hooks=[*own[:-1], *hooks, own[-1]],  # one's own hooks before the stop control, which ends a stopped run
+        resumed_from=resume_path,
     )
+    if ckpt is not None:
+        restore_checkpoint_shares(run, ckpt)
     try:
-        TrainingLoop(
-            step=setup.step, loader=train_loader, position=position, plan=plan, hooks=hooks.ordered(), ctx=ctx
-        ).run()
+        TrainingLoop(step=setup.step, loader=train_loader, run=run).run()
     except BaseException as error:
         explained = explained_failure(error, output_dir)
         if explained is None:
             raise
         raise explained from None
     finally:
-        hooks.writer.close()
+        run.writer.close()
     result = timing.record(
         padding_waste=train_loader.batch_sampler.padding_waste, peak_memory_gib=peak_memory_gib(ctx.device)
     )
@@ -178,168 +160,63 @@ def run_training(cfg: DictConfig, ctx: DistContext, output_dir: Path, stop: Stop
         log.info("done: %s; outputs in %s", timing.summary(result), output_dir)
     return {
         "output_dir": output_dir,
-        "losses": hooks.reporter.losses,
-        "eval": hooks.evaluation.stats,
+        "losses": run.metrics.losses,
+        "eval": run.metrics.evaluation,
         "step": position.step,
         "timing": result,
     }
 
 
-def settle_config(
-    cfg: DictConfig, *, ckpt: dict | None, resume_path, data: dict, report: bool
-) -> tuple[DictConfig, InitFrom]:
-    """The run's config, settled once and read-only from here on: a resumed run's model is its checkpoint's
-    (engine/train/resume.py), a new run's variant is ``model.init_from``'s (whose weights come back as InitFrom), and
-    the classes come from the data where model.num_classes is null."""
-    settled = config_for_resume(cfg, ckpt, path=resume_path, report=report) if ckpt is not None else copy.deepcopy(cfg)
-    init = prepare_init_from(settled.model) if ckpt is None else InitFrom()
-    settled.model.num_classes = resolve_num_classes(
-        settled.model.num_classes, data, resumed_from=str(resume_path) if ckpt is not None else None
-    )
-    OmegaConf.set_readonly(settled, True)
-    return settled, init
-
-
-@dataclass
-class RunHooks:
-    """The parts of a run that are not the step, each a hook; ``ordered()`` is the order the loop calls them in."""
-
-    timing: RunTiming
-    profiler: StepProfiler
-    reporter: IntervalReporter
-    lr_schedule: EpochLrSchedule
-    ema: ModelEma | None
-    saver: CheckpointSaver
-    evaluation: EpochEvaluation
-    stopping: StopControl
-    writer: ScalarWriter  # the run's TensorBoard, which the hooks write to
-
-    def ordered(self) -> list[Hook]:
-        # The timing first (a step's time ends before any hook works), the profiler next (its trace's export is not a
-        # step's time); before the saver the report (a checkpoint holds no step with a non-finite loss), the lr
-        # schedule and the EMA (a checkpoint holds the next epoch's lr and this step's average); after it the
-        # evaluation (a failed one loses no training); the stop control last (it ends a stopped run).
-        optional = [self.ema] if self.ema is not None else []
-        return [
-            self.timing,
-            self.profiler,
-            self.reporter,
-            self.lr_schedule,
-            *optional,
-            self.saver,
-            self.evaluation,
-            self.stopping,
-        ]
-
-
 def build_hooks(
-    cfg: DictConfig,
-    ctx: DistContext,
-    output_dir: Path,
-    setup: TrainingSetup,
-    *,
-    plan: RunPlan,
-    position: Position,
-    timing: RunTiming,
-    stop: StopRequest,
-    val_loader,
-    val_set,
-    ckpt: dict | None,
-) -> RunHooks:
-    """Every part of the run besides the step, wired for this run (``ckpt``: the checkpoint it resumes, or None)."""
-    stopping = StopControl(
-        stop,
-        distributed=ctx.distributed,
-        is_main=ctx.is_main,
-        any_process=(lambda flag: any_process(flag, ctx)) if ctx.distributed else bool,
-        position=position,
-        total_steps=plan.total_steps,
-        latest=output_dir / LATEST,
-    )
-    ema = build_ema(cfg.ema, setup.model, ckpt)
-    # The saver before the others: it finds a disk without room for a checkpoint before anything is written.
-    coco_gt = val_set.coco
-    saver = CheckpointSaver(
-        output_dir=output_dir,
-        is_main=ctx.is_main,
+    cfg: DictConfig, ctx: DistContext, setup: TrainingSetup, *, plan: RunPlan, val_loader, val_set
+) -> list[Hook]:
+    """Every part of the run besides the step, in the order the loop calls them. The step timing first (a step's
+    time ends before any hook works), the profiler next (its trace's export is not a step's time); before the saver
+    the report (a checkpoint holds no step with a non-finite loss), the lr schedule and the EMA (a checkpoint holds
+    the next epoch's lr and this step's average); after it the evaluation (a failed one loses no training); the stop
+    control last (it ends a stopped run)."""
+    compiled = setup.run_model.compile_plan
+    validation = Validation(
         model=setup.model,
-        optimizer=setup.optimizer,
-        lr_scheduler=setup.lr_scheduler,
-        scaler=setup.precision.scaler,
-        config_record=plain_config(cfg),
-        categories=category_names(coco_gt, coco_gt.getCatIds()),
-        checkpoint_every=cfg.checkpoint_every,
-        checkpoint_minutes=cfg.checkpoint_minutes,
-        timing=timing,
-        position=position,
-        plan=plan,
-        extra_state={EMA_KEY: ema} if ema is not None else None,
+        postprocess=setup.run_model.postprocess,
+        loader=val_loader,
+        coco_gt=val_set.coco,
+        precision=setup.precision,
+        ranks=Ranks(ctx),
+        compiled=compiled is not None and compiled.evaluation,
+        backend=cfg.eval_backend,
+        detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main),
     )
-    writer = timing.writer = ScalarWriter(log_dir=output_dir / "tensorboard", enabled=ctx.is_main)
     progress = Progress(
         total_steps=plan.total_steps,
-        start_step=position.step,
+        start_step=plan.start_step,
         enabled=ctx.is_main,
         steps_per_epoch=plan.steps_per_epoch,
         evaluation_steps=plan.evaluation_steps,
         val_images=len(val_set),
     )
-    reporter = IntervalReporter(
-        step=setup.step,
-        ctx=ctx,
-        writer=writer,
-        progress=progress,
-        timing=timing,
-        plan=plan,
-        stopping=stopping,
-        fp16_skips_overflows=setup.precision.scaler.is_enabled(),
-        describe_kept=saver.describe_kept,
-    )
-    plan_compiled = setup.run_model.compile_plan
-    validation = Validation(
-        model=setup.model,
-        postprocess=setup.run_model.postprocess,
-        loader=val_loader,
-        coco_gt=coco_gt,
-        precision=setup.precision,
-        ranks=Ranks(ctx),
-        compiled=plan_compiled is not None and plan_compiled.evaluation,
-        backend=cfg.eval_backend,
-        detection_images=build_detection_images(cfg, val_set, enabled=ctx.is_main),
-    )
-    evaluation = EpochEvaluation(
-        validation,
-        output_dir=output_dir,
-        writer=writer,
-        timing=timing,
-        ctx=ctx,
-        position=position,
-        plan=plan,
-        saver=saver,
-        stopping=stopping,
-        ema=ema,
-    )
-    profiler = StepProfiler(
-        cfg.profile_steps,
-        output_dir=output_dir,
-        device=ctx.device,
-        timing=timing,
-        trains=(position.step + 1, plan.total_steps),
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        report=ctx.is_main,
-    )
-    return RunHooks(
-        timing=timing,
-        profiler=profiler,
-        reporter=reporter,
-        lr_schedule=EpochLrSchedule(setup.lr_scheduler),
-        ema=ema,
-        saver=saver,
-        evaluation=evaluation,
-        stopping=stopping,
-        writer=writer,
-    )
+    training = {
+        "model": setup.model,
+        "optimizer": setup.optimizer,
+        "lr_scheduler": setup.lr_scheduler,
+        "grad_scaler": setup.precision.scaler,
+    }
+    record = {"config": plain_config(cfg), "categories": category_names(val_set.coco, val_set.coco.getCatIds())}
+    ema = build_ema(cfg.ema, setup.model)
+    return [
+        StepTiming(),
+        StepProfiler(cfg.profile_steps),
+        IntervalReporter(
+            loss_weights=setup.step.criterion.weight_dict,
+            progress=progress,
+            fp16_skips_overflows=setup.precision.scaler.is_enabled(),
+        ),
+        EpochLrSchedule(setup.lr_scheduler),
+        *([ema] if ema is not None else []),
+        CheckpointSaver(training=training, record=record, every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes),
+        EpochEvaluation(validation),
+        StopControl(),
+    ]
 
 
 def running_as(plan) -> str:

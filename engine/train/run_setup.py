@@ -17,6 +17,7 @@ from engine.compile.cache import use_compile_cache
 from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
 from engine.runtime.distributed import DistContext, barrier, broadcast_object, init_distributed, shutdown_distributed
+from engine.runtime.msda_device import check_msda_device
 from engine.runtime.output_paths import writable_folder
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
@@ -46,9 +47,11 @@ def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
 @contextlib.contextmanager
 def in_run_directory(cfg: DictConfig) -> Iterator[tuple[DistContext, Path]]:
     """(ctx, output_dir): the job's processes, shut down on the way out, and its run directory, whose lock rank 0
-    holds meanwhile (engine/runtime/run_lock.py)."""
+    holds meanwhile (engine/runtime/run_lock.py). The attention model.msda names must run on the device, checked
+    before anything is read or built."""
     ctx = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     try:
+        check_msda_device(cfg.model.msda, ctx.device)
         output_dir = resolve_output_dir(cfg, ctx)
         with RunLock(output_dir) if ctx.is_main else contextlib.nullcontext():
             yield ctx, output_dir

@@ -4,7 +4,8 @@ evaluation, predict.py and export.py use in place of the raw weights.
 Update n moves the average towards the weights by ``1 - d_n``, ``d_n = decay * (1 - exp(-n / warmup))`` (RT-DETR's
 schedule): early averages follow the weights closely, before they mean anything. Every floating tensor of the state
 is averaged (a constant buffer stays as it is) in one foreach operation on the device: no host sync. Every process
-holds the same weights, so the same average. checkpoint.pth holds it under ``ema``, so a resume goes on with it.
+holds the same weights, so the same average. The hook alone handles the average: it offers it to the evaluation
+(``evaluated_weights``), and it is its share of checkpoint.pth (under ``ema``), so a resume goes on with it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from engine.checkpoint.contents import EMA_KEY
 
-from .base import Hook, StepDone
+from .base import EvaluatedWeights, Hook, StepDone
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 class ModelEma(Hook):
     """The average of ``model``'s floating parameters and buffers; ``after_step`` updates it. ``decay``: the decay it
     ramps up to; ``warmup_steps``: the ramp's time constant, in updates."""
+
+    checkpoint_key = EMA_KEY
 
     def __init__(self, model: torch.nn.Module, *, decay: float, warmup_steps: int):
         if not 0.0 < decay < 1.0:
@@ -36,12 +39,24 @@ class ModelEma(Hook):
         self.names = [name for name, t in state.items() if t.is_floating_point()]
         self.live = [state[name].detach() for name in self.names]
         self.average = [t.clone() for t in self.live]
+        self.restored = False  # from a resumed checkpoint
+
+    def start(self, run) -> None:
+        if run.resumed_from is not None and not self.restored and run.ctx.is_main:
+            log.warning(
+                "ema.decay=%s: the resumed checkpoint %s holds no EMA; it starts from the resumed weights",
+                self.decay,
+                run.resumed_from,
+            )
 
     @torch.no_grad()
-    def after_step(self, done: StepDone) -> None:
+    def after_step(self, run, done: StepDone) -> None:
         decay = self.decay * (1.0 - math.exp(-(self.updates + 1) / self.warmup_steps))
         torch._foreach_lerp_(self.average, self.live, 1.0 - decay)
         self.updates += 1
+
+    def evaluated_weights(self) -> EvaluatedWeights:
+        return EvaluatedWeights(name="ema", label="the model EMA", applied=self.applied)
 
     @contextlib.contextmanager
     def applied(self):
@@ -72,18 +87,11 @@ class ModelEma(Hook):
             self.average, [averaged[name].to(t.device, t.dtype) for name, t in zip(self.names, self.average)]
         )
         self.updates = int(state["updates"])
+        self.restored = True
 
 
-def build_ema(cfg_ema, model: torch.nn.Module, ckpt: dict | None) -> ModelEma | None:
-    """The run's EMA of ``model`` (None with ema.decay null), restored from a resumed checkpoint ``ckpt`` that holds
-    one; a checkpoint without one (EMA turned on at a resume) starts it from the weights."""
+def build_ema(cfg_ema, model: torch.nn.Module) -> ModelEma | None:
+    """The run's EMA of ``model`` (None with ema.decay null); a resume restores it through its checkpoint share."""
     if cfg_ema.decay is None:
         return None
-    ema = ModelEma(model, decay=cfg_ema.decay, warmup_steps=cfg_ema.warmup_steps)
-    if ckpt is not None and EMA_KEY in ckpt:
-        ema.load_state_dict(ckpt[EMA_KEY])
-    elif ckpt is not None:
-        log.warning(
-            "ema.decay=%s: the resumed checkpoint holds no EMA; it starts from the resumed weights", cfg_ema.decay
-        )
-    return ema
+    return ModelEma(model, decay=cfg_ema.decay, warmup_steps=cfg_ema.warmup_steps)

@@ -1,6 +1,10 @@
 """Evaluation during training: after every ``eval_every`` epochs and after the last step, timed apart from training,
 its compilation reported. A stop signal stops it within a batch; the checkpoint then asks the resumed run to run it
 first (``Position.pending_evaluation``), which ``start`` does.
+
+Where a hook offers weights of its own (the model EMA), the trained weights are evaluated first (TensorBoard's
+eval_raw/*, a log line, and ``raw`` in the json), then the offered ones, whose figures are the evaluation's (eval/*,
+the json, the run's metrics); the json names the weights it scored.
 """
 
 from __future__ import annotations
@@ -8,105 +12,82 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from pathlib import Path
 
 from datasets.loader import stop_workers
 from engine.evaluation.coco import EvaluationStopped
 from engine.evaluation.validation import Validation
-from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import DistContext, barrier
+from engine.runtime.distributed import barrier
 
-from ..run_plan import Position, RunPlan
 from .base import Ending, EpochEnd, Hook, StopRequested
-from .ema import ModelEma
-from .saving import CheckpointSaver
-from .stopping import StopControl
-from .timing import RunTiming
 
 log = logging.getLogger(__name__)
 
 
 class EpochEvaluation(Hook):
-    """Runs the run's Validation at the epochs' ends the plan says; ``stats`` holds the last figures (None before any).
-    With an ``ema``, the raw weights are evaluated first (TensorBoard's eval_raw/* and a log line), then the average,
-    whose figures are the evaluation's (eval/*, the json, ``stats``)."""
+    """Runs the run's Validation at the epochs' ends the plan says; its figures go to the run's metrics."""
 
-    def __init__(
-        self,
-        validation: Validation,
-        *,
-        output_dir: Path,
-        writer: ScalarWriter,
-        timing: RunTiming,
-        ctx: DistContext,
-        position: Position,
-        plan: RunPlan,
-        saver: CheckpointSaver,
-        stopping: StopControl,
-        ema: ModelEma | None = None,
-    ):
-        self.validation, self.output_dir, self.writer = validation, Path(output_dir), writer
-        self.timing, self.ctx, self.position, self.plan = timing, ctx, position, plan
-        self.saver, self.stopping, self.ema = saver, stopping, ema
-        self.stats: dict | None = None
+    def __init__(self, validation: Validation):
+        self.validation = validation
 
-    def start(self) -> bool:
+    def start(self, run) -> bool:
         if self.validation.loader.num_workers > 0:
             # Fork the validation workers now, before any checkpoint is written: forked while the writer thread has
             # a file open, they would inherit it and hold a replaced checkpoint's disk space until the run ends.
             iter(self.validation.loader)
-        pending = self.position.pending_evaluation
+        pending = run.position.pending_evaluation
         if pending is None:
             return False
-        self.evaluate(epoch=pending["epoch"], complete=pending["epoch_complete"])
-        self.position.pending_evaluation = None
-        self.saver.save(epoch_done=False)  # the checkpoint no longer asks for it
+        self.evaluate(run, epoch=pending["epoch"], complete=pending["epoch_complete"])
+        run.position.pending_evaluation = None  # the saver writes that the checkpoint no longer asks for it
         return True
 
-    def epoch_end(self, end: EpochEnd) -> bool:
-        evaluates = self.plan.evaluates_after(end.epoch, complete=end.complete, step=self.position.step)
+    def epoch_end(self, run, end: EpochEnd) -> bool:
+        evaluates = run.plan.evaluates_after(end.epoch, complete=end.complete, step=run.position.step)
         if evaluates:
-            self.evaluate(epoch=end.epoch + 1, complete=end.complete)
-        barrier(self.ctx)
-        self.writer.flush()
+            self.evaluate(run, epoch=end.epoch + 1, complete=end.complete)
+        barrier(run.ctx)
+        run.writer.flush()
         return evaluates
 
-    def close(self, ending: Ending) -> None:
-        if ending is Ending.FAILED:
+    def close(self, run, ending: Ending) -> None:
+        if ending is not Ending.DONE:  # the run ends at once: the workers with it
             stop_workers(self.validation.loader)
 
-    def evaluate(self, *, epoch: int, complete: bool) -> None:
+    def evaluate(self, run, *, epoch: int, complete: bool) -> None:
         """Evaluate after ``epoch`` (1-based: epochs done). Stopped by a signal, it records itself as the checkpoint's
         pending evaluation and asks the run to stop."""
-        step = self.position.step
-        before, t0 = self.timing.clock.totals(), time.perf_counter()
-        what, json_path = f"after epoch {epoch}, step {step}", self.output_dir / f"eval_epoch{epoch:04d}.json"
-        run = functools.partial(
+        step, timing = run.position.step, run.timing
+        before, t0 = timing.clock.totals(), time.perf_counter()
+        what, json_path = f"after epoch {epoch}, step {step}", run.output_dir / f"eval_epoch{epoch:04d}.json"
+        evaluate = functools.partial(
             self.validation.run,
-            writer=self.writer,
+            writer=run.writer,
             step=step,
             epoch=epoch,
             epoch_complete=complete,
-            should_stop=self.stopping.during_evaluation,
+            should_stop=run.stop.during_evaluation,
         )
+        offered = run.evaluated_weights()
         try:
-            if self.ema is None:
-                evaluation = run(json_path=json_path, what=what)
+            if offered is None:
+                evaluation = evaluate(json_path=json_path, what=what, weights="raw")
             else:
-                raw = run(json_path=None, what=what, record=False)
-                if self.ctx.is_main:
-                    self.writer.add("eval_raw", raw.stats, step)
+                raw = evaluate(json_path=None, what=what, record=False)
+                if run.ctx.is_main:
+                    run.writer.add("eval_raw", raw.stats, step)
                     log.info(
                         "evaluation %s of the raw weights: %s",
                         what,
                         " ".join(f"{k} {v:.4f}" for k, v in raw.stats.items()),
                     )
-                with self.ema.applied():
-                    evaluation = run(json_path=json_path, what=f"{what} of the model EMA")
+                with offered.applied():
+                    evaluation = evaluate(
+                        json_path=json_path, what=f"{what} of {offered.label}", weights=offered.name, raw=raw.stats
+                    )
         except EvaluationStopped:
-            self.position.pending_evaluation = {"epoch": epoch, "epoch_complete": complete}
+            run.position.pending_evaluation = {"epoch": epoch, "epoch_complete": complete}
             raise StopRequested from None
-        compiled = self.timing.clock.totals().since(before)
-        self.timing.add_evaluation(time.perf_counter() - t0, compiled)
-        self.timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step)
-        self.stats = evaluation.stats
+        compiled = timing.clock.totals().since(before)
+        timing.add_evaluation(time.perf_counter() - t0, compiled)
+        timing.report_compilation(compiled, what=f"evaluation after epoch {epoch}", step=step, writer=run.writer)
+        run.metrics.evaluation = evaluation.stats

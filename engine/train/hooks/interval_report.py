@@ -9,23 +9,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import NonFiniteLossError
 from engine.reporting.progress import Progress
-from engine.reporting.tensorboard import ScalarWriter
-from engine.runtime.distributed import DistContext, all_reduce_mean
+from engine.runtime.distributed import all_reduce_mean
 from models.criterion import AUX_SUFFIX
 
-from ..optim import group_lrs
-from ..run_plan import RunPlan
-from ..step import OptimizerStep
 from .base import ComputeSpan, Ending, EpochEnd, Hook, StepDone
-from .stopping import StopControl
-from .timing import RunTiming
 
 log = logging.getLogger(__name__)
 
@@ -110,71 +103,64 @@ class StepLog:
 
 class IntervalReporter(Hook):
     """Reads and reports each log interval's steps at its end, at an epoch's end and at a stop; whether any process
-    was asked to stop travels in the same read. ``describe_kept``: what a run that stops without saving keeps
-    (saving.py), for its message."""
+    was asked to stop travels in the same read. ``loss_weights``: the criterion's weight_dict (which losses make the
+    total, and how much each weighs); ``progress``: the console's progress line; ``fp16_skips_overflows``: the fp16
+    GradScaler skips overflowing steps itself, so only the loss is checked."""
 
-    def __init__(
-        self,
-        *,
-        step: OptimizerStep,
-        ctx: DistContext,
-        writer: ScalarWriter,
-        progress: Progress,
-        timing: RunTiming,
-        plan: RunPlan,
-        stopping: StopControl,
-        fp16_skips_overflows: bool,
-        describe_kept: Callable[[], str],
-    ):
-        self.step, self.ctx, self.describe_kept = step, ctx, describe_kept
-        self.writer, self.progress, self.timing, self.plan, self.stopping = writer, progress, timing, plan, stopping
-        # fp16's GradScaler skips overflowing steps itself: only the loss is checked then.
+    def __init__(self, *, loss_weights: dict[str, float], progress: Progress, fp16_skips_overflows: bool):
+        self.loss_weights, self.progress = dict(loss_weights), progress
         self.checked = ("loss",) if fp16_skips_overflows else ("loss", "grad_norm")
         self.step_log = StepLog()
-        self.losses: list[float] = []
-        self._step, self._epoch = plan.start_step, 0  # the last step added, and its epoch
+        self._step, self._epoch, self._names = 0, 0, ()  # the last step added, its epoch, its values' names
 
-    def after_step(self, done: StepDone) -> None:
+    def start(self, run) -> None:
+        self._step = run.plan.start_step
+
+    def after_step(self, run, done: StepDone) -> None:
         self.step_log.add(done)
-        self._step, self._epoch = done.number, done.epoch
-        if self.plan.due_for_log(done.number):
-            self.report(epoch=done.epoch)
+        self._step, self._epoch, self._names = done.number, done.epoch, done.names
+        if run.plan.due_for_log(done.number):
+            self.report(run, epoch=done.epoch)
 
-    def epoch_end(self, end: EpochEnd) -> None:
-        self.report(epoch=end.epoch)  # a non-finite loss stops the run here, before anything is saved
+    def epoch_end(self, run, end: EpochEnd) -> None:
+        self.report(run, epoch=end.epoch)  # a non-finite loss stops the run here, before anything is saved
 
-    def pause(self) -> None:
+    def pause(self, run) -> None:
         self.step_log.restart_clock()
 
-    def close(self, ending: Ending) -> None:
+    def close(self, run, ending: Ending) -> None:
         if ending is Ending.STOPPED:
-            self.report(epoch=self._epoch)  # the interval's losses are checked before they are saved
+            self.report(run, epoch=self._epoch)  # the interval's losses are checked before they are saved
 
-    def report(self, *, epoch: int) -> None:
+    def report(self, run, *, epoch: int) -> None:
         """Read the interval's results (the one sync of the interval), stop on a non-finite loss, log, and tell the
-        stop control whether any process was asked to stop. Nothing when no step ran since the last report."""
-        average = (lambda t: all_reduce_mean(t, self.ctx)) if self.ctx.distributed else None
-        interval = self.step_log.flush(self.step.value_names, average, stop=self.stopping.request.requested)
+        run's stop state whether any process was asked to stop. Nothing when no step ran since the last report."""
+        average = (lambda t: all_reduce_mean(t, run.ctx)) if run.ctx.distributed else None
+        interval = self.step_log.flush(self._names, average, stop=run.stop.requested)
         if interval is None:
             return
         bad = interval.first_non_finite(self.checked)
         if bad is not None:
             raise NonFiniteLossError(self._non_finite_message(*bad, epoch=epoch))
-        self.losses.extend(r["loss"] for r in interval.rows)
-        if self.ctx.is_main:
-            self._log_interval(interval, epoch=epoch, step=self._step)
-        self.stopping.heard(interval.stop_requested)
+        run.metrics.losses.extend(r["loss"] for r in interval.rows)
+        run.metrics.checked_step = self._step
+        if run.ctx.is_main:
+            self._log_interval(run, interval, epoch=epoch, step=self._step)
+        run.stop.heard(interval.stop_requested)
 
-    def _log_interval(self, interval: Interval, *, epoch: int, step: int) -> None:
-        weights = self.step.criterion.weight_dict
+    def _losses(self) -> tuple[str, ...]:
+        return self._names[2:]  # after the total loss and the gradient norm
+
+    def _log_interval(self, run, interval: Interval, *, epoch: int, step: int) -> None:
+        weights = self.loss_weights
         last = interval.rows[-1]
-        lrs = group_lrs(self.step.optimizer)
-        weighted = {k: last[k] * weights[k] for k in self.step.loss_names if k in weights and not AUX_SUFFIX.search(k)}
+        lrs = run.metrics.lrs
+        weighted = {k: last[k] * weights[k] for k in self._losses() if k in weights and not AUX_SUFFIX.search(k)}
         scalars = {
             "loss": last["loss"],
             **weighted,
             **{f"{k}_unscaled": last[k] for k in weighted},
-            "lr": lrs.get("rest", next(iter(lrs.values()))),
+            "lr": lrs.get("rest", next(iter(lrs.values()), float("nan"))),
             "step_time_ms": interval.step_ms,
             "data_time_ms": interval.data_ms,
             "images_per_s": interval.images_per_s,
@@ -182,28 +168,29 @@ class IntervalReporter(Hook):
         }
         if "backbone" in lrs:
             scalars["lr_backbone"] = lrs["backbone"]
-        if self.ctx.device.type == "cuda":
-            scalars["max_memory_mb"] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**20
-        self.writer.add("train", scalars, step)
+        if run.ctx.device.type == "cuda":
+            scalars["max_memory_mb"] = torch.cuda.max_memory_allocated(run.ctx.device) / 2**20
+        run.writer.add("train", scalars, step)
         self.progress.report(
             step=step,
             epoch=epoch,
-            epochs=self.plan.epochs,
+            epochs=run.plan.epochs,
             loss=last["loss"],
             parts=weighted,
             lr=scalars["lr"],
             step_ms=interval.step_ms,
             data_ms=interval.data_ms,
             images_per_s=interval.images_per_s,
-            evaluation_s=self.timing.evaluation_s,
-            excluded_s=self.timing.not_training_s + self.timing.eval_s,
+            evaluation_s=run.timing.evaluation_s,
+            excluded_s=run.timing.not_training_s + run.timing.eval_s,
         )
 
     def _non_finite_message(self, step: int, row: dict, *, epoch: int) -> str:
+        """The run's failure, but for what it keeps, which is only known once its writes have ended: the run adds it
+        (engine/train/resume.py, explained_failure)."""
         what, value = ("loss", row["loss"]) if not math.isfinite(row["loss"]) else ("gradient norm", row["grad_norm"])
-        kept = self.describe_kept()  # the last good checkpoint may still be being written
-        losses = ", ".join(f"{k}={row[k]:.4g}" for k in self.step.loss_names if not AUX_SUFFIX.search(k))
+        losses = ", ".join(f"{k}={row[k]:.4g}" for k in self._losses() if not AUX_SUFFIX.search(k))
         return (
             f"non-finite {what} ({value}) at epoch {epoch + 1}, step {step + 1} ({losses}); that update was "
-            f"skipped and the run stops without saving: {kept}. Try a lower optim.lr, amp=none, or check the data"
+            f"skipped and the run stops without saving"
         )

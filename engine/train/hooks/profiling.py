@@ -13,14 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from engine.compile.clock import CompileClock
 
 from .base import Ending, EpochEnd, Hook, StepDone
-from .timing import RunTiming
 
 log = logging.getLogger(__name__)
 # KINETO_LOG_LEVEL above kineto's highest level (its USDT markers): it prints nothing.
@@ -57,33 +55,21 @@ def busy_time(busy: list[tuple[float, float]], start: float, end: float) -> floa
 class StepProfiler(Hook):
     """Profiles the optimizer steps numbered ``steps`` = (first, last), counted from 1 over the whole run (a resumed run
     goes on counting), or nothing for None. ``summary`` holds the figures once the profile has ended; they also go
-    to ``timing.profile`` (timing.json), and ``timing.profiling`` is set while a profile records."""
+    to the run's ``timing.profile`` (timing.json), and ``timing.profiling`` is set while a profile records."""
 
-    def __init__(
-        self,
-        steps: tuple[int, int] | None,
-        *,
-        output_dir: Path,
-        device: torch.device,
-        timing: RunTiming,
-        trains: tuple[int, int],
-        rank: int = 0,
-        world_size: int = 1,
-        report: bool = True,
-    ):
+    def __init__(self, steps: tuple[int, int] | None):
         self.steps = tuple(steps) if steps is not None else None
-        self.output_dir, self.device, self.timing, self.report = Path(output_dir), device, timing, report
-        self.suffix = f".rank{rank}" if world_size > 1 else ""
         self.summary: dict | None = None
-        self._cuda = device.type == "cuda"
         self._profile = self._compiled_before = None
         self._first = self._last = self._started = 0
-        first, last = trains
-        if self.steps is not None and report and not (first <= self.steps[1] and self.steps[0] <= last):
+
+    def start(self, run) -> None:
+        first, last = run.plan.start_step + 1, run.plan.total_steps
+        if self.steps is not None and run.ctx.is_main and not (first <= self.steps[1] and self.steps[0] <= last):
             trained = f"steps {first} to {last}" if first <= last else "no step"
             log.warning("profile_steps=[%d,%d] will profile nothing: this run trains %s", *self.steps, trained)
 
-    def before_step(self, number: int) -> bool:
+    def before_step(self, run, number: int) -> bool:
         if (
             self._profile is not None
             or self.summary is not None
@@ -93,46 +79,48 @@ class StepProfiler(Hook):
             return False
         from torch.profiler import ProfilerActivity, profile
 
-        if not self._cuda:
+        cuda = run.ctx.device.type == "cuda"
+        if not cuda:
             # On the CPU, Kineto (torch's tracer) only prints that there is no GPU ("gpuGetDeviceCount failed") and
             # that the trace started and stopped. It reads the level as it starts; a level the user set is kept.
             os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)
         try:
-            if self._cuda:
-                torch.cuda.synchronize(self.device)  # the steps before are not this profile's
-            self._profile = profile(activities=[ProfilerActivity.CUDA if self._cuda else ProfilerActivity.CPU])
+            if cuda:
+                torch.cuda.synchronize(run.ctx.device)  # the steps before are not this profile's
+            self._profile = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
             self._profile.__enter__()
         except Exception as error:  # a profiler that cannot start costs the run nothing
-            self._give_up(f"torch.profiler could not start: {error}")
+            self._give_up(run, f"torch.profiler could not start: {error}")
             return False
         self._first = self._last = number
         self._started, self._compiled_before = time.perf_counter(), CompileClock.get().totals()
-        self.timing.profiling = True
+        run.timing.profiling = True
         return True
 
-    def after_step(self, done: StepDone) -> bool:
+    def after_step(self, run, done: StepDone) -> bool:
         if self._profile is None:
             return False
         self._last = done.number
-        return done.number >= self.steps[1] and self._finish()
+        return done.number >= self.steps[1] and self._finish(run)
 
-    def epoch_end(self, end: EpochEnd) -> bool:
-        return self._finish()
+    def epoch_end(self, run, end: EpochEnd) -> bool:
+        return self._finish(run)
 
-    def close(self, ending: Ending) -> None:
-        self._finish()
+    def close(self, run, ending: Ending) -> None:
+        self._finish(run)
 
-    def _finish(self) -> bool:
+    def _finish(self, run) -> bool:
         """End the profile, if one records; whether one did."""
         if self._profile is None:
             return False
         profile, self._profile = self._profile, None
-        self.timing.profiling = False
-        first, last = self._first, self._last
-        trace = self.output_dir / f"profile_steps_{first}-{last}{self.suffix}.json"
+        run.timing.profiling = False
+        cuda, first, last = run.ctx.device.type == "cuda", self._first, self._last
+        suffix = f".rank{run.ctx.rank}" if run.ctx.distributed else ""
+        trace = run.output_dir / f"profile_steps_{first}-{last}{suffix}.json"
         try:
-            if self._cuda:
-                torch.cuda.synchronize(self.device)  # every kernel of the profiled steps inside the profile
+            if cuda:
+                torch.cuda.synchronize(run.ctx.device)  # every kernel of the profiled steps inside the profile
             wall_us = (time.perf_counter() - self._started) * 1e6
             profile.__exit__(None, None, None)
             events = list(profile.events())
@@ -140,10 +128,10 @@ class StepProfiler(Hook):
             profile.export_chrome_trace(str(partial))
             os.replace(partial, trace)
         except Exception as error:  # a failed profile costs the run nothing
-            self._give_up(f"profiling steps {first}-{last} failed: {error}")
+            self._give_up(run, f"profiling steps {first}-{last} failed: {error}")
             return True
         steps = last - first + 1
-        busy = device_activity(events) if self._cuda else []
+        busy = device_activity(events) if cuda else []
         work_us = busy_time(busy, min(a for a, _ in busy), max(b for _, b in busy)) if busy else None
         self.summary = {
             "profiled_steps": [first, last],
@@ -154,12 +142,12 @@ class StepProfiler(Hook):
             "graphs_compiled": CompileClock.get().totals().since(self._compiled_before).graphs,
             "trace": trace.name,
         }
-        self.timing.profile = self.summary
-        if self.report:
-            self._log()
+        run.timing.profile = self.summary
+        if run.ctx.is_main:
+            self._log(cuda)
         return True
 
-    def _log(self) -> None:
+    def _log(self, cuda: bool) -> None:
         summary = self.summary
         first, last = summary["profiled_steps"]
         text = f"profile of steps {first}-{last}: {summary['step_ms']:.1f} ms per step"
@@ -171,7 +159,7 @@ class StepProfiler(Hook):
                 "steady steps, and in these figures"
             )
         log.info("%s; trace %s", text, summary["trace"])
-        if self._cuda and summary["gpu_busy"] is None:
+        if cuda and summary["gpu_busy"] is None:
             log.warning(
                 "torch.profiler recorded no GPU activity in steps %d-%d (CUPTI unavailable, or not allowed to "
                 "trace): the GPU's busy share is unknown",
@@ -179,8 +167,8 @@ class StepProfiler(Hook):
                 last,
             )
 
-    def _give_up(self, why: str) -> None:
+    def _give_up(self, run, why: str) -> None:
         self._profile = None
-        self.timing.profiling = False
-        self.timing.profile = self.summary = {"profiled_steps": list(self.steps), "error": why}
+        run.timing.profiling = False
+        run.timing.profile = self.summary = {"profiled_steps": list(self.steps), "error": why}
         log.warning("%s; the run goes on unprofiled", why)
