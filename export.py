@@ -23,6 +23,7 @@ from engine.export.run import export
 from engine.reporting.log_filter import keep_file_only_off_console
 from engine.runtime.command_line import check_named_files_folder
 from engine.runtime.console import refused_before_hydra, run_reporting_faults
+from engine.runtime.output_paths import remove_unused_folders
 
 log = logging.getLogger("export")
 register_configs()
@@ -42,6 +43,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    # Before Hydra opens export.log in the output's folder.
-    refused_before_hydra(lambda: check_named_files_folder(sys.argv, "output"))
-    sys.exit(main())
+    # Before Hydra opens export.log in the output's folder; a folder made for it goes if the export writes nothing.
+    made = refused_before_hydra(lambda: check_named_files_folder(sys.argv, "output"))
+    try:
+        main()
+    finally:
+        remove_unused_folders(made)

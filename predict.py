@@ -21,8 +21,8 @@ from omegaconf import DictConfig
 from engine.config.registry import register_configs
 from engine.predict.run import predict
 from engine.reporting.log_filter import keep_file_only_off_console
-from engine.runtime.command_line import check_named_folder
 from engine.runtime.console import refused_before_hydra, run_reporting_faults
+from engine.runtime.run_lock import held_before_hydra
 
 log = logging.getLogger("predict")
 register_configs()
@@ -44,6 +44,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    # Before Hydra makes the run directory and opens predict.log there.
-    refused_before_hydra(lambda: check_named_folder(sys.argv, "output_dir"))
-    sys.exit(main())
+    # Before Hydra makes the run directory and opens predict.log there: refused while a run lives in it.
+    claimed = refused_before_hydra(lambda: held_before_hydra(sys.argv))
+    try:
+        main()
+    finally:
+        if claimed is not None:
+            claimed.release()

@@ -49,20 +49,25 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger().setLevel(logging.WARNING)  # console and files belong to rank 0
     keep_file_only_off_console()
     run_dir = Path(HydraConfig.get().runtime.output_dir) if env_rank() == 0 else None
-    run_reporting_faults(
-        lambda: evaluate_checkpoint(cfg) if cfg.eval_only else train(cfg, started=started),
-        run_dir=run_dir,
-        log=log,
-        dated=not cfg.output_dir,
-    )
+    if cfg.eval_only:
+        run_reporting_faults(
+            lambda: evaluate_checkpoint(cfg),
+            run_dir=run_dir,
+            log=log,
+            dated=not cfg.output_dir,
+            interrupted="stopped by Ctrl-C: the evaluation did not finish, and eval.json, written at its end, was "
+            "not written",
+        )
+    else:
+        run_reporting_faults(lambda: train(cfg, started=started), run_dir=run_dir, log=log, dated=not cfg.output_dir)
 
 
 if __name__ == "__main__":
     sys.argv = argv_for_rank(sys.argv, env_rank())
     # Before Hydra writes anything into the directory: a live run's stays as it was, an unwritable one is named.
-    lock = refused_before_hydra(lambda: held_before_hydra(sys.argv)) if env_rank() == 0 else None
+    claimed = refused_before_hydra(lambda: held_before_hydra(sys.argv)) if env_rank() == 0 else None
     try:
         main()
     finally:
-        if lock is not None:
-            lock.release()
+        if claimed is not None:
+            claimed.release()

@@ -495,3 +495,27 @@ def test_a_cpu_runs_console_has_the_runs_lines_and_not_the_profilers(data_root, 
     assert (tmp_path / "run" / "profile_steps_1-1.json").is_file()
     assert "gpuGetDeviceCount" not in out and "profiler_start" not in out, out
     assert "| 1 process on cpu" in out and "1 processes" not in out
+
+
+def test_one_ctrl_c_during_eval_only_says_the_evaluation_stopped_and_nothing_was_written(tmp_path):
+    """train.py eval_only=true, its evaluation interrupted by one Ctrl-C: a message about the evaluation (nothing is
+    written before its end), not the training run's about lost steps."""
+    script = f"""
+import os, signal, sys, time
+sys.argv = ["train.py", "eval_only=true", "checkpoint=unused.pth", "output_dir={tmp_path / "eval"}", "device=cpu"]
+import train
+
+def interrupted_evaluation(cfg):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+
+train.evaluate_checkpoint = interrupted_evaluation
+train.main()
+"""
+    child = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    out = child.stdout + child.stderr
+    assert child.returncode == 130, out
+    assert "stopped by Ctrl-C: the evaluation did not finish, and eval.json, written at its end, was not written" in out
+    assert "steps since the last checkpoint" not in out and "Traceback" not in out

@@ -127,3 +127,53 @@ def test_the_in_process_commands_check_their_outputs_too(files, tmp_path):
         predictor.predict(predicting)
     with pytest.raises(OutputPathError, match=r"is a folder; name the file to write"):
         exporter.export(exporting)
+
+
+# A GPU this machine lacks: the GPU experiment's device=cuda on a machine without one, else one GPU past the last.
+NO_SUCH_GPU = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+
+
+@pytest.mark.parametrize("script", ["train.py", "predict.py", "export.py"])
+def test_a_gpu_the_machine_lacks_is_one_message_naming_device_and_leaves_no_folder(files, tmp_path, script):
+    device = "experiment=coco_gpu" if NO_SUCH_GPU == "cuda" and script == "train.py" else f"device={NO_SUCH_GPU}"
+    args = {
+        "train.py": [device, f"dataset.root={tmp_path / 'coco'}"],
+        "predict.py": [f"checkpoint={files['checkpoint']}", f"images={files['photos']}", device],
+        "export.py": [f"checkpoint={files['checkpoint']}", device, f"output={tmp_path / 'exported' / 'model.onnx'}"],
+    }[script]
+    code, out = run(script, *args, cwd=tmp_path)
+    assert_one_message(code, out, f"device={NO_SUCH_GPU} (from the command line", "Set device=cpu, or device=auto")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], out  # no run directory, no export's folder
+
+
+@pytest.mark.parametrize(
+    "script, rejected",
+    [
+        ("train.py", "optim.lr=fast"),  # a wrong type
+        ("train.py", "experiment=two_stag"),  # a misspelt choice
+        ("train.py", "+model.no_such_key=1"),  # an unknown key
+        ("predict.py", "batch_size=many"),
+        ("export.py", "opset=latest"),
+    ],
+)
+def test_an_override_hydra_rejects_leaves_no_folder_of_the_ones_named(files, tmp_path, script, rejected):
+    named = {
+        "train.py": f"output_dir={tmp_path / 'new' / 'run'}",
+        "predict.py": f"output_dir={tmp_path / 'new' / 'run'}",
+        "export.py": f"output={tmp_path / 'new' / 'run' / 'model.onnx'}",
+    }[script]
+    inputs = {
+        "train.py": [*tiny_overrides(tmp_path / "data")],
+        "predict.py": [f"checkpoint={files['checkpoint']}", f"images={files['photos']}"],
+        "export.py": [f"checkpoint={files['checkpoint']}"],
+    }[script]
+    code, out = run(script, *inputs, named, rejected, cwd=tmp_path)
+    assert code == 1, out
+    assert not (tmp_path / "new").exists(), out
+
+
+def test_an_output_in_a_folder_nothing_can_be_written_into_says_so(files, tmp_path):
+    code, out = run("export.py", f"checkpoint={files['checkpoint']}", "device=cpu", "output=/proc/x.onnx", cwd=tmp_path)
+    assert_one_message(
+        code, out, "output=/proc/x.onnx: cannot create or write into the folder /proc: the folder exists"
+    )

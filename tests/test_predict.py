@@ -367,3 +367,64 @@ def test_detections_move_with_batch_size_through_padding_as_the_readme_says(chec
         "padding changes what the backbone sees: detections and their AP move a little with `batch_size` "
         "(`batch_size=1` pads nothing)"
     ) in readme
+
+
+def _predict_command(checkpoint: Path, folder: Path, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "predict.py"),
+            f"checkpoint={checkpoint}",
+            f"images={folder}",
+            "device=cpu",
+            "num_workers=0",
+            "draw=false",
+            *overrides,
+        ],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_multirun_puts_each_job_in_a_folder_of_its_own_under_output_dir(checkpoint, folder, tmp_path):
+    runs = tmp_path / "thresholds"
+    child = _predict_command(checkpoint, folder, "-m", "score_threshold=0.2,0.5", f"output_dir={runs}", cwd=tmp_path)
+    assert child.returncode == 0, child.stdout + child.stderr
+    kept = [json.loads((runs / str(job) / "detections.json").read_text()) for job in (0, 1)]
+    assert all(d["score"] >= 0.5 for d in kept[1]) and len(kept[0]) >= len(kept[1])
+    assert (runs / "0" / "predict.log").is_file() and not (runs / "detections.json").exists()
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_training_runs_folder_is_refused_while_it_runs_and_its_record_is_never_replaced(checkpoint, folder, tmp_path):
+    """predict.py output_dir=<a training run's folder>: refused while the run lives (its lock), and afterwards its
+    detections go beside the run's files, its own Hydra record in .hydra/predict/, the run's .hydra/ left alone."""
+    import socket
+
+    from engine.runtime.run_lock import LOCK_FILE
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("the training run's config\n")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run_dir / LOCK_FILE).write_text(
+            json.dumps({"pid": live.pid, "host": socket.gethostname(), "started": "now", "command": "train.py"})
+        )
+        refused = _predict_command(checkpoint, folder, f"output_dir={run_dir}", cwd=tmp_path)
+    finally:
+        live.kill()
+        live.wait()
+    out = refused.stdout + refused.stderr
+    assert refused.returncode == 1 and "Traceback" not in out, out
+    assert f"run directory {run_dir} is in use by process {live.pid}" in out
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", LOCK_FILE]  # nothing written
+    (run_dir / LOCK_FILE).unlink()  # the run has ended
+
+    done = _predict_command(checkpoint, folder, f"output_dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "the training run's config\n"
+    assert (run_dir / ".hydra" / "predict" / "config.yaml").is_file() and (run_dir / "detections.json").is_file()

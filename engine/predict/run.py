@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from pycocotools.coco import COCO
 from torch.utils.data import DataLoader
@@ -28,7 +27,7 @@ from engine.reporting.cocoeval_log import log_cocoeval_output
 from engine.reporting.progress import format_duration
 from engine.runtime.distributed import resolve_device
 from engine.runtime.msda_device import check_msda_device
-from engine.runtime.output_paths import writable_folder
+from engine.runtime.output_paths import job_directory
 from engine.runtime.precision import Precision
 from models.postprocess import PostProcess
 
@@ -43,8 +42,7 @@ PAD_TO_MULTIPLE = 32
 def predict(cfg: DictConfig) -> dict:
     """Run ``cfg.checkpoint`` on ``cfg.images``; returns {"output_dir", "images", "detections", "eval", "skipped"}."""
     cfg = check_config(cfg, PredictConfig)
-    output_dir = Path(cfg.output_dir or HydraConfig.get().runtime.output_dir).resolve()
-    writable_folder(output_dir, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
+    output_dir = job_directory(cfg.output_dir, script="predict.py")
     paths = find_images(cfg.images)
     root = (paths[0].parent if Path(cfg.images).is_file() else Path(cfg.images).expanduser()).resolve()
     gt = read_ground_truth(cfg.annotations) if cfg.annotations else None

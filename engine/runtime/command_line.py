@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .output_paths import writable_folder
+from .output_paths import missing_folders, writable_folder
 
 
 def override_value(argv: Sequence[str], keys: Sequence[str]) -> tuple[str, str] | None:
@@ -38,16 +38,13 @@ def is_sweep(key: str, value: str) -> bool:
         return False
 
 
-def check_named_folder(argv: Sequence[str], key: str) -> None:
-    """The folder ``key=`` names on the command line, if any, can be created and written (output_paths)."""
-    named = override_value(argv, (key,))
-    if named is not None:
-        writable_folder(named[1], setting=f"{key}={named[1]}")
-
-
-def check_named_files_folder(argv: Sequence[str], key: str) -> None:
+def check_named_files_folder(argv: Sequence[str], key: str) -> list[Path]:
     """The folder of the file ``key=`` names on the command line, if any, can be created and written (the file
-    itself is the job's to check)."""
+    itself is the job's to check); the folders this made (output_paths.remove_empty_folders removes them unused)."""
     named = override_value(argv, (key,))
-    if named is not None:
-        writable_folder(Path(named[1]).expanduser().parent, setting=f"{key}={named[1]}")
+    if named is None:
+        return []
+    folder = Path(named[1]).expanduser().parent
+    made = missing_folders(folder)
+    writable_folder(folder, setting=f"{key}={named[1]}")
+    return made

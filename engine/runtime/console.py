@@ -20,13 +20,11 @@ from typing import TypeVar
 from engine.errors import USER_FAULTS, UserError
 from engine.reporting.log_filter import FILE_ONLY
 
-from .run_lock import LOCK_FILE
+from .output_paths import HYDRA_FILES
 from .stop_request import TrainingStopped
 
 FAULT_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
-# What a run directory holds before the job writes anything: Hydra's record, the script's log and the run's lock.
-HYDRA_FILES = {".hydra", "train.log", "predict.log", "export.log", LOCK_FILE}
 # The name torch's DataLoader gives (through its target) the thread that pins batches on a GPU run.
 PIN_MEMORY_THREAD = "_pin_memory_loop"
 T = TypeVar("T")

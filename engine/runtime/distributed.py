@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config.choices import GRADIENT_SYNCS
-from engine.errors import CollectiveError
+from engine.errors import CollectiveError, SettingsError
 from models.host_copy import to_device_async
 
 
@@ -46,16 +46,24 @@ def env_rank() -> int:
 
 
 def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
-    """``auto`` picks CUDA when present; under torchrun each process takes GPU ``local_rank``."""
+    """``auto`` picks CUDA when present; under torchrun each process takes GPU ``local_rank``. A GPU this machine
+    does not have is a SettingsError naming ``device`` and the fix."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device=cuda was asked for but torch.cuda.is_available() is False; use device=cpu")
-        return torch.device("cuda", local_rank)
-    if name != "cpu" and not name.startswith("cuda:"):
+    if name != "cpu" and name != "cuda" and not name.startswith("cuda:"):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index >= found:
+        has = "no GPU that torch can use" if not found else f"{found} GPU{'s' if found > 1 else ''} (cuda:0..)"
+        raise SettingsError(
+            f"device={name} (from the command line, or an experiment for GPUs such as experiment=coco_gpu): this "
+            f"machine has {has}{f', not {device}' if found else ''}. Set device=cpu, or device=auto (the GPU where "
+            f"there is one, else the CPU)"
+        )
+    return device
 
 
 def init_distributed(*, device: str = "auto", timeout_s: float = 1800.0) -> DistContext:

@@ -16,11 +16,9 @@ from pathlib import Path
 from engine.errors import RunDirectoryInUse, SettingsError
 
 from .command_line import is_multirun, is_sweep, override_value
-from .output_paths import writable_folder
+from .output_paths import LOCK_FILE, missing_folders, remove_unused_folders, writable_folder
 
 log = logging.getLogger(__name__)
-
-LOCK_FILE = ".run.lock"
 
 
 def process_alive(pid: int) -> bool:
@@ -107,10 +105,24 @@ class RunLock:
             self.held = False
 
 
-def held_before_hydra(argv: list[str]) -> RunLock | None:
-    """The lock of the run directory the command line names (``output_dir=``, or the ``hydra.run.dir=`` it stands
-    for; for a multirun, the folder of its jobs: ``hydra.sweep.dir=``), taken before Hydra writes there, so a refused
-    run leaves the live run's files alone; None when it names none (Hydra's dated directory is new)."""
+class ClaimedDirectory:
+    """A run directory a command line names, claimed before Hydra writes there: its lock held (rank 0), and the
+    folders made for it (``made``). ``release()`` gives the lock back and removes those folders if nothing was
+    written into them (Hydra refused an override, say)."""
+
+    def __init__(self, lock: RunLock, made: list[Path]):
+        self.lock, self.made = lock, made
+
+    def release(self) -> None:
+        self.lock.release()
+        remove_unused_folders(self.made)
+
+
+def held_before_hydra(argv: list[str]) -> ClaimedDirectory | None:
+    """The run directory the command line names (``output_dir=``, or the ``hydra.run.dir=`` it stands for; for a
+    multirun, the folder of its jobs: ``hydra.sweep.dir=``), claimed before Hydra writes there, so a refused run
+    leaves the live run's files alone; None when it names none (Hydra's dated directory is new). train.py and
+    predict.py claim theirs: neither writes into a directory a live run of either holds."""
     multirun = is_multirun(argv)
     named = override_value(argv, ("output_dir", "hydra.sweep.dir" if multirun else "hydra.run.dir"))
     if named is None:
@@ -123,6 +135,11 @@ def held_before_hydra(argv: list[str]) -> RunLock | None:
             f"{key}={directory}: a multirun (-m) takes one {key}, and runs each job in a folder of its "
             f"own under it ({key}/0, {key}/1, ...); to name each job's folder, run the jobs one by one"
         )
+    made = missing_folders(directory)
     lock = RunLock(writable_folder(directory, setting=f"{key}={directory}"))
-    lock.acquire()
-    return lock
+    try:
+        lock.acquire()
+    except BaseException:
+        remove_unused_folders(made)
+        raise
+    return ClaimedDirectory(lock, made)

@@ -8,8 +8,6 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from datasets import build_data_loader, build_dataset, build_size_buckets
@@ -18,7 +16,7 @@ from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
 from engine.runtime.distributed import DistContext, barrier, broadcast_object, init_distributed, shutdown_distributed
 from engine.runtime.msda_device import check_msda_device
-from engine.runtime.output_paths import writable_folder
+from engine.runtime.output_paths import job_directory
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
 
@@ -28,19 +26,7 @@ log = logging.getLogger(__name__)
 def resolve_output_dir(cfg: DictConfig, ctx: DistContext) -> Path:
     """The run directory: ``output_dir`` if set, else Hydra's, and in a multirun always Hydra's (the job's own
     folder under output_dir); rank 0 decides and every rank uses it."""
-    chosen = None
-    if ctx.is_main:
-        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-        if cfg.output_dir and not multirun:
-            chosen = str(Path(cfg.output_dir).resolve())
-        elif HydraConfig.initialized():
-            chosen = str(Path(HydraConfig.get().runtime.output_dir).resolve())
-        else:
-            raise ValueError(
-                "output_dir is not set: run through `python train.py` (Hydra picks the run "
-                "directory) or pass output_dir=PATH"
-            )
-        writable_folder(chosen, setting=f"output_dir={cfg.output_dir}" if cfg.output_dir else "the run directory")
+    chosen = str(job_directory(cfg.output_dir, script="train.py")) if ctx.is_main else None
     return Path(broadcast_object(chosen, ctx))
 
 
