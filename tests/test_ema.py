@@ -3,6 +3,7 @@ weights evaluation, predict.py and export.py take from a checkpoint that holds o
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 
@@ -134,6 +135,13 @@ def test_evaluation_reports_the_averages_ap_with_the_raw_weights_beside_it(unint
     assert average["eval"] == pytest.approx(uninterrupted["eval"], abs=1e-4)
     last_raw = events.Scalars("eval_raw/AP")[-1].value
     assert raw["eval"]["AP"] == pytest.approx(last_raw, abs=1e-4)
+
+    # Each file names whose weights it scored; training's keep the raw weights' figures beside the average's.
+    final = json.loads((uninterrupted["dir"] / "eval_epoch0002.json").read_text())
+    assert final["weights"] == "ema" and final["AP"] == pytest.approx(uninterrupted["eval"]["AP"], abs=1e-6)
+    assert final["raw"]["AP"] == pytest.approx(last_raw, abs=1e-6) and set(final["raw"]) == set(average["eval"])
+    for folder, weights in ((tmp_path / "ema", "ema"), (tmp_path / "raw", "raw")):
+        assert json.loads((folder / "eval.json").read_text())["weights"] == weights
 
 
 def test_predict_and_export_load_the_average_unless_asked_for_the_raw_weights(tmp_path):

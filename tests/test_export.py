@@ -345,7 +345,9 @@ def test_tensorrt_variant_has_the_plugin_node_with_its_inputs(checkpoint, backgr
     output = background_exports["tensorrt"].finished()
     assert "NOT checked against the PyTorch model" in output and "parity at" not in output
     model = onnx.load(str(checkpoint.with_name("checkpoint.tensorrt.static.onnx")))
-    assert {p.key: p.value for p in model.metadata_props}["deformable_detr.parity"].startswith("not checked")
+    metadata = {p.key: p.value for p in model.metadata_props}
+    assert metadata["deformable_detr.parity"].startswith("not checked")
+    assert metadata["deformable_detr.weights"] == "raw"  # the checkpoint holds no EMA: its trained weights
     assert not any(n.op_type == "GridSample" for n in model.graph.node)
     nodes = [n for n in model.graph.node if n.op_type == PLUGIN_NAME]
     assert len(nodes) == 2 and {n.domain for n in nodes} == {PLUGIN_DOMAIN}  # one encoder, one decoder layer
@@ -434,6 +436,10 @@ def test_default_output_names_tell_variants_apart():
     assert default_output(
         checkpoint=base, format="onnx", dtype="fp16", msda_node="tensorrt", postprocess=True, dynamic=False
     ) == Path("runs/a/checkpoint_epoch0024.fp16.tensorrt.postprocess.static.onnx")
+    # The trained weights rather than the EMA, and another opset, are variants of their own too.
+    assert default_output(checkpoint=base, format="onnx", weights="raw") == Path("runs/a/checkpoint_epoch0024.raw.onnx")
+    assert default_output(checkpoint=base, format="onnx", opset=17) == Path("runs/a/checkpoint_epoch0024.opset17.onnx")
+    assert default_output(checkpoint=base, format="aoti", opset=17) == Path("runs/a/checkpoint_epoch0024.pt2")
 
 
 def test_a_run_directory_given_as_the_checkpoint_exports_beside_its_checkpoint(checkpoint):

@@ -123,6 +123,8 @@ def default_output(
     msda_node: str | None = None,
     postprocess: bool = False,
     dynamic: bool = True,
+    weights: str = "ema",
+    opset: int = DEFAULT_OPSET,
 ) -> Path:
     """Where an export goes when ``output`` is null: beside the checkpoint, named after it and tagged with each
     non-default setting, so that variants do not overwrite each other (checkpoint.fp16.tensorrt.onnx)."""
@@ -134,6 +136,8 @@ def default_output(
             (str(msda_node), msda_node is not None and str(msda_node) != "reference"),
             ("postprocess", postprocess),
             ("static", not dynamic),
+            ("raw", str(weights) == "raw"),
+            (f"opset{opset}", str(format) == "onnx" and opset != DEFAULT_OPSET),
         )
         if differs
     ]
@@ -142,8 +146,11 @@ def default_output(
 
 def output_path(cfg) -> Path:
     """``cfg.output`` or, when null, default_output of its settings."""
-    if cfg.output:
-        return Path(cfg.output)
+    return Path(cfg.output) if cfg.output else default_output_of(cfg)
+
+
+def default_output_of(cfg) -> Path:
+    """default_output of an export config's settings."""
     return default_output(
         checkpoint=cfg.checkpoint,
         format=cfg.format,
@@ -151,6 +158,8 @@ def output_path(cfg) -> Path:
         msda_node=cfg.msda_node,
         postprocess=cfg.postprocess,
         dynamic=cfg.dynamic,
+        weights=cfg.checkpoint_weights,
+        opset=cfg.opset,
     )
 
 

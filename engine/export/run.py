@@ -14,7 +14,14 @@ from omegaconf import DictConfig
 
 from datasets.size_buckets import round_up
 from engine.checkpoint.trained_model import load_trained_model
-from engine.config.export_schema import SIDE_MULTIPLE, ExportConfig, ExportFormat, MsdaNode, default_output, output_path
+from engine.config.export_schema import (
+    SIDE_MULTIPLE,
+    ExportConfig,
+    ExportFormat,
+    MsdaNode,
+    default_output_of,
+    output_path,
+)
 from engine.config.registry import check_config
 from engine.runtime.distributed import resolve_device
 from engine.runtime.output_paths import writable_file
@@ -131,14 +138,7 @@ def export(cfg: DictConfig) -> dict:
 def check_output(cfg: DictConfig, path: Path) -> None:
     """Check that ``path`` can be written; beside the checkpoint only when its folder exists (a mistyped checkpoint
     is its own error, and leaves no folder behind)."""
-    default = default_output(
-        checkpoint=cfg.checkpoint,
-        format=cfg.format,
-        dtype=cfg.dtype,
-        msda_node=cfg.msda_node,
-        postprocess=cfg.postprocess,
-        dynamic=cfg.dynamic,
-    )
+    default = default_output_of(cfg)
     if cfg.output:
         writable_file(path, setting=f"output={cfg.output}", example=default.name)
     elif path.parent.is_dir():
@@ -171,6 +171,7 @@ def write_and_load(
     metadata = {
         "checkpoint": trained.checkpoint,
         "step": trained.step,
+        "weights": trained.source.loaded_weights,  # the model EMA's or the trained ones
         "dtype": cfg.dtype,
         "msda_node": node,
         "inputs": ", ".join(detector.input_names),

@@ -136,7 +136,10 @@ def predict(cfg: DictConfig) -> dict:
         images_json,
         f"; pictures in {output_dir / 'images'}" if cfg.draw else "",
     )
-    stats = evaluate_predictions(predictions, gt, output_dir=output_dir, cfg=cfg) if gt is not None else None
+    stats = None
+    if gt is not None:
+        weights = trained.source.loaded_weights
+        stats = evaluate_predictions(predictions, gt, output_dir=output_dir, cfg=cfg, weights=weights)
     return {
         "output_dir": output_dir,
         "images": len(paths),
@@ -177,7 +180,9 @@ def image_ids(paths: list[Path], *, root: Path, gt: COCO | None) -> list[int]:
     return ids
 
 
-def evaluate_predictions(predictions: Predictions, gt: COCO, *, output_dir: Path, cfg: DictConfig) -> dict[str, float]:
+def evaluate_predictions(
+    predictions: Predictions, gt: COCO, *, output_dir: Path, cfg: DictConfig, weights: str
+) -> dict[str, float]:
     """COCO bbox AP of every detection kept (all max_detections, whatever score_threshold) on the images that
     the annotation file has; written to eval.json."""
     scored = {i: r for i, r in predictions.all_detections.items() if i in gt.imgs}
@@ -196,6 +201,7 @@ def evaluate_predictions(predictions: Predictions, gt: COCO, *, output_dir: Path
         per_class=evaluator.per_class,
         num_images=len(scored),
         checkpoint=str(Path(cfg.checkpoint).resolve()),
+        weights=weights,
         annotations=str(Path(cfg.annotations).resolve()),
     )
     log.info(

@@ -69,5 +69,6 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
                 step=source.step,
                 what=f"of {source.path}",
                 checkpoint=str(source.path.resolve()),
+                weights=source.loaded_weights,
             )
         return {"output_dir": output_dir, "eval": evaluation.stats}
