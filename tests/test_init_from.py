@@ -230,3 +230,20 @@ def test_weights_are_released_after_loading(tmp_path):
     assert init.state is None, "no second copy of the weights kept for the whole run"
     with pytest.raises(RuntimeError, match=r"once\.pth: load_into was already called"):
         init.load_into(model)
+
+
+@pytest.mark.parametrize("weights", ["ema", "raw"])
+def test_init_from_takes_a_checkpoints_ema_unless_asked_for_its_trained_weights(tmp_path, weights, caplog):
+    """As eval_only, predict.py and export.py do: the model EMA a checkpoint holds, or with checkpoint_weights=raw
+    its trained weights; the log says which."""
+    path = tmp_path / "with_ema.pth"
+    raw = saved_model(path, tiny_cfg(), seed=0)
+    averaged = {name: value + 1.0 for name, value in raw.items() if value.is_floating_point()}
+    torch.save({**torch.load(path), "ema": {"model": averaged, "updates": 10}}, path)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        init = prepare_init_from(tiny_cfg(init_from=str(path)), weights=weights)
+    model = build_deformable_detr(tiny_cfg())
+    init.load_into(model)
+    expected = {**raw, **averaged} if weights == "ema" else raw
+    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+    assert ("the model EMA's weights" in caplog.text) == (weights == "ema")

@@ -17,7 +17,7 @@ import torch
 
 from engine.errors import CheckpointError
 
-from .contents import model_config_for_checkpoint, model_state_dict, recorded_model_config
+from .contents import averaged_weights, model_config_for_checkpoint, model_state_dict, recorded_model_config
 from .io import load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -105,10 +105,11 @@ class InitFrom:
         return report
 
 
-def prepare_init_from(cfg_model) -> InitFrom:
+def prepare_init_from(cfg_model, *, weights: str = "ema") -> InitFrom:
     """Read ``cfg_model.init_from`` (None/empty: nothing to do) and set, in place so that the run's checkpoints record
     the model trained, the checkpoint's variant (recorded, else from its parameter names) and ``pretrained``=none
-    where it holds a backbone."""
+    where it holds a backbone. ``weights`` ("ema" or "raw", checkpoint_weights): a checkpoint's model EMA, where it
+    holds one, or its trained weights."""
     path = cfg_model.get("init_from")
     if not path:
         return InitFrom()
@@ -120,6 +121,10 @@ def prepare_init_from(cfg_model) -> InitFrom:
     wanted = model_config_for_checkpoint(current, ckpt, path=path, keys=VARIANT_KEYS)
     recorded = recorded_model_config(ckpt)
     state = model_state_dict(ckpt)
+    averaged = averaged_weights(ckpt) if str(weights) == "ema" else None
+    if averaged is not None:
+        log.info("model.init_from=%s: the model EMA's weights (checkpoint_weights=raw for its trained ones)", path)
+        state = {**state, **averaged}
     from_names = {
         "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
         "two_stage": any(k.startswith("transformer.enc_output.") for k in state),

@@ -56,7 +56,7 @@ def settle_training(cfg: DictConfig, ctx: DistContext, output_dir: Path) -> Sett
         init = InitFrom()
     else:
         settled = copy.deepcopy(cfg)
-        init = prepare_init_from(settled.model)
+        init = prepare_init_from(settled.model, weights=settled.checkpoint_weights)
     settled.model.num_classes = resolve_num_classes(
         settled.model.num_classes, data, resumed_from=str(resume_path) if ckpt is not None else None
     )
