@@ -26,6 +26,20 @@ from models.position_encoding import build_position_encoding
 ONE2MANY_PARAMETERS = frozenset({"query_embed_one2many.weight"})
 
 
+def encoder_tokens(height: int, width: int, *, num_feature_levels: int, dilation: bool = False) -> int:
+    """S, the encoder's tokens for images of ``height`` x ``width``: the cells of every feature level (each of the
+    ResNet's stride-2 convolutions, and each extra level's, halves a side rounding up). Two-stage selects its
+    queries among them."""
+    strides = [8, 16, 32] if num_feature_levels > 1 else [32]
+    if dilation:
+        strides[-1] //= 2
+    sides = [(-(-height // stride), -(-width // stride)) for stride in strides]
+    for _ in range(num_feature_levels - len(sides)):
+        h, w = sides[-1]
+        sides.append((-(-h // 2), -(-w // 2)))
+    return sum(h * w for h, w in sides)
+
+
 class MLP(nn.Module):
     """num_layers Linear layers with ReLU between them (``layers.K`` names as the original)."""
 

@@ -481,3 +481,23 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
         )
     )
     assert evaluated["eval"] == pytest.approx(run["eval"], abs=1e-12)
+
+
+@pytest.mark.slow
+def test_two_stage_queries_a_size_bucket_cannot_hold_are_refused_before_the_first_step(tmp_path):
+    """The tiny run's smallest training bucket (64-pixel sides, 3 levels) has 84 encoder tokens: 10 + 80 queries to
+    select is refused with the settings, naming the keys and the bucket, before anything is trained or saved."""
+    from helpers import compose_run
+
+    import train as trainer
+    from engine.errors import SettingsError
+
+    two_stage = ("model.with_box_refine=true", "model.two_stage=true", "model.hybrid_matching=true")
+    with pytest.raises(
+        SettingsError,
+        match=r"model\.two_stage=true selects 90 queries \(model\.num_queries=10 \+ model\.num_queries_one2many=80\) "
+        r"among the encoder's tokens, but the smallest training size bucket, \d+x\d+, has only \d+: lower "
+        r"model\.num_queries_one2many or model\.num_queries",
+    ):
+        trainer.train(compose_run(tmp_path / "data", tmp_path / "run", *two_stage, "model.num_queries_one2many=80"))
+    assert not (tmp_path / "run" / "checkpoint.pth").exists() and not (tmp_path / "run" / "tensorboard").exists()

@@ -34,7 +34,14 @@ from .hooks.timing import StepTiming
 from .loop import TrainingLoop
 from .resume import checkpoint_step_images, explained_failure, position_in_this_run
 from .run_plan import Position, RunPlan, plan_run, step_batch
-from .run_setup import build_loader, in_run_directory, prepare_compilation, size_buckets, warn_unbounded_sizes
+from .run_setup import (
+    build_loader,
+    check_two_stage_queries,
+    in_run_directory,
+    prepare_compilation,
+    size_buckets,
+    warn_unbounded_sizes,
+)
 from .run_stop import RunStop
 from .run_timing import RunTiming, peak_memory_gib
 from .settle import settle_training
@@ -65,6 +72,7 @@ def run_training(
         log.info("%s", batch.describe(ctx.world_size))
 
     buckets = size_buckets(cfg, ctx, data["train"], data["val"], batch_size=batch.per_process)
+    check_two_stage_queries(cfg.model, buckets)
     train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets, batch_size=batch.per_process)
     val_loader = build_loader(data["val"], cfg, ctx, train=False, buckets=buckets, batch_size=batch.per_pass)
     steps_per_epoch = train_loader.batch_sampler.steps_per_epoch

@@ -14,11 +14,13 @@ from datasets import build_data_loader, build_dataset, build_size_buckets
 from engine.compile.cache import use_compile_cache
 from engine.compile.clock import CompileClock
 from engine.compile.recompile_log import log_recompiles_to_file
+from engine.errors import SettingsError
 from engine.runtime.distributed import DistContext, barrier, broadcast_object, init_distributed, shutdown_distributed
 from engine.runtime.msda_device import check_msda_device
 from engine.runtime.output_paths import job_directory
 from engine.runtime.run_lock import RunLock
 from engine.runtime.stop_request import ignore_stop_signals
+from models.deformable_detr import encoder_tokens
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +109,30 @@ def warn_unbounded_sizes(cfg: DictConfig, buckets, plan, *, training: bool) -> N
             work,
             cfg.dataset.pad_to_multiple,
         )
+
+
+def check_two_stage_queries(cfg_model, buckets) -> None:
+    """Two-stage selects its queries among the encoder's tokens: refused before the first step when the smallest size
+    bucket's images have fewer tokens than the queries to select (hybrid matching's one-to-many ones included in
+    training), rather than failing at that bucket's first batch, mid-epoch."""
+    if buckets is None or not cfg_model.two_stage:
+        return
+    one_to_one = ("model.num_queries", cfg_model.num_queries)
+    one_to_many = ("model.num_queries_one2many", cfg_model.num_queries_one2many if cfg_model.hybrid_matching else 0)
+    checks = [("training", buckets.train, [one_to_one, one_to_many]), ("evaluation", buckets.val, [one_to_one])]
+    for what, sizes, counts in checks:
+        counts = [(key, n) for key, n in counts if n]
+        queries = sum(n for _, n in counts)
+        tokens = {
+            size: encoder_tokens(*size, num_feature_levels=cfg_model.num_feature_levels, dilation=cfg_model.dilation)
+            for size in sizes
+        }
+        smallest = min(tokens, key=tokens.get)
+        if tokens[smallest] < queries:
+            keys = " + ".join(f"{key}={n}" for key, n in counts)
+            raise SettingsError(
+                f"model.two_stage=true selects {queries} queries ({keys}) among the encoder's tokens, but the smallest "
+                f"{what} size bucket, {smallest[0]}x{smallest[1]}, has only {tokens[smallest]}: lower "
+                f"{' or '.join(key for key, _ in reversed(counts))}, or use larger images (dataset.train_scales, "
+                "dataset.val_size)"
+            )
