@@ -9,13 +9,14 @@ and the epoch: not on the number of workers, and a resumed run can start in the 
 reading the batches before it.
 
 Training is one endless stream over the epochs (``steps_per_epoch`` batches each), so that the loader's
-workers prefetch across an epoch's end and the next epoch starts with its batches ready. An epoch's images
-are this process's share of a permutation of the set (the same split DistributedSampler makes). With
-buckets, the images an epoch leaves in part-filled buckets are batched in the family buckets that hold them,
-and the few left after that wait for no one: every epoch has ``steps_per_epoch`` batches, the same on every
-process. Evaluation is one pass over this process's share in file order; a bucket's last batch is filled up
-with copies of one of its images (their detections replace identical ones), so every batch has the same
-shape.
+workers prefetch across an epoch's end and the next epoch starts with its batches ready. An epoch's batches are
+planned over a permutation of the whole set, each of the step's images over all processes (``batch_size`` x
+``world_size``), and each process takes its slice of every batch: N processes train the batches, padded to the
+sizes, that one process holding the whole step would. With buckets, the images an epoch leaves in part-filled
+buckets are batched in the family buckets that hold them, and the few left after that wait for no one: every
+epoch has ``steps_per_epoch`` batches, the same on every process. Evaluation is one pass over this process's
+share in file order; a bucket's last batch is filled up with copies of one of its images (their detections replace
+identical ones), so every batch has the same shape.
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ class BatchPlan(Sampler[list[PlannedSample]]):
         self.sizes = [tuple(map(int, s)) for s in sizes]
         self.transform, self.batch_size, self.buckets, self.train = transform, batch_size, buckets, train
         self.seed, self.rank, self.world_size, self.multiple = seed, rank, world_size, multiple
-        self.share = -(-len(self.sizes) // world_size)  # images per process per epoch
         families = len(buckets.families) if buckets is not None else 1
-        # With buckets, up to batch_size - 1 images per family can be left over at an epoch's end.
-        self.steps_per_epoch = max(0, self.share // batch_size - (families - 1)) if train else None
+        # A step's batch over all processes; with buckets, up to one step's images but one per family can be left
+        # over at an epoch's end.
+        step_images = batch_size * world_size
+        self.steps_per_epoch = max(0, len(self.sizes) // step_images - (families - 1)) if train else None
         self._start = (0, 0)
         self.image_pixels = 0  # of the batches yielded so far (copies that fill evaluation batches excluded)
         self.padded_pixels = 0
@@ -123,28 +125,33 @@ class BatchPlan(Sampler[list[PlannedSample]]):
         return self.transform.plan(self.sizes[index], rng)
 
     def _epoch_batches(self, epoch: int, *, count: bool = True) -> Iterator[list[PlannedSample]]:
+        # Training plans the steps' batches over every process's images, evaluation this process's share alone.
+        ranks = (0, 1) if self.train else (self.rank, self.world_size)
         indices = epoch_share(
             num_images=len(self.sizes),
             epoch=epoch,
             seed=self.seed,
             shuffle=self.train,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=ranks[0],
+            world_size=ranks[1],
         )
         samples = ((i, *self._planned(i, epoch)) for i in indices)
-        batches = self._bucketed(samples) if self.buckets is not None else self._in_order(samples)
+        size = self.batch_size * (self.world_size if self.train else 1)
+        batches = self._bucketed(samples, size) if self.buckets is not None else self._in_order(samples, size)
         for n, batch in enumerate(batches):
             if self.train and n >= self.steps_per_epoch:
                 return
+            if self.train:
+                batch = batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]  # this process's part
             if count:
                 self._count(batch)
             yield batch
 
-    def _in_order(self, samples) -> Iterator[list[PlannedSample]]:
+    def _in_order(self, samples, batch_size: int) -> Iterator[list[PlannedSample]]:
         pending = []
         for index, plan, size in samples:
             pending.append((index, plan, size))
-            if len(pending) == self.batch_size:
+            if len(pending) == batch_size:
                 yield self._batch(pending, self._covering(pending))
                 pending = []
         if pending and not self.train:
@@ -153,7 +160,7 @@ class BatchPlan(Sampler[list[PlannedSample]]):
     def _covering(self, pending) -> Size:
         return tuple(round_up(max(size[d] for _, _, size in pending), self.multiple) for d in (0, 1))
 
-    def _bucketed(self, samples) -> Iterator[list[PlannedSample]]:
+    def _bucketed(self, samples, batch_size: int) -> Iterator[list[PlannedSample]]:
         buckets = self.buckets.train if self.train else self.buckets.val
         queues: dict[Size, list] = {}
         for index, plan, size in samples:
@@ -166,13 +173,13 @@ class BatchPlan(Sampler[list[PlannedSample]]):
                 )
             queue = queues.setdefault(bucket, [])
             queue.append((index, plan, size))
-            if len(queue) == self.batch_size:
+            if len(queue) == batch_size:
                 yield self._batch(queue, bucket)
                 queue.clear()
         if not self.train:
             for bucket, queue in queues.items():  # last batches filled up with copies: one shape per bucket
                 if queue:
-                    yield self._batch(queue + [queue[0]] * (self.batch_size - len(queue)), bucket)
+                    yield self._batch(queue + [queue[0]] * (batch_size - len(queue)), bucket)
             return
         families: dict[Size, list] = {}
         for queue in queues.values():
@@ -180,7 +187,7 @@ class BatchPlan(Sampler[list[PlannedSample]]):
                 family = smallest_holding(size, self.buckets.families)
                 pending = families.setdefault(family, [])
                 pending.append((index, plan, size))
-                if len(pending) == self.batch_size:
+                if len(pending) == batch_size:
                     yield self._batch(pending, family)
                     pending.clear()
 

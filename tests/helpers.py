@@ -425,6 +425,15 @@ def hook_run_state(
     )
 
 
+def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:
+    """The values a run wrote to TensorBoard under ``tag`` (e.g. "train/loss"), in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [event.value for event in sorted(events.Scalars(tag), key=lambda e: e.step)]
+
+
 def compose_run(data_root: Path, output_dir: Path, *extra: str):
     """The tiny run (``tiny_overrides``) into ``output_dir``, with ``extra`` overrides."""
     return compose_train(*tiny_overrides(data_root), f"output_dir={output_dir}", *extra)

@@ -93,9 +93,9 @@ def test_every_epoch_has_its_steps_in_full_batches_of_one_bucket(coco_buckets, w
         )
         for rank in range(world_size)
     ]
-    share = -(-301 // world_size)
     for plan in plans:
-        assert plan.steps_per_epoch == share // 4 - 1  # two family buckets: up to 3 images left in each
+        # steps of 4 images per process; two family buckets: up to a step's images but one left in each
+        assert plan.steps_per_epoch == 301 // (4 * world_size) - 1
         batches = _batches(plan, epochs=2)
         for epoch in (0, 1):
             seen = [
@@ -110,6 +110,20 @@ def test_every_epoch_has_its_steps_in_full_batches_of_one_bucket(coco_buckets, w
     if world_size == 2:  # the split of DistributedSampler: disjoint shares but for the padding repeat
         first = [set(epoch_share(num_images=301, epoch=0, seed=3, shuffle=True, rank=r, world_size=2)) for r in (0, 1)]
         assert len(first[0] & first[1]) <= 1 and len(first[0] | first[1]) == 301
+
+
+def test_processes_train_their_parts_of_the_batches_one_process_holding_the_step_would(coco_buckets):
+    """Two processes at 4 images each train, step for step, the batches of 8 that one process would: the same images,
+    augmented alike and padded to the same size, each process its half."""
+    train, _, transform, buckets = coco_buckets
+    sizes = train[:301]
+    common = dict(sizes=sizes, transform=transform, buckets=buckets, train=True, seed=3)
+    one = BatchPlan(**common, batch_size=8)
+    two = [BatchPlan(**common, batch_size=4, rank=rank, world_size=2) for rank in (0, 1)]
+    assert one.steps_per_epoch == two[0].steps_per_epoch == two[1].steps_per_epoch
+    whole, *halves = (_batches(plan, epochs=2) for plan in (one, *two))
+    assert len(whole) == 2 * one.steps_per_epoch
+    assert all(first + second == batch for batch, first, second in zip(whole, *halves, strict=True))
 
 
 def test_an_images_augmentation_depends_on_seed_epoch_and_index_only(coco_buckets):

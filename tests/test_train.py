@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_process import child_env
-from helpers import compose_run, tiny_overrides
+from helpers import compose_run, tensorboard_scalars, tiny_overrides
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -245,11 +245,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, data
 
 @pytest.mark.parametrize("gradient_sync", ["ddp", "allreduce"])
 def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gradient_sync):
-    """torchrun, two CPU processes: one run directory, data-parallel steps, evaluation gathered from both ranks.
+    """torchrun, two CPU processes: one run directory, data-parallel steps, evaluation gathered from both ranks; each
+    step is the step of one process holding the whole batch (its images, their padded sizes, its loss and gradient).
 
-    Uneven on purpose: 18 training images (9 per rank, batch 2: 3 batches, as left-overs in the size buckets wait
-    for no one) and 7 validation images (4 and 3, rank 1's share padded with a repeat): nothing hangs, every image
-    is scored.
+    Uneven on purpose: 18 training images (steps of 4: 3 batches, as left-overs in the size buckets wait for no one)
+    and 7 validation images (4 and 3, rank 1's share padded with a repeat): nothing hangs, every image is scored.
     """
     data_root = tmp_path / "data"
     uneven = ["dataset.num_train=18", "dataset.num_val=7"]
@@ -278,7 +278,14 @@ def test_two_processes_with_gloo_train_and_evaluate_over_both_ranks(tmp_path, gr
     assert "2 processes on cpu" in log_text
     ddp_eval = json.loads((run_dir / "eval_epoch0001.json").read_text())
     ckpt = load_checkpoint(run_dir / "checkpoint.pth")
-    assert ckpt["step"] == 9 // 2 - 1  # 9 images per process, batch 2, one batch's worth left over
+    assert ckpt["step"] == 18 // 4 - 1  # 18 images in steps of 4 over both ranks, one step's worth left over
+
+    one = trainer.train(compose_run(data_root, tmp_path / "one", *uneven, "epochs=1", "batch_size=4"))
+    assert len(one["losses"]) == ckpt["step"]
+    assert tensorboard_scalars(run_dir, "train/loss") == pytest.approx(one["losses"], rel=1e-5)
+    assert tensorboard_scalars(run_dir, "train/grad_norm") == pytest.approx(
+        tensorboard_scalars(one["output_dir"], "train/grad_norm"), rel=1e-4
+    )
 
     # Scored on every validation image (each rank ran 4 of the 7), with the same figures as one process
     # evaluating the same weights.

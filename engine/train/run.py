@@ -71,7 +71,8 @@ def run_training(
     if ctx.is_main:
         log.info("%s", batch.describe(ctx.world_size))
 
-    buckets = size_buckets(cfg, ctx, data["train"], data["val"], batch_size=batch.per_process)
+    # Planned for the step's batch over all processes, which datasets/batch_plan.py splits among them.
+    buckets = size_buckets(cfg, ctx, data["train"], data["val"], batch_size=batch.total)
     check_two_stage_queries(cfg.model, buckets)
     train_loader = build_loader(data["train"], cfg, ctx, train=True, buckets=buckets, batch_size=batch.per_process)
     val_loader = build_loader(data["val"], cfg, ctx, train=False, buckets=buckets, batch_size=batch.per_pass)
