@@ -321,4 +321,4 @@ def test_triton_attention_on_a_machine_without_a_gpu_is_refused_with_the_setting
     assert proc.returncode == 1 and "Traceback" not in out, out
     assert out.count("model.msda=triton runs the Triton kernels, which need a GPU, but this run is on cpu") == 1, out
     assert "impl='triton'" not in out and "epoch 1/1" not in out
-    assert not (tmp_path / "outputs").exists()
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "data").exists()  # refused before the data is read
