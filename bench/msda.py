@@ -623,7 +623,7 @@ def main():
             table_note="The launch table is this run's sweep's (the json's table).",
         )
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
-        if args.apply_table:  # entries of kinds this script does not sweep (bench/msda_variants.py's) stay
+        if args.apply_table:  # entries of kinds it does not sweep (kernel families, grouped kernels, cells) stay
             kept = {key: value for key, value in launch.TUNED.items() if key[0] not in SWEPT_KINDS}
             apply_table(table_source({**kept, **table}, header))
     else:
