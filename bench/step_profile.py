@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from engine.train.hooks.profiling import device_activity, is_device_work
+from engine.train.hooks.profiling import busy_time, device_activity, is_device_work
 
 # The prefix of the training step's phases as engine.train and models.criterion name them for the profiler.
 STEP_PHASES = "step."
@@ -339,9 +339,5 @@ def _unit_kind(unit: list[dict], split: dict[str, float]) -> str:
 
 
 def _union_us(events: list[dict]) -> float:
-    covered, cursor = 0.0, -math.inf
-    for start, end in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
-        if end > cursor:
-            covered += end - max(start, cursor)
-            cursor = end
-    return covered
+    """The time in which at least one of the trace's ``events`` ran."""
+    return busy_time([(e["ts"], e["ts"] + e["dur"]) for e in events], -math.inf, math.inf)
