@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
+from bench.train_runs import environment_without_cache_choice, run_train_py
 
 COCO_TRAIN_IMAGES = 118_287
 RECIPE_EPOCHS = 50
@@ -247,14 +248,6 @@ def row_overrides(args, recipe: str, batch: int, run: Path, steps: int) -> list[
     ]
 
 
-def _environment_without_cache_choice() -> dict:
-    """This environment, less the variables that would move a row's compile caches out of compile.cache_dir
-    (bench/h200_run.sh sets one): the cache that the rows share, and the first row finds empty, is the bench's."""
-    from engine.compile.cache import CACHE_VARIABLES
-
-    return {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
-
-
 def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
     """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one)."""
     base = f"{recipe}_batch{batch}" + (f"_gpus{gpus}" if gpus > 1 else "")
@@ -262,31 +255,18 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
     args.names_used.add(name)
     run = args.work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    launcher = [sys.executable] + (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
-    )
-    command = [*launcher, str(ROOT / "train.py"), *row_overrides(args, recipe, batch, run, steps)]
-    print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {' '.join(command[1:])}", flush=True)
+    overrides = row_overrides(args, recipe, batch, run, steps)
+    print(f"== {recipe} at batch {batch} on {gpus} GPU(s): train.py {' '.join(overrides)}", flush=True)
     log = args.work / f"{name}.log"
-    with BusySampler() as busy, open(log, "w") as out:
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_environment_without_cache_choice(),
+    with BusySampler() as busy:
+        returncode = run_train_py(
+            overrides, log=log, env=environment_without_cache_choice(), gpus=gpus, timeout=args.row_timeout
         )
-        try:
-            returncode = proc.wait(timeout=args.row_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the run and its loader workers
-            proc.wait()
-            returncode = f"stopped after --row-timeout {args.row_timeout:g} s"
     output = log.read_text()
     if returncode != 0:
         print(output[-4000:])
-        return {"recipe": recipe, "batch": batch, "error": f"train.py: exit {returncode}"}
+        stopped = f"stopped after --row-timeout {args.row_timeout:g} s" if returncode is None else returncode
+        return {"recipe": recipe, "batch": batch, "error": f"train.py: exit {stopped}"}
     timing = json.loads((run / "timing.json").read_text())
     steady = timing["steady"]
     if steady is None:
