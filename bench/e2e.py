@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench.train_runs import compose_config  # noqa: E402
 from engine.config.choices import COMPILE_MODES, INDUCTOR_MODES, REGION_CHOICES, TRAIN_BACKBONE_CHOICES  # noqa: E402
 
 NAME = "e2e_h200"
@@ -53,17 +54,6 @@ QUICK = {
     "warmup": 1,
     "steps": 2,
 }
-
-
-def compose_config(overrides: list[str]):
-    """configs/train.yaml composed with ``overrides``, as train.py composes it."""
-    from hydra import compose, initialize_config_dir
-
-    from engine.config.registry import check_config, register_configs
-
-    register_configs()  # the typed schemas configs/*.yaml name
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return check_config(compose(config_name="train", overrides=overrides))
 
 
 def configurations(args) -> list[dict]:

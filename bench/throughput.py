@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
-from bench.train_runs import environment_without_cache_choice, run_train_py
+from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
 
 COCO_TRAIN_IMAGES = 118_287
 RECIPE_EPOCHS = 50
@@ -329,17 +329,13 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
     """(FLOPs of one image's forward and backward at zero pixels, FLOPs per padded pixel), fitted through two
     sizes; None on the CPU."""
     import torch
-    from hydra import compose, initialize_config_dir
     from torch.utils.flop_counter import FlopCounterMode
 
-    from engine.config.registry import register_configs
     from models import build_model
 
     if not torch.cuda.is_available():
         return None
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=row_overrides(args, "coco_gpu", 2, args.work / "flops", steps=1))
+    cfg = compose_config(row_overrides(args, "coco_gpu", 2, args.work / "flops", steps=1))
     model, criterion, _ = build_model(cfg.model)
     model.cuda().train()
     criterion.cuda()

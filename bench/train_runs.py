@@ -1,5 +1,5 @@
 """``python train.py`` runs started by a benchmark: bench/ttr.py, bench/throughput.py and, several at once,
-bench/parity.py and bench/recipe.py.
+bench/parity.py and bench/recipe.py; and train.py's config, for the benchmarks that build the model themselves.
 
 ``CHILDREN`` keeps the processes so that stopping the benchmark (Ctrl-C, a time limit's SIGTERM) stops them too
 instead of leaving them running; ``run_train_py`` runs one, its output into a log; ``train_run`` runs one into its own
@@ -67,6 +67,18 @@ def run_all(run_one: Callable[..., dict], runs: list[tuple], *, parallel: int) -
         except BaseException:
             CHILDREN.stop()
             raise
+
+
+def compose_config(overrides: list[str]):
+    """configs/train.yaml composed with ``overrides`` and checked, as train.py composes it, for a benchmark that builds
+    the model or the step in its own process."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.config.registry import check_config, register_configs
+
+    register_configs()  # the typed schemas configs/*.yaml name
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return check_config(compose(config_name="train", overrides=overrides))
 
 
 def run_train_py(
