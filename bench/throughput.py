@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report
+from bench.report import RESULTS, ROOT, cell, header_lines, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
 from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
 
@@ -369,10 +369,6 @@ def how_to_read() -> str:
     )
 
 
-def percent(share: float | None) -> str:
-    return "-" if share is None else f"{share:.0%}"
-
-
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
     lines = header_lines("Throughput of the COCO recipes through train.py", header, how_to_read())
     cells = []
@@ -386,12 +382,12 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                 r["batch"],
                 f"{r['img_s']:.1f}",
                 f"{r['step_ms']:.0f}",
-                percent(r["gpu_busy"]),
-                percent(r.get("gpu_busy_nvml")),
+                cell(r["gpu_busy"], ".0%"),
+                cell(r.get("gpu_busy_nvml"), ".0%"),
                 f"{r['data_wait_share']:.1%}",
-                "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
-                "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
-                "-" if r.get("mfu") is None else f"{r['mfu']:.1%}",
+                cell(r["peak_gib"]),
+                cell(r.get("gflops_per_image"), ".0f"),
+                cell(r.get("mfu"), ".1%"),
                 f"{r['recipe_hours']:.1f}",
                 f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})",
                 f"from step {r['steady_from_step']}",
@@ -456,7 +452,7 @@ def targets(done: list[dict]) -> list[tuple[str, bool]]:
                 best["img_s"] >= TARGETS["img_s"],
             ),
             (
-                f"coco_gpu: GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
+                f"coco_gpu: GPU busy {cell(best['gpu_busy'], '.0%')} at the best batch >= {TARGETS['gpu_busy']:.0%}"
                 + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
                 (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"],
             ),
