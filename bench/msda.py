@@ -161,14 +161,24 @@ def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
 
 
 def run_variant(kind, config, value, loc, weights, grad_out):
-    """One call of a sweep candidate through the launchers."""
+    """One call of a sweep candidate through the launchers, on the classic kernels, whose configurations the sweep
+    picks (the table's kernel families can choose the grouped ones, which take other configurations and no split)."""
     if kind == "forward":
-        return launch.forward(value, LEVELS, loc, weights, config=config)
+        return launch.forward(value, LEVELS, loc, weights, config=config, kernels="classic")
     if kind == "fused":
-        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config})
+        return launch.backward(
+            grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config}, kernels="classic"
+        )
     if kind == "split":
         return launch.backward(
-            grad_out, value, LEVELS, loc, weights, scheme="split", configs={"sample_grads": config, "scatter": config}
+            grad_out,
+            value,
+            LEVELS,
+            loc,
+            weights,
+            scheme="split",
+            configs={"sample_grads": config, "scatter": config},
+            kernels="classic",
         )
     if kind == "hybrid":
         return launch.backward(
@@ -179,6 +189,7 @@ def run_variant(kind, config, value, loc, weights, grad_out):
             weights,
             scheme="hybrid",
             configs={"hybrid": config[0], "hybrid_split": config[1]},
+            kernels="classic",
         )
     keys, lanes = config
     return launch.backward(
@@ -190,6 +201,7 @@ def run_variant(kind, config, value, loc, weights, grad_out):
         scheme="gather",
         deterministic=kind == "sorted",
         configs={"keys": keys, "gather": lanes},
+        kernels="classic",
     )
 
 
