@@ -71,7 +71,7 @@ def run_all(run_one: Callable[..., dict], runs: list[tuple], *, parallel: int) -
 
 def compose_config(overrides: list[str]):
     """configs/train.yaml composed with ``overrides`` and checked, as train.py composes it, for a benchmark that builds
-    the model or the step in its own process."""
+    the model in its own process."""
     from hydra import compose, initialize_config_dir
 
     from engine.config.registry import check_config, register_configs
