@@ -43,12 +43,12 @@ def main() -> None:
     import torch
 
     args = build_parser().parse_args()
-    args.smoke = False
+    args.smoke, args.names_used = False, set()  # what throughput.py's run_row reads beside these options
     gpus = args.gpus or torch.cuda.device_count()
     if gpus < 2:
         sys.exit(f"bench/ddp.py needs at least 2 GPUs; {torch.cuda.device_count()} visible")
     write_coco_like(args.work / "coco", train=args.batch * (args.steps + 8), val=args.val_images)
-    one, many = (run_row(args, args.batch, args.steps, gpus=n) for n in (1, gpus))
+    one, many = (run_row(args, "coco_gpu", args.batch, args.steps, gpus=n) for n in (1, gpus))
     header = run_header(gpus=gpus)
     lines = header_lines(
         f"Total batch {args.batch} on 1 and {gpus} GPUs",

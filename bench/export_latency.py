@@ -43,13 +43,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench.train_runs import compose_config  # noqa: E402
 from datasets.json_file import write_json  # noqa: E402
 from engine.checkpoint.trained_model import load_trained_model  # noqa: E402
 from engine.compile.plan import CompilePlan, compile_model  # noqa: E402
-from engine.config.registry import register_configs  # noqa: E402
 from engine.export.aoti import QUICK_COMPILE, AotiRunner, inductor_cxx, write_aoti  # noqa: E402
 from engine.export.exportable import ExportableDetector, SampleShape, trace  # noqa: E402
 from engine.export.samples import random_batch  # noqa: E402
@@ -118,12 +116,7 @@ def parse_args(argv=None):
 def build_detector_model(args, device: torch.device) -> torch.nn.Module:
     """The model to time, in eval mode on ``device``, in --dtype, with the Triton attention on CUDA."""
     msda = "triton" if device.type == "cuda" else "pytorch"
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(
-            config_name="train",
-            overrides=[*(QUICK_MODEL if args.quick else FULL_MODEL), "model.pretrained=none", f"model.msda={msda}"],
-        )
+    cfg = compose_config([*(QUICK_MODEL if args.quick else FULL_MODEL), "model.pretrained=none", f"model.msda={msda}"])
     if args.checkpoint is not None:
         model = load_trained_model(args.checkpoint, cfg.model, device=device, msda=msda).model
     else:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One batch of GPU work in one call on a lent GPU machine: checks, then benchmarks, their logs and reports under $OUT.
 #
-#   OUT=/tmp/out bash bench/h200_run.sh tests:1 msda:0 e2e:0      # step:GPU; steps on different GPUs run at once
+#   OUT=/tmp/out bash bench/h200_run.sh tests:1 msda:0 matching:0 # step:GPU; steps on different GPUs run at once
 #
 # Steps (bench/README.md says what each benchmark answers): tests (the whole pytest suite on that GPU), msda
-# (bench/msda.py, its launch table written into this copy's msda/launch_table.py for the later steps), msda-variants
-# (bench/msda_variants.py), matching, e2e, ttr, parity, export-latency, throughput (bench/<name>.py), ddp
-# (bench/ddp.py), nccl-tests (rank parity on 2 GPUs). throughput, ddp and nccl-tests see every GPU: give them a call,
-# or a place in the queue, of their own. Extra arguments for a step come from the environment: MSDA_ARGS,
-# VARIANTS_ARGS, MATCHING_ARGS, E2E_ARGS, TTR_ARGS, PARITY_ARGS, EXPORT_ARGS, THROUGHPUT_ARGS, DDP_ARGS, TEST_ARGS.
+# (bench/msda.py, its launch table written into this copy's msda/launch_table.py for the later steps), matching, ttr,
+# parity, export-latency, throughput (bench/<name>.py), ddp (bench/ddp.py), nccl-tests (rank parity on 2 GPUs).
+# throughput, ddp and nccl-tests see every GPU: give them a call, or a place in the queue, of their own. Extra
+# arguments for a step come from the environment: MSDA_ARGS, MATCHING_ARGS, TTR_ARGS, PARITY_ARGS, EXPORT_ARGS,
+# THROUGHPUT_ARGS, DDP_ARGS, TEST_ARGS.
 # Python packages the machine lacks (hydra-core, omegaconf, antlr4, pycocotools, faster-coco-eval) are installed
 # from .whl/ when that folder holds their wheels.
 set -uo pipefail
@@ -42,10 +42,7 @@ run_step() {  # name gpu
              -n "${TEST_WORKERS:-4}" tests --durations=15 ${TEST_ARGS:-} ;;
     # The measured launch table goes into this copy's msda/launch_table.py, so that later steps run with it.
     msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --apply-table ${MSDA_ARGS:-} ;;
-    # The kernel variants against today's kernels; exits 1 when a check against the reference fails.
-    msda-variants) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda_variants.py --out "$OUT" ${VARIANTS_ARGS:-} ;;
     matching) CUDA_VISIBLE_DEVICES=$gpu python3 bench/matching.py --out "$OUT" ${MATCHING_ARGS:-} ;;
-    e2e) CUDA_VISIBLE_DEVICES=$gpu python3 bench/e2e.py --out "$OUT" ${E2E_ARGS:-} ;;
     ttr) CUDA_VISIBLE_DEVICES=$gpu python3 bench/ttr.py --out "$OUT" --work /tmp/bench_ttr ${TTR_ARGS:-} ;;
     parity) CUDA_VISIBLE_DEVICES=$gpu python3 bench/parity.py --out "$OUT" --work /tmp/bench_parity ${PARITY_ARGS:-} ;;
     export-latency) CUDA_VISIBLE_DEVICES=$gpu python3 bench/export_latency.py --out "$OUT" ${EXPORT_ARGS:-} ;;

@@ -161,14 +161,24 @@ def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
 
 
 def run_variant(kind, config, value, loc, weights, grad_out):
-    """One call of a sweep candidate through the launchers."""
+    """One call of a sweep candidate through the launchers, on the classic kernels, whose configurations the sweep
+    picks (the table's kernel families can choose the grouped ones, which take other configurations and no split)."""
     if kind == "forward":
-        return launch.forward(value, LEVELS, loc, weights, config=config)
+        return launch.forward(value, LEVELS, loc, weights, config=config, kernels="classic")
     if kind == "fused":
-        return launch.backward(grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config})
+        return launch.backward(
+            grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config}, kernels="classic"
+        )
     if kind == "split":
         return launch.backward(
-            grad_out, value, LEVELS, loc, weights, scheme="split", configs={"sample_grads": config, "scatter": config}
+            grad_out,
+            value,
+            LEVELS,
+            loc,
+            weights,
+            scheme="split",
+            configs={"sample_grads": config, "scatter": config},
+            kernels="classic",
         )
     if kind == "hybrid":
         return launch.backward(
@@ -179,6 +189,7 @@ def run_variant(kind, config, value, loc, weights, grad_out):
             weights,
             scheme="hybrid",
             configs={"hybrid": config[0], "hybrid_split": config[1]},
+            kernels="classic",
         )
     keys, lanes = config
     return launch.backward(
@@ -190,6 +201,7 @@ def run_variant(kind, config, value, loc, weights, grad_out):
         scheme="gather",
         deterministic=kind == "sorted",
         configs={"keys": keys, "gather": lanes},
+        kernels="classic",
     )
 
 
@@ -623,7 +635,7 @@ def main():
             table_note="The launch table is this run's sweep's (the json's table).",
         )
         print(f"sweep done at {time.perf_counter() - start:.0f} s; table:\n{table_source(table, header)}", flush=True)
-        if args.apply_table:  # entries of kinds this script does not sweep (bench/msda_variants.py's) stay
+        if args.apply_table:  # entries of kinds it does not sweep (kernel families, grouped kernels, cells) stay
             kept = {key: value for key, value in launch.TUNED.items() if key[0] not in SWEPT_KINDS}
             apply_table(table_source({**kept, **table}, header))
     else:

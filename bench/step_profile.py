@@ -1,170 +1,12 @@
-"""What a training step does on the GPU, from torch.profiler: kernel time, launches, host syncs, and where it idles.
-
-Shared by bench/e2e.py, bench/ddp.py and bench/throughput.py. train.py's profile_steps (engine/train/hooks/profiling.py)
-gives a run's busy share and trace; the analysis of where the GPU idles is here.
+"""Where a training step's GPU time goes, from the torch.profiler trace of train.py's profile_steps
+(engine/train/hooks/profiling.py, which gives the busy share): bench/throughput.py's GPU time by part.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-import statistics
-import time
-import warnings
 
-import torch
-
-from engine.train.hooks.profiling import device_activity, is_device_work
-
-# The prefix of the training step's phases as engine.train and models.criterion name them for the profiler.
-STEP_PHASES = "step."
-
-
-def device_us(event) -> float:
-    """A profiler event's own device time in microseconds (the attribute was renamed from *cuda* to *device*)."""
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(event, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
-
-
-def step_phases(events) -> list[tuple[str, float, float]]:
-    """(name, start, end) of the host's ranges named for the step's phases."""
-    return [
-        (e.name, e.time_range.start, e.time_range.end)
-        for e in events
-        if e.name.startswith(STEP_PHASES) and not str(e.device_type).endswith("CUDA")
-    ]
-
-
-def idle_by_phase(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> dict[str, float]:
-    """Time the GPU idles while the host runs each phase: {phase name: microseconds}, summed over steps.
-
-    busy    (start, end) of every GPU activity (kernels, copies, memsets), overlapping or not
-    phases  (name, start, end) of the host's named ranges, possibly nested; an idle moment is charged to
-            the innermost range around it (the latest-starting one), and idle time outside every range is
-            not counted (before the first step, after the last)
-    """
-    idle: dict[str, float] = {}
-    gaps = iter(_gaps(busy, phases))
-    gap = next(gaps, None)
-    for name, a, b in _innermost_pieces(phases):
-        while gap is not None and gap[1] <= a:
-            gap = next(gaps, None)
-        # Every gap that overlaps this piece: the pieces and the gaps are both sorted and disjoint.
-        while gap is not None and gap[0] < b:
-            overlap = min(b, gap[1]) - max(a, gap[0])
-            if overlap > 0:
-                idle[name] = idle.get(name, 0.0) + overlap
-            if gap[1] > b:
-                break  # the gap goes on into the next piece
-            gap = next(gaps, None)
-    return idle
-
-
-def _gaps(busy: list[tuple[float, float]], phases: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
-    """The disjoint intervals, sorted, between the phases' first start and last end in which no activity runs."""
-    if not phases:
-        return []
-    window_start, window_end = min(p[1] for p in phases), max(p[2] for p in phases)
-    gaps, cursor = [], window_start
-    for start, end in sorted(busy):
-        if start > cursor:
-            gaps.append((cursor, min(start, window_end)))
-        cursor = max(cursor, end)
-        if cursor >= window_end:
-            break
-    if cursor < window_end:
-        gaps.append((cursor, window_end))
-    return [(a, b) for a, b in gaps if b > a]
-
-
-def _innermost_pieces(phases: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
-    """The timeline cut at every phase's start and end, each piece with the innermost phase around it (the
-    latest-starting; of ranges that start together, the shorter): (name, start, end), sorted, disjoint; pieces
-    outside every phase are left out. One sweep: a profile holds thousands of ranges and kernels."""
-    ordered = sorted(phases, key=lambda p: (p[1], -p[2]))
-    bounds = sorted({t for _, a, b in phases for t in (a, b)})
-    pieces, open_phases, following = [], [], 0  # open_phases: a heap of (-rank, end, name) of started phases
-    for a, b in itertools.pairwise(bounds):
-        while following < len(ordered) and ordered[following][1] <= a:
-            name, _, end = ordered[following]
-            heapq.heappush(open_phases, (-following, end, name))
-            following += 1
-        while open_phases and open_phases[0][1] <= a:
-            heapq.heappop(open_phases)  # the innermost has ended; an outer one may go on
-        if open_phases:
-            pieces.append((open_phases[0][2], a, b))
-    return pieces
-
-
-def profile_steps(run_step, sync, attention_names: tuple[str, ...], *, cuda: bool, steps: int = 3) -> dict:
-    """Per step: GPU kernel time and launches, the attention kernels' share of the kernel time, the time of NCCL's
-    kernels (a collective's kernel also counts the time it waits for the other ranks), and the time the GPU idles,
-    charged to the step's phases (idle_by_phase)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(steps):
-            run_step()
-        sync()
-    kernel_us = attention_us = nccl_us = 0.0
-    launches = 0
-    for event in prof.key_averages():
-        if "LaunchKernel" in event.key:
-            launches += event.count
-        if not is_device_work(event):
-            continue
-        us = device_us(event)
-        kernel_us += us
-        attention_us += us if any(name in event.key for name in attention_names) else 0.0
-        nccl_us += us if "nccl" in event.key.lower() else 0.0
-    events = prof.events()
-    idle = idle_by_phase(device_activity(events), step_phases(events)) if cuda else {}
-    return {
-        "gpu_kernel_ms": kernel_us / steps / 1e3,
-        "launches": launches / steps,
-        "attention_share": attention_us / max(kernel_us, 1e-9),
-        "nccl_kernel_ms": nccl_us / steps / 1e3,
-        **(
-            {
-                "gpu_idle_ms": sum(idle.values()) / steps / 1e3,
-                "gpu_idle_by_phase_ms": {k: v / steps / 1e3 for k, v in sorted(idle.items())},
-            }
-            if idle
-            else {}
-        ),
-    }
-
-
-def count_syncs(run_step) -> int:
-    """Host syncs during one step: each synchronizing CUDA call warns once under sync debug mode "warn"."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run_step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchronizing" in str(w.message) for w in caught)
-
-
-def back_to_back_ms(run_step, sync, *, steps: int, blocks: int = 3) -> float:
-    """Wall time per step of ``steps`` steps with no sync between them, as train.py runs them: the host queues a
-    step while the GPU still runs the one before. The median of ``blocks`` such runs: one block of a dozen steps
-    moves by tens of percent with a single slow step."""
-    per_block = []
-    for _ in range(blocks):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            run_step()
-        sync()
-        per_block.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(per_block)
-
+from engine.train.hooks.profiling import busy_time
 
 # The parts of a training step that gpu_time_by_part charges the GPU's time to, in the report's order.
 PARTS = (
@@ -339,9 +181,5 @@ def _unit_kind(unit: list[dict], split: dict[str, float]) -> str:
 
 
 def _union_us(events: list[dict]) -> float:
-    covered, cursor = 0.0, -math.inf
-    for start, end in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
-        if end > cursor:
-            covered += end - max(start, cursor)
-            cursor = end
-    return covered
+    """The time in which at least one of the trace's ``events`` ran."""
+    return busy_time([(e["ts"], e["ts"] + e["dur"]) for e in events], -math.inf, math.inf)

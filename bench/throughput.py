@@ -46,8 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import RESULTS, ROOT, header_lines, run_header, table, write_report
+from bench.report import RESULTS, ROOT, cell, header_lines, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
+from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
 
 COCO_TRAIN_IMAGES = 118_287
 RECIPE_EPOCHS = 50
@@ -247,14 +248,6 @@ def row_overrides(args, recipe: str, batch: int, run: Path, steps: int) -> list[
     ]
 
 
-def _environment_without_cache_choice() -> dict:
-    """This environment, less the variables that would move a row's compile caches out of compile.cache_dir
-    (bench/h200_run.sh sets one): the cache that the rows share, and the first row finds empty, is the bench's."""
-    from engine.compile.cache import CACHE_VARIABLES
-
-    return {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
-
-
 def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
     """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one)."""
     base = f"{recipe}_batch{batch}" + (f"_gpus{gpus}" if gpus > 1 else "")
@@ -262,31 +255,18 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
     args.names_used.add(name)
     run = args.work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    launcher = [sys.executable] + (
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
-    )
-    command = [*launcher, str(ROOT / "train.py"), *row_overrides(args, recipe, batch, run, steps)]
-    print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {' '.join(command[1:])}", flush=True)
+    overrides = row_overrides(args, recipe, batch, run, steps)
+    print(f"== {recipe} at batch {batch} on {gpus} GPU(s): train.py {' '.join(overrides)}", flush=True)
     log = args.work / f"{name}.log"
-    with BusySampler() as busy, open(log, "w") as out:
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_environment_without_cache_choice(),
+    with BusySampler() as busy:
+        returncode = run_train_py(
+            overrides, log=log, env=environment_without_cache_choice(), gpus=gpus, timeout=args.row_timeout
         )
-        try:
-            returncode = proc.wait(timeout=args.row_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the run and its loader workers
-            proc.wait()
-            returncode = f"stopped after --row-timeout {args.row_timeout:g} s"
     output = log.read_text()
     if returncode != 0:
         print(output[-4000:])
-        return {"recipe": recipe, "batch": batch, "error": f"train.py: exit {returncode}"}
+        stopped = f"stopped after --row-timeout {args.row_timeout:g} s" if returncode is None else returncode
+        return {"recipe": recipe, "batch": batch, "error": f"train.py: exit {stopped}"}
     timing = json.loads((run / "timing.json").read_text())
     steady = timing["steady"]
     if steady is None:
@@ -349,17 +329,13 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
     """(FLOPs of one image's forward and backward at zero pixels, FLOPs per padded pixel), fitted through two
     sizes; None on the CPU."""
     import torch
-    from hydra import compose, initialize_config_dir
     from torch.utils.flop_counter import FlopCounterMode
 
-    from engine.config.registry import register_configs
     from models import build_model
 
     if not torch.cuda.is_available():
         return None
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=row_overrides(args, "coco_gpu", 2, args.work / "flops", steps=1))
+    cfg = compose_config(row_overrides(args, "coco_gpu", 2, args.work / "flops", steps=1))
     model, criterion, _ = build_model(cfg.model)
     model.cuda().train()
     criterion.cuda()
@@ -393,10 +369,6 @@ def how_to_read() -> str:
     )
 
 
-def percent(share: float | None) -> str:
-    return "-" if share is None else f"{share:.0%}"
-
-
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
     lines = header_lines("Throughput of the COCO recipes through train.py", header, how_to_read())
     cells = []
@@ -410,12 +382,12 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                 r["batch"],
                 f"{r['img_s']:.1f}",
                 f"{r['step_ms']:.0f}",
-                percent(r["gpu_busy"]),
-                percent(r.get("gpu_busy_nvml")),
+                cell(r["gpu_busy"], ".0%"),
+                cell(r.get("gpu_busy_nvml"), ".0%"),
                 f"{r['data_wait_share']:.1%}",
-                "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
-                "-" if r.get("gflops_per_image") is None else f"{r['gflops_per_image']:.0f}",
-                "-" if r.get("mfu") is None else f"{r['mfu']:.1%}",
+                cell(r["peak_gib"]),
+                cell(r.get("gflops_per_image"), ".0f"),
+                cell(r.get("mfu"), ".1%"),
                 f"{r['recipe_hours']:.1f}",
                 f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})",
                 f"from step {r['steady_from_step']}",
@@ -480,7 +452,7 @@ def targets(done: list[dict]) -> list[tuple[str, bool]]:
                 best["img_s"] >= TARGETS["img_s"],
             ),
             (
-                f"coco_gpu: GPU busy {percent(best['gpu_busy'])} at the best batch >= {TARGETS['gpu_busy']:.0%}"
+                f"coco_gpu: GPU busy {cell(best['gpu_busy'], '.0%')} at the best batch >= {TARGETS['gpu_busy']:.0%}"
                 + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
                 (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"],
             ),

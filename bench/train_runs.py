@@ -1,8 +1,9 @@
-"""``python train.py`` runs started by a benchmark, several at once: bench/parity.py and bench/recipe.py.
+"""``python train.py`` runs started by a benchmark: bench/ttr.py, bench/throughput.py and, several at once,
+bench/parity.py and bench/recipe.py; and train.py's config, for the benchmarks that build the model themselves.
 
 ``CHILDREN`` keeps the processes so that stopping the benchmark (Ctrl-C, a time limit's SIGTERM) stops them too
-instead of leaving them running; ``train_run`` runs one into its own directory, its output into a log beside it, and
-reads back its evaluations and TensorBoard curves.
+instead of leaving them running; ``run_train_py`` runs one, its output into a log; ``train_run`` runs one into its own
+directory, its log beside it, and reads back its evaluations and TensorBoard curves.
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ class Children:
         self._running: list[subprocess.Popen] = []
         self.stopping = False
 
-    def run(self, cmd: list[str], **kwargs) -> int:
+    def run(self, cmd: list[str], *, timeout: float | None = None, **kwargs) -> int | None:
+        """``cmd`` to its end: its exit status, or None when it ran past ``timeout`` seconds and was killed with the
+        processes it started (its session: a run's loader workers)."""
         with self._lock:
             if self.stopping:
                 return -int(signal.SIGTERM)
-            proc = subprocess.Popen(cmd, **kwargs)
+            proc = subprocess.Popen(cmd, start_new_session=timeout is not None, **kwargs)
             self._running.append(proc)
-        return proc.wait()
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
 
     def stop(self) -> None:
         """SIGTERM to every run still going: train.py saves its step and exits (143)."""
@@ -61,6 +69,43 @@ def run_all(run_one: Callable[..., dict], runs: list[tuple], *, parallel: int) -
             raise
 
 
+def compose_config(overrides: list[str]):
+    """configs/train.yaml composed with ``overrides`` and checked, as train.py composes it, for a benchmark that builds
+    the model in its own process."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.config.registry import check_config, register_configs
+
+    register_configs()  # the typed schemas configs/*.yaml name
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return check_config(compose(config_name="train", overrides=overrides))
+
+
+def run_train_py(
+    overrides: list[str], *, log: Path, env: dict | None = None, gpus: int = 1, timeout: float | None = None
+) -> int | None:
+    """``python train.py OVERRIDES`` of this checkout (under torchrun on more than one GPU), its output into ``log``:
+    its exit status, or None when it ran past ``timeout`` seconds and was stopped."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
+    with open(log, "w") as out:
+        return CHILDREN.run(
+            [sys.executable, *launcher, str(ROOT / "train.py"), *overrides],
+            timeout=timeout,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def environment_without_cache_choice() -> dict:
+    """This environment, less the variables that would move a run's compile caches out of its compile.cache_dir
+    (bench/h200_run.sh sets one): for the benchmarks that time compilation into a cache of their own."""
+    from engine.compile.cache import CACHE_VARIABLES
+
+    return {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+
+
 def train_run(overrides: list[str], *, run_dir: Path, parallel: int) -> dict:
     """One `python train.py OVERRIDES output_dir=RUN_DIR`, its output in RUN_DIR.log: {"command", "wall_s",
     "evaluations" (each eval_epochNNNN.json, in order), "loss", "ap_curve"}, or with "failed" saying why.
@@ -72,14 +117,7 @@ def train_run(overrides: list[str], *, run_dir: Path, parallel: int) -> dict:
     row = {"command": "python train.py " + " ".join(overrides)}
     started = time.perf_counter()
     log = run_dir.with_name(run_dir.name + ".log")
-    with open(log, "w") as out:
-        returncode = CHILDREN.run(
-            [sys.executable, str(ROOT / "train.py"), *overrides],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    returncode = run_train_py(overrides, log=log, env=env)
     row["wall_s"] = time.perf_counter() - started
     evaluations = sorted(run_dir.glob("eval_epoch*.json"))
     if returncode != 0 or not evaluations:

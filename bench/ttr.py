@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench.train_runs import environment_without_cache_choice, run_train_py  # noqa: E402
 
 NAME = "ttr_h200"
 MODES = {
@@ -93,20 +94,12 @@ def run_row(args, data: Path, mode: str, cache: str) -> dict:
         f"output_dir={run_dir}",
         *MODES[mode],
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     log = work / f"{mode}_{cache}.log"
     started = time.time()
-    with open(log, "w") as out:
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *overrides],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    returncode = run_train_py(overrides, log=log, env=environment_without_cache_choice())
     ended = time.time()
-    if proc.returncode != 0:
-        raise RuntimeError(f"train.py failed (exit {proc.returncode}); see {log}")
+    if returncode != 0:
+        raise RuntimeError(f"train.py failed (exit {returncode}); see {log}")
     (eval_json,) = run_dir.glob("eval_epoch*.json")
     timing = json.loads((run_dir / "timing.json").read_text())
     evaluation = json.loads(eval_json.read_text())

@@ -182,7 +182,7 @@ def test_the_extraction_reads_continuations_comments_environment_and_torchrun():
             "    max_steps=3",
             "torchrun --nproc_per_node=8 train.py [overrides] epochs=1",
             "pip install -r requirements.txt && python train.py --cfg job seed=1",
-            "python bench/e2e.py --quick",
+            "python bench/parity.py --quick",
             "python -m pytest -q tests",
             "```",
         ]
@@ -192,7 +192,7 @@ def test_the_extraction_reads_continuations_comments_environment_and_torchrun():
         (4, "train.py", ["dataset=custom", "epochs=2", "max_steps=3"]),
         (7, "train.py", ["[overrides]", "epochs=1"]),
         (8, "train.py", ["--cfg", "job", "seed=1"]),
-        (9, "bench/e2e.py", ["--quick"]),
+        (9, "bench/parity.py", ["--quick"]),
     ]
     assert overrides_of(["--cfg", "job", "...", "seed=1"]) == ["seed=1"]
     assert problems(text, "x.md") == []
@@ -206,7 +206,7 @@ def test_a_bad_key_and_an_unknown_bench_flag_fail_naming_their_line(document):
         "",
         "```bash",
         "python train.py optim.lrr=1e-4",
-        "python bench/e2e.py --no-such-flag",
+        "python bench/parity.py --no-such-flag",
         "python predict.py checkpoint=PATH images=photos/ score_threshold=2",
         "```",
     ]
@@ -216,7 +216,7 @@ def test_a_bad_key_and_an_unknown_bench_flag_fail_naming_their_line(document):
     assert found[0].startswith(f"{document}:{first}: `python train.py optim.lrr=1e-4`: ")
     assert "optim.lrr" in found[0].split("`: ")[1]
     assert (
-        found[1] == f"{document}:{first + 1}: `python bench/e2e.py --no-such-flag`: unrecognized arguments: "
+        found[1] == f"{document}:{first + 1}: `python bench/parity.py --no-such-flag`: unrecognized arguments: "
         "--no-such-flag"
     )
     assert found[2].startswith(f"{document}:{first + 2}: ") and "score_threshold must" in found[2].split("`: ")[1]
