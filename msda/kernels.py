@@ -4,8 +4,8 @@ Query kernels (forward, backward) run on a 2D grid (cdiv(Lq, BLOCK_Q), N*M): one
 consecutive queries of one (batch n, head m) pair and walks their L*P samples BLOCK_P at a time, so a step
 works on (BLOCK_Q, BLOCK_P, BLOCK_D) tiles. BLOCK_P = 1 takes one sample per step; BLOCK_P = L*P loads
 every location and weight of a query in one contiguous row and gathers all corners at once. The forward walks
-its steps in a loop unrolled UNROLL times, not fully: Triton's compile time grows much faster than the code
-(bench/results/msda_compile.md), and a run with an empty cache waits for it in its first step.
+its steps in a loop unrolled UNROLL times, not fully: Triton's compile time grows much faster than the code, and a
+run with an empty cache waits for it in its first step.
 
 grad_value has two mechanisms, which the backward kernel can mix by level (gather_level). Scatter: every
 corner's contribution is added with fp32 atomics. Gather: the sample is filed under the cell of its top-left

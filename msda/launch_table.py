@@ -50,7 +50,8 @@ _CHOICES = (
 # grouped_config's shapes.
 # ----------------------------------------------------------------------------------------------------
 # Measured on NVIDIA H200, 2026-12-02 and NVIDIA H100 80GB HBM3, 2026-12-06, torch 2.11.0+cu130, triton 3.6.0:
-# python bench/msda.py --jobs 14 (H200); merged: python bench/msda_variants.py --apply-table (H100)
+# python bench/msda.py --jobs 14 (H200); the grouped and cells picks from a variants sweep since retired (H100, in
+# git history: bench/msda_variants.py)
 TUNED: dict = {
     ("backward_kernels", 32, 4, 4, 4, False): "grouped",
     ("cells", 32, 2, True): (64, 4, 4),

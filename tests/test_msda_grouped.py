@@ -215,8 +215,8 @@ def test_deterministic_cells_are_bitwise_repeatable_and_agree_with_atomics(gen, 
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", MSDA_DEVICES)
 def test_table_picks_the_family_and_the_deterministic_scheme(gen, device, monkeypatch):
-    """The table's kernel-family and deterministic-scheme entries reach the next call (as bench/msda_variants.py
-    and a pasted table set them)."""
+    """The table's kernel-family and deterministic-scheme entries reach the next call (as a pasted table sets
+    them)."""
     levels, value, loc, weights, grad_out = kernel_inputs(gen, device=device)
     monkeypatch.setattr(launch_table, "TUNED", dict(launch_table.TUNED))
     calls = []

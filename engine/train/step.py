@@ -65,7 +65,7 @@ class OptimizerStep:
         self._weights: torch.Tensor | None = None
 
     def __call__(self, images: torch.Tensor, masks: torch.Tensor, targets: list[dict]) -> torch.Tensor:
-        # The phases are named for torch.profiler (bench/e2e.py attributes the GPU's idle time to them). The box
+        # The phases are named for torch.profiler: profile_steps' trace shows where the host's time goes. The box
         # count, started before the forward, is the whole step's: the passes' losses add up to the batch's.
         with record_function("step.losses"):
             num_boxes = self.average_num_boxes(float(sum(len(t["labels"]) for t in targets)))
