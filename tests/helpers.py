@@ -1,6 +1,7 @@
-"""What several test modules share: tiny model configs and batches, random outputs and targets for the criterion,
-the optimizer step on a tiny model, the msda operator's random inputs, the tiny training run's overrides, and a
-few process helpers. Test modules import from here, never from one another."""
+"""What the test modules share: the repository's root, the one tiny model and its batches, random outputs and targets
+for the criterion, the optimizer step on the tiny model, the msda operator's random inputs, the tiny training run's
+overrides, a trained model's checkpoint, process helpers and a run's state for calling hooks. Test modules import
+from here, never from one another."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_YAML = ROOT / "configs" / "model" / "deformable_detr.yaml"
 
 # -- the model -------------------------------------------------------------------------------------------------------
 
@@ -24,42 +24,41 @@ VARIANTS = {
     "box_refine": {"with_box_refine": True},
     "two_stage": {"with_box_refine": True, "two_stage": True},
 }
-# hidden_dim 64, 2 heads, 1 encoder and 2 decoder layers, 8 queries, ResNet-50 without pretrained weights.
-TINY = dict(
-    hidden_dim=64,
+# The tests' one tiny model: the paper's architecture with a ResNet-18, narrow, one encoder and two decoder layers,
+# ten queries on three feature levels, no dropout, no pretrained weights, the attention through the PyTorch
+# reference. Direct builds (tiny_cfg), the tiny training run (tiny_overrides) and the trained checkpoint
+# (write_checkpoint) all use it.
+TINY_MODEL = dict(
+    backbone="resnet18",
+    pretrained="none",
+    hidden_dim=32,
     nheads=2,
     enc_layers=1,
     dec_layers=2,
     dim_feedforward=64,
-    num_queries=8,
-    num_classes=5,
-    pretrained="none",
-    msda="pytorch",
     dropout=0.0,
+    num_feature_levels=3,
+    num_queries=10,
+    msda="pytorch",
 )
-# compile traces every layer: keep it short
-SMALL = dict(backbone="resnet18", enc_layers=1, dec_layers=2)
+TINY_CLASSES = 5  # a direct build's classes (the run's come from its data)
 
 
 def model_cfg(**overrides):
     """The shipped model config with ``overrides`` (pretrained weights off)."""
-    cfg = OmegaConf.load(MODEL_YAML)
+    cfg = OmegaConf.load(ROOT / "configs" / "model" / "deformable_detr.yaml")
     cfg.pretrained = "none"
     return OmegaConf.merge(cfg, overrides)
 
 
 def tiny_cfg(variant="base", **overrides):
-    return model_cfg(**{**TINY, **VARIANTS[variant], **overrides})
+    """The tiny model's config, of ``variant`` (VARIANTS), with ``overrides``."""
+    return model_cfg(**{**TINY_MODEL, "num_classes": TINY_CLASSES, **VARIANTS[variant], **overrides})
 
 
-def tiny_model_config():
-    """configs/ composed with model=tiny (the synthetic recipe's model), attention through the reference."""
-    from engine.config.registry import register_configs
-
-    register_configs()  # spawned ranks import this module afresh, without conftest's registration
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["model=tiny", "model.msda=pytorch"])
-    return cfg.model
+def tiny_model_overrides() -> list[str]:
+    """The tiny model as command-line overrides."""
+    return [f"model.{key}={value}" for key, value in TINY_MODEL.items()]
 
 
 def image_batch(B=2, H=64, W=64, pad_w=0, pixels=False):
@@ -181,13 +180,13 @@ def optim_cfg():
 
 
 def make_step(variant="base", msda="pytorch", device="cpu", **overrides):
-    """An OptimizerStep of the tiny SMALL model of ``variant`` on ``device``, fp32."""
+    """An OptimizerStep of the tiny model of ``variant`` on ``device``, fp32."""
     from engine.runtime.precision import Precision
     from engine.train.optim import build_optimizer
     from engine.train.step import OptimizerStep
     from models import build_model
 
-    model, criterion, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL, **overrides))
+    model, criterion, _ = build_model(tiny_cfg(variant, msda=msda, **overrides))
     model.to(device)
     criterion.to(device)
     optimizer = build_optimizer(model, optim_cfg())
@@ -321,14 +320,7 @@ def tiny_overrides(data_root: Path) -> list[str]:
         "dataset.train_scales=[64]",
         "dataset.max_size=80",
         "dataset.val_size=64",
-        "model.hidden_dim=32",
-        "model.nheads=2",
-        "model.enc_layers=1",
-        "model.dec_layers=2",
-        "model.dim_feedforward=64",
-        "model.num_queries=10",
-        "model.num_feature_levels=3",
-        "model.msda=pytorch",
+        *tiny_model_overrides(),
         "epochs=2",
         "batch_size=4",
         "num_workers=0",
@@ -346,7 +338,62 @@ def compose_train(*overrides: str):
         return compose(config_name="train", overrides=list(overrides))
 
 
+# -- a trained model's checkpoint ------------------------------------------------------------------------------------
+# What the tests of predict.py and export.py run: a checkpoint as train.py writes one, of the tiny model with
+# non-trivial weights, made without training.
+
+CATEGORIES = {1: "circle", 2: "square", 3: "triangle"}
+TRAINED_MODEL = [
+    "model=tiny",
+    *tiny_model_overrides(),
+    "model.num_classes=4",
+    "dataset.val_size=96",
+    "dataset.max_size=128",
+]
+
+
+def write_checkpoint(path: Path, *, seed: int = 0, extra: tuple[str, ...] = ()) -> Path:
+    """A tiny model's checkpoint at ``path``: its config, CATEGORIES and weights drawn from ``seed`` with
+    sampling offsets and class biases spread as in a trained model, so that detections vary between images."""
+    from engine.config.registry import plain_config
+    from models import build_model
+    from models.deformable_attention import MSDeformAttn
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*TRAINED_MODEL, *extra])
+    torch.manual_seed(seed)
+    model, _, _ = build_model(cfg.model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MSDeformAttn):
+                module.sampling_offsets.weight.normal_(0, 0.05)
+                module.attention_weights.weight.normal_(0, 0.05)
+        for head in model.class_embed:
+            head.bias.normal_(0, 1.0)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "config": plain_config(cfg),
+            "categories": dict(CATEGORIES),
+            "epoch": 1,
+            "step": 10,
+        },
+        path,
+    )
+    return path
+
+
 # -- processes -------------------------------------------------------------------------------------------------------
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment, with the repository root first on PYTHONPATH and ``extra`` added.
+
+    The caller's PYTHONPATH stays behind the root: packages may be installed there (as on a machine that
+    adds them with pip --target), and a child that lost it could not import them.
+    """
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **extra, "PYTHONPATH": pythonpath}
 
 
 def child_pids(parent: int | None = None, *, expect_some: bool = True) -> list[int]:
@@ -443,12 +490,14 @@ def compose_run(data_root: Path, output_dir: Path, *extra: str):
 
 
 def training_fingerprint(variant: str, **overrides) -> dict:
-    """What one training forward, its losses and its backward compute for the tiny SMALL model of ``variant`` on the
+    """What one training forward, its losses and its backward compute for the tiny model of ``variant`` on the
     CPU, fp32, one thread, from fixed seeds: per part ("outputs", "losses", "gradients") a sha256 of every tensor's
     bytes (in a fixed order) and fp64 sums to compare by where the bytes cannot be (another torch or CPU).
 
-    tests/data/training_fingerprints.json holds what the code computed before hybrid matching existed
-    (tests/test_hybrid_matching.py compares with it)."""
+    tests/data/training_fingerprints.json holds what the code computed before the one-to-many options existed
+    (tests/test_hybrid_matching.py compares with it): made before hybrid matching, and made again for the one tiny
+    model from the same computation (the code of then and of the commit that remade it give the same figures here,
+    and the first reference's within rounding, its machine's bits not being this CPU's)."""
     import hashlib
 
     from torch.utils._pytree import keystr, tree_flatten_with_path
@@ -459,7 +508,7 @@ def training_fingerprint(variant: str, **overrides) -> dict:
     torch.set_num_threads(1)  # a reduction split over threads rounds differently
     try:
         torch.manual_seed(0)
-        model, criterion, _ = build_model(tiny_cfg(variant, **SMALL, **overrides))
+        model, criterion, _ = build_model(tiny_cfg(variant, **overrides))
         gen = torch.Generator().manual_seed(1)
         images = torch.randn(2, 3, 64, 64, generator=gen)
         mask = torch.zeros(2, 64, 64, dtype=torch.bool)

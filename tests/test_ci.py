@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 # A python that records how it was called (its own path, then its arguments) and, asked for a virtual environment,
 # makes one whose python is this same recorder. $FAIL, when set, is a command it fails, as ruff fails on a violation.

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import SMALL, assert_same_detections, image_batch, make_step, output_loss, rand_targets, tiny_cfg
+from helpers import assert_same_detections, image_batch, make_step, output_loss, rand_targets, tiny_cfg
 from omegaconf import OmegaConf
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._dynamo.utils import counters
@@ -144,7 +144,7 @@ def test_settings_that_cannot_work_are_refused_naming_the_keys(keys, device, mes
 
 
 def test_compile_model_refuses_an_unknown_mode_and_a_mode_without_inductor():
-    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch"))
     with pytest.raises(ValueError, match="compile mode must be one of"):
         compile_model(model, plan("aot_eager", mode="max-speed"))
     with pytest.raises(ValueError, match="needs the inductor backend"):
@@ -166,7 +166,7 @@ REGION_GRAPHS = {"layers": (3, 4), "transformer": (2, 2)}
 def test_compiled_regions_match_eager_and_serve_new_sizes_without_recompiling(seeded, regions):
     """The graphs serve every image size. The first is square: its levels' equal heights and widths must not
     become one symbol, or the next size recompiles."""
-    eager, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    eager, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch"))
     compiled = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
     compile_model(compiled, plan(counter, regions=regions))
@@ -190,7 +190,7 @@ def test_the_transformer_is_traced_once_into_graphs_its_compile_cache_can_keep(s
     autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
     if not hasattr(autograd_cache, "check_cacheable"):
         pytest.skip("this torch has no AOTAutograd cache check")
-    model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL, dropout=0.1))
+    model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", dropout=0.1))
     counter = CompileCounterWithBackend("aot_eager")
     compile_model(model, plan(counter))
     model(*image_batch(H=136, W=136, pad_w=8))
@@ -231,7 +231,7 @@ def _trained_looking(model):
 def test_evaluation_compiles_one_graph_per_size_once_and_gives_the_detections_of_eager(seeded, regions):
     """compile.evaluation: ``detect`` as one graph per evaluation size, none for a size met before, and no
     training region compiled again; its detections are eager's."""
-    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="pytorch"))
     _trained_looking(eager)
     compiled = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
@@ -258,7 +258,7 @@ def test_evaluation_without_its_graph_runs_eagerly_and_compiles_nothing(seeded):
     (the position encoding, the layers) are not compiled again without gradients."""
     from engine.evaluation.coco import evaluate_coco  # noqa: F401  (what runs it so; the switch is checked here)
 
-    model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch", **SMALL))
+    model, _, _ = build_model(tiny_cfg("box_refine", msda="pytorch"))
     counter = CompileCounterWithBackend("aot_eager")
     compile_model(model, plan(counter, regions="layers"))
     model.eval()
@@ -271,7 +271,7 @@ def test_evaluation_without_its_graph_runs_eagerly_and_compiles_nothing(seeded):
 @pytest.mark.parametrize("regions", sorted(REGION_GRAPHS))
 def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickles(seeded, regions):
     """compile_model shadows methods per instance (models/compiled_regions.py): copies drop them."""
-    model, criterion, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    model, criterion, _ = build_model(tiny_cfg("base", msda="pytorch"))
     compile_model(model, plan("aot_eager", regions=regions, evaluation=True), criterion=criterion)
     assert ("predict" in vars(model)) == (regions == "transformer") and "detect" in vars(model)
     twin = copy.deepcopy(model)
@@ -292,7 +292,7 @@ def test_a_copy_of_a_compiled_model_and_criterion_runs_its_own_weights_and_pickl
 
 
 def test_only_declared_methods_can_be_replaced():
-    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch"))
     with pytest.raises(ValueError, match="is not a method that can be compiled"):
         model.use_compiled("class_embed", lambda *a: None)
 
@@ -330,7 +330,7 @@ BACKBONE_SIZES = {
 @pytest.mark.parametrize("backbone,regions", sorted(BACKBONE_SIZES))
 def test_a_compiled_backbone_gives_the_features_and_gradients_of_eager_at_every_size(seeded, backbone, regions):
     """compile.backbone=static|dynamic (DeformableDETR.features): the maps and gradients of eager."""
-    eager, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    eager, _, _ = build_model(tiny_cfg("base", msda="pytorch"))
     twin = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
     compile_model(twin, plan(counter, backbone=backbone, regions=regions))  # only features() is called and traced
@@ -358,7 +358,7 @@ def test_a_static_backbone_compiles_past_torchs_default_limit(monkeypatch):
     """Nine image sizes, one more than Dynamo's default recompile limit, each get a graph of their own."""
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, RECOMPILE_LIMIT, 8)  # torch's default
-    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch"))
     counter = CompileCounter()  # traces only, runs the traced graph as it is
     compile_model(model, plan(counter, backbone="static"))
     assert STATIC_BACKBONE_GRAPHS > 8
@@ -425,7 +425,7 @@ def assert_compiled_steps_give_the_losses_of_eager_steps(variant: str, chosen: C
 def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager(seeded):
     """compile.mode=auto's evaluation on the GPU: ``detect`` per size, recorded, then replayed; each call's
     outputs read before the next."""
-    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="triton", **SMALL))
+    eager, _, postprocess = build_model(tiny_cfg("box_refine", msda="triton"))
     _trained_looking(eager).cuda().eval()
     compiled = copy.deepcopy(eager)
     compile_model(compiled, CompilePlan(mode="reduce-overhead", evaluation=True))

@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 from helpers import (
-    SMALL,
     assert_same_detections,
     image_batch,
     make_criterion,
@@ -261,7 +260,7 @@ def test_bf16_steps_replayed_as_cuda_graphs_follow_the_weights_as_they_change():
 @needs_gpu
 def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_training_steps():
     torch.manual_seed(0)
-    model, criterion, postprocess = build_model(tiny_cfg("two_stage", msda="triton", **SMALL))
+    model, criterion, postprocess = build_model(tiny_cfg("two_stage", msda="triton"))
     model.cuda()
     criterion.cuda()
     graphed = copy.deepcopy(model)
@@ -291,7 +290,7 @@ def test_evaluation_replayed_as_cuda_graphs_gives_the_detections_of_eager_after_
 @needs_gpu
 def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eagerly():
     torch.manual_seed(0)
-    model, _, _ = build_model(tiny_cfg("base", msda="triton", **SMALL))
+    model, _, _ = build_model(tiny_cfg("base", msda="triton"))
     model.cuda()
     reference = copy.deepcopy(model).eval()
     compile_model(model, CompilePlan(mode="graphs", evaluation=False))
@@ -308,7 +307,7 @@ def test_a_graphed_model_without_gradients_or_in_eval_mode_runs_its_forward_eage
 
 
 def test_the_model_declares_what_is_recorded():
-    model, _, _ = build_model(tiny_cfg("base", msda="pytorch", **SMALL))
+    model, _, _ = build_model(tiny_cfg("base", msda="pytorch"))
     training, evaluation = model.compile_regions(graphs=True, evaluation=True)
     assert (training.name, training.training, evaluation.name, evaluation.training) == (
         "forward",

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from helpers import compose_run, signal_at_call, tiny_cfg
+from helpers import ROOT, compose_run, signal_at_call, tiny_cfg, write_checkpoint
 
 import train as trainer
 from engine.checkpoint.io import load_checkpoint
@@ -168,7 +168,6 @@ def test_a_checkpoint_trained_with_hybrid_matching_and_ema_evaluates_predicts_an
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from hydra import compose, initialize_config_dir
-    from trained_checkpoint import ROOT, write_checkpoint
 
     import export as exporter
     from models.deformable_detr import ONE2MANY_PARAMETERS

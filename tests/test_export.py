@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_process import child_env
+from helpers import ROOT, child_env, write_checkpoint
 from hydra import compose, initialize_config_dir
 from PIL import Image
-from trained_checkpoint import write_checkpoint
 
 import export as exporter
 from engine.checkpoint.trained_model import load_trained_model
@@ -34,7 +33,6 @@ from engine.export.parity import Tolerance, check_parity, compare_outputs, toler
 from engine.export.samples import random_batch, recorded_validation_folder, sample_batch
 from models.postprocess import PostProcess
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 CXX = shutil.which(os.environ.get("CXX", "g++"))
 # A compiler without a shared libstdc++ is refused by export.py (its own test below): no package to test then.

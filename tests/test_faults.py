@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_process import child_env
-from helpers import child_pids, compose_run, dead_pid, signal_at_call, tiny_overrides
+from helpers import ROOT, child_env, child_pids, compose_run, dead_pid, signal_at_call, tiny_overrides
 
 import train as trainer
 from datasets import build_dataset
@@ -27,7 +26,6 @@ from engine.train.hooks.base import ComputeSpan, StepDone
 from engine.train.hooks.interval_report import StepLog
 from engine.train.run_stop import RunStop
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # tests/test_train.py's tiny run
 
 pytestmark = pytest.mark.slow

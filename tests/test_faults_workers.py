@@ -21,12 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_process import child_env
-from helpers import child_pids, compose_run, tiny_overrides
+from helpers import ROOT, child_env, child_pids, compose_run, tiny_overrides
 
 from datasets import build_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
 # A failing run must be gone this long after its message at most (its workers' own shutdown takes a second).
 EXIT_WITHIN_S = 30.0
 # How long a run may take to print its first line: starting Python, torch and the data on a machine that runs

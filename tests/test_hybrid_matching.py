@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    SMALL,
+    ROOT,
     VARIANTS,
     fingerprint_environment,
     image_batch,
@@ -26,6 +26,7 @@ from helpers import (
     rand_targets,
     tiny_cfg,
     training_fingerprint,
+    write_checkpoint,
 )
 from omegaconf import OmegaConf
 
@@ -35,22 +36,21 @@ from models import build_deformable_detr, build_model
 from models.criterion import AUX_SUFFIX, combination_over_passes
 from models.deformable_detr import ONE2MANY_PARAMETERS
 
-ROOT = Path(__file__).resolve().parents[1]
 FINGERPRINTS = ROOT / "tests" / "data" / "training_fingerprints.json"
 OFFICIAL_TSV = ROOT / "tests" / "data" / "official_state_dict.tsv"
 EARLIER_CHECKPOINT = ROOT / "tests" / "data" / "checkpoint_of_9f3f177.pth.xz"  # model=tiny, written before the option
-# 8 one-to-one queries (tiny_cfg), 12 one-to-many, targets repeated 3 times.
+# 10 one-to-one queries (tiny_cfg), 12 one-to-many, targets repeated 3 times.
 HYBRID = {"hybrid_matching": True, "num_queries_one2many": 12, "k_one2many": 3}
-Q, Q2 = 8, 12
+Q, Q2 = 10, 12
 
 
 def plain_and_hybrid(variant: str, **overrides):
     """The SMALL model of ``variant`` without and with hybrid matching, holding the same weights (the hybrid one's
     one-to-many query embeddings apart, which the plain one has not)."""
     torch.manual_seed(0)
-    plain = build_deformable_detr(tiny_cfg(variant, **SMALL, **overrides))
+    plain = build_deformable_detr(tiny_cfg(variant, **overrides))
     torch.manual_seed(1)
-    hybrid = build_deformable_detr(tiny_cfg(variant, **SMALL, **HYBRID, **overrides))
+    hybrid = build_deformable_detr(tiny_cfg(variant, **HYBRID, **overrides))
     loaded = hybrid.load_state_dict(plain.state_dict(), strict=False)
     assert set(loaded.missing_keys) == (set() if variant == "two_stage" else ONE2MANY_PARAMETERS)
     assert not loaded.unexpected_keys
@@ -145,11 +145,11 @@ def test_detect_gives_the_detections_of_the_model_without_the_option(variant):
 
 
 def test_two_stage_needs_room_for_both_groups_of_proposals():
-    model = build_deformable_detr(tiny_cfg("two_stage", **SMALL, **{**HYBRID, "num_queries_one2many": 80}))
+    model = build_deformable_detr(tiny_cfg("two_stage", **{**HYBRID, "num_queries_one2many": 80}))
     with pytest.raises(
         ValueError,
-        match=r"selects 88 proposals \(num_queries \+ num_queries_one2many\) but the "
-        r"feature maps have only 85 positions",
+        match=r"selects 90 proposals \(num_queries \+ num_queries_one2many\) but the "
+        r"feature maps have only 84 positions",
     ):
         model(*image_batch())
     with torch.no_grad():
@@ -173,9 +173,9 @@ def test_bad_hybrid_matching_settings_are_refused_naming_the_key(overrides, mess
 
 
 def test_the_shipped_configs_keep_the_option_off_with_h_detrs_settings():
-    from helpers import tiny_model_config
+    from helpers import compose_train
 
-    full, tiny = OmegaConf.load(ROOT / "configs" / "model" / "deformable_detr.yaml"), tiny_model_config()
+    full, tiny = OmegaConf.load(ROOT / "configs" / "model" / "deformable_detr.yaml"), compose_train("model=tiny").model
     assert (full.hybrid_matching, full.num_queries_one2many, full.k_one2many, full.lambda_one2many) == (
         False,
         1500,
@@ -376,7 +376,7 @@ def test_an_earlier_checkpoint_of_ours_starts_a_hybrid_model_and_evaluates_in_on
 def test_a_hybrid_checkpoint_evaluates_in_a_model_without_the_option(tmp_path, caplog, variant):
     plain, hybrid = plain_and_hybrid(variant)
     torch.manual_seed(2)
-    evaluated = build_deformable_detr(tiny_cfg(variant, **SMALL))
+    evaluated = build_deformable_detr(tiny_cfg(variant))
     with caplog.at_level(logging.INFO):
         load_model_weights(evaluated, {"model": hybrid.state_dict()}, path=tmp_path / "hybrid.pth")
     assert ("holds hybrid matching's one-to-many queries (query_embed_one2many.weight)" in caplog.text) == (
@@ -394,7 +394,6 @@ def test_a_hybrid_checkpoint_predicts_and_exports_as_the_model_without_the_optio
     pytest.importorskip("onnxscript")
     import onnx
     from hydra import compose, initialize_config_dir
-    from trained_checkpoint import write_checkpoint
 
     import export as exporter
     from engine.checkpoint.trained_model import load_trained_model
@@ -432,7 +431,7 @@ def test_a_hybrid_checkpoint_predicts_and_exports_as_the_model_without_the_optio
     graph = onnx.load(exported["output"]).graph
     assert not [i.name for i in graph.initializer if "one2many" in i.name]
     assert [i.name for i in graph.output] == ["pred_logits", "pred_boxes"]
-    assert graph.output[0].type.tensor_type.shape.dim[1].dim_value == 12  # model.num_queries of write_checkpoint
+    assert graph.output[0].type.tensor_type.shape.dim[1].dim_value == 10  # model.num_queries of write_checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------

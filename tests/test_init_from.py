@@ -9,43 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, VARIANTS, model_cfg, tiny_cfg
 from omegaconf import OmegaConf
 
 from engine.checkpoint.init_from import CLASS_HEAD, prepare_init_from
 from engine.errors import CheckpointError
 from models import build_deformable_detr
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_YAML = ROOT / "configs" / "model" / "deformable_detr.yaml"
 OFFICIAL_TSV = ROOT / "tests" / "data" / "official_state_dict.tsv"
-TINY = dict(
-    backbone="resnet18",
-    hidden_dim=32,
-    nheads=2,
-    enc_layers=1,
-    dec_layers=2,
-    dim_feedforward=64,
-    num_feature_levels=3,
-    num_queries=6,
-    pretrained="none",
-    msda="pytorch",
-    dropout=0.0,
-)
-VARIANTS = {
-    "base": {},
-    "box_refine": {"with_box_refine": True},
-    "two_stage": {"with_box_refine": True, "two_stage": True},
-}
-
-
-def model_cfg(**overrides):
-    cfg = OmegaConf.load(MODEL_YAML)
-    cfg.pretrained = "none"
-    return OmegaConf.merge(cfg, overrides)
-
-
-def tiny_cfg(**overrides):
-    return model_cfg(**{**TINY, **overrides})
 
 
 def saved_model(path: Path, cfg, *, seed: int, **extra) -> dict:

@@ -11,8 +11,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CODE = ("msda", "models", "datasets", "engine", "bench")
 ENTRY_POINTS = ("train.py", "predict.py", "export.py")
 # What each top-level part may import of ours (besides itself); entry points and bench/ may import anything.

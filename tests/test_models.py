@@ -10,11 +10,10 @@ import copy
 import math
 import random
 import urllib.error
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import VARIANTS, image_batch, model_cfg, tiny_cfg, two_box_targets
+from helpers import ROOT, VARIANTS, image_batch, model_cfg, tiny_cfg, two_box_targets
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -25,7 +24,6 @@ from models.deformable_attention import MSDeformAttn
 from models.deformable_detr import build_deformable_detr
 from models.deformable_transformer import inverse_sigmoid
 
-ROOT = Path(__file__).resolve().parents[1]
 # A copy of shared/reference/official_state_dict.tsv, kept in the repo so the check never depends on a
 # folder beside the checkout.
 OFFICIAL_TSV = ROOT / "tests" / "data" / "official_state_dict.tsv"

@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from child_process import child_env
-from helpers import tiny_overrides
+from helpers import ROOT, child_env, tiny_overrides
 
 from engine.checkpoint.io import load_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 

@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_process import child_env
-from helpers import tiny_overrides
+from helpers import ROOT, child_env, tiny_overrides, write_checkpoint
 from PIL import Image
-from trained_checkpoint import write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 UNDER_PROC = "/proc/deformable_detr_no_such_folder/run"
 
 pytestmark = pytest.mark.slow

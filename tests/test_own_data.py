@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -16,7 +17,6 @@ import train as trainer
 from engine.checkpoint.io import load_checkpoint
 from engine.errors import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2  # 12 training images, batch 4, one epoch (a batch's worth left over in the size buckets)
 
 pytestmark = pytest.mark.slow

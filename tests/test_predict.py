@@ -10,18 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from child_process import child_env
+from helpers import CATEGORIES, ROOT, child_env, write_checkpoint
 from hydra import compose, initialize_config_dir
 from PIL import Image
 from pycocotools.coco import COCO
-from trained_checkpoint import CATEGORIES, write_checkpoint
 
 import predict as predictor
 from datasets import ImageReadError
 from datasets.image_folder import ImageFolder
 from engine.checkpoint.trained_model import load_trained_model
 
-ROOT = Path(__file__).resolve().parents[1]
 EXIF_ORIENTATION, TURNED_RIGHT = 0x0112, 6  # stored pixels shown turned 90 degrees clockwise
 
 

@@ -9,13 +9,11 @@ from other weights: both ways of syncing must start every rank from rank 0's (th
 batch-norm statistics).
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import tiny_model_config
+from helpers import tiny_cfg
 
 from engine.compile.plan import CompilePlan, compile_model
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
@@ -23,7 +21,6 @@ from engine.runtime.precision import Precision
 from engine.train.step import OptimizerStep
 from models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 
 
@@ -69,7 +66,7 @@ def _rank_main(rank: int, work: str, backend: str, counts: tuple[int, ...], regi
             torch.cuda.set_device(device)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         torch.manual_seed(0)
-        model, criterion, _ = build_model(tiny_model_config())
+        model, criterion, _ = build_model(tiny_cfg(num_classes=7))
         if rank == 1:  # other weights (and statistics) than rank 0's, small enough to keep the loss finite
             # DDP of older torch syncs no buffers at all with forward buffer sync off: only the parameters then.
             buffers = [b for b in model.buffers() if b.is_floating_point()] if sync == "allreduce" else []
@@ -129,7 +126,7 @@ BACKENDS = [
 def test_split_batch_over_two_ranks_equals_one_process(tmp_path, backend, counts, compiled, sync, full_fp32):
     torch.manual_seed(0)
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    model, criterion, _ = build_model(tiny_model_config())
+    model, criterion, _ = build_model(tiny_cfg(num_classes=7))
     single = DistContext(rank=0, world_size=1, local_rank=0, device=device)
     loss_single, grads_single = loss_and_grads(model.to(device), criterion, *global_batch(counts, device), single)
     grads_single = {k: v.cpu() for k, v in grads_single.items()}

@@ -20,8 +20,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = (ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 ENTRY_POINTS = {"train.py": "train", "predict.py": "predict", "export.py": "export"}
 PLACEHOLDERS = {"...", "[overrides]"}

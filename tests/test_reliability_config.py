@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_process import child_env
-from helpers import compose_train, tiny_overrides
+from helpers import ROOT, child_env, compose_train, tiny_overrides
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from engine.checkpoint.io import load_checkpoint, save_checkpoint
 from engine.config.registry import check_config, plain_config
 from engine.errors import CheckpointError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -18,7 +19,6 @@ from datasets import ImageReadError, build_dataset
 from engine.checkpoint.io import load_checkpoint
 from engine.errors import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 2  # 12 training images, batch 4 (a batch's worth left over in the size buckets)
 
 pytestmark = pytest.mark.slow

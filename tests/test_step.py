@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from helpers import SMALL, image_batch, make_step, optim_cfg, output_loss, tiny_cfg, two_box_targets
+from helpers import image_batch, make_step, optim_cfg, output_loss, tiny_cfg, two_box_targets
 
 from engine.runtime.precision import Precision
 from engine.train.optim import build_optimizer
@@ -81,7 +81,7 @@ def test_a_non_finite_step_is_skipped_without_touching_weights_or_moments(seeded
 
 
 def test_the_step_needs_a_non_negative_clip_norm():
-    model, criterion, _ = build_model(tiny_cfg(msda="pytorch", **SMALL))
+    model, criterion, _ = build_model(tiny_cfg(msda="pytorch"))
     with pytest.raises(ValueError, match="clip_max_norm must be >= 0"):
         OptimizerStep(
             model=model,
@@ -100,7 +100,7 @@ def test_compiled_model_has_no_graph_break_and_matches_eager(seeded, msda, varia
     device = "cuda" if torch.cuda.is_available() else "cpu"  # triton on the CPU runs under the interpreter
     # cuDNN runs float32 convolutions in TF32 by default, and the two graphs may pick different algorithms
     # (one weight gradient element of 73,728 differed by 0.4% on a GPU): compare in full float32 (full_fp32).
-    eager, _, _ = build_model(tiny_cfg(variant, msda=msda, **SMALL))
+    eager, _, _ = build_model(tiny_cfg(variant, msda=msda))
     eager.to(device)
     with torch.no_grad():  # non-trivial offsets and weights, so that the attention gradients are not all zero
         for m in eager.modules():

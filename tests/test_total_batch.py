@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import tiny_model_config
+from helpers import tiny_cfg
 
 from engine.runtime.distributed import DistContext, average_over_processes, data_parallel
 from engine.runtime.precision import Precision
@@ -90,10 +90,10 @@ def run_step(model, criterion, images, masks, targets, ctx: DistContext, *, sync
 
 
 def fresh_model(hybrid: bool = False):
-    """model=tiny and its criterion; ``hybrid``: with hybrid matching, whose one-to-many losses are divided by the
+    """The tiny model and its criterion; ``hybrid``: with hybrid matching, whose one-to-many losses are divided by the
     repeated targets' count over all processes."""
     torch.manual_seed(0)
-    cfg = tiny_model_config()
+    cfg = tiny_cfg(num_classes=7)
     cfg.hybrid_matching = hybrid
     return build_model(cfg)[:2]
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_process import child_env
-from helpers import compose_run, tensorboard_scalars, tiny_overrides
+from helpers import ROOT, child_env, compose_run, tensorboard_scalars, tiny_overrides, write_checkpoint
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -21,7 +20,6 @@ import train as trainer
 from engine.checkpoint.io import load_checkpoint
 from engine.errors import CheckpointError, NonFiniteLossError
 
-ROOT = Path(__file__).resolve().parents[1]
 # 16 training images, batch 4, wide and tall: an epoch's images left over in the two orientations' size buckets
 # wait for no one (datasets/batch_plan.py), so one batch fewer than 16 // 4.
 STEPS_PER_EPOCH = 3
@@ -458,7 +456,6 @@ def test_eval_only_of_a_checkpoint_without_the_datas_classes_gives_advice_that_w
     """A checkpoint of 4 classes (ids 0..3) on the synthetic set (ids 1..6): eval_only takes its classes from the
     checkpoint, so setting model.num_classes would change nothing; the message says what does (a run from its
     weights with model.init_from), and following it trains and evaluates on this data."""
-    from trained_checkpoint import write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path / "four_classes.pth", extra=("model.num_queries=10",))
     child = subprocess.run(
