@@ -111,7 +111,7 @@ class SyntheticDatasetConfig(DatasetConfig):
     num_val: int = 64
     image_size: int = 128
     seed: int = 0
-    num_categories: int = len(CLASSES)  # the first N shape classes of the density's (category ids 1..N, 12 skipped)
+    num_categories: int = len(CLASSES)  # the first N classes of the density's (ids 1..N; coco: COCO's first N ids)
     density: SyntheticDensity = SyntheticDensity.sparse
 
     def __post_init__(self) -> None:
