@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from helpers import compose_train
 
 from datasets import build_dataset, ensure_synthetic_dataset, read_dataset_config, synthetic
 from datasets.coco_categories import COCO_CATEGORY_NAMES
@@ -205,3 +206,15 @@ def test_the_config_checks_num_categories_against_the_density():
     assert read_dataset_config({"name": "synthetic"}).density == "sparse"
     with pytest.raises(ValueError, match=rf"dataset\.num_categories must be 1\.\.{len(CLASSES)} at dataset\.density"):
         read_dataset_config({"name": "synthetic", "num_categories": len(DENSE_CLASSES)})
+
+
+def test_synthetic_dense_config_selects_the_dense_set_in_its_own_root():
+    cfg = compose_train("dataset=synthetic_dense")
+    default = compose_train()
+    assert cfg.dataset.name == "synthetic" and cfg.dataset.density == "coco"
+    assert cfg.dataset.root != default.dataset.root
+    assert cfg.dataset.num_categories == len(DENSE_CLASSES)
+    assert cfg.model.num_classes == max(c[0] for c in DENSE_CLASSES) + 1
+    assert cfg.model.num_queries >= 20, "a query for every object of the most crowded image"
+    assert default.dataset.density == "sparse"
+    assert compose_train("dataset.density=coco").dataset.density == "coco"  # the option on the default set
