@@ -234,6 +234,7 @@ def split_paths(c: DatasetConfig, split: str) -> tuple[Path, Path]:
             image_size=c.image_size,
             seed=c.seed,
             num_categories=c.num_categories,
+            density=c.density,
         )
     if c.name != DatasetName.custom:
         return coco2017_paths(root=c.root, split=split)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .synthetic import CLASSES
+from .synthetic import CLASSES, DENSITIES
 from .transforms import (
     COCO_CROP_MAX_SIZE,
     COCO_CROP_MIN_SIZE,
@@ -32,6 +32,11 @@ class DatasetName(StrEnum):
     coco = "coco"  # COCO 2017 layout under root
     synthetic = "synthetic"  # the built-in set, written under root on first use
     custom = "custom"  # any COCO-format set: explicit image directories and annotation files
+
+
+# How crowded the synthetic set is (datasets/synthetic.py): sparse, the quick start's 1-5 objects of 6 classes; coco,
+# 2-20 objects of 24 classes, many small and overlapping.
+SyntheticDensity = StrEnum("SyntheticDensity", {name: name for name in DENSITIES})
 
 
 def _positive(cfg, keys: tuple[str, ...]) -> list[str]:
@@ -106,13 +111,18 @@ class SyntheticDatasetConfig(DatasetConfig):
     num_val: int = 64
     image_size: int = 128
     seed: int = 0
-    num_categories: int = len(CLASSES)  # the first N shape classes (category ids 1..N)
+    num_categories: int = len(CLASSES)  # the first N classes of the density's (ids 1..N; coco: COCO's first N ids)
+    density: SyntheticDensity = SyntheticDensity.sparse
 
     def __post_init__(self) -> None:
         super().__post_init__()
         problems = _positive(self, ("num_train", "num_val"))
-        if not 1 <= self.num_categories <= len(CLASSES):
-            problems.append(f"dataset.num_categories must be 1..{len(CLASSES)}, got {self.num_categories}")
+        classes = len(DENSITIES[self.density])
+        if not 1 <= self.num_categories <= classes:
+            problems.append(
+                f"dataset.num_categories must be 1..{classes} at dataset.density={self.density}, "
+                f"got {self.num_categories}"
+            )
         if self.image_size < 16:
             problems.append(f"dataset.image_size must be at least 16 pixels, got {self.image_size}")
         if self.seed < 0:

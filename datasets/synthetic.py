@@ -3,7 +3,9 @@
 Each image is a plain, mildly noisy background with 1-5 objects of distinct classes; each class is a
 solid colour and shape of its own (so a small detector trained from scratch on a CPU learns it in
 minutes), 15-50% of the image side, with some overlap. Images are slightly non-square in either
-orientation so that batches need padding. The set is read back through ``datasets.coco.CocoDetection``
+orientation so that batches need padding. ``density="coco"`` makes a denser set on the same backgrounds,
+closer to COCO's statistics: 2-20 objects an image (7 on average), of 24 classes that may repeat, many of
+them small and overlapping (see _place_dense_objects). The set is read back through ``datasets.coco.CocoDetection``
 like COCO itself::
 
     root/train2017/000000000001.jpg ...
@@ -50,10 +52,40 @@ CLASSES = (
 # Fraction of the box a shape fills: COCO's "area" is the segment area, which COCOeval uses for the
 # small/medium/large split.
 SHAPE_FILL = {"rectangle": 1.0, "ellipse": math.pi / 4, "triangle": 0.5, "diamond": 0.5}
+# density="coco": every colour x shape of CLASSES, the six of CLASSES first (the same ids, colours and shapes),
+# then the others on COCO's next ids and names (COCO has no id 12), so num_classes=26 covers them.
+DENSE_CLASSES = CLASSES + (
+    (7, "train", "vehicle", (40, 170, 60), "rectangle"),
+    (8, "truck", "vehicle", (40, 70, 220), "rectangle"),
+    (9, "boat", "vehicle", (235, 205, 30), "rectangle"),
+    (10, "traffic light", "outdoor", (30, 200, 210), "rectangle"),
+    (11, "fire hydrant", "outdoor", (220, 40, 40), "ellipse"),
+    (13, "stop sign", "outdoor", (40, 70, 220), "ellipse"),
+    (14, "parking meter", "outdoor", (235, 205, 30), "ellipse"),
+    (15, "bench", "outdoor", (200, 50, 200), "ellipse"),
+    (16, "bird", "animal", (220, 40, 40), "triangle"),
+    (17, "cat", "animal", (40, 170, 60), "triangle"),
+    (18, "dog", "animal", (235, 205, 30), "triangle"),
+    (19, "horse", "animal", (200, 50, 200), "triangle"),
+    (20, "sheep", "animal", (30, 200, 210), "triangle"),
+    (21, "cow", "animal", (220, 40, 40), "diamond"),
+    (22, "elephant", "animal", (40, 170, 60), "diamond"),
+    (23, "bear", "animal", (40, 70, 220), "diamond"),
+    (24, "zebra", "animal", (200, 50, 200), "diamond"),
+    (25, "giraffe", "animal", (30, 200, 210), "diamond"),
+)
+DENSITIES = {"sparse": CLASSES, "coco": DENSE_CLASSES}  # dataset.density -> its classes
 SPLIT_CODES = {"train": 0, "val": 1}
 MAX_OBJECTS = 5
 OBJECT_SIDE = (0.15, 0.5)  # object side as a fraction of the image side
 MAX_COVERED = 0.4  # a new object may cover at most this fraction of an earlier (occluded) one
+# density="coco"
+DENSE_OBJECTS = (2, 20)  # objects an image: 1 + a geometric count of mean DENSE_MEAN_EXTRA, at most 20
+DENSE_MEAN_EXTRA = 6  # so 7 objects an image on average (COCO train2017: 7.3), half of the images 5 or fewer
+DENSE_CLASSES_PER_IMAGE = 6  # an image holds 1..6 of the classes, repeated (COCO: 2.9 classes, 7.3 objects)
+DENSE_SCALE = (0.05, 0.4)  # sqrt(w * h) over the long image side, log-uniform: a third of the objects below 0.1
+DENSE_ASPECT = 1.5  # w / h log-uniform in [1 / 1.5, 1.5]
+DENSE_MAX_COVERED = 0.5  # all later objects together cover at most half of an earlier object's box
 
 
 def _place_objects(
@@ -72,6 +104,42 @@ def _place_objects(
             box = [x0, y0, x0 + w, y0 + h]
             if all(_covered_fraction(box, other) <= MAX_COVERED for _, other in placed):
                 placed.append((int(cls), box))
+                break
+    return placed
+
+
+def _place_dense_objects(
+    rng: np.random.Generator, *, height: int, width: int, num_categories: int
+) -> list[tuple[int, list[int]]]:
+    """As _place_objects, for density="coco": 2-20 objects (a geometric count: most images hold a few, some many)
+    of 1..6 classes an image, each class possibly several times, sized log-uniformly from 5% to 40% of the long
+    side. The cover of an earlier object's box by all later boxes together is at most DENSE_MAX_COVERED, so
+    every object stays recognisable under a pile of others."""
+    lo, hi = DENSE_OBJECTS
+    count = min(hi, lo - 1 + int(rng.geometric(1 / DENSE_MEAN_EXTRA)))
+    num_kinds = int(rng.integers(1, min(count, num_categories, DENSE_CLASSES_PER_IMAGE) + 1))
+    classes = rng.choice(rng.permutation(num_categories)[:num_kinds], size=count)
+    side = max(height, width)
+    top = np.full((height, width), -1, dtype=np.int16)  # which placed box is uppermost at each pixel, -1 none
+    visible: list[int] = []  # pixels of each placed box not under a later one
+    placed: list[tuple[int, list[int]]] = []
+    for cls in classes:
+        # Rejection sampling. The second object finds a place (the first covers at most a fifth of the image, so
+        # 50 misses in a row do not happen); a later one that finds none is left out of a crowded image.
+        for _ in range(50):
+            scale = math.exp(rng.uniform(*np.log(DENSE_SCALE)))
+            aspect = math.sqrt(math.exp(rng.uniform(-math.log(DENSE_ASPECT), math.log(DENSE_ASPECT))))
+            w = min(width, max(2, round(scale * aspect * side)))
+            h = min(height, max(2, round(scale / aspect * side)))
+            x0 = int(rng.integers(0, width - w + 1))
+            y0 = int(rng.integers(0, height - h + 1))
+            under = top[y0 : y0 + h, x0 : x0 + w]
+            hidden = np.bincount(under[under >= 0], minlength=len(placed))  # pixels each placed box would lose
+            areas = [(b[2] - b[0]) * (b[3] - b[1]) for _, b in placed]
+            if all(v - n >= (1 - DENSE_MAX_COVERED) * a for v, n, a in zip(visible, hidden, areas)):
+                visible = [v - n for v, n in zip(visible, hidden)] + [w * h]
+                under[...] = len(placed)
+                placed.append((int(cls), [x0, y0, x0 + w, y0 + h]))
                 break
     return placed
 
@@ -100,13 +168,20 @@ def _draw(draw: ImageDraw.ImageDraw, *, shape: str, box: list[int], colour: tupl
 
 
 def make_image(
-    *, seed: int, split: str, index: int, image_size: int, num_categories: int = len(CLASSES)
+    *,
+    seed: int,
+    split: str,
+    index: int,
+    image_size: int,
+    num_categories: int = len(CLASSES),
+    density: str = "sparse",
 ) -> tuple[Image.Image, list[dict]]:
     """One RGB image and its objects [{"category_id", "bbox" xywh, "area"}].
 
     Seeded by (seed, split, index) so that an image does not depend on how many others are made.
     The long side is ``image_size``, the short side 75-100% of it, in either orientation. Objects are of
-    the first ``num_categories`` classes of CLASSES; with all of them the draws are those of the full set.
+    the first ``num_categories`` classes of DENSITIES[density]; with all of them the draws are those of the
+    full set. The background is drawn the same for either density.
     """
     rng = np.random.default_rng([seed, SPLIT_CODES[split], index])
     short = round(image_size * rng.uniform(0.75, 1.0))
@@ -117,8 +192,9 @@ def make_image(
     image = Image.fromarray(pixels)  # (H, W, 3) uint8 -> RGB
     draw = ImageDraw.Draw(image)
     objects = []
-    for cls, box in _place_objects(rng, height=height, width=width, num_categories=num_categories):
-        category_id, _, _, colour, shape = CLASSES[cls]
+    place = _place_dense_objects if density == "coco" else _place_objects
+    for cls, box in place(rng, height=height, width=width, num_categories=num_categories):
+        category_id, _, _, colour, shape = DENSITIES[density][cls]
         _draw(draw, shape=shape, box=box, colour=colour)
         w, h = box[2] - box[0], box[3] - box[1]
         objects.append(
@@ -133,10 +209,10 @@ def make_image(
 
 def _write_image(job) -> tuple[dict, list[dict]]:
     """One image of a split written as JPEG: (its COCO image entry, its objects)."""
-    image_dir, seed, split, index, image_size, num_categories = job
+    image_dir, seed, split, index, image_size, num_categories, density = job
     image_id = index + 1  # COCO ids are positive
     image, objects = make_image(
-        seed=seed, split=split, index=index, image_size=image_size, num_categories=num_categories
+        seed=seed, split=split, index=index, image_size=image_size, num_categories=num_categories, density=density
     )
     file_name = f"{image_id:012d}.jpg"
     image.save(image_dir / file_name, format="JPEG", quality=95)
@@ -144,15 +220,22 @@ def _write_image(job) -> tuple[dict, list[dict]]:
 
 
 def write_split(
-    root: Path, *, split: str, num_images: int, image_size: int, seed: int, num_categories: int = len(CLASSES)
+    root: Path,
+    *,
+    split: str,
+    num_images: int,
+    image_size: int,
+    seed: int,
+    num_categories: int = len(CLASSES),
+    density: str = "sparse",
 ) -> None:
     """Write ``root/{split}2017/*.jpg`` and ``root/annotations/instances_{split}2017.json``.
 
-    The json lists the first ``num_categories`` categories of CLASSES, the ones the images hold.
+    The json lists the first ``num_categories`` categories of DENSITIES[density], the ones the images hold.
     """
     image_dir = root / f"{split}2017"
     image_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(image_dir, seed, split, index, image_size, num_categories) for index in range(num_images)]
+    jobs = [(image_dir, seed, split, index, image_size, num_categories, density) for index in range(num_images)]
     processes = min(os.cpu_count() or 1, MAX_WRITERS)
     if num_images >= IMAGES_PER_WRITER * 2 and processes > 1 and "fork" in multiprocessing.get_all_start_methods():
         # Each image has its own random stream: written by several processes, the set is the same. Forked, so
@@ -167,12 +250,13 @@ def write_split(
         images.append(image_entry)
         for obj in objects:
             annotations.append({"id": len(annotations) + 1, "image_id": image_entry["id"], "iscrowd": 0, **obj})
+    description = f"synthetic shapes, seed {seed}" + (", COCO-like density" if density == "coco" else "")
     instances = {
-        "info": {"description": f"synthetic shapes, seed {seed}", "version": str(FORMAT_VERSION)},
+        "info": {"description": description, "version": str(FORMAT_VERSION)},
         "licenses": [],
         "images": images,
         "annotations": annotations,
-        "categories": [{"id": c[0], "name": c[1], "supercategory": c[2]} for c in CLASSES[:num_categories]],
+        "categories": [{"id": c[0], "name": c[1], "supercategory": c[2]} for c in DENSITIES[density][:num_categories]],
     }
     (root / "annotations").mkdir(parents=True, exist_ok=True)
     with open(root / "annotations" / f"instances_{split}2017.json", "w") as f:
@@ -195,11 +279,14 @@ def ensure_synthetic_dataset(
     image_size: int = 128,
     seed: int = 0,
     num_categories: int | None = None,
+    density: str = "sparse",
 ) -> Path:
     """Make sure ``root`` holds the synthetic set of these parameters; write it if not. Returns root.
 
     ``num_categories`` (1..6, None for all 6) keeps the first classes of CLASSES (category ids 1..n): a set
     with other classes than the default one, e.g. to fine-tune a model trained on all six.
+    ``density`` "coco" writes the denser set of DENSE_CLASSES (``num_categories`` 1..24, None for all 24;
+    category ids up to 25); its manifest records the density, so a set of the other density is never reused.
 
     Idempotent: a set whose manifest matches is reused; one with other parameters is replaced. The set
     is written to a temporary sibling directory and renamed into place, so a killed run never leaves
@@ -210,16 +297,20 @@ def ensure_synthetic_dataset(
         raise ValueError(f"num_train and num_val must be positive, got {num_train} and {num_val}")
     if image_size < 16:
         raise ValueError(f"image_size must be at least 16 pixels, got {image_size}")
+    if density not in DENSITIES:
+        raise ValueError(f"dataset.density must be one of {', '.join(DENSITIES)}, got {density!r}")
+    density = str(density)  # a StrEnum from the config: the manifest and the jobs hold the plain value
+    classes = DENSITIES[density]
     if num_categories is None:
-        num_categories = len(CLASSES)
+        num_categories = len(classes)
     if (
         isinstance(num_categories, bool)
         or not isinstance(num_categories, int)
-        or not 1 <= num_categories <= len(CLASSES)
+        or not 1 <= num_categories <= len(classes)
     ):
         raise ValueError(
-            f"dataset.num_categories must be an integer from 1 to {len(CLASSES)} (the synthetic "
-            f"classes), got {num_categories!r}"
+            f"dataset.num_categories must be an integer from 1 to {len(classes)} (the synthetic "
+            f"classes at dataset.density={density}), got {num_categories!r}"
         )
     root = Path(root)
     params = {
@@ -230,9 +321,19 @@ def ensure_synthetic_dataset(
         "seed": int(seed),
         "num_categories": num_categories,
     }
+    if density != "sparse":  # the sparse set's manifest is as it was before there was a choice, so it stays valid
+        params["density"] = density
     existing = _read_manifest(root)
     if existing == params:
         return root
+    if existing is not None and existing.get("density", "sparse") != density:
+        log.warning(
+            "%s holds the synthetic set at dataset.density=%s: replacing it with dataset.density=%s (give each "
+            "density its own dataset.root to keep both)",
+            root,
+            existing.get("density", "sparse"),
+            density,
+        )
     if existing is None and root.exists() and any(root.iterdir()):
         raise FileExistsError(
             f"{root} is not empty and has no {MANIFEST}: it is not a synthetic set written by this "
@@ -250,6 +351,7 @@ def ensure_synthetic_dataset(
                 image_size=image_size,
                 seed=seed,
                 num_categories=num_categories,
+                density=density,
             )
         with open(staging / MANIFEST, "w") as f:
             json.dump(params, f, sort_keys=True)
