@@ -35,8 +35,8 @@ CASES = (
 
 def test_every_group_option_is_listed():
     assert set(options("model")) >= {"deformable_detr", "tiny"}
-    assert set(options("dataset")) == {"synthetic", "coco", "custom"}
-    assert set(options("experiment")) >= {"box_refine", "two_stage", "coco_gpu"}
+    assert set(options("dataset")) == {"synthetic", "synthetic_dense", "coco", "custom"}
+    assert set(options("experiment")) >= {"box_refine", "two_stage", "coco_gpu", "hybrid", "mixed", "mixed_24"}
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=lambda o: ",".join(o))

@@ -43,7 +43,7 @@ def test_output_shapes_and_keys(seeded, variant):
     images, mask = image_batch(pad_w=16)
     with torch.no_grad():
         out = model(images, mask)
-    B, Q, K, S = 2, 8, 5, 8 * 8 + 4 * 4 + 2 * 2 + 1
+    B, Q, K, S = 2, 10, 5, 8 * 8 + 4 * 4 + 2 * 2  # 64-pixel images, three levels
     expected = {"pred_logits", "pred_boxes", "aux_outputs"} | ({"enc_outputs"} if variant == "two_stage" else set())
     assert set(out) == expected
     assert out["pred_logits"].shape == (B, Q, K)
@@ -67,11 +67,11 @@ def test_no_aux_outputs_without_aux_loss(seeded):
 
 def test_single_level_and_dilation(seeded):
     """num_feature_levels=1 uses layer4 only; dilation keeps layer4 at stride 16."""
-    model = build_deformable_detr(tiny_cfg(num_feature_levels=1, dilation=True)).eval()
+    model = build_deformable_detr(tiny_cfg(num_feature_levels=1, dilation=True, backbone="resnet50")).eval()
     assert model.backbone.strides == [16]
     srcs, masks, pos = model.features(*image_batch(B=1))
-    assert [tuple(s.shape) for s in srcs] == [(1, 64, 4, 4)]
-    assert masks[0].shape == (1, 4, 4) and pos[0].shape == (1, 64, 4, 4)
+    assert [tuple(s.shape) for s in srcs] == [(1, 32, 4, 4)]
+    assert masks[0].shape == (1, 4, 4) and pos[0].shape == (1, 32, 4, 4)
 
 
 # ----------------------------------------------------------------------------------------------------
