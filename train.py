@@ -27,6 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from engine.config.registry import register_configs  # noqa: E402
 from engine.reporting.log_filter import keep_file_only_off_console  # noqa: E402
+from engine.runtime.command_line import refuse_moved_settings  # noqa: E402
 from engine.runtime.console import refused_before_hydra, run_reporting_faults  # noqa: E402
 from engine.runtime.distributed import argv_for_rank, env_rank  # noqa: E402
 from engine.runtime.run_lock import held_before_hydra  # noqa: E402
@@ -65,6 +66,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     sys.argv = argv_for_rank(sys.argv, env_rank())
     # Before Hydra writes anything into the directory: a live run's stays as it was, an unwritable one is named.
+    refused_before_hydra(lambda: refuse_moved_settings(sys.argv))
     claimed = refused_before_hydra(lambda: held_before_hydra(sys.argv)) if env_rank() == 0 else None
     try:
         main()

@@ -3,9 +3,10 @@
 Losses follow the published Deformable DETR: sigmoid focal classification loss, L1 and GIoU box
 losses normalized by the number of target boxes (averaged over processes), and the same losses on
 every auxiliary decoder output (suffix _0.._{dec_layers-2}) and, in two-stage mode, on the encoder
-proposals with class-agnostic targets (suffix _enc). With hybrid matching (H-DETR), the decoder's losses once
-more on the one-to-many queries, matched to each image's targets repeated k_one2many times (suffix _one2many
-after the layer's: loss_ce_one2many, loss_ce_0_one2many, ...).
+proposals with class-agnostic targets (suffix _enc). With one-to-many supervision (models/one_to_many.py), the
+decoder's losses once more on its one-to-many outputs (suffix _one2many after the layer's: loss_ce_one2many,
+loss_ce_0_one2many, ...): hybrid matching's extra queries matched to each image's targets repeated k_one2many times,
+or mixed supervision's pairs of up to k_one2many queries per target.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import box_convert, sigmoid_focal_loss
+from torch.nn.utils.rnn import pad_sequence
+from torchvision.ops import box_convert
 
 from models.compiled_regions import CompiledRegions, Region
 from models.host_copy import to_device_async
+from models.losses import classification_loss, paired_generalized_box_iou
 from models.matcher import PADDING_BOX, HungarianMatcher
 from models.model_config import read_criterion_config, resolved_num_classes
+from models.one_to_many import OneToMany, one_to_many_losses
 from models.postprocess import PostProcess
 
 _KNOWN_LOSSES = ("labels", "boxes", "cardinality")
@@ -65,16 +69,17 @@ class SetCriterion(CompiledRegions, nn.Module):
     over the keys present in weight_dict to get the training loss.
       outputs: "pred_logits" (B, Q, K) logits, "pred_boxes" (B, Q, 4) normalized cxcywh,
                optional "aux_outputs" (list of dicts with the same two keys), "enc_outputs" (dict) and
-               "one2many_outputs" (a dict with pred_logits (B, Q2, K), pred_boxes and aux_outputs: needs k_one2many).
+               "one2many_outputs" (a dict with pred_logits (B, Q2, K), pred_boxes and aux_outputs: needs one_to_many).
       targets: per image {"labels": (n_i,) int64 in [0, K), "boxes": (n_i, 4) normalized cxcywh};
                other keys are ignored.
     Keys: loss_ce, class_error (logged only), loss_bbox, loss_giou, cardinality_error (logged only);
     loss_ce_i, loss_bbox_i, loss_giou_i, cardinality_error_i per aux output; the same with _enc; the decoder's
     (all but _enc) with _one2many appended for one2many_outputs.
 
-    k_one2many: None (no one-to-many queries), or how many times each image's targets are repeated for the
-    one-to-many queries' matching (hybrid matching, H-DETR). Their losses are divided by k_one2many times
-    num_boxes: the repeated targets' count, as H-DETR divides them.
+    one_to_many: "none", "hybrid" or "mixed" (models/one_to_many.py); k_one2many: for hybrid, how many times each
+    image's targets are repeated for the one-to-many queries' matching, whose losses are divided by k_one2many times
+    num_boxes (the repeated targets' count, as H-DETR divides them); for mixed, the most queries paired with a target,
+    whose losses are divided by num_boxes (as MS-DETR's).
     """
 
     def __init__(
@@ -85,7 +90,8 @@ class SetCriterion(CompiledRegions, nn.Module):
         weight_dict: dict[str, float],
         losses: tuple[str, ...] = ("labels", "boxes", "cardinality"),
         focal_alpha: float = 0.25,
-        k_one2many: int | None = None,
+        one_to_many: str = "none",
+        k_one2many: int = 6,
     ):
         super().__init__()
         if num_classes < 1:
@@ -96,8 +102,9 @@ class SetCriterion(CompiledRegions, nn.Module):
         # torchvision's convention (as the original): alpha in [0, 1], or -1 to disable the weighting.
         if not (0.0 <= focal_alpha <= 1.0 or focal_alpha == -1):
             raise ValueError(f"SetCriterion: focal_alpha must be in [0, 1] or -1, got {focal_alpha!r}")
-        if k_one2many is not None and (not isinstance(k_one2many, int) or k_one2many < 1):
-            raise ValueError(f"SetCriterion: k_one2many must be None or an integer >= 1, got {k_one2many!r}")
+        if not isinstance(k_one2many, int) or k_one2many < 1:
+            raise ValueError(f"SetCriterion: k_one2many must be an integer >= 1, got {k_one2many!r}")
+        self.one_to_many = OneToMany(str(one_to_many))  # a ValueError naming the choices for another value
         self.k_one2many = k_one2many
         self.num_classes = num_classes
         self.matcher = matcher
@@ -117,7 +124,7 @@ class SetCriterion(CompiledRegions, nn.Module):
         """
         if num_boxes is None:
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
-        groups = _prediction_groups(outputs, targets, self.k_one2many)
+        groups = _prediction_groups(outputs, targets, self.one_to_many, self.k_one2many)
         # Named for torch.profiler: the host waits for the GPU here, then the GPU waits for the host.
         with torch.profiler.record_function("step.matching"):
             matched = self.matcher.match_groups([(g.logits, g.boxes, g.targets, g.repeats) for g in groups])
@@ -136,7 +143,36 @@ class SetCriterion(CompiledRegions, nn.Module):
             # H-DETR divides the one-to-many losses by the count of the repeated targets.
             group_boxes = num_boxes if group.repeats == 1 else num_boxes * group.repeats
             losses.update(self._group_losses(group, group_matches, tgt_lengths, group_boxes))
+        if self.one_to_many == OneToMany.mixed:
+            losses.update(self._mixed_losses(outputs["one2many_outputs"], targets, num_boxes))
         return losses
+
+    def _mixed_losses(self, outputs: dict, targets: list[dict], num_boxes) -> dict:
+        """Mixed supervision's losses of every decoder layer (models/one_to_many.py), through its region, each
+        divided by num_boxes and named with its layer's suffix (_0_one2many, ..., _one2many)."""
+        layers = [*outputs.get("aux_outputs", []), outputs]
+        suffixes = [f"_{i}{ONE2MANY_SUFFIX}" for i in range(len(layers) - 1)] + [ONE2MANY_SUFFIX]
+        logits = torch.stack([o["pred_logits"] for o in layers])  # (G, B, Q, K)
+        boxes = torch.stack([o["pred_boxes"] for o in layers])  # (G, B, Q, 4)
+        # Each image's targets padded to T (a power of two: a few sizes in a run, one graph each): made on the
+        # device from the targets there, no copy of host values.
+        T = target_slots(max((len(t["labels"]) for t in targets), default=0))
+        device = logits.device
+        labels = _padded([t["labels"].to(device, torch.int64) for t in targets], T, 0)  # (B, T)
+        tgt_boxes = _padded([t["boxes"].to(device) for t in targets], T, PADDING_BOX)  # (B, T, 4)
+        real = _padded([torch.ones(len(t["labels"]), dtype=torch.bool, device=device) for t in targets], T, False)
+        sums = self.stacked_mixed_losses(logits, boxes, labels, tgt_boxes, real)
+        return {
+            name + suffix: value / num_boxes
+            for name, values in sums.items()
+            for suffix, value in zip(suffixes, values.unbind())
+        }
+
+    def stacked_mixed_losses(self, logits, boxes, labels, tgt_boxes, real) -> dict:
+        """models.one_to_many.one_to_many_losses with this criterion's k_one2many and focal_alpha: {name: (G,)}."""
+        return one_to_many_losses(
+            logits, boxes, labels, tgt_boxes, real, k=self.k_one2many, focal_alpha=self.focal_alpha
+        )
 
     def _group_losses(self, group: _Group, m: _Matches, tgt_lengths, num_boxes) -> dict:
         """All losses of G stacked predictions (G, B, Q, ...) at once, named with each layer's suffix, through the
@@ -168,16 +204,18 @@ class SetCriterion(CompiledRegions, nn.Module):
         return losses
 
     def compile_regions(self, *, graphs: bool = False) -> list[Region]:
-        """``stacked_losses``, ``stacked_proposal_losses`` and, with k_one2many, ``stacked_one2many_losses``
-        (models/compiled_regions.py): hundreds of small launches forward and backward, between the matching and the
-        backward. Compiled by Inductor with symbolic sizes, one graph for every number of matched pairs; ``graphs``:
+        """``stacked_losses``, ``stacked_proposal_losses`` and, with one-to-many supervision,
+        ``stacked_one2many_losses`` (hybrid) or ``stacked_mixed_losses`` (models/compiled_regions.py): hundreds of
+        small launches forward and backward, between the matching and the backward. Compiled by Inductor with
+        symbolic sizes, one graph for every number of matched pairs (mixed: padded targets); ``graphs``:
         the eager losses recorded (their forward and backward, engine/compile/cuda_graphs.py). Where the plan uses
         CUDA graphs (reduce-overhead, graphs), they are replayed, one recording per padded number of targets
         (``target_slots``) and, for the two-stage proposals (one per encoder token), per image size too.
         A region per group of predictions, so that the graphs of a group, which replay between the forward and the
         backward of the groups before it, are never another group's own."""
-        names = ("stacked_losses", "stacked_proposal_losses") + (
-            ("stacked_one2many_losses",) if self.k_one2many is not None else ()
+        one_to_many = {OneToMany.none: (), OneToMany.hybrid: ("stacked_one2many_losses",)}
+        names = ("stacked_losses", "stacked_proposal_losses") + one_to_many.get(
+            self.one_to_many, ("stacked_mixed_losses",)
         )
         if graphs:
             return [Region(name, training=True) for name in names]
@@ -213,19 +251,11 @@ class SetCriterion(CompiledRegions, nn.Module):
     def _loss_labels(self, logits, labels, layer, batch, query, target) -> torch.Tensor:
         """(G,) sigmoid focal loss over all B*Q*K logits per layer, times num_boxes; unmatched queries have
         all-zero targets."""
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            # The loss sums B*Q*K small terms; accumulate them in fp32 (the gradient flows through the cast).
-            logits = logits.float()
         G, B, Q, K = logits.shape
-        # Index K is the "no object" class: its one-hot column is dropped below, leaving zeros. Padding pairs
-        # (query Q) write to an extra column, dropped too.
+        # Index K is the "no object" class. Padding pairs (query Q) write to an extra column, dropped.
         target_classes = torch.full((G, B, Q + 1), K, dtype=torch.int64, device=logits.device)
         target_classes[layer, batch, query] = labels[target]
-        target_classes = target_classes[..., :Q]  # (G, B, Q)
-        onehot = F.one_hot(target_classes, K + 1)[..., :K].to(logits.dtype)  # (G, B, Q, K)
-        focal = sigmoid_focal_loss(logits, onehot, alpha=self.focal_alpha, gamma=2.0, reduction="none")
-        # The original normalizes as mean over queries, sum over the rest, / num_boxes, then * Q.
-        return focal.mean(2).sum((1, 2)) * Q
+        return classification_loss(logits, target_classes[..., :Q], alpha=self.focal_alpha)
 
 
 class _Matches(NamedTuple):
@@ -255,9 +285,10 @@ class _Group(NamedTuple):
     losses_of: str = "stacked_losses"  # the method (a compiled region of its own) computing their losses
 
 
-def _prediction_groups(outputs: dict, targets: list[dict], k_one2many: int | None) -> list[_Group]:
-    """The decoder layers stacked (aux outputs _0, _1, ..., then the final layer ""), the two-stage encoder
-    proposals ("_enc") and the one-to-many queries' decoder layers ("_0_one2many", ..., "_one2many")."""
+def _prediction_groups(outputs: dict, targets: list[dict], one_to_many: OneToMany, k_one2many: int) -> list[_Group]:
+    """What the Hungarian matcher pairs: the decoder layers stacked (aux outputs _0, _1, ..., then the final layer
+    ""), the two-stage encoder proposals ("_enc") and, with hybrid matching, the one-to-many queries' decoder layers
+    ("_0_one2many", ..., "_one2many")."""
     groups = [_decoder_group(outputs, targets, "")]
     if "enc_outputs" in outputs:
         enc = outputs["enc_outputs"]
@@ -272,12 +303,13 @@ def _prediction_groups(outputs: dict, targets: list[dict], k_one2many: int | Non
                 losses_of="stacked_proposal_losses",
             )
         )
-    if "one2many_outputs" in outputs:
-        if k_one2many is None:
-            raise ValueError(
-                "SetCriterion: the outputs have one2many_outputs (a model with hybrid matching) but the "
-                "criterion has no k_one2many (build it with model.hybrid_matching=true)"
-            )
+    if ("one2many_outputs" in outputs) != (one_to_many != OneToMany.none):
+        held = "have" if "one2many_outputs" in outputs else "have no"
+        raise ValueError(
+            f"SetCriterion: the outputs {held} one2many_outputs but the criterion's one_to_many is {one_to_many}: "
+            "build the model and the criterion from one config (model.one_to_many)"
+        )
+    if one_to_many == OneToMany.hybrid:
         # Not the encoder's proposals: H-DETR counts their loss once, with the one-to-one queries'.
         groups.append(
             _decoder_group(outputs["one2many_outputs"], targets, ONE2MANY_SUFFIX)._replace(
@@ -361,20 +393,6 @@ def _loss_boxes(boxes, tgt_boxes, layer, batch, query, target, *, num_layers: in
     }
 
 
-def paired_generalized_box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """GIoU of each box of ``a`` (M, 4) with the box of ``b`` (M, 4) in the same row, xyxy: the diagonal of
-    torchvision's pairwise generalized_box_iou, computed by the same operations (no eps, as the original's
-    loss) without the (M, M) matrix."""
-    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    inter_wh = (torch.min(a[:, 2:], b[:, 2:]) - torch.max(a[:, :2], b[:, :2])).clamp(min=0)
-    inter = inter_wh[:, 0] * inter_wh[:, 1]
-    union = area_a + area_b - inter
-    hull_wh = (torch.max(a[:, 2:], b[:, 2:]) - torch.min(a[:, :2], b[:, :2])).clamp(min=0)
-    hull = hull_wh[:, 0] * hull_wh[:, 1]
-    return inter / union - (hull - union) / hull
-
-
 @torch.no_grad()
 def _loss_cardinality(logits, tgt_lengths) -> torch.Tensor:
     """(G,) |#queries whose argmax is not the last class - #targets|, averaged over images.
@@ -401,10 +419,11 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
     """Build (SetCriterion, PostProcess) from the model config (DictConfig or mapping).
 
     Reads num_classes, dec_layers, aux_loss, two_stage, set_cost_{class,bbox,giou},
-    {cls,bbox,giou}_loss_coef, focal_alpha, hybrid_matching, k_one2many, lambda_one2many, checked by
-    models/model_config.py (CriterionConfig). weight_dict holds loss_ce/loss_bbox/loss_giou, copies suffixed
-    _0.._{dec_layers-2} when aux_loss, _enc copies when two_stage, and with hybrid_matching the decoder's (not _enc)
-    suffixed _one2many, weighted lambda_one2many times as much (H-DETR multiplies the losses themselves).
+    {cls,bbox,giou}_loss_coef, focal_alpha, one_to_many, k_one2many, lambda_one2many, cls_loss_coef_one2many,
+    checked by models/model_config.py (CriterionConfig). weight_dict holds loss_ce/loss_bbox/loss_giou, copies
+    suffixed _0.._{dec_layers-2} when aux_loss, _enc copies when two_stage, and with one-to-many supervision the
+    decoder's (not _enc) suffixed _one2many, weighted lambda_one2many times as much (H-DETR multiplies the losses
+    themselves), loss_ce's at cls_loss_coef_one2many where set (MS-DETR's 2 against 1).
     """
     c = read_criterion_config(cfg)
     num_classes, dec_layers = resolved_num_classes(c), c.dec_layers
@@ -419,20 +438,34 @@ def build_criterion(cfg) -> tuple[SetCriterion, PostProcess]:
         "loss_bbox": float(c.bbox_loss_coef),
         "loss_giou": float(c.giou_loss_coef),
     }
-    weight_dict = dict(base)
-    if c.aux_loss:
-        for i in range(dec_layers - 1):
-            weight_dict.update({k + f"_{i}": v for k, v in base.items()})
-    decoder_weights = dict(weight_dict)
+    decoder_suffixes = [f"_{i}" for i in range(dec_layers - 1)] if c.aux_loss else []
+    decoder_suffixes.append("")
+    weight_dict = {name + suffix: w for suffix in decoder_suffixes for name, w in base.items()}
     if c.two_stage:
         weight_dict.update({k + "_enc": v for k, v in base.items()})
-    if c.hybrid_matching:
-        weight_dict.update({k + ONE2MANY_SUFFIX: v * float(c.lambda_one2many) for k, v in decoder_weights.items()})
+    if c.one_to_many != OneToMany.none:
+        cls_one2many = c.cls_loss_coef if c.cls_loss_coef_one2many is None else c.cls_loss_coef_one2many
+        one2many = {**base, "loss_ce": float(cls_one2many)}
+        weight_dict.update(
+            {
+                name + suffix + ONE2MANY_SUFFIX: w * float(c.lambda_one2many)
+                for suffix in decoder_suffixes
+                for name, w in one2many.items()
+            }
+        )
     criterion = SetCriterion(
         num_classes=num_classes,
         matcher=matcher,
         weight_dict=weight_dict,
         focal_alpha=float(c.focal_alpha),
-        k_one2many=int(c.k_one2many) if c.hybrid_matching else None,
+        one_to_many=c.one_to_many,
+        k_one2many=int(c.k_one2many),
     )
     return criterion, PostProcess()
+
+
+def _padded(values: list[torch.Tensor], length: int, value) -> torch.Tensor:
+    """(B, length, ...) of each image's (n_i, ...) values, padded after them with ``value``."""
+    padded = pad_sequence(values, batch_first=True, padding_value=value)
+    extra = length - padded.shape[1]
+    return F.pad(padded, (0, 0) * (padded.dim() - 2) + (0, extra), value=value)

@@ -18,12 +18,8 @@ from models.compiled_regions import CompiledRegions, Region
 from models.deformable_transformer import DeformableTransformer, inverse_sigmoid
 from models.input_pixels import InputPixels
 from models.model_config import ModelConfig, read_model_config, resolved_num_classes
+from models.one_to_many import OneToMany, is_training_only
 from models.position_encoding import build_position_encoding
-
-# The parameters of hybrid matching's one-to-many queries (their embeddings; two-stage has none): inference never
-# uses them, so a checkpoint loads for inference whether it and the model have them or not
-# (engine/checkpoint/contents.py).
-ONE2MANY_PARAMETERS = frozenset({"query_embed_one2many.weight"})
 
 
 def encoder_tokens(height: int, width: int, *, num_feature_levels: int, dilation: bool = False) -> int:
@@ -63,19 +59,28 @@ class DeformableDETR(CompiledRegions, nn.Module):
     pred_boxes  (B, Q, 4) normalized cxcywh (sigmoid),
     aux_outputs [{pred_logits, pred_boxes}] for decoder layers 0..K-2 (when aux_loss),
     enc_outputs {pred_logits (B, S, num_classes), pred_boxes (B, S, 4)} of the encoder proposals (two_stage),
-    one2many_outputs {pred_logits (B, Q2, num_classes), pred_boxes (B, Q2, 4), aux_outputs} of the Q2 =
-                num_queries_one2many queries of hybrid matching (when Q2 > 0).
+    one2many_outputs {pred_logits, pred_boxes, aux_outputs} for one-to-many supervision (models/one_to_many.py):
+                of the Q2 = num_queries_one2many queries of hybrid matching (when Q2 > 0), or of the Q queries
+                themselves with mixed supervision (``mixed_supervision``).
 
     Hybrid matching (H-DETR): the Q2 one-to-many queries are decoded beside the Q one-to-one queries, by the same
     layers and heads (two-stage: the top Q + Q2 proposals, the best Q the one-to-one queries), and neither group
     attends to the other, so the one-to-one outputs are those of the model without them. Their own embeddings
-    (``query_embed_one2many``, not two-stage) are parameters of their own, so that the other parameters keep the
-    official names and shapes.
+    (``query_embed_one2many``; two-stage only with mixed_selection) are parameters of their own, so that the other
+    parameters keep the official names and shapes.
+
+    Mixed supervision (MS-DETR): with the decoder's cross-attention first, each layer's training-only FFN on its
+    cross-attention's output, read by the layer's own heads; else training-only class heads (``class_embed_one2many``)
+    on each layer's output, the boxes being the one-to-one ones.
+
+    mixed_selection (two-stage): the queries' content is ``query_embed`` (Q, C), a learned embedding per proposal rank.
 
     ``detect`` is the computation for inference (evaluation, predict and export call it): the Q one-to-one queries
-    alone, as the model without hybrid matching; ``compile_regions`` says which parts engine/compile/plan.py may
-    compile.
+    alone, as the model without one-to-many supervision; ``compile_regions`` says which parts engine/compile/plan.py
+    may compile. ``is_training_only`` names the parameters inference never uses.
     """
+
+    is_training_only = staticmethod(is_training_only)
 
     def __init__(
         self,
@@ -89,10 +94,16 @@ class DeformableDETR(CompiledRegions, nn.Module):
         with_box_refine: bool = False,
         two_stage: bool = False,
         num_queries_one2many: int = 0,
+        mixed_supervision: bool = False,
+        mixed_selection: bool = False,
     ):
         super().__init__()
         if num_queries_one2many < 0:
             raise ValueError(f"num_queries_one2many must be >= 0 (0: no hybrid matching), got {num_queries_one2many}")
+        if num_queries_one2many and mixed_supervision:
+            raise ValueError("one-to-many supervision is hybrid (num_queries_one2many) or mixed, not both")
+        if mixed_selection and not two_stage:
+            raise ValueError("mixed_selection takes the queries' positions from two-stage proposals: two_stage=True")
         self.input_pixels = InputPixels()  # uint8 images normalized on the model's device
         self.num_queries = num_queries
         self.num_queries_one2many = num_queries_one2many
@@ -154,9 +165,18 @@ class DeformableDETR(CompiledRegions, nn.Module):
             self.transformer.decoder.class_embed = self.class_embed
             for box_embed in self.bbox_embed:
                 nn.init.constant_(box_embed.layers[-1].bias[2:], 0.0)
-        if num_queries_one2many and not two_stage:
-            # Made last, so that every other parameter starts as in the model without them (same seed).
-            self.query_embed_one2many = nn.Embedding(num_queries_one2many, C * 2)  # (Q2, 2C)
+        # Made last, so that every other parameter starts as in the model without them (same seed).
+        self.mixed_selection = mixed_selection
+        if mixed_selection:
+            self.query_embed = nn.Embedding(num_queries, C)  # (Q, C): the content of the top Q proposals
+        if num_queries_one2many and (mixed_selection or not two_stage):
+            self.query_embed_one2many = nn.Embedding(num_queries_one2many, C if two_stage else 2 * C)  # (Q2, C or 2C)
+        # Mixed supervision in the original decoder order: class heads of its own, copies of the one-to-one ones.
+        with_aux_ffn = any(layer.aux_ffn is not None for layer in transformer.decoder.layers)
+        self.class_embed_one2many = None
+        if mixed_supervision and not with_aux_ffn:
+            self.class_embed_one2many = copy.deepcopy(self.class_embed[:K])  # shared across layers where theirs are
+        self.mixed_supervision = mixed_supervision
 
     def forward(self, images: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
         """images (B, 3, H, W) uint8 pixels or normalized float, mask (B, H, W) bool True on padding (None: no
@@ -253,24 +273,30 @@ class DeformableDETR(CompiledRegions, nn.Module):
         one2many: decode the one-to-many queries too, when the model has them (``forward``; inference never does).
         """
         Q, Q2 = self.num_queries, (self.num_queries_one2many if one2many else 0)
-        if self.two_stage:
+        mixed = one2many and self.mixed_supervision
+        if self.two_stage and not self.mixed_selection:
             query_embed = None
         elif Q2:
-            query_embed = torch.cat([self.query_embed.weight, self.query_embed_one2many.weight])  # (Q + Q2, 2C)
+            query_embed = torch.cat([self.query_embed.weight, self.query_embed_one2many.weight])  # (Q + Q2, 2C or C)
         else:
             query_embed = self.query_embed.weight
-        hs, init_reference, inter_references, enc_outputs_class, enc_outputs_coord_unact = self.transformer(
-            srcs, masks, pos, query_embed, (Q, Q2) if Q2 else None
+        hs, init_reference, inter_references, hs_one2many, enc_outputs_class, enc_outputs_coord_unact = (
+            self.transformer(srcs, masks, pos, query_embed, (Q, Q2) if Q2 else None, one2many=mixed)
         )  # hs (K, B, Q + Q2, C)
         outputs_class, outputs_coord = self.heads(hs, init_reference, inter_references)
         if Q2:
             outputs_class, classes_one2many = outputs_class.split([Q, Q2], dim=2)  # (K, B, Q, n), (K, B, Q2, n)
             outputs_coord, coords_one2many = outputs_coord.split([Q, Q2], dim=2)  # (K, B, Q, 4), (K, B, Q2, 4)
+        elif mixed and hs_one2many is not None:  # the layers' auxiliary FFNs, read by their own heads
+            classes_one2many, coords_one2many = self.heads(hs_one2many, init_reference, inter_references)
+        elif mixed:  # each layer's output, through the one-to-many class heads; the boxes are the one-to-one ones
+            classes_one2many = torch.stack([head(h) for head, h in zip(self.class_embed_one2many, hs)])  # (K, B, Q, n)
+            coords_one2many = outputs_coord
 
         out = self._layer_outputs(outputs_class, outputs_coord)
         if self.two_stage:
             out["enc_outputs"] = {"pred_logits": enc_outputs_class, "pred_boxes": enc_outputs_coord_unact.sigmoid()}
-        if Q2:
+        if Q2 or mixed:
             out["one2many_outputs"] = self._layer_outputs(classes_one2many, coords_one2many)
         return out
 
@@ -320,6 +346,10 @@ def build_deformable_detr(cfg) -> DeformableDETR:
         two_stage=c.two_stage,
         two_stage_num_proposals=c.num_queries,
         msda=c.msda.value,
+        mixed_selection=c.mixed_selection,
+        look_forward_twice=c.look_forward_twice,
+        cross_attention_first=c.cross_attention_first,
+        aux_ffn=c.one_to_many == OneToMany.mixed and c.cross_attention_first,
     )
     return DeformableDETR(
         backbone=backbone,
@@ -330,7 +360,9 @@ def build_deformable_detr(cfg) -> DeformableDETR:
         aux_loss=c.aux_loss,
         with_box_refine=c.with_box_refine,
         two_stage=c.two_stage,
-        num_queries_one2many=c.num_queries_one2many if c.hybrid_matching else 0,
+        num_queries_one2many=c.num_queries_one2many if c.one_to_many == OneToMany.hybrid else 0,
+        mixed_supervision=c.one_to_many == OneToMany.mixed,
+        mixed_selection=c.mixed_selection,
     )
 
 

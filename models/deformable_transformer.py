@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.deformable_attention import MSDeformAttn
+from models.one_to_many import AuxiliaryFFN
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -86,12 +87,29 @@ class DeformableTransformerEncoder(nn.Module):
 
 
 class DeformableTransformerDecoderLayer(nn.Module):
-    """Post-norm: self-attention -> norm2, deformable cross-attention -> norm1, FFN -> norm3 (official names)."""
+    """Post-norm: self-attention -> norm2, deformable cross-attention -> norm1, FFN -> norm3 (official names).
+
+    cross_attention_first: cross-attention -> norm1, then self-attention -> norm2 and the FFN (MS-DETR's order; the
+    same modules). aux_ffn: mixed supervision's training-only FFN on the cross-attention's output
+    (models/one_to_many.py), whose result the layer returns beside its own when asked for it.
+    """
 
     def __init__(
-        self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int, msda: str
+        self,
+        *,
+        d_model: int,
+        d_ffn: int,
+        dropout: float,
+        n_levels: int,
+        nheads: int,
+        n_points: int,
+        msda: str,
+        cross_attention_first: bool = False,
+        aux_ffn: bool = False,
     ):
         super().__init__()
+        if aux_ffn and not cross_attention_first:
+            raise ValueError("aux_ffn reads the cross-attention's output before self-attention: cross_attention_first")
         self.cross_attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, nheads=nheads, n_points=n_points, msda=msda)
         self.dropout1 = nn.Dropout(dropout)
         self.norm1 = nn.LayerNorm(d_model)
@@ -103,13 +121,44 @@ class DeformableTransformerDecoderLayer(nn.Module):
         self.linear2 = nn.Linear(d_ffn, d_model)
         self.dropout4 = nn.Dropout(dropout)
         self.norm3 = nn.LayerNorm(d_model)
+        self.cross_attention_first = cross_attention_first
+        # Made last, so that every other parameter starts as in the layer without it (same seed).
+        self.aux_ffn = AuxiliaryFFN(d_model=d_model, d_ffn=d_ffn, dropout=dropout) if aux_ffn else None
 
-    def forward(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask, query_groups=None):
-        """tgt, query_pos (N, Q, C); reference_points (N, Q, L, 2 or 4); src (N, S, C) -> (N, Q, C).
+    def forward(
+        self,
+        tgt,
+        query_pos,
+        reference_points,
+        src,
+        spatial_shapes,
+        padding_mask,
+        query_groups=None,
+        one2many: bool = False,
+    ):
+        """tgt, query_pos (N, Q, C); reference_points (N, Q, L, 2 or 4); src (N, S, C) -> ((N, Q, C), the aux FFN's
+        (N, Q, C) output with ``one2many`` and an aux FFN, else None).
 
         query_groups: None, or the sizes of consecutive groups of the Q queries (summing to Q) whose
         self-attention stays within their group (hybrid matching's one-to-one and one-to-many queries).
         """
+        one2many_out = None
+        if self.cross_attention_first:
+            tgt = self._cross_attention(tgt, query_pos, reference_points, src, spatial_shapes, padding_mask)
+            if one2many and self.aux_ffn is not None:
+                one2many_out = self.aux_ffn(tgt)
+            tgt = self._self_attention_block(tgt, query_pos, query_groups)
+        else:
+            tgt = self._self_attention_block(tgt, query_pos, query_groups)
+            tgt = self._cross_attention(tgt, query_pos, reference_points, src, spatial_shapes, padding_mask)
+        tgt2 = self.linear2(self.dropout3(F.relu(self.linear1(tgt))))
+        return self.norm3(tgt + self.dropout4(tgt2)), one2many_out
+
+    def _cross_attention(self, tgt, query_pos, reference_points, src, spatial_shapes, padding_mask):
+        tgt2 = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
+        return self.norm1(tgt + self.dropout1(tgt2))
+
+    def _self_attention_block(self, tgt, query_pos, query_groups):
         q = tgt + query_pos
         if query_groups is None:
             tgt2 = self._self_attention(q, tgt)
@@ -123,11 +172,7 @@ class DeformableTransformerDecoderLayer(nn.Module):
                 ],
                 1,
             )  # (N, Q, C)
-        tgt = self.norm2(tgt + self.dropout2(tgt2))
-        tgt2 = self.cross_attn(tgt + query_pos, reference_points, src, spatial_shapes, None, padding_mask)
-        tgt = self.norm1(tgt + self.dropout1(tgt2))
-        tgt2 = self.linear2(self.dropout3(F.relu(self.linear1(tgt))))
-        return self.norm3(tgt + self.dropout4(tgt2))
+        return self.norm2(tgt + self.dropout2(tgt2))
 
     def _self_attention(self, q: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         """(N, Q, C) queries and keys q, values tgt -> (N, Q, C)."""
@@ -141,30 +186,48 @@ class DeformableTransformerDecoder(nn.Module):
     ``bbox_embed`` (one head per layer) is set by the detector for iterative box refinement: each layer's
     box delta refines the reference points, detached before the next layer. ``class_embed`` is set for
     two-stage; the transformer uses its extra (last) head on the encoder output.
+
+    look_forward_twice (Deformable-DETR++, from DINO): the references returned are the refined ones before the
+    detach, so that a layer's box prediction, made on the reference the previous layer refined, passes its loss's
+    gradient back to that layer's box head too; the layers still sample at detached references. Values are the same.
     """
 
-    def __init__(self, layer: DeformableTransformerDecoderLayer, num_layers: int):
+    def __init__(self, layer: DeformableTransformerDecoderLayer, num_layers: int, *, look_forward_twice: bool = False):
         super().__init__()
         self.layers = _clones(layer, num_layers)
         self.num_layers = num_layers
+        self.look_forward_twice = look_forward_twice
         self.bbox_embed: nn.ModuleList | None = None
         self.class_embed: nn.ModuleList | None = None
 
     def forward(
-        self, tgt, reference_points, src, spatial_shapes, valid_ratios, query_pos, padding_mask, query_groups=None
+        self,
+        tgt,
+        reference_points,
+        src,
+        spatial_shapes,
+        valid_ratios,
+        query_pos,
+        padding_mask,
+        query_groups=None,
+        one2many: bool = False,
     ):
         """tgt, query_pos (N, Q, C); reference_points (N, Q, 2 or 4) in [0, 1] of the valid region; query_groups
-        as the layers take it -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer."""
+        and one2many as the layers take them -> hs (K, N, Q, C), references (K, N, Q, 2 or 4) after each layer, and
+        the layers' one-to-many outputs (K, N, Q, C) (mixed supervision, with one2many) or None."""
         # Contiguous like every later layer's output, so that a compiled layer (compile=true) sees one layout.
         output = tgt.contiguous()
-        intermediate, intermediate_reference_points = [], []
+        intermediate, intermediate_reference_points, intermediate_one2many = [], [], []
         for lid, layer in enumerate(self.layers):
             if reference_points.shape[-1] == 4:
                 ratios = torch.cat([valid_ratios, valid_ratios], -1)[:, None]  # (N, 1, L, 4)
             else:
                 ratios = valid_ratios[:, None]  # (N, 1, L, 2)
             reference_points_input = reference_points[:, :, None] * ratios  # (N, Q, L, 2 or 4)
-            output = layer(output, query_pos, reference_points_input, src, spatial_shapes, padding_mask, query_groups)
+            output, one2many_output = layer(
+                output, query_pos, reference_points_input, src, spatial_shapes, padding_mask, query_groups, one2many
+            )
+            refined = reference_points
             if self.bbox_embed is not None:
                 tmp = self.bbox_embed[lid](output)  # (N, Q, 4) unnormalized delta
                 if reference_points.shape[-1] == 4:
@@ -174,18 +237,27 @@ class DeformableTransformerDecoder(nn.Module):
                         [tmp[..., :2] + inverse_sigmoid(reference_points), tmp[..., 2:]], -1
                     ).sigmoid()
                 reference_points = new_reference_points.detach()
+                refined = new_reference_points if self.look_forward_twice else reference_points
             intermediate.append(output)
-            intermediate_reference_points.append(reference_points)
-        return torch.stack(intermediate), torch.stack(intermediate_reference_points)
+            intermediate_reference_points.append(refined)
+            if one2many_output is not None:
+                intermediate_one2many.append(one2many_output)
+        one2many_hs = torch.stack(intermediate_one2many) if intermediate_one2many else None
+        return torch.stack(intermediate), torch.stack(intermediate_reference_points), one2many_hs
 
 
 class DeformableTransformer(nn.Module):
     """Flattens the levels, encodes them, and decodes Q queries.
 
     forward(srcs [(N, C, H_l, W_l)], masks [(N, H_l, W_l) bool], pos_embeds [(N, C, H_l, W_l)], query_embed
-    (Q, 2C) or None for two-stage, query_groups) -> (hs (K, N, Q, C), init_reference (N, Q, 2 or 4),
-    inter_references (K, N, Q, 2 or 4), enc_outputs_class (N, S, num_classes) | None, enc_outputs_coord_unact
+    (Q, 2C), or for two-stage None (or, with mixed_selection, the queries' content (Q, C)), query_groups, one2many)
+    -> (hs (K, N, Q, C), init_reference (N, Q, 2 or 4), inter_references (K, N, Q, 2 or 4), hs_one2many
+    (K, N, Q, C) | None (the decoder's), enc_outputs_class (N, S, num_classes) | None, enc_outputs_coord_unact
     (N, S, 4) | None).
+
+    mixed_selection (two-stage; Deformable-DETR++, from DINO): the queries' positions (reference points and position
+    embeddings) come from the top proposals as without it, their content from ``query_embed``, a learned embedding
+    row per proposal rank, in place of the proposals' own.
 
     query_groups: None, or the sizes of consecutive groups of the queries whose decoder self-attention stays within
     their group (hybrid matching: (num_queries, num_queries_one2many)). They number the queries: query_embed's rows,
@@ -208,12 +280,19 @@ class DeformableTransformer(nn.Module):
         two_stage: bool = False,
         two_stage_num_proposals: int = 300,
         msda: str = "auto",
+        mixed_selection: bool = False,
+        look_forward_twice: bool = False,
+        cross_attention_first: bool = False,
+        aux_ffn: bool = False,
     ):
         super().__init__()
+        if mixed_selection and not two_stage:
+            raise ValueError("mixed_selection takes the queries' positions from two-stage proposals: two_stage=True")
         self.d_model = d_model
         self.nheads = nheads
         self.two_stage = two_stage
         self.two_stage_num_proposals = two_stage_num_proposals
+        self.mixed_selection = mixed_selection
 
         encoder_layer = DeformableTransformerEncoderLayer(
             d_model=d_model,
@@ -233,8 +312,12 @@ class DeformableTransformer(nn.Module):
             nheads=nheads,
             n_points=dec_n_points,
             msda=msda,
+            cross_attention_first=cross_attention_first,
+            aux_ffn=aux_ffn,
         )
-        self.decoder = DeformableTransformerDecoder(decoder_layer, num_decoder_layers)
+        self.decoder = DeformableTransformerDecoder(
+            decoder_layer, num_decoder_layers, look_forward_twice=look_forward_twice
+        )
 
         self.level_embed = nn.Parameter(torch.empty(num_feature_levels, d_model))
         if two_stage:
@@ -313,9 +396,12 @@ class DeformableTransformer(nn.Module):
         valid_W = torch.sum(~mask[:, 0, :], 1)
         return torch.stack([valid_W.float() / W, valid_H.float() / H], -1)
 
-    def forward(self, srcs, masks, pos_embeds, query_embed=None, query_groups=None):
-        if not self.two_stage and query_embed is None:
-            raise ValueError("DeformableTransformer needs query_embed (Q, 2*d_model) unless two_stage")
+    def forward(self, srcs, masks, pos_embeds, query_embed=None, query_groups=None, one2many: bool = False):
+        if (not self.two_stage or self.mixed_selection) and query_embed is None:
+            raise ValueError(
+                "DeformableTransformer needs query_embed: (Q, 2*d_model) unless two_stage, (Q, d_model) with "
+                "mixed_selection"
+            )
         if query_groups is not None:
             query_groups = tuple(query_groups)
             if not query_groups or min(query_groups) < 1:
@@ -361,6 +447,8 @@ class DeformableTransformer(nn.Module):
             init_reference_out = reference_points
             pos_trans_out = self.pos_trans_norm(self.pos_trans(self.get_proposal_pos_embed(topk_coords_unact)))
             query_pos, tgt = torch.split(pos_trans_out, C, dim=2)  # (N, Q, C) each
+            if self.mixed_selection:
+                tgt = query_embed.unsqueeze(0).expand(N, -1, -1)  # (N, Q, C): content by proposal rank
         else:
             query_pos, tgt = torch.split(query_embed, C, dim=1)  # (Q, C) each
             query_pos = query_pos.unsqueeze(0).expand(N, -1, -1)  # (N, Q, C)
@@ -373,7 +461,7 @@ class DeformableTransformer(nn.Module):
                 reference_points = reference_points.sigmoid()  # (N, Q, 2)
             init_reference_out = reference_points
 
-        hs, inter_references = self.decoder(
-            tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos, mask_flatten, query_groups
+        hs, inter_references, hs_one2many = self.decoder(
+            tgt, reference_points, memory, spatial_shapes, valid_ratios, query_pos, mask_flatten, query_groups, one2many
         )
-        return hs, init_reference_out, inter_references, enc_outputs_class, enc_outputs_coord_unact
+        return hs, init_reference_out, inter_references, hs_one2many, enc_outputs_class, enc_outputs_coord_unact

@@ -20,6 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 import msda
 from models.backbone import RESNET_CHANNELS
+from models.one_to_many import OneToMany
 from models.position_encoding import POSITION_EMBEDDINGS
 
 # Enumerations built from the lists the constructors check, so the two never disagree. StrEnum: a member
@@ -64,12 +65,14 @@ class CriterionConfig:
     bbox_loss_coef: float = MISSING
     giou_loss_coef: float = MISSING
     focal_alpha: float = MISSING
-    # Hybrid matching (H-DETR): extra one-to-many queries, trained on each image's targets repeated k_one2many
-    # times, their losses weighted by lambda_one2many. Defaults here as well as in the yaml, so that the config a
-    # checkpoint recorded before the option existed still reads.
-    hybrid_matching: bool = False
+    # One-to-many supervision while training (models/one_to_many.py): none | hybrid (H-DETR's extra queries, matched
+    # to each image's targets repeated k_one2many times) | mixed (MS-DETR: the model's own queries, up to k_one2many
+    # per target), its losses weighted by lambda_one2many (cls_loss_coef_one2many: the classification's weight, null:
+    # cls_loss_coef). Defaults here as well as in the yaml, so that a config recorded before the options still reads.
+    one_to_many: OneToMany = OneToMany.none
     k_one2many: int = 6
     lambda_one2many: float = 1.0
+    cls_loss_coef_one2many: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,11 +97,13 @@ class CriterionConfig:
             )
         if self.k_one2many < 1:
             problems.append(
-                f"model.k_one2many must be an integer >= 1 (the times each target is repeated for the "
-                f"one-to-many queries), got {self.k_one2many!r}"
+                f"model.k_one2many must be an integer >= 1 (one-to-many supervision's pairs per target), got "
+                f"{self.k_one2many!r}"
             )
-        if not (math.isfinite(self.lambda_one2many) and self.lambda_one2many >= 0):
-            problems.append(f"model.lambda_one2many must be a finite number >= 0, got {self.lambda_one2many!r}")
+        for key in ("lambda_one2many", "cls_loss_coef_one2many"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                problems.append(f"model.{key} must be a finite number >= 0, got {value!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -127,8 +132,12 @@ class ModelConfig(CriterionConfig):
     enc_n_points: int = MISSING
     dec_n_points: int = MISSING
     num_queries: int = MISSING
-    num_queries_one2many: int = 1500  # the one-to-many queries of hybrid matching (model.hybrid_matching)
+    num_queries_one2many: int = 1500  # hybrid one-to-many supervision's extra queries (model.one_to_many=hybrid)
     with_box_refine: bool = MISSING
+    # Deformable-DETR++'s training changes (H-DETR's "tricks", after DINO), off in the published recipes:
+    mixed_selection: bool = False  # two-stage: positions from the top proposals, content from a learned embedding
+    look_forward_twice: bool = False  # box refinement: a layer's box loss also trains the layer before's box
+    cross_attention_first: bool = False  # each decoder layer: cross-attention, self-attention, FFN (MS-DETR's order)
     msda: Msda = field(default=Msda.auto, metadata={"role": "how_to_run"})
 
     def __post_init__(self) -> None:
@@ -155,6 +164,15 @@ class ModelConfig(CriterionConfig):
         if self.num_feature_levels == 2:
             raise ValueError(
                 "model.num_feature_levels must be 1 (layer4 only) or >= 3 (layer2-4 plus extra stride-2 levels), got 2"
+            )
+        if self.mixed_selection and not self.two_stage:
+            raise ValueError(
+                "model.mixed_selection=true needs model.two_stage=true (its query positions are the top proposals')"
+            )
+        if self.look_forward_twice and not self.with_box_refine:
+            raise ValueError(
+                "model.look_forward_twice=true needs model.with_box_refine=true (it passes the refined boxes' "
+                "gradient one layer back)"
             )
         if self.two_stage and not self.with_box_refine:
             raise ValueError(

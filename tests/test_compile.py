@@ -301,7 +301,7 @@ def test_only_declared_methods_can_be_replaced():
 def test_a_hybrid_step_compiles_both_groups_of_queries_and_gives_the_eager_step(seeded, regions):
     """Hybrid matching compiled: the one-to-one and one-to-many queries in the transformer's graphs (one with no
     break, or one per layer kind), the one-to-many losses in a region of their own; a step gives eager's values."""
-    hybrid = {"dropout": 0.0, "hybrid_matching": True, "num_queries_one2many": 12, "k_one2many": 3}
+    hybrid = {"dropout": 0.0, "one_to_many": "hybrid", "num_queries_one2many": 12, "k_one2many": 3}
     eager, compiled = make_step("two_stage", **hybrid), make_step("two_stage", **hybrid)
     compiled.model.load_state_dict(eager.model.state_dict())
     counter = CompileCounterWithBackend("aot_eager")
@@ -401,7 +401,7 @@ def test_hybrid_steps_compiled_by_inductor_give_the_losses_of_eager_steps(seeded
     and backward, in a region (and CUDA-graph tree) of their own."""
     chosen = CompilePlan(mode="reduce-overhead", regions=regions, backbone="dynamic")
     assert_compiled_steps_give_the_losses_of_eager_steps(
-        "box_refine", chosen, hybrid_matching=True, num_queries_one2many=24, k_one2many=3
+        "box_refine", chosen, one_to_many="hybrid", num_queries_one2many=24, k_one2many=3
     )
 
 

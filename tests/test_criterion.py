@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from torchvision.ops import box_convert, generalized_box_iou
 
-from models.criterion import SetCriterion, build_criterion, paired_generalized_box_iou, target_slots
+from models.criterion import SetCriterion, build_criterion, target_slots
+from models.losses import paired_generalized_box_iou
 from models.matcher import HungarianMatcher
 from models.postprocess import PostProcess
 

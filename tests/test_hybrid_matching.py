@@ -1,7 +1,7 @@
-"""Hybrid matching (H-DETR; model.hybrid_matching): off, a training step computes bit for bit what it computed before
-the option existed; on, the one-to-one queries compute what the model without the one-to-many queries computes, the
-one-to-many losses are the criterion's on the targets repeated k_one2many times, and checkpoints load, evaluate and
-export across the option (CPU, tiny configs)."""
+"""Hybrid matching (H-DETR; model.one_to_many=hybrid): off, a training step computes bit for bit what it computed
+before the one-to-many options existed; on, the one-to-one queries compute what the model without the one-to-many
+queries computes, the one-to-many losses are the criterion's on the targets repeated k_one2many times, and
+checkpoints load, evaluate and export across the option (CPU, tiny configs)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ from engine.checkpoint.contents import load_model_weights
 from engine.checkpoint.init_from import prepare_init_from
 from models import build_deformable_detr, build_model
 from models.criterion import AUX_SUFFIX, combination_over_passes
-from models.deformable_detr import ONE2MANY_PARAMETERS
 
 FINGERPRINTS = ROOT / "tests" / "data" / "training_fingerprints.json"
 OFFICIAL_TSV = ROOT / "tests" / "data" / "official_state_dict.tsv"
 EARLIER_CHECKPOINT = ROOT / "tests" / "data" / "checkpoint_of_9f3f177.pth.xz"  # model=tiny, written before the option
 # 10 one-to-one queries (tiny_cfg), 12 one-to-many, targets repeated 3 times.
-HYBRID = {"hybrid_matching": True, "num_queries_one2many": 12, "k_one2many": 3}
+HYBRID = {"one_to_many": "hybrid", "num_queries_one2many": 12, "k_one2many": 3}
+ONE2MANY_PARAMETERS = {"query_embed_one2many.weight"}  # the hybrid one-stage model's training-only tensors
 Q, Q2 = 10, 12
 
 
@@ -79,7 +79,15 @@ def test_with_the_option_off_a_training_step_computes_what_it_computed_before_th
     reference = json.loads(FINGERPRINTS.read_text())
     expected = reference["variants"][variant]
     got = training_fingerprint(
-        variant, hybrid_matching=False, num_queries_one2many=5, k_one2many=2, lambda_one2many=0.5
+        variant,
+        one_to_many="none",
+        num_queries_one2many=5,
+        k_one2many=2,
+        lambda_one2many=0.5,
+        cls_loss_coef_one2many=3.0,
+        mixed_selection=False,
+        look_forward_twice=False,
+        cross_attention_first=False,
     )
     for part in ("outputs", "losses", "gradients"):
         assert set(got[part]["sums"]) == set(expected[part]["sums"]), part
@@ -163,7 +171,10 @@ def test_two_stage_needs_room_for_both_groups_of_proposals():
         ({"lambda_one2many": -1.0}, r"model\.lambda_one2many must be a finite number >= 0, got -1\.0"),
         ({"lambda_one2many": float("inf")}, r"model\.lambda_one2many must be a finite number >= 0, got inf"),
         ({"num_queries_one2many": 0}, r"model\.num_queries_one2many must be an integer >= 1, got 0"),
-        ({"hybrid_matching": "sometimes"}, r"'sometimes' is not a valid bool.*\s+full_key: model\.hybrid_matching"),
+        (
+            {"one_to_many": "sometimes"},
+            r"Invalid value 'sometimes', expected one of \[none, hybrid, mixed\]\s+full_key: model\.one_to_many",
+        ),
         ({"k_one2many": 2.5}, r"could not be converted to Integer\s+full_key: model\.k_one2many"),
     ],
 )
@@ -176,13 +187,13 @@ def test_the_shipped_configs_keep_the_option_off_with_h_detrs_settings():
     from helpers import compose_train
 
     full, tiny = OmegaConf.load(ROOT / "configs" / "model" / "deformable_detr.yaml"), compose_train("model=tiny").model
-    assert (full.hybrid_matching, full.num_queries_one2many, full.k_one2many, full.lambda_one2many) == (
-        False,
+    assert (full.one_to_many, full.num_queries_one2many, full.k_one2many, full.lambda_one2many) == (
+        "none",
         1500,
         6,
         1.0,
     )
-    assert (tiny.hybrid_matching, tiny.num_queries_one2many, tiny.k_one2many) == (False, 5 * tiny.num_queries, 6)
+    assert (tiny.one_to_many, tiny.num_queries_one2many, tiny.k_one2many) == ("none", 5 * tiny.num_queries, 6)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -207,7 +218,7 @@ def test_one_to_many_losses_are_the_criterions_on_the_targets_repeated_k_times(s
     targets = rand_targets(sizes, gen)
     given = torch.tensor(6.0) if num_boxes == "tensor" else num_boxes
     count = 6.0 if num_boxes is not None else max(1.0, float(sum(sizes)))
-    hybrid = make_criterion(dec_layers=3, two_stage=True, hybrid_matching=True, k_one2many=k)
+    hybrid = make_criterion(dec_layers=3, two_stage=True, one_to_many="hybrid", k_one2many=k)
     plain = make_criterion(dec_layers=3, two_stage=True)
     losses = hybrid(outputs, targets, num_boxes=given)
 
@@ -273,7 +284,7 @@ def test_many_blocks_are_solved_on_threads_with_the_pairs_of_one_thread(monkeypa
 
 
 def test_weights_names_and_their_combination_over_passes():
-    criterion = make_criterion(dec_layers=3, two_stage=True, hybrid_matching=True, k_one2many=2, lambda_one2many=0.5)
+    criterion = make_criterion(dec_layers=3, two_stage=True, one_to_many="hybrid", k_one2many=2, lambda_one2many=0.5)
     plain = make_criterion(dec_layers=3, two_stage=True)
     decoder = {k: v for k, v in plain.weight_dict.items() if not k.endswith("_enc")}
     assert criterion.weight_dict == {**plain.weight_dict, **{k + "_one2many": 0.5 * v for k, v in decoder.items()}}
@@ -296,11 +307,13 @@ def test_weights_names_and_their_combination_over_passes():
     ] == ["sum", "sum", "boxes", "images"]
 
 
-def test_a_criterion_without_k_one2many_refuses_one_to_many_outputs():
+def test_a_criterion_and_outputs_of_other_one_to_many_settings_are_refused():
     gen = torch.Generator().manual_seed(0)
     outputs = {**rand_outputs(1, 4, gen), "one2many_outputs": rand_outputs(1, 6, gen)}
-    with pytest.raises(ValueError, match=r"one2many_outputs .* but the criterion has no k_one2many"):
+    with pytest.raises(ValueError, match=r"the outputs have one2many_outputs but the criterion's one_to_many is none"):
         make_criterion(aux_loss=False)(outputs, rand_targets([2], gen))
+    with pytest.raises(ValueError, match=r"the outputs have no one2many_outputs but the criterion's one_to_many is"):
+        make_criterion(aux_loss=False, one_to_many="mixed")(rand_outputs(1, 4, gen), rand_targets([2], gen))
 
 
 @pytest.mark.parametrize("variant", ["base", "two_stage"])
@@ -335,7 +348,7 @@ def test_official_layout_weights_start_a_hybrid_model_with_fresh_one_to_many_que
     state = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     args = argparse.Namespace(with_box_refine=False, two_stage=False, hidden_dim=256, num_queries=300)
     torch.save({"model": state, "args": args}, tmp_path / "r50.pth")
-    cfg = model_cfg(msda="pytorch", hybrid_matching=True, init_from=str(tmp_path / "r50.pth"))
+    cfg = model_cfg(msda="pytorch", one_to_many="hybrid", init_from=str(tmp_path / "r50.pth"))
     init = prepare_init_from(cfg)
     torch.manual_seed(0)
     model = build_deformable_detr(cfg)
@@ -359,16 +372,18 @@ def earlier_checkpoint(tmp_path: Path) -> tuple[Path, dict]:
 
 def test_an_earlier_checkpoint_of_ours_starts_a_hybrid_model_and_evaluates_in_one(tmp_path, caplog):
     path, ckpt = earlier_checkpoint(tmp_path)
-    recorded = {**ckpt["config"]["model"], "hybrid_matching": True}
+    recorded = {**ckpt["config"]["model"], "one_to_many": "hybrid"}
     cfg = model_cfg(**{**recorded, "init_from": str(path)})
     init = prepare_init_from(cfg)
     model = build_deformable_detr(cfg)
     report = init.load_into(model)
     assert report.not_in_checkpoint == sorted(ONE2MANY_PARAMETERS) and len(report.loaded) == len(ckpt["model"])
-    evaluated = build_deformable_detr(model_cfg(**recorded))  # eval_only with model.hybrid_matching=true
+    evaluated = build_deformable_detr(model_cfg(**recorded))  # eval_only with model.one_to_many=hybrid
     with caplog.at_level(logging.INFO):
         load_model_weights(evaluated, ckpt, path=path)
-    assert "has no one-to-many queries of hybrid matching (query_embed_one2many.weight)" in caplog.text
+    assert "has none of this model's 1 tensors of one-to-many supervision's training (query_embed_one2many.weight)" in (
+        caplog.text
+    )
     assert torch.equal(evaluated.query_embed.weight, ckpt["model"]["query_embed.weight"])
 
 
@@ -379,7 +394,7 @@ def test_a_hybrid_checkpoint_evaluates_in_a_model_without_the_option(tmp_path, c
     evaluated = build_deformable_detr(tiny_cfg(variant))
     with caplog.at_level(logging.INFO):
         load_model_weights(evaluated, {"model": hybrid.state_dict()}, path=tmp_path / "hybrid.pth")
-    assert ("holds hybrid matching's one-to-many queries (query_embed_one2many.weight)" in caplog.text) == (
+    assert ("holds 1 tensors of one-to-many supervision's training (query_embed_one2many.weight)" in caplog.text) == (
         variant != "two_stage"
     )  # two-stage's one-to-many queries are proposals: no parameters
     for (name, e), g in zip(plain.state_dict().items(), evaluated.state_dict().values(), strict=True):
@@ -403,7 +418,7 @@ def test_a_hybrid_checkpoint_predicts_and_exports_as_the_model_without_the_optio
         (tmp_path / folder).mkdir()
     hybrid_path = write_checkpoint(
         tmp_path / "hybrid" / "checkpoint.pth",
-        extra=("model.dec_layers=1", "model.hybrid_matching=true", "model.num_queries_one2many=24"),
+        extra=("model.dec_layers=1", "model.one_to_many=hybrid", "model.num_queries_one2many=24"),
     )
     ckpt = torch.load(hybrid_path, weights_only=False)
     assert "query_embed_one2many.weight" in ckpt["model"]
@@ -412,7 +427,7 @@ def test_a_hybrid_checkpoint_predicts_and_exports_as_the_model_without_the_optio
         {
             **ckpt,
             "model": {k: v for k, v in ckpt["model"].items() if k not in ONE2MANY_PARAMETERS},
-            "config": {**ckpt["config"], "model": {**ckpt["config"]["model"], "hybrid_matching": False}},
+            "config": {**ckpt["config"], "model": {**ckpt["config"]["model"], "one_to_many": "none"}},
         },
         plain_path,
     )
@@ -450,7 +465,7 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
 
     data_root = tmp_path / "data"
     hybrid = (
-        "model.hybrid_matching=true",
+        "model.one_to_many=hybrid",
         "model.num_queries_one2many=20",
         "model.k_one2many=2",
         "total_batch_size=4",
@@ -463,7 +478,7 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
     tags = set(events.Tags()["scalars"])
     assert {"train/loss_ce_one2many", "train/loss_giou_one2many_unscaled", "train/loss_ce"} <= tags
     assert not [t for t in tags if "_0" in t]  # per-layer copies are not logged
-    assert load_checkpoint(run_dir / "checkpoint.pth")["config"]["model"]["hybrid_matching"] is True
+    assert load_checkpoint(run_dir / "checkpoint.pth")["config"]["model"]["one_to_many"] == "hybrid"
 
     resumed = trainer.train(
         compose_run(data_root, tmp_path / "resumed", *hybrid, f"resume={run_dir / 'checkpoint_epoch0001.pth'}")
@@ -476,7 +491,7 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
             tmp_path / "eval",
             "eval_only=true",
             f"checkpoint={run_dir / 'checkpoint.pth'}",
-            "model.hybrid_matching=false",
+            "model.one_to_many=none",
         )
     )
     assert evaluated["eval"] == pytest.approx(run["eval"], abs=1e-12)
@@ -491,7 +506,7 @@ def test_two_stage_queries_a_size_bucket_cannot_hold_are_refused_before_the_firs
     import train as trainer
     from engine.errors import SettingsError
 
-    two_stage = ("model.with_box_refine=true", "model.two_stage=true", "model.hybrid_matching=true")
+    two_stage = ("model.with_box_refine=true", "model.two_stage=true", "model.one_to_many=hybrid")
     with pytest.raises(
         SettingsError,
         match=r"model\.two_stage=true selects 90 queries \(model\.num_queries=10 \+ model\.num_queries_one2many=80\) "

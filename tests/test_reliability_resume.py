@@ -445,23 +445,49 @@ def test_resume_auto_takes_a_checkpoint_with_the_old_compile_keys(tmp_path, base
     assert find_resume_checkpoint("auto", output_dir=tmp_path / "new", search_root=outputs, config=base_config) == old
 
 
-def test_a_checkpoint_from_before_hybrid_matching_resumes_without_it_and_is_another_run_than_one_with_it(
-    tmp_path, base_config
+NEW_MODEL_KEYS = (
+    "one_to_many",
+    "num_queries_one2many",
+    "k_one2many",
+    "lambda_one2many",
+    "cls_loss_coef_one2many",
+    "mixed_selection",
+    "look_forward_twice",
+    "cross_attention_first",
+)
+
+
+@pytest.mark.parametrize(
+    "option", ["model.one_to_many=hybrid", "model.one_to_many=mixed", "model.mixed_selection=true"]
+)
+def test_a_checkpoint_from_before_the_one_to_many_options_resumes_without_them_and_is_another_run(
+    tmp_path, base_config, option
 ):
-    """A model recorded before model.hybrid_matching existed trained without it: a resume keeps it off (for
-    two-stage nothing else would tell), and resume=auto does not take it for a run with the option on."""
+    """A model recorded before the one-to-many options and Deformable-DETR++'s changes trained without them: a resume
+    keeps them off (for two-stage nothing else would tell), and resume=auto does not take it for a run with one on."""
     before = copy.deepcopy(base_config)
-    for key in ("hybrid_matching", "num_queries_one2many", "k_one2many", "lambda_one2many"):
+    for key in NEW_MODEL_KEYS:
         del before["model"][key]
-    effective = config_for_resume(
-        compose_train("epochs=30", "model.hybrid_matching=true"), checkpoint_of(before), path="old/checkpoint.pth"
-    )
-    assert effective.model.hybrid_matching is False
+    two_stage = ("model.with_box_refine=true", "model.two_stage=true")
+    before["model"].update(with_box_refine=True, two_stage=True)
+    effective = config_for_resume(compose_train("epochs=30", *two_stage, option), checkpoint_of(before), path="old.pth")
+    assert (effective.model.one_to_many, effective.model.mixed_selection) == ("none", False)
     outputs = tmp_path / "outputs"
     old = write_run(outputs, "10-00-00", before)
-    hybrid = with_changes(base_config, **{"model.hybrid_matching": True})
-    assert find_resume_checkpoint("auto", output_dir=tmp_path / "a", search_root=outputs, config=hybrid) is None
-    assert find_resume_checkpoint("auto", output_dir=tmp_path / "b", search_root=outputs, config=base_config) == old
+    key, value = option.split("=")
+    changed = with_changes(base_config, **{"model.with_box_refine": True, "model.two_stage": True, key: value})
+    plain = with_changes(base_config, **{"model.with_box_refine": True, "model.two_stage": True})
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "a", search_root=outputs, config=changed) is None
+    assert find_resume_checkpoint("auto", output_dir=tmp_path / "b", search_root=outputs, config=plain) == old
+
+
+def test_a_checkpoint_recording_hybrid_matching_resumes_with_one_to_many_hybrid(base_config):
+    """The setting's earlier name, model.hybrid_matching, as a checkpoint of that version records it."""
+    recorded = copy.deepcopy(base_config)
+    del recorded["model"]["one_to_many"]
+    recorded["model"]["hybrid_matching"] = True
+    effective = config_for_resume(compose_train("epochs=30"), checkpoint_of(recorded), path="old.pth")
+    assert effective.model.one_to_many == "hybrid"
 
 
 class TinyConv(torch.nn.Module):

@@ -94,7 +94,7 @@ def fresh_model(hybrid: bool = False):
     repeated targets' count over all processes."""
     torch.manual_seed(0)
     cfg = tiny_cfg(num_classes=7)
-    cfg.hybrid_matching = hybrid
+    cfg.one_to_many = "hybrid" if hybrid else "none"
     return build_model(cfg)[:2]
 
 

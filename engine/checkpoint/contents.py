@@ -13,9 +13,8 @@ import torch
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.config.run_files import named_checkpoint
-from engine.config.train_schema import HOW_TO_RUN, role_of
+from engine.config.train_schema import HOW_TO_RUN, role_of, upgrade_recorded_config
 from engine.errors import CheckpointError
-from models.deformable_detr import ONE2MANY_PARAMETERS
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +40,11 @@ def check_training_state(ckpt: dict, *, path: str | os.PathLike) -> None:
 
 
 def recorded_model_config(ckpt: dict) -> dict:
-    """The model hyperparameters a checkpoint records: our 'config'['model'] or the official 'args'."""
+    """The model hyperparameters a checkpoint records: our 'config'['model'] (in this version's layout), or the
+    official 'args'."""
     config = ckpt.get("config")
     if isinstance(config, dict) and isinstance(config.get("model"), dict):
-        return dict(config["model"])
+        return dict(upgrade_recorded_config({"model": config["model"]})["model"])
     args = ckpt.get("args")
     args = vars(args) if isinstance(args, argparse.Namespace) else args
     return dict(args) if isinstance(args, dict) else {}
@@ -96,20 +96,23 @@ def model_state_dict(ckpt: dict) -> dict:
 
 def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.PathLike) -> None:
     """Strictly load ``ckpt['model']``; CheckpointError naming the differing parameters and the likely settings.
-    Hybrid matching's one-to-many queries (ONE2MANY_PARAMETERS), which inference never uses, are the exception:
-    left out where the model has none, kept at their initialization where the checkpoint has none (logged)."""
+    The parameters the model says training alone uses (``is_training_only``: one-to-many supervision's), which
+    inference never uses, are the exception: left out where the model has none, kept at their initialization where
+    the checkpoint has none (logged)."""
     state = model_state_dict(ckpt)
     own = model.state_dict()
-    unused = sorted(k for k in state if k in ONE2MANY_PARAMETERS and k not in own)
+    training_only = getattr(model, "is_training_only", lambda name: False)
+    unused = sorted(k for k in state if training_only(k) and k not in own)
     if unused:
         state = {k: v for k, v in state.items() if k not in unused}
         log.info(
-            "checkpoint %s holds hybrid matching's one-to-many queries (%s), which this model "
-            "(model.hybrid_matching=false) has not: left out, as inference uses the one-to-one queries alone",
+            "checkpoint %s holds %d tensors of one-to-many supervision's training (%s), which this model "
+            "(model.one_to_many=none) has not: left out, as inference uses the one-to-one queries alone",
             path,
-            ", ".join(unused),
+            len(unused),
+            _names(unused),
         )
-    fresh = sorted(k for k in own if k in ONE2MANY_PARAMETERS and k not in state)
+    fresh = sorted(k for k in own if training_only(k) and k not in state)
     reshaped = [
         f"{k} {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} in the model"
         for k, v in state.items()
@@ -135,11 +138,16 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict, *, path: str | os.Pat
         )
     if fresh:
         log.info(
-            "checkpoint %s has no one-to-many queries of hybrid matching (%s): they keep their initialization "
-            "(inference does not use them)",
+            "checkpoint %s has none of this model's %d tensors of one-to-many supervision's training (%s): they keep "
+            "their initialization (inference does not use them)",
             path,
-            ", ".join(fresh),
+            len(fresh),
+            _names(fresh),
         )
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
 def read_recorded_config(path: str | os.PathLike) -> dict | None:

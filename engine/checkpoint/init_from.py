@@ -22,8 +22,9 @@ from .io import load_checkpoint
 
 log = logging.getLogger(__name__)
 
-# The variant decides which parameters exist, so it is taken from the checkpoint (as eval_only does).
-VARIANT_KEYS = ("with_box_refine", "two_stage")
+# The variant decides which parameters exist and what the decoder computes, so it is taken from the checkpoint (as
+# eval_only does).
+VARIANT_KEYS = ("with_box_refine", "two_stage", "mixed_selection", "cross_attention_first")
 # The sizes stay the config's: a checkpoint that does not fit them is an error, with these as the hint.
 SIZE_KEYS = (
     "backbone",
@@ -129,6 +130,8 @@ def prepare_init_from(cfg_model, *, weights: str = "ema") -> InitFrom:
         "with_box_refine": any(k.startswith("transformer.decoder.bbox_embed.") for k in state),
         "two_stage": any(k.startswith("transformer.enc_output.") for k in state),
     }
+    # Two-stage with a query embedding: its content (mixed query selection).
+    from_names["mixed_selection"] = from_names["two_stage"] and "query_embed.weight" in state
     for key, value in from_names.items():
         if key not in recorded and wanted[key] != value:
             log.info("model.%s=%r from the parameter names in %s (config said %r)", key, value, path, wanted[key])

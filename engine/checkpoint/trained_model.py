@@ -73,10 +73,10 @@ def checkpoint_model(
     path = named_checkpoint(checkpoint)
     ckpt = load_checkpoint(path)
     plain = OmegaConf.to_container(cfg_model, resolve=True) if OmegaConf.is_config(cfg_model) else dict(cfg_model)
-    # Inference uses the one-to-one queries only: build the model without hybrid matching (load_model_weights drops
-    # the one-to-many queries), so that predict and export run that graph.
-    model_config = model_config_for_checkpoint(plain, ckpt, path=path, keys=MODEL_KEYS - {"hybrid_matching"})
-    model_config["hybrid_matching"] = False
+    # Inference runs the one-to-one queries alone: the model without one-to-many supervision, so that predict and
+    # export run that graph (load_model_weights leaves out the training-only tensors).
+    model_config = model_config_for_checkpoint(plain, ckpt, path=path, keys=MODEL_KEYS - {"one_to_many"})
+    model_config["one_to_many"] = "none"
     model_config["num_classes"] = classes_in_weights(ckpt["model"]) or model_config["num_classes"]
     if msda is not None:
         model_config["msda"] = msda

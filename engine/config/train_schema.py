@@ -228,15 +228,29 @@ LEGACY_COMPILE_KEYS = {
 }
 
 
+# Model settings added since checkpoints first recorded their config, with the value a recorded model had: off.
+MODEL_KEYS_ADDED_OFF = {
+    "mixed_selection": False,
+    "look_forward_twice": False,
+    "cross_attention_first": False,
+    "cls_loss_coef_one2many": None,
+}
+
+
 def upgrade_recorded_config(recorded: dict) -> dict:
     """A checkpoint's recorded config in this version's layout, so a resume compares like with like: old compile
-    settings (``compile: bool``, LEGACY_COMPILE_KEYS) as the ``compile`` group; hybrid_matching=false if absent."""
+    settings (``compile: bool``, LEGACY_COMPILE_KEYS) as the ``compile`` group; model.hybrid_matching (true: hybrid)
+    as model.one_to_many, none if absent; the model keys added since (MODEL_KEYS_ADDED_OFF) off if absent."""
     if not isinstance(recorded, dict):
         return recorded
     upgraded = dict(recorded)
     model = recorded.get("model")
-    if isinstance(model, dict) and "hybrid_matching" not in model:
-        upgraded["model"] = {**model, "hybrid_matching": False}
+    if isinstance(model, dict):
+        model = {**MODEL_KEYS_ADDED_OFF, **model}
+        if "one_to_many" not in model:
+            model["one_to_many"] = "hybrid" if model.get("hybrid_matching") else "none"
+        model.pop("hybrid_matching", None)
+        upgraded["model"] = model
     if isinstance(recorded.get("compile"), dict):
         return upgraded
     upgraded = {k: v for k, v in upgraded.items() if k != "compile" and k not in LEGACY_COMPILE_KEYS}

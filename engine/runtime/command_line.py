@@ -48,3 +48,19 @@ def check_named_files_folder(argv: Sequence[str], key: str) -> list[Path]:
     made = missing_folders(folder)
     writable_folder(folder, setting=f"{key}={named[1]}")
     return made
+
+
+# Settings that moved, and where: a command line with the old one is told, rather than Hydra's "not in ModelConfig".
+MOVED = {
+    "model.hybrid_matching": "one-to-many supervision is model.one_to_many=hybrid (or mixed, or none for off)",
+}
+
+
+def refuse_moved_settings(argv: Sequence[str]) -> None:
+    """A SettingsError naming the first override of a setting that moved (MOVED) and its new place."""
+    from engine.errors import SettingsError
+
+    for argument in argv[1:]:
+        key = argument.lstrip("+~").partition("=")[0]
+        if key in MOVED:
+            raise SettingsError(f"{argument}: {key} has moved: {MOVED[key]}")

@@ -118,7 +118,8 @@ def check_two_stage_queries(cfg_model, buckets) -> None:
     if buckets is None or not cfg_model.two_stage:
         return
     one_to_one = ("model.num_queries", cfg_model.num_queries)
-    one_to_many = ("model.num_queries_one2many", cfg_model.num_queries_one2many if cfg_model.hybrid_matching else 0)
+    hybrid = cfg_model.one_to_many == "hybrid"
+    one_to_many = ("model.num_queries_one2many", cfg_model.num_queries_one2many if hybrid else 0)
     checks = [("training", buckets.train, [one_to_one, one_to_many]), ("evaluation", buckets.val, [one_to_one])]
     for what, sizes, counts in checks:
         counts = [(key, n) for key, n in counts if n]
