@@ -85,6 +85,8 @@ def test_run_writes_tensorboard_checkpoints_and_eval(tiny_run):
     evaluation = json.loads((run_dir / "eval_epoch0002.json").read_text())
     assert set(evaluation) >= {"AP", "AP50", "AP75", "APs", "APm", "APl", "epoch", "step", "per_class"}
     assert list(evaluation.pop("per_class")) == ["person", "bicycle", "car", "motorcycle", "airplane", "bus"]
+    # the training steps' wall time so far: AP against seconds
+    assert 0 < evaluation.pop("steps_s") <= timing["train_s"] + timing["warmup_s"] + timing["compile_s"] + 1e-3
     assert evaluation == pytest.approx(
         {
             **tiny_run["eval"],

@@ -47,6 +47,7 @@ class RunTiming:
     evaluations: int = 0
     checkpoint_s: float = 0.0
     steps: int = 0
+    steps_s: float = 0.0  # the wall time of this process's steps, compilation and warm-up included
     # The warm steps since the last graph compiled: (wall s, loader wait s, images, pixels per image, end, number)
     warm_steps: list[tuple[float, float, int, int, float, int]] = field(default_factory=list)
     _last_step_end: float | None = None
@@ -98,6 +99,7 @@ class RunTiming:
         compiled = self.clock.totals().since(before)
         wall = now - self._last_step_end
         self._last_step_end = now
+        self.steps_s += wall
         if self.first_step_s is None:  # from the start of the process: what the user waits for a first step
             self.first_step_s = now - self.started
         if compiled.graphs and not profiled:

@@ -65,6 +65,7 @@ class EpochEvaluation(Hook):
             step=step,
             epoch=epoch,
             epoch_complete=complete,
+            steps_s=round(timing.steps_s, 3),  # what the training's steps took so far: AP against seconds
             should_stop=run.stop.during_evaluation,
         )
         offered = run.evaluated_weights()
