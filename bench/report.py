@@ -7,6 +7,7 @@ the commit and the exact command. History lives in git, not in the files.
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -26,7 +27,10 @@ def out_dir(out: Path | None, trial: bool) -> Path:
 
 
 def commit() -> str:
-    """The checkout's commit, with "+changes" when its tracked files differ from it ("unknown" outside git)."""
+    """The checkout's commit, with "+changes" when its tracked files differ from it ("unknown" outside git).
+    BENCH_COMMIT, where set, names it instead: a lent GPU machine's copy of a working tree can keep an older HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True

@@ -5,16 +5,20 @@ batch, with the real loader, size buckets and step on COCO-like JPEG files at th
 how busy is the GPU, how long does the step wait for the loader, how much memory does it take, what share of the
 GPU's bf16 peak is that, and so how many hours does the 50-epoch recipe take?
 
-    python bench/throughput.py                                  # coco_gpu and hybrid at 32: results/throughput_h200
+    python bench/throughput.py                                  # coco_gpu, mixed, hybrid at 32: results/throughput_h200
     python bench/throughput.py --rows coco_gpu:16 --out /tmp/tp  # one row
+    python bench/throughput.py --baseline /tmp/base             # and coco_gpu from another commit's checkout, first
     python bench/throughput.py --smoke                          # the whole script on the CPU, tiny: outputs/bench/
 
 Each row is one ``python train.py experiment=RECIPE dataset.root=<the set> total_batch_size=B batch_size=B
-max_steps=N compile.mode=reduce-overhead ...``, RECIPE coco_gpu (the published recipe) or hybrid (hybrid matching
-and model EMA): compiled as the long recipes are (compile.mode=auto compiles a run
-of STEPS_TO_COMPILE steps or more, and a row's few hundred would get CUDA graphs of the eager model instead). The
+max_steps=N compile.mode=reduce-overhead ...``, RECIPE coco_gpu (the published recipe), mixed or hybrid (the 12-epoch
+recipes with one-to-many supervision and model EMA): compiled as the long recipes are (compile.mode=auto compiles a
+run of STEPS_TO_COMPILE steps or more, and a row's few hundred would get CUDA graphs of the eager model instead). The
 rows share one compile cache, empty before the first row: the first row's first step is a cold start, the later
-rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch). From
+rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch).
+``--baseline`` (a checkout of another commit, e.g. ``git worktree add /tmp/base COMMIT``) runs each coco_gpu row from
+that checkout too, before the others and with a compile cache of its own, so that a change is measured as a ratio
+of two runs on the same machine in the same call. From
 its timing.json: the steady steps (the second half of the warm steps that compiled nothing), their images/s, the
 share of their wall time the loop waited for the loader, the padded pixels per image, peak memory and the first
 step's time. GPU busy: the share of the row's last PROFILED_STEPS steps' (fewer in a --smoke run) wall time
@@ -51,7 +55,8 @@ from bench.step_profile import PARTS, gpu_time_by_part
 from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
 
 COCO_TRAIN_IMAGES = 118_287
-RECIPE_EPOCHS = 50
+# The recipes' epochs (configs/experiment/), for the hours each takes on COCO at a row's rate.
+RECIPE_EPOCHS = {"coco_gpu": 50, "mixed": 12, "hybrid": 12}
 # Dense bf16 peak by GPU name (the vendors' datasheets), for MFU.
 BF16_PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 # COCO-like images: the long side 640, the short one as COCO's mostly are, 70% landscape; about 7 objects over
@@ -68,9 +73,15 @@ FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
 ROW_STEPS = 400
 # The steps at each row's end that train.py profiles (profile_steps) for the GPU's busy share: several sizes' worth.
 PROFILED_STEPS = 20
-TARGETS = {"img_s": 200.0, "gpu_busy": 0.95, "data_wait_share": 0.05, "hybrid_step_cost": 1.10}
+TARGETS = {"img_s": 200.0, "gpu_busy": 0.95, "data_wait_share": 0.05, "speedup": 1.25, "mixed_step_cost": 1.10}
 # The rows' recipes: configs/experiment/ of that name.
-RECIPES = ("coco_gpu", "hybrid")
+RECIPES = tuple(RECIPE_EPOCHS)
+# What --smoke's tiny model runs for each recipe (the experiments' full model does not fit a CPU run).
+SMOKE_RECIPE_KEYS = {
+    "coco_gpu": [],
+    "mixed": ["model.one_to_many=mixed", "model.cross_attention_first=true", "ema.decay=0.9998"],
+    "hybrid": ["model.one_to_many=hybrid", "ema.decay=0.9998"],
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,9 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--rows",
         type=row_spec,
         nargs="+",
-        default=[("coco_gpu", 32), ("hybrid", 32)],
-        help="RECIPE:BATCH, one row each: the experiment (coco_gpu or hybrid) and its total batch per "
+        default=[("coco_gpu", 32), ("mixed", 32), ("hybrid", 32)],
+        help=f"RECIPE:BATCH, one row each: the experiment ({', '.join(RECIPES)}) and its total batch per "
         "optimizer step (one GPU: the whole batch in one pass)",
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout of the commit to compare with: each coco_gpu row runs from it too, first",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help=f"optimizer steps per row (default: {ROW_STEPS}; 16 with --smoke)"
@@ -211,7 +228,7 @@ def profiled_steps(steps: int) -> int:
     return min(PROFILED_STEPS, max(1, steps // 4))
 
 
-def row_overrides(args, recipe: str, batch: int, run: Path, steps: int) -> list[str]:
+def row_overrides(args, recipe: str, batch: int, run: Path, steps: int, cache: str = "cache") -> list[str]:
     common = [
         f"dataset.root={args.work / 'coco'}",
         f"total_batch_size={batch}",
@@ -219,18 +236,17 @@ def row_overrides(args, recipe: str, batch: int, run: Path, steps: int) -> list[
         f"max_steps={steps}",
         "epochs=1",
         f"output_dir={run}",
-        f"compile.cache_dir={args.work / 'cache'}",
+        f"compile.cache_dir={args.work / cache}",
         "log_every=10",
         "eval_images=0",
         f"profile_steps=[{max(1, steps - profiled_steps(steps) + 1)},{steps}]",
     ]
     if args.smoke:
-        recipe_keys = ["model.hybrid_matching=true", "ema.decay=0.9998"] if recipe == "hybrid" else []
         return [
             "dataset=coco",
             "model=tiny",
             "device=cpu",
-            *recipe_keys,
+            *SMOKE_RECIPE_KEYS[recipe],
             "dataset.train_scales=[128]",
             "dataset.max_size=160",
             "dataset.val_size=128",
@@ -248,31 +264,40 @@ def row_overrides(args, recipe: str, batch: int, run: Path, steps: int) -> list[
     ]
 
 
-def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
-    """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one)."""
-    base = f"{recipe}_batch{batch}" + (f"_gpus{gpus}" if gpus > 1 else "")
+def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1, baseline: bool = False) -> dict:
+    """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one), of this
+    checkout or, with ``baseline``, of ``args.baseline``'s."""
+    base = f"{recipe}_batch{batch}" + (f"_gpus{gpus}" if gpus > 1 else "") + ("_baseline" if baseline else "")
     name = base if base not in args.names_used else f"{base}_{len(args.names_used)}"  # a row again: its warm cache
     args.names_used.add(name)
     run = args.work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    overrides = row_overrides(args, recipe, batch, run, steps)
-    print(f"== {recipe} at batch {batch} on {gpus} GPU(s): train.py {' '.join(overrides)}", flush=True)
+    overrides = row_overrides(args, recipe, batch, run, steps, cache="cache_baseline" if baseline else "cache")
+    checkout = args.baseline if baseline else ROOT
+    print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {checkout}/train.py {' '.join(overrides)}", flush=True)
     log = args.work / f"{name}.log"
+    code = {"code": args.baseline_commit if baseline else "this"}
     with BusySampler() as busy:
         returncode = run_train_py(
-            overrides, log=log, env=environment_without_cache_choice(), gpus=gpus, timeout=args.row_timeout
+            overrides,
+            log=log,
+            env=environment_without_cache_choice(),
+            gpus=gpus,
+            timeout=args.row_timeout,
+            checkout=checkout,
         )
     output = log.read_text()
     if returncode != 0:
         print(output[-4000:])
         stopped = f"stopped after --row-timeout {args.row_timeout:g} s" if returncode is None else returncode
-        return {"recipe": recipe, "batch": batch, "error": f"train.py: exit {stopped}"}
+        return {"recipe": recipe, "batch": batch, **code, "error": f"train.py: exit {stopped}"}
     timing = json.loads((run / "timing.json").read_text())
     steady = timing["steady"]
     if steady is None:
         return {
             "recipe": recipe,
             "batch": batch,
+            **code,
             "error": "no steady step: every step compiled or warmed up a size (raise --steps)",
         }
     img_s = steady["images_per_s"] * gpus  # timing.json counts rank 0's images
@@ -284,6 +309,7 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
             keep_trace(run / profile["trace"], args.traces / f"{name}_{profile['trace']}.gz")
     return {
         "recipe": recipe,
+        **code,
         "name": name,
         "batch": batch,
         "per_gpu_batch": batch // gpus,
@@ -304,7 +330,8 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1) -> dict:
         "steady_steps": steady["steps"],
         "steps": timing["steps"],
         "steady_from_step": steady["first_step"],
-        "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS / img_s / 3600,
+        "recipe_epochs": RECIPE_EPOCHS[recipe],
+        "recipe_hours": COCO_TRAIN_IMAGES * RECIPE_EPOCHS[recipe] / img_s / 3600,
         "accumulate_grad_warnings": output.count("AccumulateGrad node's stream"),
         "transformer": transformer_graphs(output),
     }
@@ -322,6 +349,14 @@ def transformer_graphs(output: str) -> str | None:
     if plan is None:
         return None
     return "per layer" if "layers" in plan.group(1) else "one graph"
+
+
+def checkout_commit(checkout: Path) -> str:
+    """The commit a --baseline checkout holds: git's, or the COMMIT file an exported tree (git archive) carries."""
+    if (checkout / "COMMIT").is_file():
+        return (checkout / "COMMIT").read_text().strip()
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else "unknown"
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
@@ -358,15 +393,24 @@ def how_to_read() -> str:
     return (
         "Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as "
         "the long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one "
-        "GPU, the batch in one pass; the rows share a compile cache, empty before the first. hybrid is hybrid"
-        " matching with model EMA. img/s, step and loader wait come from the run's steady steps (its "
+        "GPU, the batch in one pass; the rows share a compile cache, empty before the first (a baseline "
+        "commit's rows have their own). mixed and hybrid are the 12-epoch recipes: Deformable-DETR++'s "
+        "training changes, one-to-many supervision (mixed: MS-DETR's, on the model's own queries; hybrid: "
+        "H-DETR's 1,500 extra queries) and model EMA. img/s, step and loader wait come from the run's steady steps "
+        "(its "
         f"timing.json); GPU busy is the share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke "
         "run) in which the GPU ran a kernel, copy or memset (train.py's profile_steps: torch.profiler "
         "recording the GPU's activity alone); NVML is the GPU's utilization counter over the steady steps "
         "(coarse: sampled); MFU counts the model's matmul and convolution FLOPs (forward and backward) "
-        "against the GPU's dense bf16 peak; hours are 50 epochs of COCO (118,287 images x 50) at that rate; "
+        "against the GPU's dense bf16 peak; hours are the recipe's epochs of COCO (118,287 images each) at that "
+        "rate; "
         "the first step is from the process's start, compilation included (cold: into the empty cache)."
     )
+
+
+def row_name(r: dict) -> str:
+    """A row's recipe, and the commit it ran when that is not the report's."""
+    return r["recipe"] if r.get("code", "this") == "this" else f"{r['recipe']} (baseline {r['code']})"
 
 
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
@@ -374,11 +418,11 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         if "error" in r:
-            cells.append([r["recipe"], r["batch"], r["error"], *[""] * 10])
+            cells.append([row_name(r), r["batch"], r["error"], *[""] * 10])
             continue
         cells.append(
             [
-                r["recipe"],
+                row_name(r),
                 r["batch"],
                 f"{r['img_s']:.1f}",
                 f"{r['step_ms']:.0f}",
@@ -388,7 +432,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                 cell(r["peak_gib"]),
                 cell(r.get("gflops_per_image"), ".0f"),
                 cell(r.get("mfu"), ".1%"),
-                f"{r['recipe_hours']:.1f}",
+                f"{r['recipe_hours']:.1f} ({r['recipe_epochs']} epochs)",
                 f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})",
                 f"from step {r['steady_from_step']}",
             ]
@@ -405,7 +449,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
             "peak GiB",
             "GFLOPs/img",
             "MFU",
-            "50 epochs (h)",
+            "COCO recipe (h)",
             "first step (s)",
             "steady steps",
         ],
@@ -425,7 +469,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
             ["recipe", "batch", *PARTS, "profiled step"],
             [
                 [
-                    r["recipe"],
+                    row_name(r),
                     r["batch"],
                     *(f"{r['parts_ms'].get(part, 0.0):.1f}" for part in PARTS),
                     f"{r['profile']['step_ms']:.1f}",
@@ -434,15 +478,19 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
             ],
         )
     if done:
-        lines += ["", "Targets:", ""] + [f"- {'met' if ok else 'MISSED'}: {text}" for text, ok in targets(done)]
+        lines += ["", "Targets:", ""] + [f"- {VERDICT[ok]}: {text}" for text, ok in targets(done)]
     if header.get("notes"):
         lines += ["", header["notes"]]
     return lines
 
 
-def targets(done: list[dict]) -> list[tuple[str, bool]]:
-    """(what, met) of each of the bench's targets that the rows measured."""
-    plain = [r for r in done if r["recipe"] == "coco_gpu"]
+VERDICT = {True: "met", False: "MISSED", None: "reported"}
+
+
+def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
+    """(what, met) of each of the bench's targets that the rows measured; met None for a figure with no target."""
+    plain = [r for r in done if r["recipe"] == "coco_gpu" and r.get("code", "this") == "this"]
+    baseline = [r for r in done if r["recipe"] == "coco_gpu" and r.get("code", "this") != "this"]
     checks = []
     if plain:
         best = max(plain, key=lambda r: r["img_s"])
@@ -462,17 +510,27 @@ def targets(done: list[dict]) -> list[tuple[str, bool]]:
                 best["data_wait_share"] <= TARGETS["data_wait_share"],
             ),
         ]
-    for hybrid in (r for r in done if r["recipe"] == "hybrid"):
-        twin = next((r for r in plain if r["batch"] == hybrid["batch"]), None)
-        if twin is not None:
-            cost = hybrid["step_ms"] / twin["step_ms"]
+    for old in baseline:
+        new = next((r for r in plain if r["batch"] == old["batch"]), None)
+        if new is not None:
+            speedup = old["step_ms"] / new["step_ms"]
             checks.append(
                 (
-                    f"hybrid with EMA at batch {hybrid['batch']}: {cost:.2f}x coco_gpu's step <= "
-                    f"{TARGETS['hybrid_step_cost']:.2f}x",
-                    cost <= TARGETS["hybrid_step_cost"],
+                    f"coco_gpu at batch {old['batch']}: {speedup:.2f}x the step of baseline {old['code']} >= "
+                    f"{TARGETS['speedup']:.2f}x",
+                    speedup >= TARGETS["speedup"],
                 )
             )
+    for row in (r for r in done if r["recipe"] != "coco_gpu"):
+        twin = next((r for r in plain if r["batch"] == row["batch"]), None)
+        if twin is None:
+            continue
+        cost = row["step_ms"] / twin["step_ms"]
+        if row["recipe"] == "mixed":
+            text = f"mixed with EMA at batch {row['batch']}: {cost:.2f}x coco_gpu's step <= "
+            checks.append((text + f"{TARGETS['mixed_step_cost']:.2f}x", cost <= TARGETS["mixed_step_cost"]))
+        else:  # reported, no target: hybrid's extra queries are its method
+            checks.append((f"{row['recipe']} with EMA at batch {row['batch']}: {cost:.2f}x coco_gpu's step", None))
     warnings = sum(r["accumulate_grad_warnings"] for r in done)
     checks.append((f"AccumulateGrad stream warnings in the runs' output: {warnings}", warnings == 0))
     return checks
@@ -496,11 +554,18 @@ def main() -> None:
     )
     subprocess.run(["rm", "-rf", str(args.work / "cache")], check=True)  # the first row starts cold
     header = run_header(train_images=train_images, val_images=args.val_images, steps=steps)
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()  # train.py runs with the checkout as its working directory
+        args.baseline_commit = checkout_commit(args.baseline)
+        header["baseline"] = {"checkout": str(args.baseline), "commit": args.baseline_commit}
+        subprocess.run(["rm", "-rf", str(args.work / "cache_baseline")], check=True)
+    planned = [(recipe, b, True) for recipe, b in args.rows if recipe == "coco_gpu" and args.baseline is not None]
     rows = []
-    for recipe, b in args.rows:
-        cache = args.work / "cache"
+    for recipe, b, baseline in planned + [(recipe, b, False) for recipe, b in args.rows]:
+        cache = args.work / ("cache_baseline" if baseline else "cache")
         warm = cache.is_dir() and any(p.is_file() for p in cache.rglob("*"))  # an earlier row compiled into it
-        rows.append({**run_row(args, recipe, b, steps), "compile_cache": "warm" if warm else "cold"})
+        row = run_row(args, recipe, b, steps, baseline=baseline)
+        rows.append({**row, "compile_cache": "warm" if warm else "cold"})
         # The rows so far, so that a bench stopped part-way (a machine's time limit) still leaves its figures.
         write_report(args.name, {**header, "rows": rows}, report_lines(header, rows), out=args.out)
     line = flops_per_pixel_line(args)

@@ -82,16 +82,23 @@ def compose_config(overrides: list[str]):
 
 
 def run_train_py(
-    overrides: list[str], *, log: Path, env: dict | None = None, gpus: int = 1, timeout: float | None = None
+    overrides: list[str],
+    *,
+    log: Path,
+    env: dict | None = None,
+    gpus: int = 1,
+    timeout: float | None = None,
+    checkout: Path = ROOT,
 ) -> int | None:
-    """``python train.py OVERRIDES`` of this checkout (under torchrun on more than one GPU), its output into ``log``:
-    its exit status, or None when it ran past ``timeout`` seconds and was stopped."""
+    """``python train.py OVERRIDES`` of ``checkout`` (this one unless another commit's is compared) under torchrun on
+    more than one GPU, its output into ``log``: its exit status, or None when it ran past ``timeout`` seconds and was
+    stopped."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else []
     with open(log, "w") as out:
         return CHILDREN.run(
-            [sys.executable, *launcher, str(ROOT / "train.py"), *overrides],
+            [sys.executable, *launcher, str(checkout / "train.py"), *overrides],
             timeout=timeout,
-            cwd=ROOT,
+            cwd=checkout,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
