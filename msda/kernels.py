@@ -14,11 +14,12 @@ sort for a deterministic result); then msda_grad_value_gather_kernel gives every
 four cells that can reach it, in a fixed order, and writes it once.
 
 LOGITS: the weights are the logits of the attention weights, softmaxed over each query's L*P samples inside the
-kernels (msda.logits_op). The forward computes each query's softmax stats from its contiguous run of logits before
+kernels (msda/logits_op.py). The forward computes each query's softmax stats from its contiguous run of logits before
 its samples and writes them; every other kernel turns a logit into its weight with them. The logit's gradient is
 a * (dL/da - sum_j a_j dL/da_j), and that sum is the upstream gradient dotted with the forward's output of the
 (query, head): sum_j a_j <g, val_j> = <g, sum_j a_j val_j>. So the backward reads the output row instead of
-waiting for all L*P weight gradients, and writes each logit's gradient as soon as its sample's is known.
+waiting for all L*P weight gradients, and writes each logit's gradient as soon as its sample's is known. With a
+2-byte value the output is stored rounded to it, and that sum carries its rounding (relative 2^-8 for bf16 at most).
 
 Layouts (all contiguous, element offsets in int64 because N*S*M*D passes 2^31 at encoder scale):
     value               (N, S, M, D)            row (n, s, m) is D contiguous channels
