@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import msda
+from models.fused import fused
 from models.host_copy import to_device_async
 from msda import IMPLS
 
@@ -54,6 +55,13 @@ class MSDeformAttn(nn.Module):
     The attention itself is ``msda.multi_scale_deformable_attention`` through ``msda`` ("auto" | "triton" |
     "pytorch"); it follows ``torch.use_deterministic_algorithms`` for a deterministic backward. Sampling locations
     are computed in float32 with autocast off: in bf16 a location on a 167-wide level is off by up to a pixel.
+
+    On CUDA (models/fused/policy.py) two pieces run fused: the sampling offsets and the attention logits, which both
+    project the query, come from one float32 matmul over the two layers' weights side by side (the logits then in
+    float32 too, where autocast made them bf16: one read of the query instead of two and no bf16 copy of it, for a
+    third of the matmul on TF32 rather than bf16 tensor cores); and the logits go to the attention op unsoftmaxed,
+    whose kernels softmax them as they read them (msda's weights_are_logits). Parameters stay the two nn.Linear
+    layers, so checkpoints load unchanged. Elsewhere the unfused ops run as they always did.
     """
 
     def __init__(
@@ -128,14 +136,22 @@ class MSDeformAttn(nn.Module):
             value = value.masked_fill(input_padding_mask[..., None], 0.0)
         value = value.view(N, S, M, D)  # (N, S, M, D)
 
-        attention_weights = self.attention_weights(query).view(N, Lq, M, L * P)
-        attention_weights = F.softmax(attention_weights, -1).view(N, Lq, M, L, P)  # (N, Lq, M, L, P)
+        if fused("projections", query):
+            sampling_offsets, attention_weights = self._offsets_and_logits(query)  # float32 both
+        else:
+            sampling_offsets, attention_weights = None, self.attention_weights(query)
+        softmax_in_op = fused("softmax", query)
+        attention_weights = attention_weights.view(N, Lq, M, L * P)
+        if not softmax_in_op:
+            attention_weights = F.softmax(attention_weights, -1)
+        attention_weights = attention_weights.view(N, Lq, M, L, P)  # (N, Lq, M, L, P) weights, or their logits
 
         with torch.autocast(device_type=query.device.type, enabled=False):
             # float32 offsets and locations even under autocast (see the class docstring).
             dtype = torch.promote_types(query.dtype, torch.float32)  # float64 stays float64 (gradcheck)
-            lin = self.sampling_offsets
-            sampling_offsets = F.linear(query.to(dtype), lin.weight.to(dtype), lin.bias.to(dtype))
+            if sampling_offsets is None:
+                lin = self.sampling_offsets
+                sampling_offsets = F.linear(query.to(dtype), lin.weight.to(dtype), lin.bias.to(dtype))
             sampling_offsets = sampling_offsets.view(N, Lq, M, L, P, 2)  # (N, Lq, M, L, P, 2)
             reference_points = reference_points.to(dtype)
             if reference_points.shape[-1] == 2:
@@ -160,7 +176,20 @@ class MSDeformAttn(nn.Module):
         if attention_weights.dtype != value.dtype:
             # msda takes float32 weights with low-precision values, but not the other way round.
             attention_weights = attention_weights.float()
+        logits = {"weights_are_logits": True} if softmax_in_op else {}
         output = msda.multi_scale_deformable_attention(
-            value, levels, input_level_start_index, sampling_locations, attention_weights, impl=self.msda
+            value, levels, input_level_start_index, sampling_locations, attention_weights, impl=self.msda, **logits
         )  # (N, Lq, C)
         return self.output_proj(output)
+
+    def _offsets_and_logits(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampling offsets (N, Lq, M*L*P*2), attention logits (N, Lq, M*L*P)) from one matmul of the query over
+        both layers' weights, in float32 (float64 for a float64 query) with autocast off, as the offsets always are.
+        Both are views of the one product."""
+        offsets, logits = self.sampling_offsets, self.attention_weights
+        with torch.autocast(device_type=query.device.type, enabled=False):
+            dtype = torch.promote_types(query.dtype, torch.float32)
+            weight = torch.cat([offsets.weight, logits.weight]).to(dtype)  # (M*L*P*3, C)
+            bias = torch.cat([offsets.bias, logits.bias]).to(dtype)
+            projected = F.linear(query.to(dtype), weight, bias)  # (N, Lq, M*L*P*3)
+        return projected.split([offsets.out_features, logits.out_features], -1)

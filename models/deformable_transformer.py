@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.deformable_attention import MSDeformAttn
+from models.fused import linear_relu, residual_norm
 from models.one_to_many import AuxiliaryFFN
 
 
@@ -29,7 +30,12 @@ def _clones(module: nn.Module, n: int) -> nn.ModuleList:
 
 
 class DeformableTransformerEncoderLayer(nn.Module):
-    """Post-norm: deformable self-attention, residual, norm1; FFN (linear1, relu, linear2), residual, norm2."""
+    """Post-norm: deformable self-attention, residual, norm1; FFN (linear1, relu, linear2), residual, norm2.
+
+    On CUDA (models/fused/policy.py) each residual and its norm run as one Triton kernel where the residual's dropout
+    does nothing (dropout 0, as the tiny model's, or evaluation; with the paper's 0.1 a training step keeps the
+    unfused ops), and linear1 with its ReLU as one matmul; elsewhere the plain ops, unchanged.
+    """
 
     def __init__(
         self, *, d_model: int, d_ffn: int, dropout: float, n_levels: int, nheads: int, n_points: int, msda: str
@@ -47,9 +53,9 @@ class DeformableTransformerEncoderLayer(nn.Module):
     def forward(self, src, pos, reference_points, spatial_shapes, padding_mask):
         """src, pos (N, S, C); reference_points (N, S, L, 2); spatial_shapes ((H, W), ...) -> (N, S, C)."""
         src2 = self.self_attn(src + pos, reference_points, src, spatial_shapes, None, padding_mask)
-        src = self.norm1(src + self.dropout1(src2))
-        src2 = self.linear2(self.dropout2(F.relu(self.linear1(src))))
-        return self.norm2(src + self.dropout3(src2))
+        src = residual_norm(self.norm1, self.dropout1, src, src2)  # norm1(src + dropout1(src2))
+        src2 = self.linear2(self.dropout2(linear_relu(self.linear1, src)))  # linear2(dropout2(relu(linear1(src))))
+        return residual_norm(self.norm2, self.dropout3, src, src2)  # norm2(src + dropout3(src2))
 
 
 class DeformableTransformerEncoder(nn.Module):

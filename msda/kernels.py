@@ -13,6 +13,14 @@ corner (a key, and a count per cell); the samples are grouped by cell (an atomic
 sort for a deterministic result); then msda_grad_value_gather_kernel gives every value row the sum over the
 four cells that can reach it, in a fixed order, and writes it once.
 
+LOGITS: the weights are the logits of the attention weights, softmaxed over each query's L*P samples inside the
+kernels (msda/logits_op.py). The forward computes each query's softmax stats from its contiguous run of logits before
+its samples and writes them; every other kernel turns a logit into its weight with them. The logit's gradient is
+a * (dL/da - sum_j a_j dL/da_j), and that sum is the upstream gradient dotted with the forward's output of the
+(query, head): sum_j a_j <g, val_j> = <g, sum_j a_j val_j>. So the backward reads the output row instead of
+waiting for all L*P weight gradients, and writes each logit's gradient as soon as its sample's is known. With a
+2-byte value the output is stored rounded to it, and that sum carries its rounding (relative 2^-8 for bf16 at most).
+
 Layouts (all contiguous, element offsets in int64 because N*S*M*D passes 2^31 at encoder scale):
     value               (N, S, M, D)            row (n, s, m) is D contiguous channels
     sampling_locations  (N, Lq, M, L, P, 2)     (x, y) normalized; x*W - 0.5 is the pixel coordinate
@@ -20,6 +28,8 @@ Layouts (all contiguous, element offsets in int64 because N*S*M*D passes 2^31 at
     output              (N, Lq, M, D)           viewed by the caller as (N, Lq, M*D)
     level layout        four int64 scalars, two levels each: bits 32k..32k+13 W, 32k+16..32k+29 H, bit 62 set
                         so that Triton always types them int64; passed by value, never as a device table.
+    softmax stats       (N, Lq, M, 2) in the compute dtype, LOGITS only: the max of each query's L*P logits and the
+                        sum of their exponentials after subtracting it, written by the forward, read by the backward
     cells               per (n, m), level l owns (H_l+1)*(W_l+1) cells: the top-left corners -1..H-1, -1..W-1
 """
 
@@ -130,6 +140,39 @@ def _load_samples(
 
 
 @triton.jit
+def _softmax_stats(weight_ptr, query_row, q_in, LP: tl.constexpr, BLOCK_LP: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """(BLOCK_Q,) max and sum of exp(logit - max) over each query's LP logits, one contiguous run; 0 and 1 for
+    queries past Lq (no infinities, so that no masked lane makes a NaN)."""
+    j = tl.arange(0, BLOCK_LP)  # (BLOCK_LP,)
+    mask = q_in[:, None] & (j < LP)[None, :]
+    logit = tl.load(weight_ptr + query_row[:, None] * LP + j[None, :], mask=mask, other=float("-inf"))
+    logit = logit.to(COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_LP)
+    sm_max = tl.where(q_in, tl.max(logit, axis=1), 0.0)
+    sm_sum = tl.sum(tl.exp(logit - sm_max[:, None]), axis=1)
+    return sm_max, tl.where(q_in, sm_sum, 1.0)
+
+
+@triton.jit
+def _store_softmax_stats(stats_ptr, query_row, q_in, sm_max, sm_sum):
+    tl.store(stats_ptr + 2 * query_row, sm_max.to(stats_ptr.dtype.element_ty), mask=q_in)
+    tl.store(stats_ptr + 2 * query_row + 1, sm_sum.to(stats_ptr.dtype.element_ty), mask=q_in)
+
+
+@triton.jit
+def _load_softmax_stats(stats_ptr, query_row, mask):
+    """The forward's (max, sum) of each query row (any shape), 0 and 1 where masked."""
+    sm_max = tl.load(stats_ptr + 2 * query_row, mask=mask, other=0.0)
+    sm_sum = tl.load(stats_ptr + 2 * query_row + 1, mask=mask, other=1.0)
+    return sm_max, sm_sum
+
+
+@triton.jit
+def _softmax_weight(logit, sm_max, sm_sum, mask):
+    """The attention weight of a logit, as torch.softmax computes it: exp(logit - max) / sum; 0 where masked."""
+    return tl.where(mask, tl.exp(logit - sm_max) / sm_sum, 0.0)
+
+
+@triton.jit
 def _pixel(loc, size, COMPUTE_DTYPE: tl.constexpr):
     """grid_sample(align_corners=False) at 2*loc-1: pixel centres sit at (i + 0.5) / size."""
     return loc.to(COMPUTE_DTYPE) * size - 0.5
@@ -166,8 +209,9 @@ def _channel_offsets(rows, m, M: tl.constexpr, D: tl.constexpr, d):
 def msda_forward_kernel(
     value_ptr,  # (N, S, M, D)
     loc_ptr,  # (N, Lq, M, L, P, 2)
-    weight_ptr,  # (N, Lq, M, L, P)
+    weight_ptr,  # (N, Lq, M, L, P) weights, or their logits (LOGITS)
     out_ptr,  # (N, Lq, M, D)
+    stats_ptr,  # (N, Lq, M, 2) out: softmax stats; LOGITS only
     Lq,
     levels01,
     levels23,
@@ -182,12 +226,18 @@ def msda_forward_kernel(
     BLOCK_D: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     UNROLL: tl.constexpr,
+    LOGITS: tl.constexpr,
+    BLOCK_LP: tl.constexpr,
 ):
     _pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     d_in = (d < D)[None, None, :]
     S, _C = _layout_totals(levels01, levels23, levels45, levels67, L)
     batch_row0 = n.to(tl.int64) * S  # first value row of batch n
+    if LOGITS:
+        # ---- softmax stats of every query's L*P logits, before its samples
+        sm_max, sm_sum = _softmax_stats(weight_ptr, query_row, q_in, L * P, BLOCK_LP, COMPUTE_DTYPE)
+        _store_softmax_stats(stats_ptr, query_row, q_in, sm_max, sm_sum)
 
     acc = tl.zeros((BLOCK_Q, BLOCK_P, BLOCK_D), dtype=COMPUTE_DTYPE)  # (BLOCK_Q, BLOCK_P, BLOCK_D)
     for step in tl.range(0, (L * P + BLOCK_P - 1) // BLOCK_P, loop_unroll_factor=UNROLL):
@@ -200,6 +250,8 @@ def msda_forward_kernel(
         x0 = tl.floor(x)
         y0 = tl.floor(y)
         attn = attn.to(COMPUTE_DTYPE)
+        if LOGITS:
+            attn = _softmax_weight(attn, sm_max[:, None], sm_sum[:, None], s_in)
         for corner in tl.static_range(4):
             row, inside, wy, wx = _corner(x0, y0, x - x0, y - y0, H, W, corner // 2, corner % 2)
             # ---- gather: a (BLOCK_Q, BLOCK_P, BLOCK_D) tile of scattered D-channel rows
@@ -236,12 +288,14 @@ def msda_backward_kernel(
     grad_out_ptr,  # (N, Lq, M, D)
     value_ptr,  # (N, S, M, D)
     loc_ptr,  # (N, Lq, M, L, P, 2)
-    weight_ptr,  # (N, Lq, M, L, P)
+    weight_ptr,  # (N, Lq, M, L, P) weights, or their logits (LOGITS)
     grad_value_ptr,  # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
     grad_loc_ptr,  # (N, Lq, M, L, P, 2) in sampling_locations' dtype; SAMPLE_GRADS only
-    grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype; SAMPLE_GRADS only
+    grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype (of the logits: LOGITS); SAMPLE_GRADS only
     keys_ptr,  # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
     counts_ptr,  # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
+    stats_ptr,  # (N, Lq, M, 2) the forward's softmax stats; LOGITS only
+    out_ptr,  # (N, Lq, M, D) the forward's output; LOGITS with SAMPLE_GRADS only
     Lq,
     gather_level,
     levels01,
@@ -259,6 +313,7 @@ def msda_backward_kernel(
     SAMPLE_GRADS: tl.constexpr,
     SCATTER: tl.constexpr,
     KEYS: tl.constexpr,
+    LOGITS: tl.constexpr,
 ):
     pid_nm, n, m, q_in, query_row = _query_block(Lq, M, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
@@ -267,8 +322,15 @@ def msda_backward_kernel(
     batch_row0 = n.to(tl.int64) * S
 
     # ---- load: the upstream gradient of these queries, reused by every sample
-    g = tl.load(grad_out_ptr + query_row[:, None] * D + d[None, :], mask=q_in[:, None] & (d < D)[None, :], other=0.0)
-    g = g.to(COMPUTE_DTYPE)[:, None, :]  # (BLOCK_Q, 1, BLOCK_D)
+    row_mask = q_in[:, None] & (d < D)[None, :]
+    g = tl.load(grad_out_ptr + query_row[:, None] * D + d[None, :], mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
+    if LOGITS:
+        sm_max, sm_sum = _load_softmax_stats(stats_ptr, query_row, q_in)  # (BLOCK_Q,) each
+        if SAMPLE_GRADS:
+            # ---- sum_j a_j dL/da_j of each query: <g, output> (module docstring)
+            out = tl.load(out_ptr + query_row[:, None] * D + d[None, :], mask=row_mask, other=0.0)
+            weighted_grad = tl.sum(g * out.to(COMPUTE_DTYPE), axis=1)  # (BLOCK_Q,)
+    g = g[:, None, :]  # (BLOCK_Q, 1, BLOCK_D)
 
     for step in tl.static_range((L * P + BLOCK_P - 1) // BLOCK_P):
         sample, s_in, level, H, W, row0, cell0, loc_x, loc_y, attn = _load_samples(
@@ -281,6 +343,8 @@ def msda_backward_kernel(
         x0 = tl.floor(x)
         y0 = tl.floor(y)
         attn = attn.to(COMPUTE_DTYPE)
+        if LOGITS:
+            attn = _softmax_weight(attn, sm_max[:, None], sm_sum[:, None], s_in)
         grad_attn = tl.zeros_like(x)  # (BLOCK_Q, BLOCK_P)
         grad_lx = tl.zeros_like(x)
         grad_ly = tl.zeros_like(x)
@@ -304,7 +368,9 @@ def msda_backward_kernel(
                     sem="relaxed",
                 )
         if SAMPLE_GRADS:
-            # ---- store: one weight and one (x, y) gradient per sample
+            # ---- store: one weight (or logit) and one (x, y) gradient per sample
+            if LOGITS:
+                grad_attn = attn * (grad_attn - weighted_grad[:, None])
             tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=s_in)
             grad_x = attn * W * grad_lx
             grad_y = attn * H * grad_ly
@@ -360,10 +426,11 @@ def _cell_bounds(counts_ptr, cell_base, y, x, W, s_in, DY: tl.constexpr, DX: tl.
 def msda_grad_value_gather_kernel(
     grad_out_ptr,  # (N, Lq, M, D)
     loc_ptr,  # (N, Lq, M, L, P, 2)
-    weight_ptr,  # (N, Lq, M, L, P)
+    weight_ptr,  # (N, Lq, M, L, P) weights, or their logits (LOGITS)
     counts_ptr,  # (N*M*C + 1,) cell bounds: ends of cells (FILLED=False) or starts (FILLED=True)
     perm_ptr,  # sample ids grouped by cell, ascending inside a cell when sorted
     grad_value_ptr,  # (N, S, M, D) out, in value's dtype: every row in [s_begin, s_end) written once
+    stats_ptr,  # (N, Lq, M, 2) the forward's softmax stats; LOGITS only
     Lq,
     s_begin,
     s_end,
@@ -380,6 +447,7 @@ def msda_grad_value_gather_kernel(
     BLOCK_D: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     FILLED: tl.constexpr,
+    LOGITS: tl.constexpr,
 ):
     """Row (n, s, m) of grad_value = sum over the samples in the four cells whose 2x2 corners include pixel
     (y, x) of s: cell (y - dy, x - dx) reaches it as corner (dy, dx), with weight a * wy * wx. A program owns
@@ -443,6 +511,9 @@ def msda_grad_value_gather_kernel(
         loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0)
         attn = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(COMPUTE_DTYPE)
         query_row = sample // (L * P)
+        if LOGITS:
+            sm_max, sm_sum = _load_softmax_stats(stats_ptr, query_row, ok)
+            attn = _softmax_weight(attn, sm_max, sm_sum, ok)
         gq = tl.load(
             grad_out_ptr + (query_row * D)[:, :, None] + d[None, None, :], mask=ok[:, :, None] & d_in, other=0.0
         )

@@ -20,7 +20,7 @@ Layouts: partial (N*M*C, 4, D) fp32 (fp64 for fp64 value); cells of (n, m) as in
 import triton
 import triton.language as tl
 
-from .kernels import _DYNAMIC, _layout_totals, _level_shape, _levels_of, _pixel
+from .kernels import _DYNAMIC, _layout_totals, _level_shape, _levels_of, _load_softmax_stats, _pixel, _softmax_weight
 from .kernels_grouped import _widen
 
 
@@ -40,10 +40,11 @@ def _level_of(index, levels01, levels23, levels45, levels67, L: tl.constexpr, CE
 def msda_cell_partials_kernel(
     grad_out_ptr,  # (N, Lq, M, D)
     loc_ptr,  # (N, Lq, M, L, P, 2)
-    weight_ptr,  # (N, Lq, M, L, P)
+    weight_ptr,  # (N, Lq, M, L, P) weights, or their logits (LOGITS)
     bounds_ptr,  # (N*M*C + 1,) cell bounds: ends of the runs (FILLED=False) or their starts (FILLED=True)
     perm_ptr,  # (N*Lq*M*L*P,) sample ids grouped by cell, ascending inside a cell
     partial_ptr,  # (N*M*C, 4, D) out: every cell of [c_begin, c_end) of every (n, m) written once
+    stats_ptr,  # (N, Lq, M, 2) the forward's softmax stats; LOGITS only (msda/kernels.py)
     Lq,
     c_begin,
     c_end,
@@ -61,6 +62,7 @@ def msda_cell_partials_kernel(
     BLOCK_C: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     FILLED: tl.constexpr,
+    LOGITS: tl.constexpr,
 ):
     """A program owns BLOCK_K cells of one (n, m) and walks their runs BLOCK_E samples at a time."""
     pid_nm = tl.program_id(1)
@@ -98,6 +100,9 @@ def msda_cell_partials_kernel(
         loc_y = tl.load(loc_ptr + 2 * sample + 1, mask=ok, other=0.0)
         attn = tl.load(weight_ptr + sample, mask=ok, other=0.0).to(COMPUTE_DTYPE)
         query_row = sample // (L * P)  # (BLOCK_K, BLOCK_E) row (n, q, m) of grad_out
+        if LOGITS:
+            sm_max, sm_sum = _load_softmax_stats(stats_ptr, query_row, ok)
+            attn = _softmax_weight(attn, sm_max, sm_sum, ok)
         g = _widen(
             tl.load(
                 grad_out_ptr + (query_row * D)[:, :, None][None, :, :, :] + chan4,

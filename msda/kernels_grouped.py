@@ -13,13 +13,23 @@ P locations of a level are one contiguous run. Corner validity is decided on the
 top-left corner's row once per sample; the other three corners are scalar offsets of it (+1, +W, +W+1).
 
 Layouts as in msda/kernels.py: value (N, S, M, D), sampling_locations (N, Lq, M, L, P, 2), attention_weights
-(N, Lq, M, L, P), output (N, Lq, M, D); element offsets in int64.
+(N, Lq, M, L, P), output (N, Lq, M, D), softmax stats (N, Lq, M, 2); element offsets in int64. LOGITS: the weights
+are logits, softmaxed inside the kernels as msda/kernels.py describes.
 """
 
 import triton
 import triton.language as tl
 
-from .kernels import _DYNAMIC, _layout_totals, _level_shape, _pixel
+from .kernels import (
+    _DYNAMIC,
+    _layout_totals,
+    _level_shape,
+    _load_softmax_stats,
+    _pixel,
+    _softmax_stats,
+    _softmax_weight,
+    _store_softmax_stats,
+)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,8 +118,9 @@ def _top_left_offset(x0, y0, col0, col1, row0, row1, W, level_row0, MD: tl.const
 def msda_forward_grouped_kernel(
     value_ptr,  # (N, S, M, D)
     loc_ptr,  # (N, Lq, M, L, P, 2)
-    weight_ptr,  # (N, Lq, M, L, P)
+    weight_ptr,  # (N, Lq, M, L, P) weights, or their logits (LOGITS)
     out_ptr,  # (N, Lq, M, D)
+    stats_ptr,  # (N, Lq, M, 2) out: softmax stats; LOGITS only
     Lq,
     levels01,
     levels23,
@@ -124,6 +135,8 @@ def msda_forward_grouped_kernel(
     CH: tl.constexpr,
     BLOCK_C: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
+    LOGITS: tl.constexpr,
+    BLOCK_LP: tl.constexpr,
 ):
     pid_nm = tl.program_id(1)
     n = pid_nm // M
@@ -135,15 +148,21 @@ def msda_forward_grouped_kernel(
     chan_in = chan < D
     S, _ = _layout_totals(levels01, levels23, levels45, levels67, L)
     value_nm = value_ptr + (n.to(tl.int64) * S * M + m) * D  # row (n, 0, m)
+    if LOGITS:
+        # ---- softmax stats of every query's L*P logits, before its samples
+        sm_max, sm_sum = _softmax_stats(weight_ptr, query_row, q_in, L * P, BLOCK_LP, COMPUTE_DTYPE)
+        _store_softmax_stats(stats_ptr, query_row, q_in, sm_max, sm_sum)
 
     acc = tl.zeros((CH, BLOCK_Q, BLOCK_P, BLOCK_C), dtype=COMPUTE_DTYPE)  # (CH, BLOCK_Q, BLOCK_P, BLOCK_C)
     level_row0 = tl.zeros((), dtype=tl.int64)  # first row of level l
     for l in tl.static_range(L):
         H, W = _level_shape(levels01, levels23, levels45, levels67, l)
         # ---- load: the P locations and weights of level l of every query, and the sample's geometry
-        _, _, x0, y0, lx, ly, col0, col1, row0, row1, attn = _level_samples(
+        _, s_in, x0, y0, lx, ly, col0, col1, row0, row1, attn = _level_samples(
             loc_ptr, weight_ptr, query_row, q_in, l, H, W, L, P, BLOCK_P, COMPUTE_DTYPE
         )
+        if LOGITS:
+            attn = _softmax_weight(attn, sm_max[:, None], sm_sum[:, None], s_in)
         top_left = _top_left_offset(x0, y0, col0, col1, row0, row1, W, level_row0, M * D)  # (BLOCK_Q, BLOCK_P)
         ptrs = value_nm + _spread(top_left) + chan[:, :, None, :]  # (CH, BLOCK_Q, BLOCK_P, BLOCK_C)
         a_top = attn * (1 - ly)
@@ -181,12 +200,14 @@ def msda_backward_grouped_kernel(
     grad_out_ptr,  # (N, Lq, M, D)
     value_ptr,  # (N, S, M, D)
     loc_ptr,  # (N, Lq, M, L, P, 2)
-    weight_ptr,  # (N, Lq, M, L, P)
+    weight_ptr,  # (N, Lq, M, L, P) weights, or their logits (LOGITS)
     grad_value_ptr,  # (N, S, M, D) zeroed fp32 (fp64 for fp64 value) buffer; SCATTER only
     grad_loc_ptr,  # (N, Lq, M, L, P, 2) in sampling_locations' dtype
-    grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype
+    grad_weight_ptr,  # (N, Lq, M, L, P) in attention_weights' dtype (of the logits: LOGITS)
     keys_ptr,  # (N, Lq, M, L, P) int: cell of the top-left corner, N*M*C if none; KEYS only
     counts_ptr,  # (N*M*C + 1,) zeroed int: samples per cell; KEYS only
+    stats_ptr,  # (N, Lq, M, 2) the forward's softmax stats; LOGITS only
+    out_ptr,  # (N, Lq, M, D) the forward's output; LOGITS only
     Lq,
     gather_level,
     levels01,
@@ -204,6 +225,7 @@ def msda_backward_grouped_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     SCATTER: tl.constexpr,
     KEYS: tl.constexpr,
+    LOGITS: tl.constexpr,
 ):
     """Levels below gather_level are scattered (SCATTER), the others filed under their cells (KEYS)."""
     pid_nm = tl.program_id(1)
@@ -218,8 +240,15 @@ def msda_backward_grouped_kernel(
     nm_offset = (n.to(tl.int64) * S * M + m) * D  # row (n, 0, m) of value and grad_value
 
     # ---- load: the upstream gradient of these queries, reused by every sample
-    g = tl.load(grad_out_ptr + query_row[None, :, None] * D + chan, mask=q_in[None, :, None] & chan_in, other=0.0)
-    g = _widen(g, COMPUTE_DTYPE)[:, :, None, :]  # (CH, BLOCK_Q, 1, BLOCK_C)
+    row_offsets = query_row[None, :, None] * D + chan  # (CH, BLOCK_Q, BLOCK_C)
+    row_mask = q_in[None, :, None] & chan_in
+    g = _widen(tl.load(grad_out_ptr + row_offsets, mask=row_mask, other=0.0), COMPUTE_DTYPE)
+    if LOGITS:
+        sm_max, sm_sum = _load_softmax_stats(stats_ptr, query_row, q_in)  # (BLOCK_Q,) each
+        # ---- sum_j a_j dL/da_j of each query: <g, output> (msda/kernels.py)
+        out = _widen(tl.load(out_ptr + row_offsets, mask=row_mask, other=0.0), COMPUTE_DTYPE)
+        weighted_grad = tl.sum(tl.sum(g * out, axis=0), axis=1)  # (BLOCK_Q,)
+    g = g[:, :, None, :]  # (CH, BLOCK_Q, 1, BLOCK_C)
 
     level_row0 = tl.zeros((), dtype=tl.int64)
     level_cell0 = tl.zeros((), dtype=tl.int64)
@@ -228,6 +257,8 @@ def msda_backward_grouped_kernel(
         sample, s_in, x0, y0, lx, ly, col0, col1, row0, row1, attn = _level_samples(
             loc_ptr, weight_ptr, query_row, q_in, l, H, W, L, P, BLOCK_P, COMPUTE_DTYPE
         )
+        if LOGITS:
+            attn = _softmax_weight(attn, sm_max[:, None], sm_sum[:, None], s_in)
         top_left = nm_offset + _top_left_offset(x0, y0, col0, col1, row0, row1, W, level_row0, M * D)
         offsets = _spread(top_left) + chan[:, :, None, :]  # (CH, BLOCK_Q, BLOCK_P, BLOCK_C)
         scattered = l < gather_level
@@ -251,7 +282,9 @@ def msda_backward_grouped_kernel(
                 tl.atomic_add(
                     grad_value_ptr + corner_offsets, _spread(attn * wy * wx) * g, mask=c_in & scattered, sem="relaxed"
                 )
-        # ---- store: one weight and one (x, y) gradient per sample
+        # ---- store: one weight (or logit) and one (x, y) gradient per sample
+        if LOGITS:
+            grad_attn = attn * (grad_attn - weighted_grad[:, None])
         tl.store(grad_weight_ptr + sample, grad_attn.to(grad_weight_ptr.dtype.element_ty), mask=s_in)
         grad_xy = tl.join(attn * W * grad_lx, attn * H * grad_ly)  # (BLOCK_Q, BLOCK_P, 2)
         xy = tl.arange(0, 2)

@@ -8,6 +8,9 @@ Python ints. Imported lazily so that ``import msda`` works without triton and th
 it. Nothing here reads the device or copies host memory to it: the level layout travels as four int64 kernel
 arguments that Triton does not specialize on, so a new image size neither syncs nor recompiles, eagerly, under
 torch.compile (inside a custom op) or during CUDA-graph capture.
+
+Given a ``softmax_stats`` buffer, every launch takes the weights as logits (msda/kernels.py, LOGITS): the forward
+fills the buffer, the backward reads it and the forward's output, and its weight gradient is the logits'.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def _plan(
     levels: tuple,
     config: tuple | None,
     gather_level: int = 0,
+    logits: bool = False,
 ):
     """(grid, trailing int arguments, keyword arguments) of one query-kernel launch, built once per shape.
 
@@ -98,12 +102,13 @@ def _plan(
         COMPUTE_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32,
         BLOCK_Q=block_q,
         BLOCK_P=block_p,
+        LOGITS=logits,
         num_warps=warps,
     )
     if kernel == "forward":
         if len(config) != 4:
             raise ValueError(f"a forward config is (BLOCK_Q, BLOCK_P, num_warps, UNROLL), got {config}")
-        kwargs["UNROLL"] = config[3]
+        kwargs.update(UNROLL=config[3], BLOCK_LP=pow2(L * P))
         return (cdiv(Lq, block_q), N * M), (Lq, *pack_levels(levels)), kwargs
     kwargs.update(zip(("SAMPLE_GRADS", "SCATTER", "KEYS"), _FLAGS[kernel]))
     return (cdiv(Lq, block_q), N * M), (Lq, gather_level, *pack_levels(levels)), kwargs
@@ -112,11 +117,27 @@ def _plan(
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
+def softmax_stats_buffer(value, sampling_locations) -> torch.Tensor:
+    """(N, Lq, M, 2) buffer for the softmax stats of logits, in the kernels' compute dtype."""
+    N, Lq, M = sampling_locations.shape[:3]
+    dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+    return torch.empty((N, Lq, M, 2), dtype=dtype, device=value.device)
+
+
 def forward(
-    value, levels, sampling_locations, attention_weights, *, config: tuple | None = None, kernels: str | None = None
+    value,
+    levels,
+    sampling_locations,
+    attention_weights,
+    *,
+    config: tuple | None = None,
+    kernels: str | None = None,
+    softmax_stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns (N, Lq, M*D) in value's dtype. kernels = "classic" | "grouped" overrides the table's family; config
-    overrides its block shape: (BLOCK_Q, BLOCK_P, num_warps, UNROLL) classic, (BLOCK_Q, CH, num_warps) grouped."""
+    overrides its block shape: (BLOCK_Q, BLOCK_P, num_warps, UNROLL) classic, (BLOCK_Q, CH, num_warps) grouped.
+    softmax_stats (softmax_stats_buffer): attention_weights are logits, softmaxed over each query's L*P samples;
+    the buffer is filled for the backward."""
     N, _, M, D = value.shape
     shape = sampling_locations.shape  # (N, Lq, M, L, P, 2)
     output = torch.empty((N, shape[1], M, D), dtype=value.dtype, device=value.device)  # (N, Lq, M, D)
@@ -124,12 +145,16 @@ def forward(
         return output.view(N, shape[1], M * D)
     levels = levels_key(levels)
     family = _family(kernels, "forward", D, value.element_size(), shape[3], shape[4], N * shape[1] * M >= LARGE)
+    logits = softmax_stats is not None
+    stats = softmax_stats if logits else attention_weights  # any tensor when unused
     with device_guard(value):
         if family == "grouped":
-            launch_grouped.forward(value, levels, sampling_locations, attention_weights, output, config)
+            launch_grouped.forward(value, levels, sampling_locations, attention_weights, output, config, stats, logits)
         else:
-            grid, args, kwargs = _plan("forward", N, shape[1], M, D, shape[3], shape[4], value.dtype, levels, config)
-            msda_forward_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
+            grid, args, kwargs = _plan(
+                "forward", N, shape[1], M, D, shape[3], shape[4], value.dtype, levels, config, logits=logits
+            )
+            msda_forward_kernel[grid](value, sampling_locations, attention_weights, output, stats, *args, **kwargs)
     return output.view(N, shape[1], M * D)
 
 
@@ -147,6 +172,8 @@ def backward(
     scheme: str | None = None,
     configs: dict | None = None,
     kernels: str | None = None,
+    softmax_stats: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
 ):
     """Returns (grad_value, grad_sampling_locations, grad_attention_weights), each in its input's dtype.
 
@@ -162,6 +189,8 @@ def backward(
     override the table (benchmarks).
     kernels = "classic" | "grouped" picks the query kernels' family (the table's for this pass by default): the
     grouped family runs every scheme but split; its configs are named "grouped_" + kernel.
+    softmax_stats and output (the forward's, with the stats it filled): attention_weights are logits, and the third
+    gradient is theirs.
     """
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
@@ -178,6 +207,11 @@ def backward(
     if deterministic and scheme not in DETERMINISTIC_SCHEMES:
         raise ValueError(f"a deterministic backward takes scheme {' or '.join(DETERMINISTIC_SCHEMES)}, got {scheme!r}")
     configs = configs or {}
+    logits = softmax_stats is not None
+    if logits and output is None:
+        raise ValueError("a backward of logits takes the forward's output with its softmax_stats")
+    stats = softmax_stats if logits else attention_weights  # any tensors when unused
+    output = output if logits else grad_output
 
     family = _family(kernels, "deterministic" if deterministic else "backward", D, nbytes, L, P, large)
     if family == "grouped" and scheme == "split":
@@ -208,9 +242,14 @@ def backward(
                 counts,
                 configs.get(f"grouped_{name}"),
                 gather_level,
+                stats,
+                output,
+                logits,
             )
             return
-        grid, args, kwargs = _plan(name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name), gather_level)
+        grid, args, kwargs = _plan(
+            name, N, Lq, M, D, L, P, value.dtype, levels, configs.get(name), gather_level, logits
+        )
         msda_backward_kernel[grid](
             grad_output,
             value,
@@ -221,6 +260,8 @@ def backward(
             grad_weight,
             keys,
             counts,
+            stats,
+            output,
             *args,
             **kwargs,
         )
@@ -266,6 +307,8 @@ def backward(
                 grad_value,
                 not deterministic,
                 configs.get("cells"),
+                stats,
+                logits,
             )
             return grad_value, grad_loc, grad_weight
         lanes, warps = configs.get("gather") or launch_config(("gather", D, nbytes, large))
@@ -276,6 +319,7 @@ def backward(
             P=P,
             BLOCK_D=pow2(D),
             FILLED=not deterministic,
+            LOGITS=logits,
             num_warps=warps,
             COMPUTE_DTYPE=tl.float64 if value.dtype == torch.float64 else tl.float32,
         )
@@ -292,6 +336,7 @@ def backward(
                 counts,
                 perm,
                 grad_value,
+                stats,
                 Lq,
                 s_begin,
                 s_end,

@@ -44,6 +44,7 @@ def plan(
     levels: tuple,
     config: tuple | None,
     gather_level: int = 0,
+    logits: bool = False,
 ):
     """(grid, trailing int arguments, keyword arguments) of one grouped launch, built once per shape."""
     check_grid(N, M)
@@ -65,21 +66,34 @@ def plan(
         CH=ch,
         BLOCK_C=block_d // ch,
         COMPUTE_DTYPE=tl.float64 if dtype == torch.float64 else tl.float32,
+        LOGITS=logits,
         num_warps=warps,
     )
     grid = (cdiv(Lq, block_q), N * M)
     if kernel == "forward":
+        kwargs["BLOCK_LP"] = pow2(L * P)
         return grid, (Lq, *pack_levels(levels)), kwargs
     kwargs.update(zip(("SCATTER", "KEYS"), _FLAGS[kernel]))
     return grid, (Lq, gather_level, *pack_levels(levels)), kwargs
 
 
-def forward(value, levels: tuple, sampling_locations, attention_weights, output, config: tuple | None = None):
-    """Fills output (N, Lq, M, D), in value's dtype, for N, Lq > 0."""
+def forward(
+    value,
+    levels: tuple,
+    sampling_locations,
+    attention_weights,
+    output,
+    config: tuple | None = None,
+    stats=None,
+    logits: bool = False,
+):
+    """Fills output (N, Lq, M, D), in value's dtype, for N, Lq > 0; logits: attention_weights are logits, and their
+    softmax stats fill ``stats`` (N, Lq, M, 2)."""
     N, _, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    grid, args, kwargs = plan("forward", N, Lq, M, D, L, P, value.dtype, levels, config)
-    msda_forward_grouped_kernel[grid](value, sampling_locations, attention_weights, output, *args, **kwargs)
+    grid, args, kwargs = plan("forward", N, Lq, M, D, L, P, value.dtype, levels, config, logits=logits)
+    stats = attention_weights if stats is None else stats  # any tensor when unused
+    msda_forward_grouped_kernel[grid](value, sampling_locations, attention_weights, output, stats, *args, **kwargs)
 
 
 def query_kernel(
@@ -96,13 +110,17 @@ def query_kernel(
     counts,
     config: tuple | None = None,
     gather_level: int = 0,
+    stats=None,
+    output=None,
+    logits: bool = False,
 ):
     """One backward pass over the queries: grad_loc and grad_weight always; for "fused" and "hybrid" the scatter
     into grad_value of the levels below gather_level; for "keys" and "hybrid" the cell keys and counts of the
-    levels from gather_level on. Buffers a kernel does not use may be any tensor."""
+    levels from gather_level on. logits: attention_weights are logits, with the forward's softmax ``stats`` and
+    ``output``; grad_weight is the logits'. Buffers a kernel does not use may be any tensor."""
     N, _, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    grid, args, kwargs = plan(kernel, N, Lq, M, D, L, P, value.dtype, levels, config, gather_level)
+    grid, args, kwargs = plan(kernel, N, Lq, M, D, L, P, value.dtype, levels, config, gather_level, logits)
     msda_backward_grouped_kernel[grid](
         grad_output,
         value,
@@ -113,6 +131,8 @@ def query_kernel(
         grad_weight,
         keys,
         counts,
+        attention_weights if stats is None else stats,
+        grad_output if output is None else output,
         *args,
         **kwargs,
     )
@@ -156,6 +176,7 @@ def cell_plans(
     levels: tuple,
     config: tuple | None,
     filled: bool,
+    logits: bool = False,
 ) -> tuple:
     """((grid, trailing int arguments, keyword arguments) of each cell-pass launch, the same of the row pass,
     the partial buffer's shape and dtype), built once per shape."""
@@ -174,7 +195,7 @@ def cell_plans(
             (
                 (cdiv(c_end - c_begin, block_k), N * M),
                 (Lq, c_begin, c_end, *packed),
-                dict(P=P, BLOCK_K=block_k, BLOCK_E=block_e, FILLED=filled, **common),
+                dict(P=P, BLOCK_K=block_k, BLOCK_E=block_e, FILLED=filled, LOGITS=logits, **common),
             )
         )
     partial_dtype = torch.float64 if fp64 else torch.float32
@@ -196,18 +217,24 @@ def cell_grad_value(
     grad_value,
     filled: bool,
     config: tuple | None = None,
+    stats=None,
+    logits: bool = False,
 ):
     """Fills grad_value (N, S, M, D), in its dtype, from the samples grouped by cell: perm the sample ids in cell
     order, bounds (N*M*C + 1,) the inclusive prefix sums of the samples per cell (the ends of their runs) or, when
     ``filled`` (after the bucket fill), the starts. config = (lanes, CH, num_warps) of the cell pass; the row
-    pass takes as many rows as make one fp32 chunk of CH channels per thread."""
+    pass takes as many rows as make one fp32 chunk of CH channels per thread. logits: attention_weights are
+    logits, with the forward's softmax ``stats``."""
     N, _S, M, D = grad_value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    cells, rows, partial_shape, partial_dtype = cell_plans(N, Lq, M, D, L, P, grad_value.dtype, levels, config, filled)
+    cells, rows, partial_shape, partial_dtype = cell_plans(
+        N, Lq, M, D, L, P, grad_value.dtype, levels, config, filled, logits
+    )
     partial = torch.empty(partial_shape, dtype=partial_dtype, device=grad_value.device)  # (N*M*C, 4, D)
+    stats = attention_weights if stats is None else stats  # any tensor when unused
     for grid, args, kwargs in cells:
         msda_cell_partials_kernel[grid](
-            grad_output, sampling_locations, attention_weights, bounds, perm, partial, *args, **kwargs
+            grad_output, sampling_locations, attention_weights, bounds, perm, partial, stats, *args, **kwargs
         )
     grid, args, kwargs = rows
     msda_cell_rows_kernel[grid](partial, grad_value, *args, **kwargs)

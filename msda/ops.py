@@ -16,7 +16,9 @@ head, Lq queries, L levels, P sampling points per level and head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from .logits_op import EagerAttentionFromLogits, attention_from_logits_op
 from .reference import multi_scale_deformable_attention_reference
 from .validation import resolve_impl, validate_inputs
 
@@ -147,6 +149,7 @@ def multi_scale_deformable_attention(
     attention_weights: torch.Tensor,
     impl: str = "auto",
     deterministic: bool | None = None,
+    weights_are_logits: bool = False,
 ) -> torch.Tensor:
     """Multi-scale deformable attention, the original Deformable DETR op's semantics.
 
@@ -157,10 +160,14 @@ def multi_scale_deformable_attention(
     level_start_index   (L,) int64 or None  checked against spatial_shapes when given, else computed
     sampling_locations  (N, Lq, M, L, P, 2) normalized (x, y); [0, 1] spans the map, outside reads zeros;
                                             float32 or value's dtype
-    attention_weights   (N, Lq, M, L, P)    already softmaxed over L*P by the caller; float32 or value's dtype
+    attention_weights   (N, Lq, M, L, P)    already softmaxed over L*P by the caller (or their logits, with
+                                            weights_are_logits); float32 or value's dtype
     impl                "triton" (CUDA, or CPU under TRITON_INTERPRET=1) | "pytorch" | "auto"
     deterministic       None: follow torch.are_deterministic_algorithms_enabled(); True: a backward whose
                         grad_value is bitwise identical run to run; False: the faster atomic scatter.
+    weights_are_logits  True: attention_weights are the logits, softmaxed here over each query's L*P samples per
+                        head: by the Triton kernels as they read them (msda/logits_op.py), or by torch.softmax
+                        before the reference. Their gradient is the logits'.
     returns             (N, Lq, M*D) in value's dtype; each gradient comes back in its input's dtype.
 
     Bilinear sampling as grid_sample(align_corners=False, padding_mode="zeros") at 2*loc-1, accumulated in
@@ -169,10 +176,19 @@ def multi_scale_deformable_attention(
     levels = validate_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     impl = resolve_impl(impl, value.device)
     if impl == "pytorch":
+        if weights_are_logits:
+            N, Lq, M, L, P = attention_weights.shape  # softmax over L*P
+            attention_weights = F.softmax(attention_weights.reshape(N, Lq, M, L * P), -1).view(N, Lq, M, L, P)
         return multi_scale_deformable_attention_reference(value, levels, sampling_locations, attention_weights)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if torch.compiler.is_compiling():  # traced: the registered op, which torch.compile sees through
         flat_levels = [size for level in levels for size in level]
+        if weights_are_logits:
+            return attention_from_logits_op(
+                value, sampling_locations, attention_weights, flat_levels, bool(deterministic)
+            )[0]
         return attention_op(value, sampling_locations, attention_weights, flat_levels, bool(deterministic))
+    if weights_are_logits:
+        return EagerAttentionFromLogits.apply(value, sampling_locations, attention_weights, levels, bool(deterministic))
     return EagerAttention.apply(value, sampling_locations, attention_weights, levels, bool(deterministic))
