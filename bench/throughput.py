@@ -65,6 +65,9 @@ SHORT_SIDES = (360, 400, 427, 480, 480, 480, 512, 640)
 NOISE_SIGMA = 14.0
 # What compile.mode=auto picks for the 50-epoch recipe (at least STEPS_TO_COMPILE steps at any batch up to 32).
 RECIPE_COMPILE_MODE = "reduce-overhead"
+# A row may take another compile.mode: graphs (CUDA graphs of the eager model, recorded in a second) measures a
+# recipe's step against another's without minutes of Inductor compilation each.
+ROW_COMPILE_MODES = (RECIPE_COMPILE_MODE, "graphs", "eager")
 # The first step's compile cache, as its table cell says it: empty, or holding what the earlier rows compiled
 # (graphs that do not depend on the batch are found there; a row whose plan differs compiles its own).
 FIRST_STEP_CACHE = {"cold": "cold", "warm": "earlier rows' cache"}
@@ -90,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rows",
         type=row_spec,
         nargs="+",
-        default=[("coco_gpu", 32), ("mixed", 32), ("hybrid", 32)],
-        help=f"RECIPE:BATCH, one row each: the experiment ({', '.join(RECIPES)}) and its total batch per "
-        "optimizer step (one GPU: the whole batch in one pass)",
+        default=[(recipe, 32, RECIPE_COMPILE_MODE) for recipe in RECIPES],
+        help=f"RECIPE:BATCH[:MODE], one row each: the experiment ({', '.join(RECIPES)}), its total batch per "
+        f"optimizer step (one GPU: the whole batch in one pass) and its compile.mode (default {RECIPE_COMPILE_MODE})",
     )
     parser.add_argument(
         "--baseline",
@@ -119,11 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def row_spec(text: str) -> tuple[str, int]:
-    recipe, _, batch = text.partition(":")
-    if recipe not in RECIPES or not batch.isdigit() or int(batch) < 1:
-        raise argparse.ArgumentTypeError(f"expected RECIPE:BATCH with RECIPE one of {', '.join(RECIPES)}, got {text!r}")
-    return recipe, int(batch)
+def row_spec(text: str) -> tuple[str, int, str]:
+    recipe, batch, mode = (text.split(":") + [RECIPE_COMPILE_MODE])[:3]
+    if recipe not in RECIPES or not batch.isdigit() or int(batch) < 1 or mode not in ROW_COMPILE_MODES:
+        raise argparse.ArgumentTypeError(
+            f"expected RECIPE:BATCH[:MODE] with RECIPE one of {', '.join(RECIPES)} and MODE one of "
+            f"{', '.join(ROW_COMPILE_MODES)} (default {RECIPE_COMPILE_MODE}), got {text!r}"
+        )
+    return recipe, int(batch), mode
 
 
 # ------------------------------------------------------------------------------------------------ the set
@@ -228,7 +234,9 @@ def profiled_steps(steps: int) -> int:
     return min(PROFILED_STEPS, max(1, steps // 4))
 
 
-def row_overrides(args, recipe: str, batch: int, run: Path, steps: int, cache: str = "cache") -> list[str]:
+def row_overrides(
+    args, recipe: str, batch: int, run: Path, steps: int, cache: str = "cache", mode: str = RECIPE_COMPILE_MODE
+) -> list[str]:
     common = [
         f"dataset.root={args.work / 'coco'}",
         f"total_batch_size={batch}",
@@ -258,25 +266,39 @@ def row_overrides(args, recipe: str, batch: int, run: Path, steps: int, cache: s
     return [
         f"experiment={recipe}",
         "model.pretrained=none",
-        f"compile.mode={RECIPE_COMPILE_MODE}",
+        f"compile.mode={mode}",
         *common,
         *args.overrides,
     ]
 
 
-def run_row(args, recipe: str, batch: int, steps: int, gpus: int = 1, baseline: bool = False) -> dict:
-    """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one), of this
-    checkout or, with ``baseline``, of ``args.baseline``'s."""
-    base = f"{recipe}_batch{batch}" + (f"_gpus{gpus}" if gpus > 1 else "") + ("_baseline" if baseline else "")
+def run_row(
+    args,
+    recipe: str,
+    batch: int,
+    steps: int,
+    gpus: int = 1,
+    baseline: bool = False,
+    mode: str = RECIPE_COMPILE_MODE,
+) -> dict:
+    """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one) with
+    compile.mode ``mode``, of this checkout or, with ``baseline``, of ``args.baseline``'s."""
+    base = (
+        f"{recipe}_batch{batch}"
+        + (f"_gpus{gpus}" if gpus > 1 else "")
+        + (f"_{mode}" if mode != RECIPE_COMPILE_MODE else "")
+        + ("_baseline" if baseline else "")
+    )
     name = base if base not in args.names_used else f"{base}_{len(args.names_used)}"  # a row again: its warm cache
     args.names_used.add(name)
     run = args.work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    overrides = row_overrides(args, recipe, batch, run, steps, cache="cache_baseline" if baseline else "cache")
+    cache = "cache_baseline" if baseline else "cache"
+    overrides = row_overrides(args, recipe, batch, run, steps, cache=cache, mode=mode)
     checkout = args.baseline if baseline else ROOT
     print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {checkout}/train.py {' '.join(overrides)}", flush=True)
     log = args.work / f"{name}.log"
-    code = {"code": args.baseline_commit if baseline else "this"}
+    code = {"code": args.baseline_commit if baseline else "this", "compile_mode": mode}
     with BusySampler() as busy:
         returncode = run_train_py(
             overrides,
@@ -404,13 +426,32 @@ def how_to_read() -> str:
         "(coarse: sampled); MFU counts the model's matmul and convolution FLOPs (forward and backward) "
         "against the GPU's dense bf16 peak; hours are the recipe's epochs of COCO (118,287 images each) at that "
         "rate; "
-        "the first step is from the process's start, compilation included (cold: into the empty cache)."
+        "the first step is from the process's start, compilation included (cold: into the empty cache). A row "
+        "marked [graphs] ran compile.mode=graphs (the eager model's CUDA graphs, no Inductor) and is compared only "
+        "with rows of the same mode."
     )
 
 
 def row_name(r: dict) -> str:
-    """A row's recipe, and the commit it ran when that is not the report's."""
-    return r["recipe"] if r.get("code", "this") == "this" else f"{r['recipe']} (baseline {r['code']})"
+    """A row's recipe, its compile.mode where that is not the recipe's, and its commit where that is another's."""
+    mode = r.get("compile_mode", RECIPE_COMPILE_MODE)
+    return (
+        r["recipe"]
+        + (f" [{mode}]" if mode != RECIPE_COMPILE_MODE else "")
+        + (f" (baseline {r['code']})" if r.get("code", "this") != "this" else "")
+    )
+
+
+def first_step_note(r: dict) -> str:
+    """What the row's first step compiled from: Inductor's cache as it found it, or no Inductor at all."""
+    mode = r.get("compile_mode", RECIPE_COMPILE_MODE)
+    return FIRST_STEP_CACHE[r["compile_cache"]] if mode == RECIPE_COMPILE_MODE else f"{mode}: no Inductor"
+
+
+def same_kind(a: dict, b: dict) -> bool:
+    """Whether two rows ran at the same batch and compile.mode: a ratio of their steps means something."""
+    mode = RECIPE_COMPILE_MODE
+    return a["batch"] == b["batch"] and a.get("compile_mode", mode) == b.get("compile_mode", mode)
 
 
 def report_lines(header: dict, rows: list[dict]) -> list[str]:
@@ -433,7 +474,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
                 cell(r.get("gflops_per_image"), ".0f"),
                 cell(r.get("mfu"), ".1%"),
                 f"{r['recipe_hours']:.1f} ({r['recipe_epochs']} epochs)",
-                f"{r['first_step_s']:.0f} ({FIRST_STEP_CACHE[r['compile_cache']]})",
+                f"{r['first_step_s']:.0f} ({first_step_note(r)})",
                 f"from step {r['steady_from_step']}",
             ]
         )
@@ -511,26 +552,28 @@ def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
             ),
         ]
     for old in baseline:
-        new = next((r for r in plain if r["batch"] == old["batch"]), None)
+        new = next((r for r in plain if same_kind(r, old)), None)
         if new is not None:
             speedup = old["step_ms"] / new["step_ms"]
             checks.append(
                 (
-                    f"coco_gpu at batch {old['batch']}: {speedup:.2f}x the step of baseline {old['code']} >= "
+                    f"{row_name(new)} at batch {old['batch']}: {speedup:.2f}x the step of baseline {old['code']} >= "
                     f"{TARGETS['speedup']:.2f}x",
                     speedup >= TARGETS["speedup"],
                 )
             )
     for row in (r for r in done if r["recipe"] != "coco_gpu"):
-        twin = next((r for r in plain if r["batch"] == row["batch"]), None)
+        twin = next((r for r in plain if same_kind(r, row)), None)
         if twin is None:
             continue
         cost = row["step_ms"] / twin["step_ms"]
         if row["recipe"] == "mixed":
-            text = f"mixed with EMA at batch {row['batch']}: {cost:.2f}x coco_gpu's step <= "
+            text = f"{row_name(row)} with EMA at batch {row['batch']}: {cost:.2f}x {row_name(twin)}'s step <= "
             checks.append((text + f"{TARGETS['mixed_step_cost']:.2f}x", cost <= TARGETS["mixed_step_cost"]))
         else:  # reported, no target: hybrid's extra queries are its method
-            checks.append((f"{row['recipe']} with EMA at batch {row['batch']}: {cost:.2f}x coco_gpu's step", None))
+            checks.append(
+                (f"{row_name(row)} with EMA at batch {row['batch']}: {cost:.2f}x {row_name(twin)}'s step", None)
+            )
     warnings = sum(r["accumulate_grad_warnings"] for r in done)
     checks.append((f"AccumulateGrad stream warnings in the runs' output: {warnings}", warnings == 0))
     return checks
@@ -542,7 +585,7 @@ def main() -> None:
         args.out = ROOT / "outputs" / "bench"
     args.work.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (16 if args.smoke else ROW_STEPS)
-    train_images = max(b for _, b in args.rows) * (steps + 8)  # one epoch holds every row's steps
+    train_images = max(b for _, b, _ in args.rows) * (steps + 8)  # one epoch holds every row's steps
     args.names_used = set()
     if args.smoke:
         args.val_images = min(args.val_images, 8)  # the tiny set's training images are as many as the rows need
@@ -559,12 +602,12 @@ def main() -> None:
         args.baseline_commit = checkout_commit(args.baseline)
         header["baseline"] = {"checkout": str(args.baseline), "commit": args.baseline_commit}
         subprocess.run(["rm", "-rf", str(args.work / "cache_baseline")], check=True)
-    planned = [(recipe, b, True) for recipe, b in args.rows if recipe == "coco_gpu" and args.baseline is not None]
+    with_baseline = [(*row, True) for row in args.rows if row[0] == "coco_gpu" and args.baseline is not None]
     rows = []
-    for recipe, b, baseline in planned + [(recipe, b, False) for recipe, b in args.rows]:
+    for recipe, b, mode, baseline in with_baseline + [(*row, False) for row in args.rows]:
         cache = args.work / ("cache_baseline" if baseline else "cache")
         warm = cache.is_dir() and any(p.is_file() for p in cache.rglob("*"))  # an earlier row compiled into it
-        row = run_row(args, recipe, b, steps, baseline=baseline)
+        row = run_row(args, recipe, b, steps, baseline=baseline, mode=mode)
         rows.append({**row, "compile_cache": "warm" if warm else "cold"})
         # The rows so far, so that a bench stopped part-way (a machine's time limit) still leaves its figures.
         write_report(args.name, {**header, "rows": rows}, report_lines(header, rows), out=args.out)
