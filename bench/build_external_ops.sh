@@ -7,12 +7,18 @@
 #   bash bench/build_external_ops.sh [LOG_DIR]    # on the GPU machine; LOG_DIR defaults to external/logs
 #
 # Their sources are not ours and are never committed: external/ is ignored. external/src/<op>/ holds the upstream
-# files as they were taken (git archive of the repository's op folder, its LICENSE, and SOURCE: the repository and
-# commit). This script copies each into external/obj/<op>/src, fixes the copy for today's toolkits (below, each fix
+# files as they were taken, with their LICENSE and SOURCE (the repository and commit), from clones of each:
+#   git -C Deformable-DETR archive HEAD models/ops/src models/ops/functions LICENSE \
+#     | tar -x -C external/src/deformable_detr
+#   git -C DCNv4 archive HEAD DCNv4_op/src DCNv4_op/DCNv4/functions/flash_deform_attn_func.py LICENSE \
+#     | tar -x -C external/src/dcnv4
+#   echo "github.com/<owner>/<name> $(git -C <clone> rev-parse HEAD)" > external/src/<op>/SOURCE
+# This script copies each into external/obj/<op>/src, fixes the copy for today's toolkits (below, each fix
 # with its reason), compiles it with torch.utils.cpp_extension (ninja; MAX_JOBS compilers at once) in its own
 # build directory external/obj/<op>/, and puts what the benchmark imports into external/build/<op>/: the extension
 # module, upstream's Python wrapper and BUILD_INFO (torch and CUDA versions, arch, source commit). external/build/
-# is all that a later call needs to carry (a few MiB); external/obj/ holds the objects and may be deleted.
+# is all that a later call needs to carry (about 16 MiB, 15 of them DCNv4's sm_90 kernels; 6 MiB as a tar.gz);
+# external/obj/ holds the objects and may be deleted.
 #
 # Environment: MAX_JOBS (default: all cores), TORCH_CUDA_ARCH_LIST (default 9.0: H100/H200), PYTHON (python3),
 # EXTERNAL (the external/ folder, default: this checkout's), CUDA_HOME (default: /usr/local/cuda, else nvcc's).
@@ -35,29 +41,40 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH=$CUDA_HOME/bin:$PATH
+# cpp_extension links with $CXX. One without a shared libstdc++ (the H200 machine's /opt/gcc/bin/g++, which CXX names
+# there) links a static copy, and torch crashes loading such a module; the g++ on PATH has the library (as in
+# bench/h200_run.sh).
+if [ -n "${CXX:-}" ] && ! "$CXX" -print-file-name=libstdc++.so 2>/dev/null | grep -q /; then
+  echo "CXX=$CXX has no shared libstdc++: using g++ ($(command -v g++))"
+  export CXX=g++
+fi
 mkdir -p "$LOGS" "$EXTERNAL/build" "$EXTERNAL/obj"
 
 # Upstream sources of each op, relative to external/src/<op>/.
 DETR_OPS=models/ops
 DCN_OPS=DCNv4_op
 
+# The fixes, seen on torch 2.14.1 with CUDA 13.0 (the GPU machine has torch 2.11): the first is needed, the others
+# are the same calls without their deprecated spelling (warnings today), which keeps the build from breaking when
+# torch drops them. Each is a plain substitution with the same meaning.
 patch_deformable_detr() {  # $1: the staged copy of external/src/deformable_detr
   local src=$1/$DETR_OPS/src
-  # Tensor::type() is deprecated since torch 1.x (DeprecatedTypeProperties): `x.type().is_cuda()` becomes
-  # `x.is_cuda()`, and the dispatch macros take the tensor's ScalarType rather than its deprecated type.
-  sed -i -e 's/\.type()\.is_cuda()/.is_cuda()/g' \
-    -e 's/AT_DISPATCH_FLOATING_TYPES(value\.type()/AT_DISPATCH_FLOATING_TYPES(value.scalar_type()/g' \
-    "$src/ms_deform_attn.h" "$src/cuda/ms_deform_attn_cuda.cu"
-  # Tensor::data<T>() is deprecated in favour of data_ptr<T>() (the same pointer).
+  # Needed: AT_DISPATCH_FLOATING_TYPES takes a ScalarType; given the deprecated Tensor::type(), nvcc stops with
+  # 'no suitable conversion function from "const at::DeprecatedTypeProperties" to "c10::ScalarType"'.
+  sed -i -e 's/AT_DISPATCH_FLOATING_TYPES(value\.type()/AT_DISPATCH_FLOATING_TYPES(value.scalar_type()/g' \
+    "$src/cuda/ms_deform_attn_cuda.cu"
+  # Deprecated: x.type().is_cuda() is x.is_cuda(); Tensor::data<T>() is data_ptr<T>().
+  sed -i -e 's/\.type()\.is_cuda()/.is_cuda()/g' "$src/ms_deform_attn.h" "$src/cuda/ms_deform_attn_cuda.cu"
   sed -i -e 's/\.data<\([a-z0-9_]*\)>()/.data_ptr<\1>()/g' "$src/cuda/ms_deform_attn_cuda.cu"
-  # THC is gone from torch (2.x keeps only a forwarding header, THC/THCAtomics.cuh -> ATen/cuda/Atomic.cuh, marked
-  # for removal): include ATen's atomics, which define the same atomicAdd overloads.
+  # Deprecated: THC is gone from torch but for THC/THCAtomics.cuh, a header marked for removal that only includes
+  # ATen/cuda/Atomic.cuh (the same atomicAdd overloads): include that directly.
   sed -i -e 's|#include <THC/THCAtomics.cuh>|#include <ATen/cuda/Atomic.cuh>|' "$src/cuda/ms_deform_im2col_cuda.cuh"
 }
 
 patch_dcnv4() {  # $1: the staged copy of external/src/dcnv4
   local src=$1/$DCN_OPS/src
-  # As for the original op: THC's forwarding header, the deprecated type() and data<T>().
+  # Deprecated, as for the original op: THC's forwarding header, x.type().is_cuda(), data<T>(). (CUDA 13 also
+  # warns that ulonglong4 is deprecated for ulonglong4_16a/_32a, which name its alignment: left as it is.)
   sed -i -e 's|#include <THC/THCAtomics.cuh>|#include <ATen/cuda/Atomic.cuh>|' "$src"/cuda/*.cuh "$src"/cuda/*.h
   sed -i -e 's/\.type()\.is_cuda()/.is_cuda()/g' -e 's/\.data<\([a-z0-9_]*\)>()/.data_ptr<\1>()/g' "$src"/cuda/*.cu
 }
@@ -107,7 +124,8 @@ build() {  # op: stage, patch, compile, install into external/build/<op>/
     return 1
   fi
   mkdir -p "$obj"
-  # Only this script builds here: a lock left by a build that was killed would make cpp_extension wait forever.
+  # Only this script builds here. A build that was killed can leave cpp_extension's lock file behind, and torch
+  # versions whose lock is that file's existence (2.14 takes an OS lock instead) would then wait on it forever.
   rm -f "$obj/lock"
   cp -r "$src" "$obj/src"
   local stage=$obj/src
