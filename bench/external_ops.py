@@ -61,16 +61,24 @@ class Op:
 
 
 class Ours(Op):
-    """msda.multi_scale_deformable_attention(impl="triton"), given fp32 locations and weights as the model does."""
+    """msda.multi_scale_deformable_attention(impl="triton") with fp32 locations and weights, as the model passes
+    them: softmaxed weights ("ours"), or with ``logits`` their logits, softmaxed inside the kernels
+    (weights_are_logits=True, "ours_logits": the model's call on CUDA, and DCNv4's contract)."""
 
-    name, title = "ours", "ours (Triton)"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+
+    def __init__(self, logits: bool = False):
+        self.takes_logits = logits
+        self.name = "ours_logits" if logits else "ours"
+        self.title = "ours (Triton), on logits" if logits else "ours (Triton)"
 
     def leaves(self, value, loc, weights, dtype):
         return [value.to(dtype).contiguous(), loc.float().contiguous(), weights.float().contiguous()]
 
     def __call__(self, leaves, shapes, start):
-        return msda.multi_scale_deformable_attention(leaves[0], shapes, start, leaves[1], leaves[2], impl="triton")
+        return msda.multi_scale_deformable_attention(
+            leaves[0], shapes, start, leaves[1], leaves[2], impl="triton", weights_are_logits=self.takes_logits
+        )
 
 
 class DeformableDetr(Op):
@@ -174,10 +182,10 @@ _EXTERNAL = {
 
 
 def load(build: Path | None) -> tuple[list[Op], dict[str, str]]:
-    """Ours, then each external op that imports from ``build`` (external/build), and a line per external op saying
-    what was loaded or why it was not (not built, built under another torch, no CUDA device, an import error):
-    never an exception."""
-    ops: list[Op] = [Ours()]
+    """Ours (on weights, then on logits), then each external op that imports from ``build`` (external/build), and a
+    line per external op saying what was loaded or why it was not (not built, built under another torch, no CUDA
+    device, an import error): never an exception."""
+    ops: list[Op] = [Ours(), Ours(logits=True)]
     notes = {}
     for name, (marker, loader) in _EXTERNAL.items():
         folder = (build / name) if build is not None else None

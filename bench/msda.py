@@ -527,13 +527,14 @@ def _check_shapes(N=2) -> list[tuple]:
 
 
 def _warm_ours(task) -> str:
-    dtype_name, levels, N, Lq = task
+    logits, dtype_name, levels, N, Lq = task
     try:
-        external_ops.check(external_ops.Ours(), EXTERNAL_DTYPES[dtype_name], levels, N, Lq, heads(32), 32, DEVICE)
+        op = external_ops.Ours(logits)
+        external_ops.check(op, EXTERNAL_DTYPES[dtype_name], levels, N, Lq, heads(32), 32, DEVICE)
         sync()
         return ""
     except Exception as error:
-        return f"{task[0]} N{N} Lq{Lq}: {type(error).__name__}: {error}"
+        return f"{'logits' if logits else 'weights'} {dtype_name} N{N} Lq{Lq}: {type(error).__name__}: {error}"
 
 
 def time_op(op, inputs, shapes, start, backward: bool) -> dict:
@@ -562,7 +563,8 @@ def external_comparison(build: Path | None, jobs: int) -> dict:
     start_time = time.perf_counter()
     if DEVICE == "cuda":  # ours compiles for each dtype and shape class: in parallel, before anything is timed
         shapes_used = _check_shapes() + [(LEVELS, N, Lq) for _, N, Lq in EXTERNAL_WORKLOADS[1:]]
-        in_pool(_warm_ours, [(d, *shape) for d in EXTERNAL_DTYPES for shape in shapes_used], jobs, "public calls")
+        tasks = [(logits, d, *shape) for logits in (False, True) for d in EXTERNAL_DTYPES for shape in shapes_used]
+        in_pool(_warm_ours, tasks, jobs, "public calls")
     passed = {}  # (op, dtype) -> (forward passed at every shape, backward too)
     for op in ops:
         for dtype in op.dtypes:
@@ -607,20 +609,28 @@ def external_comparison(build: Path | None, jobs: int) -> dict:
     return section
 
 
-def _ratio(row, theirs: str, key: str) -> float | None:
+# Each external op against ours in the same contract: DCNv4 (softmax inside) against ours on logits, the original
+# (softmaxed weights given) against ours on weights.
+OURS_FOR = {"dcnv4": "ours_logits", "deformable_detr": "ours"}
+
+
+def _ratio(row, theirs: str, key: str, ours: str | None = None) -> float | None:
     """Their ms over ours in the row (> 1: ours is faster); None where either was not timed."""
-    if key not in row.get(theirs, {}) or key not in row.get("ours", {}):
+    ours = ours or OURS_FOR[theirs]
+    if key not in row.get(theirs, {}) or key not in row.get(ours, {}):
         return None
-    return row[theirs][key] / row["ours"][key]
+    return row[theirs][key] / row[ours][key]
 
 
 def external_targets(section) -> list[tuple[str, str, bool]]:
-    """(target, measured, met): our fp16 forward against DCNv4's on the encoder."""
+    """(target, measured, met): our fp16 forward against DCNv4's on the encoder, both softmaxing the logits."""
     checks = []
     for r in section["rows"]:
         if r["workload"] == EXTERNAL_WORKLOADS[0][0] and r["dtype"] == "fp16":
-            ratio = _ratio(r, "dcnv4", "fwd")
-            measured = "DCNv4 not timed" if ratio is None else f"{ratio:.2f}x"
+            ratio, on_weights = _ratio(r, "dcnv4", "fwd"), _ratio(r, "dcnv4", "fwd", ours="ours")
+            measured = (
+                "DCNv4 not timed" if ratio is None else f"{ratio:.2f}x (ours on weights: {cell(on_weights, '.2f')}x)"
+            )
             checks.append(
                 (f"{r['workload']} fp16 {r['locations']}: our forward >= 1.2x DCNv4's", measured, (ratio or 0) >= 1.2)
             )
@@ -634,16 +644,18 @@ def external_lines(section, standalone: bool = False) -> list[str]:
         section["header"],
         "Ours, the original Deformable DETR CUDA op (`deformable_detr`, fp32) and DCNv4's FlashDeformAttn kernels "
         "(`dcnv4`), built by bench/build_external_ops.sh and adapted by bench/external_ops.py, each given its inputs "
-        "as its module passes them: ours the value in the dtype with fp32 locations and weights, DCNv4 the value and "
-        "the packed locations and logits in the dtype (its kernels apply the softmax over L*P themselves), the "
-        "original fp32 throughout. DCNv4 runs through its extension with the launch its wrapper picks (d_stride, "
-        "threads per block: below), computed once per shape: the wrapper itself recomputes it on every call with a "
-        "Python loop over the divisors of N*Lq, host time that is not counted here. Checks: relative L2 error of the "
-        "output and each gradient against our PyTorch reference in float64 on the op's own inputs, at a small shape "
-        "and at the COCO encoder's; an op is timed in a dtype only where every error is within the tolerance (its "
-        "backward only where the gradients are too). Timings: median ms (triton.testing.do_bench) of the forward and "
-        "the forward+backward, D=32, M=8; ratios: their ms over ours in the same dtype (ours fp32 against the "
-        "original), > 1 where ours is faster.",
+        "as its module passes them: ours the value in the dtype with fp32 locations and softmaxed weights (`ours`) "
+        "or their logits (`ours_logits`: weights_are_logits, the softmax over L*P inside the kernels, as the model "
+        "calls it on CUDA), DCNv4 the value and the packed locations and logits in the dtype (its kernels apply the "
+        "softmax too), the original fp32 throughout; DCNv4 is compared with ours_logits, the original with ours. "
+        "DCNv4 runs through its extension with the launch its wrapper picks (d_stride, threads per block: below), "
+        "computed once per shape: the wrapper itself recomputes it on every call with a Python loop over the "
+        "divisors of N*Lq, host time that is not counted here. Checks: relative L2 error of the output and each "
+        "gradient against our PyTorch reference in float64 on the op's own inputs, at a small shape and at the COCO "
+        "encoder's; an op is timed in a dtype only where every error is within the tolerance (its backward only "
+        "where the gradients are too). Timings: median ms (triton.testing.do_bench) of the forward and the "
+        "forward+backward, D=32, M=8; ratios: their ms over ours in the same dtype and contract (ours fp32 against "
+        "the original), > 1 where ours is faster.",
     )
     if not standalone:
         lines[0] = "## Beside the external ops"
@@ -679,7 +691,7 @@ def external_lines(section, standalone: bool = False) -> list[str]:
             for c in section["checks"]
         ],
     )
-    names = ("ours", "dcnv4", "deformable_detr")
+    names = ("ours", "ours_logits", "dcnv4", "deformable_detr")
     lines += [""]
     lines += table(
         ["workload", "locations", "dtype"] + [f"{n} {k}" for n in names for k in ("fwd", "fwd+bwd")],

@@ -49,7 +49,7 @@ def test_check_passes_a_faithful_op_and_refuses_a_layout_mistake():
 
 def test_load_names_what_is_missing_without_raising(tmp_path):
     ops, notes = external_ops.load(tmp_path)
-    assert [op.name for op in ops] == ["ours"]
+    assert [op.name for op in ops] == ["ours", "ours_logits"]
     assert set(notes) == {"deformable_detr", "dcnv4"}
     assert all(note.startswith("not built") for note in notes.values())
     (tmp_path / "deformable_detr").mkdir()
