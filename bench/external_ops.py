@@ -35,6 +35,12 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3, torc
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
+def describe(error: Exception) -> str:
+    """An exception on one line that a markdown table can hold: its type and its message's first line."""
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[0][:300]}".replace("|", "/")
+
+
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over each head's L*P samples: (N, Lq, M, L, P) -> the same shape."""
     return logits.flatten(-2).softmax(-1).view_as(logits)
@@ -206,7 +212,7 @@ def load(build: Path | None) -> tuple[list[Op], dict[str, str]]:
                 ops.append(loader(folder))
                 notes[name] = f"loaded: {built}"
             except Exception as error:  # a missing symbol, no CUDA capability it knows, ...
-                notes[name] = f"failed to import from {folder}: {type(error).__name__}: {error} ({built})"
+                notes[name] = f"failed to import from {folder}: {describe(error)} ({built})"
     return ops, notes
 
 
@@ -241,7 +247,7 @@ def check(op: Op, dtype, levels, N, Lq, M=8, D=32, device="cuda", seed=0) -> dic
     try:
         out = op(leaves, shapes, start)
     except Exception as error:
-        result["error"] = f"forward: {type(error).__name__}: {error}"
+        result["error"] = f"forward: {describe(error)}"
         return result
     grad_out = torch.randn(out.shape, device=device, generator=torch.Generator(device).manual_seed(seed + 1))
     grad_out = grad_out.to(out.dtype)
@@ -257,7 +263,7 @@ def check(op: Op, dtype, levels, N, Lq, M=8, D=32, device="cuda", seed=0) -> dic
     try:
         grads = op.as_ours(torch.autograd.grad(out, leaves, grad_out), len(levels))
     except Exception as error:
-        result["error"] = f"backward: {type(error).__name__}: {error}"
+        result["error"] = f"backward: {describe(error)}"
         return result
     names = ("grad_value", "grad_loc", "grad_logits" if op.takes_logits else "grad_weights")
     for name, mine, ref in zip(names, grads, ref_grads):

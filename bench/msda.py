@@ -586,19 +586,18 @@ def external_comparison(build: Path | None, jobs: int) -> dict:
             for dtype_name, dtype in EXTERNAL_DTYPES.items():
                 inputs = make_inputs(N, Lq, heads(32), 32, dtype, dist)
                 row = {"workload": name, "N": N, "Lq": Lq, "locations": dist, "dtype": dtype_name}
-                for op in ops:
-                    if dtype in op.dtypes and passed[op.name, dtype][0]:
+                for op in (op for op in ops if dtype in op.dtypes and passed[op.name, dtype][0]):
+                    try:
                         row[op.name] = time_op(op, inputs, shapes, start, backward=passed[op.name, dtype][1])
+                    except Exception as error:  # reported, the other ops still timed
+                        row.setdefault("errors", {})[op.name] = external_ops.describe(error)
                 section["rows"].append(row)
-                print(
-                    f"{name:<17} {dist:<9} {dtype_name} "
-                    + " | ".join(
-                        f"{op.name} " + " / ".join(f"{v:.3f}" for v in row[op.name].values())
-                        for op in ops
-                        if op.name in row
-                    ),
-                    flush=True,
-                )
+                timed = [
+                    f"{op.name} " + " / ".join(f"{v:.3f}" for v in row[op.name].values())
+                    for op in ops
+                    if op.name in row
+                ]
+                print(f"{name:<17} {dist:<9} {dtype_name} " + " | ".join(timed), row.get("errors", ""), flush=True)
     section["dcnv4_launch"] = {
         f"N{key[0]} Lq{key[1]} M{key[2]} D{key[3]}": spec
         for op in ops
@@ -701,6 +700,11 @@ def external_lines(section, standalone: bool = False) -> list[str]:
             for r in section["rows"]
         ],
     )
+    lines += [
+        f"- {r['workload']} {r['locations']} {r['dtype']}: {name} failed: {error}"
+        for r in section["rows"]
+        for name, error in r.get("errors", {}).items()
+    ]
     by_key = {(r["workload"], r["locations"], r["dtype"]): r for r in section["rows"]}
     ratio_rows = []
     for r in section["rows"]:
