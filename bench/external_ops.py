@@ -52,7 +52,6 @@ class Op:
     gradients, back to (value, locations, weights or logits) in our layout; calling it runs the forward."""
 
     name = ""
-    title = ""
     dtypes: tuple[torch.dtype, ...] = ()
     takes_logits = False
 
@@ -76,7 +75,6 @@ class Ours(Op):
     def __init__(self, logits: bool = False):
         self.takes_logits = logits
         self.name = "ours_logits" if logits else "ours"
-        self.title = "ours (Triton), on logits" if logits else "ours (Triton)"
 
     def leaves(self, value, loc, weights, dtype):
         return [value.to(dtype).contiguous(), loc.float().contiguous(), weights.float().contiguous()]
@@ -90,7 +88,7 @@ class Ours(Op):
 class DeformableDetr(Op):
     """Upstream's MSDeformAttnFunction.apply(value, shapes, level_start_index, locations, weights, im2col_step)."""
 
-    name, title = "deformable_detr", "original Deformable DETR op (CUDA)"
+    name = "deformable_detr"
     dtypes = (torch.float32, torch.float64)
 
     def __init__(self, function):
@@ -122,7 +120,7 @@ class _FlashDeformAttnFunction(torch.autograd.Function):
 class FlashDeformAttn(Op):
     """DCNv4's flash_deform_attn kernels: value and the packed (locations, logits) in one dtype."""
 
-    name, title = "dcnv4", "DCNv4 FlashDeformAttn (CUDA)"
+    name = "dcnv4"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     takes_logits = True
 
