@@ -19,8 +19,9 @@
                the same run; the deterministic backward's cost and a bitwise check of all gradients over 5
                deterministic runs, the error against the reference; decoder rows also as CUDA-graph
                replays (GPU time) and as eager loops (host time per call).
-4. external    with --external BUILD (bench/build_external_ops.sh builds into external/build): ours beside the
-               original Deformable DETR CUDA op (fp32) and DCNv4's FlashDeformAttn (fp16/bf16/fp32), encoder N2 and
+4. external    with --external BUILD (bench/build_external_ops.sh builds into external/build): ours (on weights,
+               and on logits as DCNv4 takes them) beside the original Deformable DETR CUDA op (fp32) and DCNv4's
+               FlashDeformAttn (fp16/bf16/fp32), encoder N2 and
                decoder N2 Lq300, each dtype an op supports: first each op's output and gradients against the
                float64 reference at a small and the COCO shape (an op that disagrees is not timed), then forward
                and forward+backward. bench/external_ops.py loads and adapts them; one that is missing or fails to
