@@ -4,6 +4,7 @@
     python bench/msda.py --apply-table       # the same, and the swept table written into msda/launch_table.py
     python bench/msda.py --no-sweep          # targets only, with the table in msda/launch_table.py
     python bench/msda.py --smoke             # every code path on the CPU interpreter, tiny shapes (times meaningless)
+    python bench/msda.py --external external/build --only-external   # ours beside the external ops alone: ~1 min
 
 1. precompile  every candidate kernel in --jobs worker processes; they fill Triton's on-disk cache, so the
                timing process only loads binaries (the unrolled kernels take seconds each to compile).
@@ -18,6 +19,14 @@
                the same run; the deterministic backward's cost and a bitwise check of all gradients over 5
                deterministic runs, the error against the reference; decoder rows also as CUDA-graph
                replays (GPU time) and as eager loops (host time per call).
+4. external    with --external BUILD (bench/build_external_ops.sh builds into external/build): ours (on weights,
+               and on logits as DCNv4 takes them) beside the original Deformable DETR CUDA op (fp32) and DCNv4's
+               FlashDeformAttn (fp16/bf16/fp32), encoder N2 and
+               decoder N2 Lq300, each dtype an op supports: first each op's output and gradients against the
+               float64 reference at a small and the COCO shape (an op that disagrees is not timed), then forward
+               and forward+backward. bench/external_ops.py loads and adapts them; one that is missing or fails to
+               import is named in the report. --only-external runs this step alone (no sweep, no targets) and
+               replaces the external section of the current report (--out's, else bench/results').
 Writes msda_h200.json and msda_h200.md (partial JSON in --out as it goes).
 """
 
@@ -43,7 +52,8 @@ import triton.testing
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import msda  # noqa: E402
-from bench.report import header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench import external_ops  # noqa: E402
+from bench.report import RESULTS, cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
 from msda import launch  # noqa: E402
 
 NAME = "msda_h200"
@@ -60,6 +70,9 @@ TARGET_WORKLOADS = [
     ("decoder N4 Lq300", 4, 300),
     ("decoder N4 Lq900", 4, 900),
 ]
+EXTERNAL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+EXTERNAL_WORKLOADS = [("encoder N2", 2, S), ("decoder N2 Lq300", 2, 300)]
+CHECK_LEVELS, CHECK_LQ = ((9, 11), (5, 6), (3, 3), (2, 1)), 24  # the external checks' small shape (N=2), then COCO's
 DEVICE = "cuda"
 if launch.INTERPRET:  # --smoke: tiny levels and query counts on the CPU, so that every code path runs in minutes
     LEVELS, DEVICE, HIDDEN = ((6, 5), (3, 3), (2, 2), (1, 1)), "cpu", 64
@@ -71,6 +84,8 @@ if launch.INTERPRET:  # --smoke: tiny levels and query counts on the CPU, so tha
         ("decoder N4 Lq300", 4, 3),
         ("decoder N4 Lq900", 4, 5),
     ]
+    EXTERNAL_WORKLOADS = [("encoder N2", 2, S), ("decoder N2 Lq300", 2, 3)]
+    CHECK_LEVELS, CHECK_LQ = ((3, 2), (2, 2), (1, 2), (1, 1)), 4
 LAUNCH_PY = ROOT / "msda" / "launch_table.py"
 SWEPT_KINDS = ("forward", "fused", "sample_grads", "scatter", "keys", "hybrid", "gather", "hybrid_split", "scheme")
 TUNED_BLOCK = re.compile(r"(?:# Measured on .*\n# .*\n)?TUNED: dict = \{\n(?:    .*\n)*\}\n")
@@ -251,15 +266,20 @@ def precompile(dims, jobs: int):
     # One-sample-per-step kernels compile longest: start them first.
     tasks.sort(key=lambda t: t[4] in ("gather", "sorted") or t[5][1] != 1)
     tasks = tasks[:4] if DEVICE == "cpu" else tasks  # --smoke: the pool itself is what is checked
+    in_pool(_warm, tasks, jobs, "variants")
+
+
+def in_pool(fn, tasks: list, jobs: int, what: str) -> None:
+    """fn over tasks in ``jobs`` spawned processes, which fill Triton's on-disk cache; fn returns "" or an error."""
     start = time.perf_counter()
     try:
-        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-            errors = [e for e in pool.imap_unordered(_warm, tasks) if e]
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(tasks))) as pool:
+            errors = [e for e in pool.imap_unordered(fn, tasks) if e]
     except Exception as error:  # without the pool every kernel still compiles on first use, only slower
         errors = [f"the pool itself: {type(error).__name__}: {error}"]
     print(
-        f"precompiled {len(tasks)} variants in {time.perf_counter() - start:.0f} s with {jobs} processes"
-        + "".join(f"\n  failed {e}" for e in errors),
+        f"precompiled {len(tasks)} {what} in {time.perf_counter() - start:.0f} s with {min(jobs, len(tasks))} "
+        "processes" + "".join(f"\n  failed {e}" for e in errors),
         flush=True,
     )
 
@@ -499,6 +519,227 @@ def target_checks(rows) -> list[tuple[str, str, bool]]:
     return checks
 
 
+# ----------------------------------------------------------------------------------------------------
+# 4. beside the external ops
+# ----------------------------------------------------------------------------------------------------
+def _check_shapes(N=2) -> list[tuple]:
+    """(levels, N, Lq) of the checks: the small shape, then the COCO encoder's."""
+    return [(CHECK_LEVELS, N, CHECK_LQ), (LEVELS, N, S)]
+
+
+def _warm_ours(task) -> str:
+    logits, dtype_name, levels, N, Lq = task
+    try:
+        op = external_ops.Ours(logits)
+        external_ops.check(op, EXTERNAL_DTYPES[dtype_name], levels, N, Lq, heads(32), 32, DEVICE)
+        sync()
+        return ""
+    except Exception as error:
+        return f"{'logits' if logits else 'weights'} {dtype_name} N{N} Lq{Lq}: {type(error).__name__}: {error}"
+
+
+def time_op(op, inputs, shapes, start, backward: bool) -> dict:
+    """Forward and forward+backward of one op on make_inputs' inputs (its logits: the log of the weights)."""
+    value, loc, weights, grad_out = inputs
+    given = weights.log() if op.takes_logits else weights
+    leaves = [t.detach().requires_grad_() for t in op.leaves(value, loc, given, value.dtype)]
+
+    def fwd():
+        return op(leaves, shapes, start)
+
+    result = {"fwd": median_ms(fwd)}
+    if backward:
+        result["fwd_bwd"] = median_ms(lambda: torch.autograd.grad(fwd(), leaves, grad_out))
+    return result
+
+
+def external_comparison(build: Path | None, jobs: int) -> dict:
+    """Ours beside the external ops: each op's checks in each dtype it supports, then its timings where they
+    passed (the report's external section)."""
+    ops, notes = external_ops.load(build)
+    section = {"header": run_header(), "notes": notes, "checks": [], "rows": []}
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        section["skipped"] = "no CUDA device: nothing was run (--smoke runs ours under Triton's interpreter)"
+        return section
+    start_time = time.perf_counter()
+    if DEVICE == "cuda":  # ours compiles for each dtype and shape class: in parallel, before anything is timed
+        shapes_used = _check_shapes() + [(LEVELS, N, Lq) for _, N, Lq in EXTERNAL_WORKLOADS[1:]]
+        tasks = [(logits, d, *shape) for logits in (False, True) for d in EXTERNAL_DTYPES for shape in shapes_used]
+        in_pool(_warm_ours, tasks, jobs, "public calls")
+    passed = {}  # (op, dtype) -> (forward passed at every shape, backward too)
+    for op in ops:
+        for dtype in op.dtypes:
+            results = [external_ops.check(op, dtype, *shape, heads(32), 32, DEVICE) for shape in _check_shapes()]
+            section["checks"] += results
+            passed[op.name, dtype] = (all(r["fwd_ok"] for r in results), all(r["bwd_ok"] for r in results))
+            for r in results:
+                worst = max((e[0] for e in r["errors"].values()), default=float("nan"))
+                verdict = "ok" if r["fwd_ok"] and r["bwd_ok"] else ("forward only" if r["fwd_ok"] else "REFUSED")
+                print(
+                    f"check {op.name:<15} {r['dtype']} N{r['N']} Lq{r['Lq']:<6} worst rel err {worst:.1e} "
+                    f"(tolerance {r['tolerance']:.0e}) {verdict} {r.get('error', '')}",
+                    flush=True,
+                )
+    shapes = torch.tensor(LEVELS, device=DEVICE)
+    start = msda.level_start_index_from_shapes(shapes)
+    for name, N, Lq in EXTERNAL_WORKLOADS:
+        for dist in DISTS:
+            for dtype_name, dtype in EXTERNAL_DTYPES.items():
+                inputs = make_inputs(N, Lq, heads(32), 32, dtype, dist)
+                row = {"workload": name, "N": N, "Lq": Lq, "locations": dist, "dtype": dtype_name}
+                for op in (op for op in ops if dtype in op.dtypes and passed[op.name, dtype][0]):
+                    try:
+                        row[op.name] = time_op(op, inputs, shapes, start, backward=passed[op.name, dtype][1])
+                    except Exception as error:  # reported, the other ops still timed
+                        row.setdefault("errors", {})[op.name] = external_ops.describe(error)
+                section["rows"].append(row)
+                timed = [
+                    f"{op.name} " + " / ".join(f"{v:.3f}" for v in row[op.name].values())
+                    for op in ops
+                    if op.name in row
+                ]
+                print(f"{name:<17} {dist:<9} {dtype_name} " + " | ".join(timed), row.get("errors", ""), flush=True)
+    section["dcnv4_launch"] = {
+        f"N{key[0]} Lq{key[1]} M{key[2]} D{key[3]}": spec
+        for op in ops
+        if isinstance(op, external_ops.FlashDeformAttn)
+        for key, spec in op.specs.items()
+    }
+    section["header"]["seconds"] = time.perf_counter() - start_time
+    return section
+
+
+# Each external op against ours in the same contract: DCNv4 (softmax inside) against ours on logits, the original
+# (softmaxed weights given) against ours on weights.
+OURS_FOR = {"dcnv4": "ours_logits", "deformable_detr": "ours"}
+
+
+def _ratio(row, theirs: str, key: str, ours: str | None = None) -> float | None:
+    """Their ms over ours in the row (> 1: ours is faster); None where either was not timed."""
+    ours = ours or OURS_FOR[theirs]
+    if key not in row.get(theirs, {}) or key not in row.get(ours, {}):
+        return None
+    return row[theirs][key] / row[ours][key]
+
+
+def external_targets(section) -> list[tuple[str, str, bool]]:
+    """(target, measured, met): our fp16 forward against DCNv4's on the encoder, both softmaxing the logits."""
+    checks = []
+    for r in section["rows"]:
+        if r["workload"] == EXTERNAL_WORKLOADS[0][0] and r["dtype"] == "fp16":
+            ratio, on_weights = _ratio(r, "dcnv4", "fwd"), _ratio(r, "dcnv4", "fwd", ours="ours")
+            measured = (
+                "DCNv4 not timed" if ratio is None else f"{ratio:.2f}x (ours on weights: {cell(on_weights, '.2f')}x)"
+            )
+            checks.append(
+                (f"{r['workload']} fp16 {r['locations']}: our forward >= 1.2x DCNv4's", measured, (ratio or 0) >= 1.2)
+            )
+    return checks
+
+
+def external_lines(section, standalone: bool = False) -> list[str]:
+    """The report's section on the external ops, under its own run's header (a report of its own if standalone)."""
+    lines = header_lines(
+        "Multi-scale deformable attention: the Triton kernels beside the external ops",
+        section["header"],
+        "Ours, the original Deformable DETR CUDA op (`deformable_detr`, fp32) and DCNv4's FlashDeformAttn kernels "
+        "(`dcnv4`), built by bench/build_external_ops.sh and adapted by bench/external_ops.py, each given its inputs "
+        "as its module passes them: ours the value in the dtype with fp32 locations and softmaxed weights (`ours`) "
+        "or their logits (`ours_logits`: weights_are_logits, the softmax over L*P inside the kernels, as the model "
+        "calls it on CUDA), DCNv4 the value and the packed locations and logits in the dtype (its kernels apply the "
+        "softmax too), the original fp32 throughout; DCNv4 is compared with ours_logits, the original with ours. "
+        "DCNv4 runs through its extension with the launch its wrapper picks (d_stride, threads per block: below), "
+        "computed once per shape: the wrapper itself recomputes it on every call with a Python loop over the "
+        "divisors of N*Lq, host time that is not counted here. Checks: relative L2 error of the output and each "
+        "gradient against our PyTorch reference in float64 on the op's own inputs, at a small shape and at the COCO "
+        "encoder's; an op is timed in a dtype only where every error is within the tolerance (its backward only "
+        "where the gradients are too). Timings: median ms (triton.testing.do_bench) of the forward and the "
+        "forward+backward, D=32, M=8; ratios: their ms over ours in the same dtype and contract (ours fp32 against "
+        "the original), > 1 where ours is faster.",
+    )
+    if not standalone:
+        lines[0] = "## Beside the external ops"
+    lines += [f"- `{name}`: {note}" for name, note in section["notes"].items()]
+    if "skipped" in section:
+        return lines + ["", section["skipped"]]
+    lines += [""]
+    lines += table(
+        [
+            "op",
+            "dtype",
+            "shape",
+            "output",
+            "grad value",
+            "grad loc",
+            "grad weights/logits",
+            "max abs",
+            "tol",
+            "verdict",
+        ],
+        [
+            [
+                c["op"],
+                c["dtype"],
+                f"N{c['N']} Lq{c['Lq']}",
+                *(cell(c["errors"].get(k, (None,))[0], ".1e") for k in ("output", "grad_value", "grad_loc")),
+                cell(c["errors"].get("grad_logits", c["errors"].get("grad_weights", (None,)))[0], ".1e"),
+                cell(max((e[1] for e in c["errors"].values()), default=None), ".1e"),
+                f"{c['tolerance']:.0e}",
+                ("ok" if c["bwd_ok"] else "forward only" if c["fwd_ok"] else "REFUSED")
+                + (f": {c['error']}" if "error" in c else ""),
+            ]
+            for c in section["checks"]
+        ],
+    )
+    names = ("ours", "ours_logits", "dcnv4", "deformable_detr")
+    lines += [""]
+    lines += table(
+        ["workload", "locations", "dtype"] + [f"{n} {k}" for n in names for k in ("fwd", "fwd+bwd")],
+        [
+            [r["workload"], r["locations"], r["dtype"]]
+            + [cell(r.get(n, {}).get(k), ".3f") for n in names for k in ("fwd", "fwd_bwd")]
+            for r in section["rows"]
+        ],
+    )
+    lines += [
+        f"- {r['workload']} {r['locations']} {r['dtype']}: {name} failed: {error}"
+        for r in section["rows"]
+        for name, error in r.get("errors", {}).items()
+    ]
+    by_key = {(r["workload"], r["locations"], r["dtype"]): r for r in section["rows"]}
+    ratio_rows = []
+    for r in section["rows"]:
+        if r["dtype"] != "fp32":
+            continue
+        fp16, bf16 = (by_key[r["workload"], r["locations"], d] for d in ("fp16", "bf16"))
+        ratio_rows.append(
+            [r["workload"], r["locations"]]
+            + [cell(_ratio(x, "dcnv4", k), ".2f") for x in (fp16, bf16) for k in ("fwd", "fwd_bwd")]
+            + [cell(_ratio(r, "deformable_detr", k), ".2f") for k in ("fwd", "fwd_bwd")]
+        )
+    lines += [""]
+    lines += table(
+        ["workload", "locations"]
+        + [f"vs DCNv4 {d} {k}" for d in ("fp16", "bf16") for k in ("fwd", "fwd+bwd")]
+        + ["vs original fp32 fwd", "vs original fp32 fwd+bwd"],
+        ratio_rows,
+    )
+    if section.get("dcnv4_launch"):
+        lines += [
+            "",
+            "DCNv4's launch as its wrapper picks it, (d_stride, threads per block) of the forward then the backward: "
+            + "; ".join(f"{k}: {tuple(v[:2])}, {tuple(v[2:])}" for k, v in section["dcnv4_launch"].items())
+            + ".",
+        ]
+    lines += [
+        "",
+        *table(
+            ["target", "measured", "met"], [[n, v, "yes" if ok else "NO"] for n, v, ok in external_targets(section)]
+        ),
+    ]
+    return lines
+
+
 def table_source(table: dict, header: dict) -> str:
     """The launch table as msda/launch_table.py holds it: the TUNED block, headed by the run it comes from."""
     lines = [
@@ -520,6 +761,14 @@ def apply_table(source: str) -> None:
 
 
 def report_lines(record: dict) -> list[str]:
+    """The kernels' tables, then the external section where the record has one; the external section alone after
+    an --only-external run with no report to join."""
+    if "rows" not in record:
+        return external_lines(record["external"], standalone=True)
+    return kernel_lines(record) + (["", *external_lines(record["external"])] if "external" in record else [])
+
+
+def kernel_lines(record: dict) -> list[str]:
     header, rows = record["header"], record["rows"]
     lines = header_lines(
         "Multi-scale deformable attention: Triton kernels against the PyTorch reference",
@@ -604,6 +853,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128], help="head dims to sweep")
     parser.add_argument(
+        "--external",
+        type=Path,
+        metavar="BUILD",
+        help="also time ours beside the external ops built in BUILD (external/build: bench/build_external_ops.sh)",
+    )
+    parser.add_argument(
+        "--only-external",
+        action="store_true",
+        help="only the comparison with the external ops (no sweep, no targets): its section replaces the current "
+        "report's (--out's, else bench/results')",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=max(1, min(16, (multiprocessing.cpu_count() or 2) - 2)),
@@ -612,15 +873,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def only_external(args, out: Path) -> None:
+    """The comparison with the external ops alone, its section put into the current report."""
+    section = external_comparison(args.external, args.jobs)
+    trial = args.smoke or not torch.cuda.is_available()
+    # A trial (CPU) run's section never joins the GPU report in bench/results.
+    candidates = [out / f"{NAME}.json"] + ([] if trial else [RESULTS / f"{NAME}.json"])
+    base = next((p for p in candidates if p.exists()), None)
+    record = json.loads(base.read_text()) if base is not None else {"header": section["header"]}
+    record["external"] = section
+    json_path, md_path = write_report(NAME, record, report_lines(record), out=out)
+    print(f"\ndone: {json_path}, {md_path}" + (f" (joined to the report of {base})" if base else ""))
+    for name, value, ok in external_targets(section):
+        print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
+
+
 def main():
     parser = build_parser()
     args = parser.parse_args()
-    if not args.smoke and not torch.cuda.is_available():
+    if args.only_external and args.external is None:
+        parser.error("--only-external needs --external BUILD (the external ops' folder, external/build)")
+    if not args.smoke and not torch.cuda.is_available() and not args.only_external:
         sys.exit("bench/msda.py needs a CUDA GPU (or --smoke)")
-    if args.apply_table and (args.no_sweep or args.smoke):
-        parser.error("--apply-table writes a table measured on a GPU: not with --no-sweep or --smoke")
-    out = out_dir(args.out, args.smoke)
+    if args.apply_table and (args.no_sweep or args.smoke or args.only_external):
+        parser.error("--apply-table writes a table measured on a GPU: not with --no-sweep, --smoke or --only-external")
+    out = out_dir(args.out, args.smoke or not torch.cuda.is_available())
     out.mkdir(parents=True, exist_ok=True)
+    if args.only_external:
+        only_external(args, out)
+        return
     header = run_header()
     start = time.perf_counter()
     record = {"header": header}
@@ -641,12 +922,14 @@ def main():
     else:
         record["table_note"] = "The launch table is msda/launch_table.py's."
     record["rows"] = targets(out)
+    if args.external is not None:
+        record["external"] = external_comparison(args.external, args.jobs)
     header["seconds"] = time.perf_counter() - start
     json_path, md_path = write_report(NAME, record, report_lines(record), out=out)
     for partial in out.glob(f"{NAME}*.partial.json"):
         partial.unlink()
     print(f"\ndone in {header['seconds']:.0f} s: {json_path}, {md_path}\n")
-    for name, value, ok in target_checks(record["rows"]):
+    for name, value, ok in target_checks(record["rows"]) + external_targets(record.get("external", {"rows": []})):
         print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
 
 
