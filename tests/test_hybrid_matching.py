@@ -499,8 +499,9 @@ def test_a_hybrid_run_logs_its_losses_resumes_exactly_and_evaluates_with_or_with
 
 @pytest.mark.slow
 def test_two_stage_queries_a_size_bucket_cannot_hold_are_refused_before_the_first_step(tmp_path):
-    """The tiny run's smallest training bucket (64-pixel sides, 3 levels) has 84 encoder tokens: 10 + 80 queries to
-    select is refused with the settings, naming the keys and the bucket, before anything is trained or saved."""
+    """The tiny run's training buckets (sides of 64 to 80 pixels, 3 levels) have about a hundred encoder tokens: 10 +
+    200 queries to select is refused with the settings, naming the keys and the bucket, before anything is trained or
+    saved."""
     from helpers import compose_run
 
     import train as trainer
@@ -509,9 +510,9 @@ def test_two_stage_queries_a_size_bucket_cannot_hold_are_refused_before_the_firs
     two_stage = ("model.with_box_refine=true", "model.two_stage=true", "model.one_to_many=hybrid")
     with pytest.raises(
         SettingsError,
-        match=r"model\.two_stage=true selects 90 queries \(model\.num_queries=10 \+ model\.num_queries_one2many=80\) "
+        match=r"model\.two_stage=true selects 210 queries \(model\.num_queries=10 \+ model\.num_queries_one2many=200\) "
         r"among the encoder's tokens, but the smallest training size bucket, \d+x\d+, has only \d+: lower "
         r"model\.num_queries_one2many or model\.num_queries",
     ):
-        trainer.train(compose_run(tmp_path / "data", tmp_path / "run", *two_stage, "model.num_queries_one2many=80"))
+        trainer.train(compose_run(tmp_path / "data", tmp_path / "run", *two_stage, "model.num_queries_one2many=200"))
     assert not (tmp_path / "run" / "checkpoint.pth").exists() and not (tmp_path / "run" / "tensorboard").exists()
