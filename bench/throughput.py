@@ -16,9 +16,9 @@ recipes with one-to-many supervision and model EMA): compiled as the long recipe
 run of STEPS_TO_COMPILE steps or more, and a row's few hundred would get CUDA graphs of the eager model instead). The
 rows share one compile cache, empty before the first row: the first row's first step is a cold start, the later
 rows find the graphs an earlier row compiled with the same plan (those with symbolic sizes serve every batch).
-``--baseline`` (a checkout of another commit, e.g. ``git worktree add /tmp/base COMMIT``) runs each coco_gpu row from
-that checkout too, before the others and with a compile cache of its own, so that a change is measured as a ratio
-of two runs on the same machine in the same call. From
+``--baseline`` (a checkout of another commit, e.g. ``git worktree add /tmp/base COMMIT``) runs each coco_gpu row of the
+recipe's compile.mode from that checkout too, before the others and with a compile cache of its own, so that a
+change is measured as a ratio of two runs on the same machine in the same call. From
 its timing.json: the steady steps (the second half of the warm steps that compiled nothing), their images/s, the
 share of their wall time the loop waited for the loader, the padded pixels per image, peak memory and the first
 step's time. GPU busy: the share of the row's last PROFILED_STEPS steps' (fewer in a --smoke run) wall time
@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         type=Path,
         default=None,
-        help="a checkout of the commit to compare with: each coco_gpu row runs from it too, first",
+        help=f"a checkout of the commit to compare with: each coco_gpu row at compile.mode={RECIPE_COMPILE_MODE} "
+        "runs from it too, first",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help=f"optimizer steps per row (default: {ROW_STEPS}; 16 with --smoke)"
@@ -602,7 +603,8 @@ def main() -> None:
         args.baseline_commit = checkout_commit(args.baseline)
         header["baseline"] = {"checkout": str(args.baseline), "commit": args.baseline_commit}
         subprocess.run(["rm", "-rf", str(args.work / "cache_baseline")], check=True)
-    with_baseline = [(*row, True) for row in args.rows if row[0] == "coco_gpu" and args.baseline is not None]
+    compared = [row for row in args.rows if row[0] == "coco_gpu" and row[2] == RECIPE_COMPILE_MODE]
+    with_baseline = [(*row, True) for row in compared] if args.baseline is not None else []
     rows = []
     for recipe, b, mode, baseline in with_baseline + [(*row, False) for row in args.rows]:
         cache = args.work / ("cache_baseline" if baseline else "cache")
