@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, child_env, write_checkpoint
+from helpers import ROOT, TINY_MODEL, child_env, write_checkpoint
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
@@ -155,7 +155,8 @@ def test_onnx_file_takes_other_batch_and_image_sizes(checkpoint, onnx_export):
         got = runner(*inputs)
         with torch.no_grad():
             expected = detector(*inputs)
-        assert got[0].shape == (shape.batch, 12, 4) and got[1].shape == (shape.batch, 12, 4)
+        queries = TINY_MODEL["num_queries"]
+        assert got[0].shape == (shape.batch, queries, 4) and got[1].shape == (shape.batch, queries, 4)
         report = compare_outputs(got, expected, tolerance=tolerance_for("fp32"))
         assert not report.failures, report.describe()
 
@@ -363,7 +364,8 @@ def test_tensorrt_variant_has_the_plugin_node_with_its_inputs(checkpoint, backgr
         return [d.dim_value for d in types[name].shape.dim]
 
     float32, int32 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT32
-    for node, queries in zip(nodes, (12 * 16 + 6 * 8 + 3 * 4, 12)):  # the encoder's queries are its 252 positions
+    # The encoder's queries are its 252 positions, the decoder's the model's.
+    for node, queries in zip(nodes, (12 * 16 + 6 * 8 + 3 * 4, TINY_MODEL["num_queries"])):
         value, spatial_shapes, level_start_index, locations, weights = node.input
         assert shape(value) == [2, 252, 2, 16] and types[value].elem_type == float32  # (N, S, M, D)
         assert types[spatial_shapes].elem_type == types[level_start_index].elem_type == int32

@@ -499,16 +499,17 @@ def test_one_ctrl_c_during_eval_only_says_the_evaluation_stopped_and_nothing_was
     """train.py eval_only=true, its evaluation interrupted by one Ctrl-C: a message about the evaluation (nothing is
     written before its end), not the training run's about lost steps."""
     script = f"""
-import os, signal, sys, time
+import os, runpy, signal, sys, time
 sys.argv = ["train.py", "eval_only=true", "checkpoint=unused.pth", "output_dir={tmp_path / "eval"}", "device=cpu"]
-import train
+import engine.train.eval_only
 
 def interrupted_evaluation(cfg):
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)
 
-train.evaluate_checkpoint = interrupted_evaluation
-train.main()
+# train.py imports it from there; run as a script, as `python train.py` runs it (Hydra finds configs/ beside it).
+engine.train.eval_only.evaluate_checkpoint = interrupted_evaluation
+runpy.run_path("train.py", run_name="__main__")
 """
     child = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
