@@ -57,13 +57,15 @@ class Children:
 CHILDREN = Children()
 
 
-def run_all(run_one: Callable[..., dict], runs: list[tuple], *, parallel: int) -> list[dict]:
-    """``run_one(*run)`` for every run, ``parallel`` at once, in order; stopping the benchmark (Ctrl-C, a time limit's
-    SIGTERM) stops the runs too."""
+def run_all(run_one: Callable[..., dict], runs: list[tuple], *, parallel: int, lockstep: bool = False) -> list[dict]:
+    """``run_one(*run)`` for every run, ``parallel`` at once, in order; with ``lockstep``, in groups of ``parallel``
+    started together, each group ended before the next starts (runs whose times are compared then share the machine
+    alike). Stopping the benchmark (Ctrl-C, a time limit's SIGTERM) stops the runs too."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    groups = [runs[i : i + parallel] for i in range(0, len(runs), parallel)] if lockstep else [runs]
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         try:
-            return list(pool.map(lambda run: run_one(*run), runs))
+            return [row for group in groups for row in pool.map(lambda run: run_one(*run), group)]
         except BaseException:
             CHILDREN.stop()
             raise
