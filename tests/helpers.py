@@ -88,6 +88,17 @@ def output_loss(out):
     return loss
 
 
+def gradient_errors(grads: dict, expected: dict, *, floor: float) -> dict[str, float]:
+    """Each gradient's largest difference from ``expected``'s, relative to that tensor's largest entry, or to ``floor``
+    times the largest entry of all gradients where its own is smaller: a tensor whose true gradient is zero (a conv
+    bias before its GroupNorm) holds rounding alone, which no relative bound of its own would pass."""
+    overall = max(e.abs().max() for e in expected.values())
+    return {
+        name: ((g - expected[name]).abs().max() / torch.maximum(expected[name].abs().max(), floor * overall)).item()
+        for name, g in grads.items()
+    }
+
+
 def assert_same_detections(reference, model, postprocess, *, H: int, W: int, device: str) -> None:
     """``model.detect`` gives ``reference``'s detections (its eager forward, without gradients) on one batch of
     uint8 pixels, as evaluation's loader gives them."""
