@@ -368,10 +368,14 @@ def test_detections_move_with_batch_size_through_padding_as_the_readme_says(chec
 
 
 def _predict_command(checkpoint: Path, folder: Path, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    # Hydra's flags (-m) go before every override: argparse takes the overrides as one run of positionals.
+    flags = [o for o in overrides if o.startswith("-")]
+    overrides = tuple(o for o in overrides if not o.startswith("-"))
     return subprocess.run(
         [
             sys.executable,
             str(ROOT / "predict.py"),
+            *flags,
             f"checkpoint={checkpoint}",
             f"images={folder}",
             "device=cpu",
