@@ -163,7 +163,7 @@ def test_hybrid_steps_replayed_as_cuda_graphs_give_the_losses_and_gradients_of_e
     between the one-to-one losses' forward and backward, are recorded in a region and memory pool of their own (in
     the one-to-one losses' pool, their replay would overwrite what that backward reads). Also in passes."""
     torch.manual_seed(0)
-    eager, graphed = _graphed_pair(variant, hybrid_matching=True, num_queries_one2many=24, k_one2many=3)
+    eager, graphed = _graphed_pair(variant, one_to_many="hybrid", num_queries_one2many=24, k_one2many=3)
     for step in (eager, graphed):
         step.images_per_pass = images_per_pass
     clock = CompileClock.get()

@@ -81,7 +81,7 @@ def test_a_bad_override_fails_at_compose_naming_the_key(overrides, cause):
         (["model.dropout=1.5"], r"model\.dropout must be a number in \[0, 1\), got 1\.5"),
         (["model.hidden_dim=48", "model.nheads=5"], r"model\.hidden_dim must be divisible by model\.nheads"),
         (["model.num_classes=0"], r"model\.num_classes must be an integer >= 1 or null"),
-        (["model.hybrid_matching=true", "model.k_one2many=0"], r"model\.k_one2many must be an integer >= 1"),
+        (["model.one_to_many=hybrid", "model.k_one2many=0"], r"model\.k_one2many must be an integer >= 1"),
         (["device=gpu"], r"device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (["epochs=0", "batch_size=0"], r"epochs must be an integer >= 1, got 0; batch_size must be an integer >= 1"),
         (["dataset.image_size=8"], r"dataset\.image_size must be at least 16 pixels"),
