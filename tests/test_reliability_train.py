@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, tiny_model_overrides
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -24,14 +24,7 @@ STEPS_PER_EPOCH = 2  # 12 training images, batch 4 (a batch's worth left over in
 pytestmark = pytest.mark.slow
 
 RUN = [
-    "model.hidden_dim=32",
-    "model.nheads=2",
-    "model.enc_layers=1",
-    "model.dec_layers=2",
-    "model.dim_feedforward=64",
-    "model.num_queries=10",
-    "model.num_feature_levels=3",
-    "model.msda=pytorch",
+    *tiny_model_overrides(),
     "epochs=1",
     "batch_size=4",
     "num_workers=0",
