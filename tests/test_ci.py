@@ -19,12 +19,13 @@ import pytest
 from helpers import ROOT
 
 # A python that records how it was called (its own path, then its arguments) and, asked for a virtual environment,
-# makes one whose python is this same recorder. $FAIL, when set, is a command it fails, as ruff fails on a violation.
+# makes one whose python is this same recorder. $FAIL, when set, is a command it fails (with $FAIL_STATUS, default 1),
+# as ruff fails on a violation.
 RECORDER = """#!/usr/bin/env bash
 echo "$0 $*" >> "$CALLS"
 if [ "$1" = "--version" ]; then echo "Python (recorder)"; fi
 if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
-if [ -n "${FAIL:-}" ] && [ "$*" = "$FAIL" ]; then exit 1; fi
+if [ -n "${FAIL:-}" ] && [ "$*" = "$FAIL" ]; then exit "${FAIL_STATUS:-1}"; fi
 """
 
 
@@ -70,6 +71,14 @@ def test_a_style_violation_fails_ci_before_the_tests_run(tmp_path, check):
     run, lines, _ = run_ci(tmp_path, FAIL=check)
     assert run.returncode != 0
     assert lines[-1][1:] == shlex.split(check)  # nothing ran after the failing check
+
+
+@pytest.mark.parametrize("status", [1, 5])
+def test_a_failing_or_empty_test_run_fails_ci(tmp_path, status):
+    """pytest's own exit status is CI's: 1 (a test failed) and 5 (no tests collected) both fail it."""
+    run, lines, _ = run_ci(tmp_path, FAIL=" ".join(readme_test_command()), FAIL_STATUS=str(status))
+    assert run.returncode == status
+    assert lines[-1][1:] == readme_test_command()
 
 
 @pytest.mark.parametrize(
