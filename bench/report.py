@@ -80,8 +80,10 @@ def header_lines(title: str, header: dict, how_to_read: str) -> list[str]:
     ]
 
 
-def table(columns: list[str], rows: list[list]) -> list[str]:
-    """A markdown table."""
+def table(columns: list[str] | str, rows: list[list]) -> list[str]:
+    """A markdown table; ``columns`` a list of names or its header row as markdown writes it, "a | b | c"."""
+    if isinstance(columns, str):
+        columns = columns.split(" | ")
     return [
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
