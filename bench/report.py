@@ -96,6 +96,19 @@ def cell(value, spec: str = ".1f") -> str:
     return "-" if value is None or value != value else format(value, spec)
 
 
+def pyplot(bench: str):
+    """matplotlib.pyplot drawing into files (the Agg backend), or None, with a note, without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{bench}: matplotlib is not installed; no figure (pip install matplotlib)", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_report(name: str, record: dict, lines: list[str], *, out: Path = RESULTS) -> tuple[Path, Path]:
     """``record`` as <out>/<name>.json and ``lines`` as <out>/<name>.md, each replacing the previous run's whole."""
     out.mkdir(parents=True, exist_ok=True)
