@@ -290,7 +290,8 @@ def run_row(args, recipe: str, batch: int, steps: int, gpus=1, baseline=False, m
     overrides = row_overrides(args, recipe, batch, run, steps, cache=cache, mode=mode)
     checkout = args.baseline if baseline else ROOT
     print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {checkout}/train.py {' '.join(overrides)}", flush=True)
-    log, env = args.work / f"{name}.log", environment_without_cache_choice()
+    log = args.work / f"{name}.log"
+    env = environment_without_cache_choice()
     row = {"recipe": recipe, "batch": batch, "code": args.baseline_commit if baseline else "this", "compile_mode": mode}
     with BusySampler() as busy:
         returncode = run_train_py(overrides, log=log, env=env, gpus=gpus, timeout=args.row_timeout, checkout=checkout)
