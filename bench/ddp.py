@@ -57,15 +57,8 @@ def main() -> None:
         f"speed-up is their ratio, against {SCALING_TARGET:.2f} x linear.",
     )
     rows = [
-        [
-            r["gpus"],
-            r["per_gpu_batch"],
-            f"{r['img_s']:.1f}",
-            f"{r['step_ms']:.0f}",
-            f"{r['gpu_busy'] or 0:.0%}",
-            f"{r['data_wait_share']:.1%}",
-            f"{r['peak_gib'] or 0:.1f}",
-        ]
+        [r["gpus"], r["per_gpu_batch"], f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}"]
+        + [f"{r['gpu_busy'] or 0:.0%}", f"{r['data_wait_share']:.1%}", f"{r['peak_gib'] or 0:.1f}"]
         for r in (one, many)
         if "error" not in r
     ]

@@ -79,14 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint to time (default: random weights)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and images (default fp32)")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8; quick 1 2)")
-    parser.add_argument(
-        "--size",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("H", "W"),
-        help="image size before padding to 32 (default 800 1333; quick 96 128)",
-    )
+    size_help = "image size before padding to 32 (default 800 1333; quick 96 128)"
+    parser.add_argument("--size", type=int, nargs=2, default=None, metavar=("H", "W"), help=size_help)
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration (default 5; quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per configuration (default 20; quick 3)")
     parser.add_argument(
@@ -268,9 +262,7 @@ def measure(args, argv: list[str], device: torch.device, workdir: Path, report: 
         ways.append(("graphs", ExportableDetector(graphed_model).eval()))
     inductor_options = QUICK_COMPILE if args.quick else {}  # the package's quick_compile, for a like comparison
     measured = {
-        "aoti_export_s": aoti.get("aoti_export_s"),
-        "aoti_load_s": aoti.get("aoti_load_s"),
-        "package_mb": aoti.get("package_mb"),
+        **{key: aoti.get(key) for key in ("aoti_export_s", "aoti_load_s", "package_mb")},
         "aoti_error": aoti_error,
         "compile_mode": mode,
         "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -340,34 +332,18 @@ def report_lines(record: dict) -> list[str]:
             else ""
         ),
     )
+    cells = []
+    for r in rows:
+        eager, aoti = r["eager_ms"], r.get("aoti_ms")
+        times = [cell(eager), cell(r["compiled_ms"]), cell(aoti), cell(r.get("graphs_ms"))]
+        ratios = [f"{r['compiled_ms'] / eager:.2f}", cell(None if aoti is None else aoti / eager, ".2f")]
+        aoti_diff = f"{r['aoti_vs_eager']['logits']:.1e}" if "aoti_vs_eager" in r else "-"
+        diffs = [f"{r['compiled_vs_eager']['logits']:.1e}", aoti_diff]
+        cells.append([r["batch"], *times, *ratios, cell(r["compiled_first_call_s"]), *diffs])
     lines += table(
-        [
-            "batch",
-            "eager ms",
-            "torch.compile ms",
-            "AOTInductor ms",
-            "CUDA graphs ms",
-            "compile / eager",
-            "AOTInductor / eager",
-            "compile first call s",
-            "diff compile",
-            "diff AOTInductor",
-        ],
-        [
-            [
-                r["batch"],
-                cell(r["eager_ms"]),
-                cell(r["compiled_ms"]),
-                cell(r.get("aoti_ms")),
-                cell(r.get("graphs_ms")),
-                f"{r['compiled_ms'] / r['eager_ms']:.2f}",
-                cell(r["aoti_ms"] / r["eager_ms"] if "aoti_ms" in r else None, ".2f"),
-                cell(r["compiled_first_call_s"]),
-                f"{r['compiled_vs_eager']['logits']:.1e}",
-                f"{r['aoti_vs_eager']['logits']:.1e}" if "aoti_vs_eager" in r else "-",
-            ]
-            for r in rows
-        ],
+        "batch | eager ms | torch.compile ms | AOTInductor ms | CUDA graphs ms | compile / eager | AOTInductor / eager "
+        "| compile first call s | diff compile | diff AOTInductor",
+        cells,
     )
     seconds = record.get("aoti_export_s")
     if seconds:

@@ -113,29 +113,10 @@ def main() -> None:
             blocks = sum(g[0].shape[0] * batch for g in groups)
             same = same_pairs(one_pairs, picked_pairs)
             failed |= not same
-            record.append(
-                {
-                    "recipe": recipe,
-                    "batch": batch,
-                    "blocks": blocks,
-                    "threads": threads,
-                    "one_thread_ms": one_ms,
-                    "picked_ms": picked_ms,
-                    "same_pairs": same,
-                }
-            )
-            rows.append(
-                [
-                    recipe,
-                    batch,
-                    blocks,
-                    threads,
-                    f"{one_ms:.1f}",
-                    f"{picked_ms:.1f}",
-                    f"{one_ms / picked_ms:.2f}x",
-                    "yes" if same else "NO (CHECK FAILED)",
-                ]
-            )
+            row = {"recipe": recipe, "batch": batch, "blocks": blocks, "threads": threads}
+            record.append({**row, "one_thread_ms": one_ms, "picked_ms": picked_ms, "same_pairs": same})
+            times = [f"{one_ms:.1f}", f"{picked_ms:.1f}", f"{one_ms / picked_ms:.2f}x"]
+            rows.append([recipe, batch, blocks, threads, *times, "yes" if same else "NO (CHECK FAILED)"])
             print(rows[-1], flush=True)
     header = run_header(device=device)
     lines = header_lines(

@@ -150,20 +150,9 @@ def make_inputs(N, Lq, M, D, dtype, locations, seed=0):
     if locations == "uniform":
         loc = torch.rand(N, Lq, M, L, P, 2, device=dev, generator=gen)
     else:
-        if Lq == S:
-            ref = torch.cat(
-                [
-                    torch.stack(
-                        torch.meshgrid(
-                            (torch.arange(w, device=dev) + 0.5) / w,
-                            (torch.arange(h, device=dev) + 0.5) / h,
-                            indexing="xy",
-                        ),
-                        -1,
-                    ).reshape(-1, 2)
-                    for h, w in LEVELS
-                ]
-            )
+        if Lq == S:  # the encoder: every level's pixel centres, as (x, y)
+            axes = [[(torch.arange(n, device=dev) + 0.5) / n for n in (w, h)] for h, w in LEVELS]
+            ref = torch.cat([torch.stack(torch.meshgrid(*xy, indexing="xy"), -1).flatten(0, 1) for xy in axes])
             ref = ref.expand(N, -1, -1)
         else:
             ref = torch.rand(N, Lq, 2, device=dev, generator=gen)
@@ -181,43 +170,15 @@ def run_variant(kind, config, value, loc, weights, grad_out):
     if kind == "forward":
         return launch.forward(value, LEVELS, loc, weights, config=config, kernels="classic")
     if kind == "fused":
-        return launch.backward(
-            grad_out, value, LEVELS, loc, weights, scheme="fused", configs={"fused": config}, kernels="classic"
-        )
-    if kind == "split":
-        return launch.backward(
-            grad_out,
-            value,
-            LEVELS,
-            loc,
-            weights,
-            scheme="split",
-            configs={"sample_grads": config, "scatter": config},
-            kernels="classic",
-        )
-    if kind == "hybrid":
-        return launch.backward(
-            grad_out,
-            value,
-            LEVELS,
-            loc,
-            weights,
-            scheme="hybrid",
-            configs={"hybrid": config[0], "hybrid_split": config[1]},
-            kernels="classic",
-        )
-    keys, lanes = config
-    return launch.backward(
-        grad_out,
-        value,
-        LEVELS,
-        loc,
-        weights,
-        scheme="gather",
-        deterministic=kind == "sorted",
-        configs={"keys": keys, "gather": lanes},
-        kernels="classic",
-    )
+        scheme, configs = "fused", {"fused": config}
+    elif kind == "split":
+        scheme, configs = "split", {"sample_grads": config, "scatter": config}
+    elif kind == "hybrid":
+        scheme, configs = "hybrid", {"hybrid": config[0], "hybrid_split": config[1]}
+    else:  # gather, or "sorted": the deterministic gather (the same keys kernel, an int64 permutation)
+        scheme, configs = "gather", {"keys": config[0], "gather": config[1]}
+    options = {"scheme": scheme, "configs": configs, "deterministic": kind == "sorted", "kernels": "classic"}
+    return launch.backward(grad_out, value, LEVELS, loc, weights, **options)
 
 
 def median_ms(fn, rep=50) -> float:
@@ -294,27 +255,15 @@ def sweep(dims, out: Path) -> list:
             for dtype_name, dtype in DTYPES.items():
                 for dist in DISTS:
                     inputs = make_inputs(N, Lq, heads(D), D, dtype, dist)
+                    large = N * Lq * heads(D) >= launch.LARGE
+                    point = {"D": D, "workload": name, "large": large, "dtype": dtype_name, "locations": dist}
+                    timed = []
                     for kind, configs in candidates(D).items():
                         for config in configs:
                             ms = median_ms(lambda: run_variant(kind, config, *inputs), rep=30)
-                            records.append(
-                                {
-                                    "D": D,
-                                    "workload": name,
-                                    "large": N * Lq * (heads(D)) >= launch.LARGE,
-                                    "dtype": dtype_name,
-                                    "locations": dist,
-                                    "kind": kind,
-                                    "config": config,
-                                    "ms": ms,
-                                }
-                            )
-                    best = {
-                        k: min(
-                            r["ms"] for r in records[-sum(len(c) for c in candidates(D).values()) :] if r["kind"] == k
-                        )
-                        for k in candidates(D)
-                    }
+                            timed.append({**point, "kind": kind, "config": config, "ms": ms})
+                    records += timed
+                    best = {k: min(r["ms"] for r in timed if r["kind"] == k) for k in candidates(D)}
                     print(
                         f"sweep D{D} {name:<17} {dtype_name} {dist:<9} best ms: "
                         + " ".join(f"{k} {v:.3f}" for k, v in best.items()),
@@ -445,20 +394,12 @@ def targets(out: Path) -> list:
         for dtype_name, dtype in DTYPES.items():
             for dist in DISTS:
                 inputs = make_inputs(N, Lq, heads(32), 32, dtype, dist)
-                decoder = Lq < S
-                row = {
-                    "workload": name,
-                    "N": N,
-                    "Lq": Lq,
-                    "dtype": dtype_name,
-                    "locations": dist,
-                    "scheme": launch.launch_config(
-                        ("scheme", 32, NBYTES[dtype_name], L, P, N * Lq * heads(32) >= launch.LARGE)
-                    ),
-                    "max_rel_err": max_rel_err(inputs, shapes),
-                }
-                row["triton"] = time_public("triton", inputs, shapes, decoder and dist == "uniform")
-                row["pytorch"] = time_public("pytorch", inputs, shapes, decoder and dist == "uniform")
+                large = N * Lq * heads(32) >= launch.LARGE
+                row = {"workload": name, "N": N, "Lq": Lq, "dtype": dtype_name, "locations": dist}
+                row["scheme"] = launch.launch_config(("scheme", 32, NBYTES[dtype_name], L, P, large))
+                row["max_rel_err"] = max_rel_err(inputs, shapes)
+                decoder = Lq < S and dist == "uniform"  # the eager loop and the graph replay: time_public
+                row.update({impl: time_public(impl, inputs, shapes, decoder) for impl in ("triton", "pytorch")})
                 row.update(deterministic_stats(inputs))
                 rows.append(row)
                 t, p = row["triton"], row["pytorch"]
@@ -485,38 +426,27 @@ def target_checks(rows) -> list[tuple[str, str, bool]]:
         return row["pytorch"][key] / row["triton"][key]
 
     enc = find("encoder N2", "fp32")
-    checks = [
-        (
-            f"encoder N2 fp32 uniform {key.replace('_', '+')} >= {target}x",
-            f"{ratio(enc, key):.1f}x",
-            ratio(enc, key) >= target,
-        )
-        for key, target in (("fwd_bwd", 16.5), ("fwd", 17))
-    ]
+    checks = []
+    for key, target in (("fwd_bwd", 16.5), ("fwd", 17)):
+        speedup = ratio(enc, key)
+        name = f"encoder N2 fp32 uniform {key.replace('_', '+')} >= {target}x"
+        checks.append((name, f"{speedup:.1f}x", speedup >= target))
     for dist in DISTS:
-        speed = (
-            find("encoder N2", "fp32", dist)["triton"]["fwd_bwd"]
-            / find("encoder N2", "bf16", dist)["triton"]["fwd_bwd"]
-        )
+        fp32, bf16 = (find("encoder N2", dtype, dist)["triton"]["fwd_bwd"] for dtype in ("fp32", "bf16"))
+        speed = fp32 / bf16
         checks.append((f"encoder N2 bf16 fwd+bwd >= 1.3x faster than fp32 ({dist})", f"{speed:.2f}x", speed >= 1.3))
     for workload in ("decoder N4 Lq300", "decoder N4 Lq900"):
         for dtype in DTYPES:
             r = find(workload, dtype)
             eager = ratio(r, "eager_fwd_bwd")
-            checks.append(
-                (
-                    f"{workload} {dtype} eager fwd+bwd >= 7x",
-                    f"{eager:.1f}x eager loop, {ratio(r, 'fwd_bwd'):.1f}x do_bench",
-                    eager >= 7,
-                )
-            )
+            measured = f"{eager:.1f}x eager loop, {ratio(r, 'fwd_bwd'):.1f}x do_bench"
+            checks.append((f"{workload} {dtype} eager fwd+bwd >= 7x", measured, eager >= 7))
     bitwise = all(r["det_bitwise_5"] for r in rows)
     cost = max(r["det_bwd"] / r["default_bwd"] for r in rows if r["workload"].startswith("encoder"))
-    checks.append(("deterministic grad_value bitwise identical over 5 runs (all rows)", str(bitwise), bitwise))
-    checks.append(
-        ("deterministic backward <= 1.5x the default backward (worst encoder row)", f"{cost:.2f}x", cost <= 1.5)
-    )
-    return checks
+    return checks + [
+        ("deterministic grad_value bitwise identical over 5 runs (all rows)", str(bitwise), bitwise),
+        ("deterministic backward <= 1.5x the default backward (worst encoder row)", f"{cost:.2f}x", cost <= 1.5),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -574,14 +504,14 @@ def external_comparison(build: Path | None, jobs: int) -> dict:
             passed[op.name, dtype] = (all(r["fwd_ok"] for r in results), all(r["bwd_ok"] for r in results))
             for r in results:
                 worst = max((e[0] for e in r["errors"].values()), default=float("nan"))
-                verdict = "ok" if r["fwd_ok"] and r["bwd_ok"] else ("forward only" if r["fwd_ok"] else "REFUSED")
                 print(
                     f"check {op.name:<15} {r['dtype']} N{r['N']} Lq{r['Lq']:<6} worst rel err {worst:.1e} "
-                    f"(tolerance {r['tolerance']:.0e}) {verdict} {r.get('error', '')}",
+                    f"(tolerance {r['tolerance']:.0e}) {check_verdict(r)} {r.get('error', '')}",
                     flush=True,
                 )
     shapes = torch.tensor(LEVELS, device=DEVICE)
     start = msda.level_start_index_from_shapes(shapes)
+    names = [op.name for op in ops]
     for name, N, Lq in EXTERNAL_WORKLOADS:
         for dist in DISTS:
             for dtype_name, dtype in EXTERNAL_DTYPES.items():
@@ -593,18 +523,10 @@ def external_comparison(build: Path | None, jobs: int) -> dict:
                     except Exception as error:  # reported, the other ops still timed
                         row.setdefault("errors", {})[op.name] = external_ops.describe(error)
                 section["rows"].append(row)
-                timed = [
-                    f"{op.name} " + " / ".join(f"{v:.3f}" for v in row[op.name].values())
-                    for op in ops
-                    if op.name in row
-                ]
+                timed = [f"{n} " + " / ".join(f"{v:.3f}" for v in row[n].values()) for n in names if n in row]
                 print(f"{name:<17} {dist:<9} {dtype_name} " + " | ".join(timed), row.get("errors", ""), flush=True)
-    section["dcnv4_launch"] = {
-        f"N{key[0]} Lq{key[1]} M{key[2]} D{key[3]}": spec
-        for op in ops
-        if isinstance(op, external_ops.FlashDeformAttn)
-        for key, spec in op.specs.items()
-    }
+    dcnv4 = [op for op in ops if isinstance(op, external_ops.FlashDeformAttn)]
+    section["dcnv4_launch"] = {"N{} Lq{} M{} D{}".format(*key): spec for op in dcnv4 for key, spec in op.specs.items()}
     section["header"]["seconds"] = time.perf_counter() - start_time
     return section
 
@@ -612,6 +534,26 @@ def external_comparison(build: Path | None, jobs: int) -> dict:
 # Each external op against ours in the same contract: DCNv4 (softmax inside) against ours on logits, the original
 # (softmaxed weights given) against ours on weights.
 OURS_FOR = {"dcnv4": "ours_logits", "deformable_detr": "ours"}
+# The ratio table's pairs of columns: ours in fp16 and bf16 against DCNv4, in fp32 against the original.
+AGAINST = {
+    "DCNv4 fp16": ("fp16", "dcnv4"),
+    "DCNv4 bf16": ("bf16", "dcnv4"),
+    "original fp32": ("fp32", "deformable_detr"),
+}
+
+
+def check_verdict(check: dict) -> str:
+    """An external check's verdict: the op is timed forward and backward, forward only, or not at all."""
+    return "ok" if check["fwd_ok"] and check["bwd_ok"] else "forward only" if check["fwd_ok"] else "REFUSED"
+
+
+def checks_table(checks: list[tuple[str, str, bool]]) -> list[str]:
+    return table("target | measured | met", [[name, value, "yes" if ok else "NO"] for name, value, ok in checks])
+
+
+def print_checks(checks: list[tuple[str, str, bool]]) -> None:
+    for name, value, ok in checks:
+        print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
 
 
 def _ratio(row, theirs: str, key: str, ours: str | None = None) -> float | None:
@@ -628,12 +570,9 @@ def external_targets(section) -> list[tuple[str, str, bool]]:
     for r in section["rows"]:
         if r["workload"] == EXTERNAL_WORKLOADS[0][0] and r["dtype"] == "fp16":
             ratio, on_weights = _ratio(r, "dcnv4", "fwd"), _ratio(r, "dcnv4", "fwd", ours="ours")
-            measured = (
-                "DCNv4 not timed" if ratio is None else f"{ratio:.2f}x (ours on weights: {cell(on_weights, '.2f')}x)"
-            )
-            checks.append(
-                (f"{r['workload']} fp16 {r['locations']}: our forward >= 1.2x DCNv4's", measured, (ratio or 0) >= 1.2)
-            )
+            measured = f"{cell(ratio, '.2f')}x (ours on weights: {cell(on_weights, '.2f')}x)"
+            target = f"{r['workload']} fp16 {r['locations']}: our forward >= 1.2x DCNv4's"
+            checks.append((target, "DCNv4 not timed" if ratio is None else measured, (ratio or 0) >= 1.2))
     return checks
 
 
@@ -662,82 +601,45 @@ def external_lines(section, standalone: bool = False) -> list[str]:
     lines += [f"- `{name}`: {note}" for name, note in section["notes"].items()]
     if "skipped" in section:
         return lines + ["", section["skipped"]]
-    lines += [""]
-    lines += table(
-        [
-            "op",
-            "dtype",
-            "shape",
-            "output",
-            "grad value",
-            "grad loc",
-            "grad weights/logits",
-            "max abs",
-            "tol",
-            "verdict",
-        ],
-        [
-            [
-                c["op"],
-                c["dtype"],
-                f"N{c['N']} Lq{c['Lq']}",
-                *(cell(c["errors"].get(k, (None,))[0], ".1e") for k in ("output", "grad_value", "grad_loc")),
-                cell(c["errors"].get("grad_logits", c["errors"].get("grad_weights", (None,)))[0], ".1e"),
-                cell(max((e[1] for e in c["errors"].values()), default=None), ".1e"),
-                f"{c['tolerance']:.0e}",
-                ("ok" if c["bwd_ok"] else "forward only" if c["fwd_ok"] else "REFUSED")
-                + (f": {c['error']}" if "error" in c else ""),
-            ]
-            for c in section["checks"]
-        ],
-    )
-    names = ("ours", "ours_logits", "dcnv4", "deformable_detr")
-    lines += [""]
-    lines += table(
-        ["workload", "locations", "dtype"] + [f"{n} {k}" for n in names for k in ("fwd", "fwd+bwd")],
-        [
-            [r["workload"], r["locations"], r["dtype"]]
-            + [cell(r.get(n, {}).get(k), ".3f") for n in names for k in ("fwd", "fwd_bwd")]
-            for r in section["rows"]
-        ],
-    )
+    checks = []
+    for c in section["checks"]:
+        errors = {k: e[0] for k, e in c["errors"].items()}
+        relative = [errors.get(k) for k in ("output", "grad_value", "grad_loc")]
+        relative.append(errors.get("grad_logits", errors.get("grad_weights")))
+        figures = [*relative, max((e[1] for e in c["errors"].values()), default=None)]  # and the largest absolute
+        shape, tolerance = f"N{c['N']} Lq{c['Lq']}", f"{c['tolerance']:.0e}"
+        verdict = check_verdict(c) + (f": {c['error']}" if "error" in c else "")
+        checks.append([c["op"], c["dtype"], shape, *(cell(e, ".1e") for e in figures), tolerance, verdict])
+    columns = "op | dtype | shape | output | grad value | grad loc | grad weights/logits | max abs | tol | verdict"
+    lines += ["", *table(columns, checks)]
+    names, keys = ("ours", "ours_logits", "dcnv4", "deformable_detr"), ("fwd", "fwd_bwd")
+    timings = [
+        [r["workload"], r["locations"], r["dtype"], *(cell(r.get(n, {}).get(k), ".3f") for n in names for k in keys)]
+        for r in section["rows"]
+    ]
+    columns = ["workload", "locations", "dtype"] + [f"{n} {k.replace('_', '+')}" for n in names for k in keys]
+    lines += ["", *table(columns, timings)]
     lines += [
         f"- {r['workload']} {r['locations']} {r['dtype']}: {name} failed: {error}"
         for r in section["rows"]
         for name, error in r.get("errors", {}).items()
     ]
     by_key = {(r["workload"], r["locations"], r["dtype"]): r for r in section["rows"]}
-    ratio_rows = []
-    for r in section["rows"]:
-        if r["dtype"] != "fp32":
-            continue
-        fp16, bf16 = (by_key[r["workload"], r["locations"], d] for d in ("fp16", "bf16"))
-        ratio_rows.append(
-            [r["workload"], r["locations"]]
-            + [cell(_ratio(x, "dcnv4", k), ".2f") for x in (fp16, bf16) for k in ("fwd", "fwd_bwd")]
-            + [cell(_ratio(r, "deformable_detr", k), ".2f") for k in ("fwd", "fwd_bwd")]
-        )
-    lines += [""]
-    lines += table(
-        ["workload", "locations"]
-        + [f"vs DCNv4 {d} {k}" for d in ("fp16", "bf16") for k in ("fwd", "fwd+bwd")]
-        + ["vs original fp32 fwd", "vs original fp32 fwd+bwd"],
-        ratio_rows,
-    )
+    ratios = [
+        [w, dist, *(cell(_ratio(by_key[w, dist, d], theirs, k), ".2f") for d, theirs in AGAINST.values() for k in keys)]
+        for w, dist, dtype in by_key
+        if dtype == "fp32"
+    ]
+    columns = ["workload", "locations"] + [f"vs {label} {k}" for label in AGAINST for k in ("fwd", "fwd+bwd")]
+    lines += ["", *table(columns, ratios)]
     if section.get("dcnv4_launch"):
+        launches = "; ".join(f"{k}: {tuple(v[:2])}, {tuple(v[2:])}" for k, v in section["dcnv4_launch"].items())
         lines += [
             "",
-            "DCNv4's launch as its wrapper picks it, (d_stride, threads per block) of the forward then the backward: "
-            + "; ".join(f"{k}: {tuple(v[:2])}, {tuple(v[2:])}" for k, v in section["dcnv4_launch"].items())
-            + ".",
+            "DCNv4's launch as its wrapper picks it, (d_stride, threads per block) of the forward then the "
+            f"backward: {launches}.",
         ]
-    lines += [
-        "",
-        *table(
-            ["target", "measured", "met"], [[n, v, "yes" if ok else "NO"] for n, v, ok in external_targets(section)]
-        ),
-    ]
-    return lines
+    return lines + ["", *checks_table(external_targets(section))]
 
 
 def table_source(table: dict, header: dict) -> str:
@@ -783,58 +685,18 @@ def kernel_lines(record: dict) -> list[str]:
     cells = []
     for r in rows:
         t, p = r["triton"], r["pytorch"]
-        eager = (
-            [f"{t['eager_fwd_bwd']:.3f}", f"{p['eager_fwd_bwd']:.3f}", f"{t['graph_fwd_bwd']:.3f}"]
-            if "eager_fwd_bwd" in t
-            else ["", "", ""]
-        )
-        cells.append(
-            [
-                r["workload"],
-                r["dtype"],
-                r["locations"],
-                r["scheme"],
-                f"{t['fwd']:.3f}",
-                f"{t['fwd_bwd']:.3f}",
-                f"{p['fwd']:.3f}",
-                f"{p['fwd_bwd']:.3f}",
-                f"{p['fwd'] / t['fwd']:.1f}",
-                f"{p['fwd_bwd'] / t['fwd_bwd']:.1f}",
-                f"{r['det_bwd'] / r['default_bwd']:.2f}",
-                r["det_bitwise_5"],
-                f"{r['max_rel_err']:.1e}",
-                *eager,
-            ]
-        )
+        times = [f"{ms:.3f}" for ms in (t["fwd"], t["fwd_bwd"], p["fwd"], p["fwd_bwd"])]
+        speedups = [f"{p[key] / t[key]:.1f}" for key in ("fwd", "fwd_bwd")]
+        det = [f"{r['det_bwd'] / r['default_bwd']:.2f}", r["det_bitwise_5"], f"{r['max_rel_err']:.1e}"]
+        eager = [t.get("eager_fwd_bwd"), p.get("eager_fwd_bwd"), t.get("graph_fwd_bwd")]  # decoder rows only
+        eager = ["" if ms is None else f"{ms:.3f}" for ms in eager]
+        cells.append([r["workload"], r["dtype"], r["locations"], r["scheme"], *times, *speedups, *det, *eager])
     lines += table(
-        [
-            "workload",
-            "dtype",
-            "locations",
-            "scheme",
-            "fwd",
-            "fwd+bwd",
-            "ref fwd",
-            "ref fwd+bwd",
-            "fwd x",
-            "fwd+bwd x",
-            "det cost",
-            "bitwise",
-            "err",
-            "eager fwd+bwd",
-            "ref eager",
-            "graph fwd+bwd",
-        ],
+        "workload | dtype | locations | scheme | fwd | fwd+bwd | ref fwd | ref fwd+bwd | fwd x | fwd+bwd x | det cost "
+        "| bitwise | err | eager fwd+bwd | ref eager | graph fwd+bwd",
         cells,
     )
-    lines += [
-        "",
-        *table(
-            ["target", "measured", "met"],
-            [[name, value, "yes" if ok else "NO"] for name, value, ok in target_checks(rows)],
-        ),
-    ]
-    return lines
+    return lines + ["", *checks_table(target_checks(rows))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -884,8 +746,7 @@ def only_external(args, out: Path) -> None:
     record["external"] = section
     json_path, md_path = write_report(NAME, record, report_lines(record), out=out)
     print(f"\ndone: {json_path}, {md_path}" + (f" (joined to the report of {base})" if base else ""))
-    for name, value, ok in external_targets(section):
-        print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
+    print_checks(external_targets(section))
 
 
 def main():
@@ -929,8 +790,7 @@ def main():
     for partial in out.glob(f"{NAME}*.partial.json"):
         partial.unlink()
     print(f"\ndone in {header['seconds']:.0f} s: {json_path}, {md_path}\n")
-    for name, value, ok in target_checks(record["rows"]) + external_targets(record.get("external", {"rows": []})):
-        print(f"{'met   ' if ok else 'MISSED'} {name}: {value}")
+    print_checks(target_checks(record["rows"]) + external_targets(record.get("external", {"rows": []})))
 
 
 if __name__ == "__main__":

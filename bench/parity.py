@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.parity_verdict import AP_TARGET, summarize  # noqa: E402
-from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench.report import cell, header_lines, out_dir, pyplot, run_header, table, write_report  # noqa: E402
 from bench.train_runs import run_all, train_run  # noqa: E402
 
 CONFIGS = {
@@ -98,22 +98,13 @@ def report_lines(record: dict) -> list[str]:
         per_config,
     )
     compared = [c for c in summary["comparisons"] if c["passed"] is not None]
+    cells = [
+        [c["config"], c["reference"], f"{c['difference']:.4f}", f"{c['allowed']:.4f}", "yes" if c["passed"] else "NO"]
+        for c in compared
+    ]
+    columns = "configuration | reference | difference of mean AP | allowed (larger spread) | matches"
     lines += [""] + (
-        table(
-            ["configuration", "reference", "difference of mean AP", "allowed (larger spread)", "matches"],
-            [
-                [
-                    c["config"],
-                    c["reference"],
-                    f"{c['difference']:.4f}",
-                    f"{c['allowed']:.4f}",
-                    "yes" if c["passed"] else "NO",
-                ]
-                for c in compared
-            ],
-        )
-        if compared
-        else ["No comparison: none had two finished seeds on both sides."]
+        table(columns, cells) if compared else ["No comparison: none had two finished seeds on both sides."]
     )
     if record.get("figure"):
         lines += ["", f"![loss and AP curves]({record['figure']})"]
@@ -122,14 +113,9 @@ def report_lines(record: dict) -> list[str]:
 
 def plot(out: Path, record: dict) -> str | None:
     """parity_h200.png: the loss and AP curves of every run; None (and a note) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("parity: matplotlib is not installed; no figure (pip install matplotlib)", flush=True)
+    plt = pyplot("parity")
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colours = dict(zip(CONFIGS, ("tab:orange", "tab:green", "tab:red", "tab:blue")))
     fig, (loss_ax, ap_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in record["rows"]:

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import cell, header_lines, out_dir, run_header, table, write_report  # noqa: E402
+from bench.report import cell, header_lines, out_dir, pyplot, run_header, table, write_report  # noqa: E402
 from bench.train_runs import run_all, train_run  # noqa: E402
 
 NAME = "recipe_cpu"
@@ -225,14 +225,9 @@ def report_lines(record: dict) -> list[str]:
 def plot(out: Path, record: dict) -> str | None:
     """recipe_cpu.png: each configuration's mean AP against its mean training seconds, every seed's faint beside it;
     None (and a note) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("recipe: matplotlib is not installed; no figure (pip install matplotlib)", flush=True)
+    plt = pyplot("recipe")
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in record["rows"]:
         if "failed" not in r:

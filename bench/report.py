@@ -80,8 +80,10 @@ def header_lines(title: str, header: dict, how_to_read: str) -> list[str]:
     ]
 
 
-def table(columns: list[str], rows: list[list]) -> list[str]:
-    """A markdown table."""
+def table(columns: list[str] | str, rows: list[list]) -> list[str]:
+    """A markdown table; ``columns`` a list of names or its header row as markdown writes it, "a | b | c"."""
+    if isinstance(columns, str):
+        columns = columns.split(" | ")
     return [
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
@@ -92,6 +94,19 @@ def table(columns: list[str], rows: list[list]) -> list[str]:
 def cell(value, spec: str = ".1f") -> str:
     """A table cell: ``value`` formatted, or "-" when it was not measured (None or NaN)."""
     return "-" if value is None or value != value else format(value, spec)
+
+
+def pyplot(bench: str):
+    """matplotlib.pyplot drawing into files (the Agg backend), or None, with a note, without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{bench}: matplotlib is not installed; no figure (pip install matplotlib)", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_report(name: str, record: dict, lines: list[str], *, out: Path = RESULTS) -> tuple[Path, Path]:

@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import RESULTS, ROOT, cell, header_lines, run_header, table, write_report
+from bench.report import ROOT, cell, header_lines, out_dir, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
 from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overrides", nargs="*", default=[], help="more train.py overrides for every row")
     parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds a row may take before it is stopped")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_throughput"), help="the set and the runs")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
+    parser.add_argument("--out", type=Path, default=None, help="report folder (bench/results; smoke: outputs/bench)")
     parser.add_argument("--name", default="throughput_h200", help="the report's file name, without extension")
     parser.add_argument("--smoke", action="store_true", help="the CPU, a tiny model and set: checks the script only")
     parser.add_argument(
@@ -273,15 +273,7 @@ def row_overrides(
     ]
 
 
-def run_row(
-    args,
-    recipe: str,
-    batch: int,
-    steps: int,
-    gpus: int = 1,
-    baseline: bool = False,
-    mode: str = RECIPE_COMPILE_MODE,
-) -> dict:
+def run_row(args, recipe: str, batch: int, steps: int, gpus=1, baseline=False, mode=RECIPE_COMPILE_MODE) -> dict:
     """One train.py run of ``recipe`` at total batch ``batch`` on ``gpus`` GPUs (torchrun when more than one) with
     compile.mode ``mode``, of this checkout or, with ``baseline``, of ``args.baseline``'s."""
     base = (
@@ -299,30 +291,19 @@ def run_row(
     checkout = args.baseline if baseline else ROOT
     print(f"== {recipe} at batch {batch} on {gpus} GPU(s): {checkout}/train.py {' '.join(overrides)}", flush=True)
     log = args.work / f"{name}.log"
-    code = {"code": args.baseline_commit if baseline else "this", "compile_mode": mode}
+    env = environment_without_cache_choice()
+    row = {"recipe": recipe, "batch": batch, "code": args.baseline_commit if baseline else "this", "compile_mode": mode}
     with BusySampler() as busy:
-        returncode = run_train_py(
-            overrides,
-            log=log,
-            env=environment_without_cache_choice(),
-            gpus=gpus,
-            timeout=args.row_timeout,
-            checkout=checkout,
-        )
+        returncode = run_train_py(overrides, log=log, env=env, gpus=gpus, timeout=args.row_timeout, checkout=checkout)
     output = log.read_text()
     if returncode != 0:
         print(output[-4000:])
         stopped = f"stopped after --row-timeout {args.row_timeout:g} s" if returncode is None else returncode
-        return {"recipe": recipe, "batch": batch, **code, "error": f"train.py: exit {stopped}"}
+        return {**row, "error": f"train.py: exit {stopped}"}
     timing = json.loads((run / "timing.json").read_text())
     steady = timing["steady"]
     if steady is None:
-        return {
-            "recipe": recipe,
-            "batch": batch,
-            **code,
-            "error": "no steady step: every step compiled or warmed up a size (raise --steps)",
-        }
+        return {**row, "error": "no steady step: every step compiled or warmed up a size (raise --steps)"}
     img_s = steady["images_per_s"] * gpus  # timing.json counts rank 0's images
     profile = timing.get("profile") or {}
     parts = None
@@ -331,10 +312,8 @@ def run_row(
         if args.traces is not None:
             keep_trace(run / profile["trace"], args.traces / f"{name}_{profile['trace']}.gz")
     return {
-        "recipe": recipe,
-        **code,
+        **row,
         "name": name,
-        "batch": batch,
         "per_gpu_batch": batch // gpus,
         "parts_ms": parts,
         "gpus": gpus,
@@ -414,22 +393,19 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
 # ------------------------------------------------------------------------------------------------ report
 def how_to_read() -> str:
     return (
-        "Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as "
-        "the long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one "
-        "GPU, the batch in one pass; the rows share a compile cache, empty before the first (a baseline "
-        "commit's rows have their own). mixed and hybrid are the 12-epoch recipes: Deformable-DETR++'s "
-        "training changes, one-to-many supervision (mixed: MS-DETR's, on the model's own queries; hybrid: "
-        "H-DETR's 1,500 extra queries) and model EMA. img/s, step and loader wait come from the run's steady steps "
-        "(its "
-        f"timing.json); GPU busy is the share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke "
-        "run) in which the GPU ran a kernel, copy or memset (train.py's profile_steps: torch.profiler "
-        "recording the GPU's activity alone); NVML is the GPU's utilization counter over the steady steps "
-        "(coarse: sampled); MFU counts the model's matmul and convolution FLOPs (forward and backward) "
-        "against the GPU's dense bf16 peak; hours are the recipe's epochs of COCO (118,287 images each) at that "
-        "rate; "
-        "the first step is from the process's start, compilation included (cold: into the empty cache). A row "
-        "marked [graphs] ran compile.mode=graphs (the eager model's CUDA graphs, no Inductor) and is compared only "
-        "with rows of the same mode."
+        "Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as the long "
+        "recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one GPU, the batch in "
+        "one pass; the rows share a compile cache, empty before the first (a baseline commit's rows have their own). "
+        "mixed and hybrid are the 12-epoch recipes: Deformable-DETR++'s training changes, one-to-many supervision "
+        "(mixed: MS-DETR's, on the model's own queries; hybrid: H-DETR's 1,500 extra queries) and model EMA. img/s, "
+        "step and loader wait come from the run's steady steps (its timing.json); GPU busy is the share of the run's "
+        f"last {PROFILED_STEPS} steps (fewer in a --smoke run) in which the GPU ran a kernel, copy or memset "
+        "(train.py's profile_steps: torch.profiler recording the GPU's activity alone); NVML is the GPU's utilization "
+        "counter over the steady steps (coarse: sampled); MFU counts the model's matmul and convolution FLOPs "
+        "(forward and backward) against the GPU's dense bf16 peak; hours are the recipe's epochs of COCO (118,287 "
+        "images each) at that rate; the first step is from the process's start, compilation included (cold: into "
+        "the empty cache). A row marked [graphs] ran compile.mode=graphs (the eager model's CUDA graphs, no Inductor) "
+        "and is compared only with rows of the same mode."
     )
 
 
@@ -462,39 +438,15 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
         if "error" in r:
             cells.append([row_name(r), r["batch"], r["error"], *[""] * 10])
             continue
-        cells.append(
-            [
-                row_name(r),
-                r["batch"],
-                f"{r['img_s']:.1f}",
-                f"{r['step_ms']:.0f}",
-                cell(r["gpu_busy"], ".0%"),
-                cell(r.get("gpu_busy_nvml"), ".0%"),
-                f"{r['data_wait_share']:.1%}",
-                cell(r["peak_gib"]),
-                cell(r.get("gflops_per_image"), ".0f"),
-                cell(r.get("mfu"), ".1%"),
-                f"{r['recipe_hours']:.1f} ({r['recipe_epochs']} epochs)",
-                f"{r['first_step_s']:.0f} ({first_step_note(r)})",
-                f"from step {r['steady_from_step']}",
-            ]
-        )
+        speed = [f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}"]
+        busy = [cell(r["gpu_busy"], ".0%"), cell(r.get("gpu_busy_nvml"), ".0%"), f"{r['data_wait_share']:.1%}"]
+        resources = [cell(r["peak_gib"]), cell(r.get("gflops_per_image"), ".0f"), cell(r.get("mfu"), ".1%")]
+        hours = f"{r['recipe_hours']:.1f} ({r['recipe_epochs']} epochs)"
+        first, steady = f"{r['first_step_s']:.0f} ({first_step_note(r)})", f"from step {r['steady_from_step']}"
+        cells.append([row_name(r), r["batch"], *speed, *busy, *resources, hours, first, steady])
     lines += table(
-        [
-            "recipe",
-            "batch",
-            "img/s",
-            "step ms",
-            "GPU busy",
-            "NVML",
-            "loader wait",
-            "peak GiB",
-            "GFLOPs/img",
-            "MFU",
-            "COCO recipe (h)",
-            "first step (s)",
-            "steady steps",
-        ],
+        "recipe | batch | img/s | step ms | GPU busy | NVML | loader wait | peak GiB | GFLOPs/img | MFU "
+        "| COCO recipe (h) | first step (s) | steady steps",
         cells,
     )
     done = [r for r in rows if "error" not in r]
@@ -507,18 +459,9 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
             "step it belongs to; idle: the profiled wall time in which the GPU ran nothing):",
             "",
         ]
-        lines += table(
-            ["recipe", "batch", *PARTS, "profiled step"],
-            [
-                [
-                    row_name(r),
-                    r["batch"],
-                    *(f"{r['parts_ms'].get(part, 0.0):.1f}" for part in PARTS),
-                    f"{r['profile']['step_ms']:.1f}",
-                ]
-                for r in broken_down
-            ],
-        )
+        parts = [[f"{r['parts_ms'].get(part, 0.0):.1f}" for part in PARTS] for r in broken_down]
+        cells = [[row_name(r), r["batch"], *ms, f"{r['profile']['step_ms']:.1f}"] for r, ms in zip(broken_down, parts)]
+        lines += table(["recipe", "batch", *PARTS, "profiled step"], cells)
     if done:
         lines += ["", "Targets:", ""] + [f"- {VERDICT[ok]}: {text}" for text, ok in targets(done)]
     if header.get("notes"):
@@ -536,45 +479,38 @@ def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
     checks = []
     if plain:
         best = max(plain, key=lambda r: r["img_s"])
+        busy, wait = cell(best["gpu_busy"], ".0%"), best["data_wait_share"]
+        unknown = " (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""
         checks += [
             (
                 f"coco_gpu: best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",
                 best["img_s"] >= TARGETS["img_s"],
             ),
             (
-                f"coco_gpu: GPU busy {cell(best['gpu_busy'], '.0%')} at the best batch >= {TARGETS['gpu_busy']:.0%}"
-                + (" (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""),
+                f"coco_gpu: GPU busy {busy} at the best batch >= {TARGETS['gpu_busy']:.0%}{unknown}",
                 (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"],
             ),
             (
-                f"coco_gpu: loader wait {best['data_wait_share']:.1%} at the best batch <= "
-                f"{TARGETS['data_wait_share']:.0%}",
-                best["data_wait_share"] <= TARGETS["data_wait_share"],
+                f"coco_gpu: loader wait {wait:.1%} at the best batch <= {TARGETS['data_wait_share']:.0%}",
+                wait <= TARGETS["data_wait_share"],
             ),
         ]
     for old in baseline:
         new = next((r for r in plain if same_kind(r, old)), None)
         if new is not None:
             speedup = old["step_ms"] / new["step_ms"]
-            checks.append(
-                (
-                    f"{row_name(new)} at batch {old['batch']}: {speedup:.2f}x the step of baseline {old['code']} >= "
-                    f"{TARGETS['speedup']:.2f}x",
-                    speedup >= TARGETS["speedup"],
-                )
-            )
+            text = f"{row_name(new)} at batch {old['batch']}: {speedup:.2f}x the step of baseline {old['code']}"
+            checks.append((f"{text} >= {TARGETS['speedup']:.2f}x", speedup >= TARGETS["speedup"]))
     for row in (r for r in done if r["recipe"] != "coco_gpu"):
         twin = next((r for r in plain if same_kind(r, row)), None)
         if twin is None:
             continue
         cost = row["step_ms"] / twin["step_ms"]
+        text = f"{row_name(row)} with EMA at batch {row['batch']}: {cost:.2f}x {row_name(twin)}'s step"
         if row["recipe"] == "mixed":
-            text = f"{row_name(row)} with EMA at batch {row['batch']}: {cost:.2f}x {row_name(twin)}'s step <= "
-            checks.append((text + f"{TARGETS['mixed_step_cost']:.2f}x", cost <= TARGETS["mixed_step_cost"]))
+            checks.append((f"{text} <= {TARGETS['mixed_step_cost']:.2f}x", cost <= TARGETS["mixed_step_cost"]))
         else:  # reported, no target: hybrid's extra queries are its method
-            checks.append(
-                (f"{row_name(row)} with EMA at batch {row['batch']}: {cost:.2f}x {row_name(twin)}'s step", None)
-            )
+            checks.append((text, None))
     warnings = sum(r["accumulate_grad_warnings"] for r in done)
     checks.append((f"AccumulateGrad stream warnings in the runs' output: {warnings}", warnings == 0))
     return checks
@@ -582,8 +518,7 @@ def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.smoke and args.out == RESULTS:  # a smoke run's figures mean nothing: never over the report
-        args.out = ROOT / "outputs" / "bench"
+    args.out = out_dir(args.out, args.smoke)  # a smoke run's figures mean nothing: never over the report
     args.work.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (16 if args.smoke else ROW_STEPS)
     train_images = max(b for _, b, _ in args.rows) * (steps + 8)  # one epoch holds every row's steps
@@ -592,10 +527,8 @@ def main() -> None:
         args.val_images = min(args.val_images, 8)  # the tiny set's training images are as many as the rows need
     started = time.perf_counter()
     write_coco_like(args.work / "coco", train=train_images, val=args.val_images, side=160 if args.smoke else 640)
-    print(
-        f"== the set: {train_images} + {args.val_images} JPEG files in {time.perf_counter() - started:.0f} s",
-        flush=True,
-    )
+    seconds = time.perf_counter() - started
+    print(f"== the set: {train_images} + {args.val_images} JPEG files in {seconds:.0f} s", flush=True)
     subprocess.run(["rm", "-rf", str(args.work / "cache")], check=True)  # the first row starts cold
     header = run_header(train_images=train_images, val_images=args.val_images, steps=steps)
     if args.baseline is not None:
@@ -616,18 +549,15 @@ def main() -> None:
     line = flops_per_pixel_line(args)
     import torch
 
-    peak = next(
-        (v for k, v in BF16_PEAK_FLOPS.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()), None
-    )
-    for r in rows:
-        if "error" not in r and line is not None:
-            r["gflops_per_image"] = (line[0] + line[1] * r["pixels_per_image"]) / 1e9
-            r["mfu"] = r["img_s"] * r["gflops_per_image"] * 1e9 / peak if peak else None
-        elif "error" not in r:
-            r["gflops_per_image"] = r["mfu"] = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    peak = next((v for k, v in BF16_PEAK_FLOPS.items() if k in gpu), None)
+    for r in (r for r in rows if "error" not in r):
+        gflops = None if line is None else (line[0] + line[1] * r["pixels_per_image"]) / 1e9
+        r.update(gflops_per_image=gflops, mfu=r["img_s"] * gflops * 1e9 / peak if gflops and peak else None)
     header.update(bf16_peak_flops=peak, flops_per_image_line=line)
-    json_path, md_path = write_report(args.name, {**header, "rows": rows}, report_lines(header, rows), out=args.out)
-    print("\n".join(report_lines(header, rows)))
+    lines = report_lines(header, rows)
+    json_path, md_path = write_report(args.name, {**header, "rows": rows}, lines, out=args.out)
+    print("\n".join(lines))
     print(f"wrote {json_path} and {md_path}")
     if any("error" in r for r in rows):
         sys.exit(1)

@@ -52,6 +52,9 @@ DEFAULT_ROWS = ("auto:cold", "auto:warm", "eager:cold", "eager:warm", "pytorch-e
 BACKBONE_GRAPHS = ("features", "detect", "graphed_forward", "graphed_detect")
 # Seconds a row is expected to take when no measurement of it exists yet (for --deadline-s).
 GUESS_S = {"auto": 100, "compiled": 480, "eager": 110, "pytorch-eager": 150}
+# A row's figures taken from its run's timing.json as they are: the split of its wall time, then the rest.
+SPLIT_KEYS = ("setup_s", "first_step_s", "compile_s", "warmup_s", "train_s", "eval_s", "checkpoint_s")
+TIMING_KEYS = (*SPLIT_KEYS, "steady_step_ms", "graphs_compiled", "padding_waste", "steps")
 
 
 def data_overrides(root: Path) -> list[str]:
@@ -109,22 +112,7 @@ def run_row(args, data: Path, mode: str, cache: str) -> dict:
         "cache": cache,
         "total_s": eval_json.stat().st_mtime - started,
         "process_s": ended - started,
-        **{
-            key: timing[key]
-            for key in (
-                "setup_s",
-                "first_step_s",
-                "compile_s",
-                "warmup_s",
-                "train_s",
-                "eval_s",
-                "checkpoint_s",
-                "steady_step_ms",
-                "graphs_compiled",
-                "padding_waste",
-                "steps",
-            )
-        },
+        **{key: timing[key] for key in TIMING_KEYS},
         "backbone_graphs": sum(graphs.get(name, 0) for name in BACKBONE_GRAPHS),
         "graphs_by_function": graphs,
         "ap": evaluation["AP"],
@@ -172,38 +160,13 @@ def report_lines(record: dict) -> list[str]:
         "compiled or recorded, the backbone's in brackets; padding: share of the batches' pixels. The steps are "
         "bound by the host, so the figures move with the machine: compare rows of one run.",
     )
+    seconds = ("total_s", "setup_s", "first_step_s", "compile_s", "warmup_s", "train_s", "eval_s", "steady_step_ms")
     lines += table(
+        "mode | cache | total s | setup s | first step s | compile s | warm-up s | train s | eval s | steady step ms "
+        "| graphs | padding | AP",
         [
-            "mode",
-            "cache",
-            "total s",
-            "setup s",
-            "first step s",
-            "compile s",
-            "warm-up s",
-            "train s",
-            "eval s",
-            "steady step ms",
-            "graphs",
-            "padding",
-            "AP",
-        ],
-        [
-            [
-                r["mode"],
-                r["cache"],
-                cell(r["total_s"]),
-                cell(r.get("setup_s")),
-                cell(r["first_step_s"]),
-                cell(r["compile_s"]),
-                cell(r["warmup_s"]),
-                cell(r["train_s"]),
-                cell(r["eval_s"]),
-                cell(r["steady_step_ms"]),
-                f"{r['graphs_compiled']} ({r['backbone_graphs']})",
-                f"{r['padding_waste']:.0%}",
-                f"{r['ap']:.4f}",
-            ]
+            [r["mode"], r["cache"], *(cell(r.get(key)) for key in seconds)]
+            + [f"{r['graphs_compiled']} ({r['backbone_graphs']})", f"{r['padding_waste']:.0%}", f"{r['ap']:.4f}"]
             for r in record["rows"]
         ],
     )
