@@ -122,6 +122,14 @@ def validate_inputs(value, spatial_shapes, level_start_index, sampling_locations
     return levels
 
 
+def is_exporting() -> bool:
+    """Whether torch.export is tracing. torch.compiler.is_exporting() is not that everywhere: torch 2.11's Dynamo folds
+    it to True inside every torch.compile graph, which would turn off what only export must. torch.export (strict or
+    not) sets the flag it reads for as long as it traces, and Dynamo reads the flag's value like any other global."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
+
+
 def resolve_impl(impl: str, device: torch.device) -> str:
     """Map impl ("triton" | "pytorch" | "auto") to "triton" or "pytorch" for tensors on ``device``."""
     if impl not in IMPLS:
@@ -130,12 +138,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "pytorch"
     # torch.export traces msda::attention through its fake implementation: no kernel runs on ``device`` then,
     # so a CPU-only machine can export the op for a runtime that has it (export.py msda_node=tensorrt).
-    if (
-        impl == "triton"
-        and device.type != "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and not torch.compiler.is_exporting()
-    ):
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and not is_exporting():
         raise ValueError(
             f"impl='triton' needs CUDA tensors, got tensors on {device}; move them to a GPU, use impl='pytorch' "
             f"(or 'auto'), or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU"

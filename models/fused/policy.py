@@ -23,6 +23,8 @@ import contextlib
 
 import torch
 
+from msda.validation import is_exporting
+
 PIECES = ("add_norm", "linear_relu", "projections", "softmax")
 _EAGER_ONLY = ("add_norm", "linear_relu")
 _forced: dict[str, bool] = {}
@@ -30,7 +32,7 @@ _forced: dict[str, bool] = {}
 
 def fused(piece: str, t: torch.Tensor) -> bool:
     """Whether ``piece`` runs fused for the tensor ``t`` here."""
-    if torch.compiler.is_exporting() or (piece in _EAGER_ONLY and torch.compiler.is_compiling()):
+    if is_exporting() or (piece in _EAGER_ONLY and torch.compiler.is_compiling()):
         return False
     forced = _forced.get(piece)
     return t.is_cuda if forced is None else forced
