@@ -37,9 +37,10 @@ run_step() {  # name gpu
   local name=$1 gpu=$2
   case $name in
     # Two threads per test worker: the workers share the host's cores with whatever else this call runs.
-    # -rfE names the failures at the end; TEST_ARGS=-v names each test as it ends (a call cut short still says which).
-    tests) CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -p no:cacheprovider \
-             -n "${TEST_WORKERS:-4}" tests --durations=15 ${TEST_ARGS:-} ;;
+    # -v names each test as it ends, so that a call cut short by its time limit still says which failed (-rfE lists
+    # them only at the end). TEST_ARGS adds to it.
+    tests) CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=2 python3 -m pytest -rfE -p no:cacheprovider \
+             -n "${TEST_WORKERS:-4}" -v tests --durations=15 ${TEST_ARGS:-} ;;
     # The measured launch table goes into this copy's msda/launch_table.py, so that later steps run with it.
     msda) CUDA_VISIBLE_DEVICES=$gpu python3 bench/msda.py --out "$OUT" --apply-table ${MSDA_ARGS:-} ;;
     matching) CUDA_VISIBLE_DEVICES=$gpu python3 bench/matching.py --out "$OUT" ${MATCHING_ARGS:-} ;;
