@@ -503,6 +503,10 @@ import os, runpy, signal, sys, time
 sys.argv = ["train.py", "eval_only=true", "checkpoint=unused.pth", "output_dir={tmp_path / "eval"}", "device=cpu"]
 import engine.train.eval_only
 
+# Python's own Ctrl-C handler, as in a terminal: a shell without job control starts a background command (CI run with
+# `&`, say) with SIGINT ignored, and its children inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def interrupted_evaluation(cfg):
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)
