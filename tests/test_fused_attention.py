@@ -152,8 +152,8 @@ def test_an_unknown_piece_is_refused():
         pass
 
 
-def test_under_torch_compile_only_the_attention_pieces_run_fused():
-    """Inductor fuses the elementwise pieces itself: under torch.compile add_norm and linear_relu stay unfused."""
+def test_under_torch_compile_nothing_runs_fused():
+    """Inductor fuses the elementwise work itself: under torch.compile every piece stays unfused, eagerly each runs."""
 
     def pieces_on(t):
         return torch.stack([t + float(fused(piece, t)) for piece in PIECES])
@@ -161,7 +161,7 @@ def test_under_torch_compile_only_the_attention_pieces_run_fused():
     torch._dynamo.reset()
     compiled = torch.compile(pieces_on, backend="eager", fullgraph=True)
     with fusion(**dict.fromkeys(PIECES, True)):
-        assert compiled(torch.zeros(1)).flatten().tolist() == [0.0, 0.0, 1.0, 1.0]
+        assert compiled(torch.zeros(1)).flatten().tolist() == [0.0, 0.0, 0.0, 0.0]
         assert pieces_on(torch.zeros(1)).flatten().tolist() == [1.0, 1.0, 1.0, 1.0]
 
 

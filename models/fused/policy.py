@@ -10,11 +10,13 @@ The pieces (``PIECES``):
     softmax      the attention weights' softmax inside the msda kernels (msda's weights_are_logits)
 
 A piece runs where its tensor is on CUDA, never inside torch.export (an exported graph keeps the plain ops and the
-``msda::attention`` node that export.py's TensorRT translation replaces). add_norm and linear_relu run eagerly only
-(CUDA graphs record the eager model, so they are recorded too): under torch.compile Inductor fuses the same
-elementwise work into its own kernels, and an autograd.Function would be opaque to it. ``fusion(...)`` overrides the
-device rule per piece: tests force pieces on the CPU (Triton under its interpreter), a benchmark turns them off on a
-GPU to time the difference.
+``msda::attention`` node that export.py's TensorRT translation replaces) and never under torch.compile: the pieces
+run eagerly only (CUDA graphs record the eager model, so they are recorded too). Inductor fuses the elementwise work
+into its own kernels, and an autograd.Function would be opaque to it; in a compiled coco_gpu step the shared
+projection's float32 logits cost a copy each way to be contiguous and the in-kernel softmax slowed the attention's
+kernels by more than Inductor's softmax kernels took (bench/results/throughput_h200.md's trace, 2026-12-07).
+``fusion(...)`` overrides the device rule per piece: tests force pieces on the CPU (Triton under its interpreter), a
+benchmark turns them off on a GPU to time the difference.
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ import torch
 from msda.validation import is_exporting
 
 PIECES = ("add_norm", "linear_relu", "projections", "softmax")
-_EAGER_ONLY = ("add_norm", "linear_relu")
 _forced: dict[str, bool] = {}
 
 
 def fused(piece: str, t: torch.Tensor) -> bool:
     """Whether ``piece`` runs fused for the tensor ``t`` here."""
-    if is_exporting() or (piece in _EAGER_ONLY and torch.compiler.is_compiling()):
+    if is_exporting() or torch.compiler.is_compiling():
         return False
     forced = _forced.get(piece)
     return t.is_cuda if forced is None else forced
