@@ -56,12 +56,12 @@ class MSDeformAttn(nn.Module):
     "pytorch"); it follows ``torch.use_deterministic_algorithms`` for a deterministic backward. Sampling locations
     are computed in float32 with autocast off: in bf16 a location on a 167-wide level is off by up to a pixel.
 
-    On CUDA, outside torch.compile (models/fused/policy.py), two pieces run fused: the sampling offsets and the attention logits, which both
-    project the query, come from one float32 matmul over the two layers' weights side by side (the logits then in
-    float32 too, where autocast made them bf16: one read of the query instead of two and no bf16 copy of it, for a
-    third of the matmul on TF32 rather than bf16 tensor cores); and the logits go to the attention op unsoftmaxed,
-    whose kernels softmax them as they read them (msda's weights_are_logits). Parameters stay the two nn.Linear
-    layers, so checkpoints load unchanged. Elsewhere the unfused ops run as they always did.
+    On CUDA, outside torch.compile (models/fused/policy.py), two pieces run fused: the sampling offsets and the
+    attention logits, which both project the query, come from one float32 matmul over the two layers' weights side by
+    side (the logits then in float32 too, where autocast made them bf16: one read of the query instead of two and no
+    bf16 copy of it, for a third of the matmul on TF32 rather than bf16 tensor cores); and the logits go to the
+    attention op unsoftmaxed, whose kernels softmax them as they read them (msda's weights_are_logits). Parameters
+    stay the two nn.Linear layers, so checkpoints load unchanged. Elsewhere the unfused ops run as they always did.
     """
 
     def __init__(
