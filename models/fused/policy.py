@@ -12,9 +12,9 @@ The pieces (``PIECES``):
 A piece runs where its tensor is on CUDA, never inside torch.export (an exported graph keeps the plain ops and the
 ``msda::attention`` node that export.py's TensorRT translation replaces) and never under torch.compile: the pieces
 run eagerly only (CUDA graphs record the eager model, so they are recorded too). Inductor fuses the elementwise work
-into its own kernels, and an autograd.Function would be opaque to it; in a compiled coco_gpu step the shared
-projection's float32 logits cost a copy each way to be contiguous and the in-kernel softmax slowed the attention's
-kernels by more than Inductor's softmax kernels took (bench/results/throughput_h200.md's trace, 2026-12-07).
+into its own kernels, and an autograd.Function would be opaque to it; the attention's pieces made a compiled step
+slower, the split logits needing copies to be contiguous and Inductor's softmax costing less than the one inside the
+attention kernels.
 ``fusion(...)`` overrides the device rule per piece: tests force pieces on the CPU (Triton under its interpreter), a
 benchmark turns them off on a GPU to time the difference.
 """
