@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.report import ROOT, cell, header_lines, out_dir, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
 from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
+from engine.train.hooks.profiling import RECORDED_S
 
 COCO_TRAIN_IMAGES = 118_287
 # The recipes' epochs (configs/experiment/), for the hours each takes on COCO at a row's rate.
@@ -393,20 +394,36 @@ def flops_per_pixel_line(args) -> tuple[float, float] | None:
 # ------------------------------------------------------------------------------------------------ report
 def how_to_read() -> str:
     return (
-        "Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as the long "
-        "recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one GPU, the batch in "
-        "one pass; the rows share a compile cache, empty before the first (a baseline commit's rows have their own). "
-        "mixed and hybrid are the 12-epoch recipes: Deformable-DETR++'s training changes, one-to-many supervision "
-        "(mixed: MS-DETR's, on the model's own queries; hybrid: H-DETR's 1,500 extra queries) and model EMA. img/s, "
-        "step and loader wait come from the run's steady steps (its timing.json); GPU busy is the share of the run's "
-        f"last {PROFILED_STEPS} steps (fewer in a --smoke run) in which the GPU ran a kernel, copy or memset "
-        "(train.py's profile_steps: torch.profiler recording the GPU's activity alone); NVML is the GPU's utilization "
-        "counter over the steady steps (coarse: sampled); MFU counts the model's matmul and convolution FLOPs "
-        "(forward and backward) against the GPU's dense bf16 peak; hours are the recipe's epochs of COCO (118,287 "
-        "images each) at that rate; the first step is from the process's start, compilation included (cold: into "
-        "the empty cache). A row marked [graphs] ran compile.mode=graphs (the eager model's CUDA graphs, no Inductor) "
-        "and is compared only with rows of the same mode."
+        "Each row is one `python train.py experiment=RECIPE compile.mode=reduce-overhead` run (compiled as the "
+        "long recipes are) on generated COCO-like JPEG files at the recipe's sizes and augmentation, one GPU, the"
+        " batch in one pass; the rows share a compile cache, empty before the first (a baseline commit's rows "
+        "have their own). mixed and hybrid are the 12-epoch recipes: Deformable-DETR++'s training changes, one-"
+        "to-many supervision (mixed: MS-DETR's, on the model's own queries; hybrid: H-DETR's 1,500 extra queries)"
+        " and model EMA. img/s, step and loader wait come from the run's steady steps (its timing.json); GPU busy"
+        f" is the share of the run's last {PROFILED_STEPS} steps (fewer in a --smoke run) in which the GPU ran a "
+        "kernel, copy or memset (train.py's profile_steps: torch.profiler recording the GPU's activity alone); "
+        "GPU work / step is the GPU's busy time per profiled step over the steady step's wall time, what the "
+        "steady steps' busy share is if they do the same work (it counts no wait of the profiled steps: those of "
+        "a CUDA graph's recording, marked *, whose start synchronizes and empties the device's and the pinned-"
+        "memory caches); NVML is the GPU's utilization counter over the steady steps (coarse: sampled); MFU "
+        "counts the model's matmul and convolution FLOPs (forward and backward) against the GPU's dense bf16 "
+        "peak; hours are the recipe's epochs of COCO (118,287 images each) at that rate; the first step is from "
+        "the process's start, compilation included (cold: into the empty cache). A row marked [graphs] ran "
+        "compile.mode=graphs (the eager model's CUDA graphs, no Inductor) and is compared only with rows of the "
+        "same mode."
     )
+
+
+def profile_recorded(r: dict) -> bool:
+    """Whether a row's profiled steps compiled or recorded graphs (train.py's profile summary)."""
+    profile = r.get("profile") or {}
+    return bool(profile.get("graphs_compiled")) or profile.get("compile_s", 0.0) >= RECORDED_S
+
+
+def work_per_steady_step(r: dict) -> float | None:
+    """The GPU's busy time per profiled step over the steady step's wall time, or None without a GPU profile."""
+    work = (r.get("profile") or {}).get("gpu_work_ms")
+    return None if work is None else work / r["step_ms"]
 
 
 def row_name(r: dict) -> str:
@@ -436,20 +453,32 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         if "error" in r:
-            cells.append([row_name(r), r["batch"], r["error"], *[""] * 10])
+            cells.append([row_name(r), r["batch"], r["error"], *[""] * 11])
             continue
         speed = [f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}"]
-        busy = [cell(r["gpu_busy"], ".0%"), cell(r.get("gpu_busy_nvml"), ".0%"), f"{r['data_wait_share']:.1%}"]
+        busy = [
+            cell(r["gpu_busy"], ".0%") + ("*" if profile_recorded(r) else ""),
+            cell(work_per_steady_step(r), ".0%"),
+            cell(r.get("gpu_busy_nvml"), ".0%"),
+            f"{r['data_wait_share']:.1%}",
+        ]
         resources = [cell(r["peak_gib"]), cell(r.get("gflops_per_image"), ".0f"), cell(r.get("mfu"), ".1%")]
         hours = f"{r['recipe_hours']:.1f} ({r['recipe_epochs']} epochs)"
         first, steady = f"{r['first_step_s']:.0f} ({first_step_note(r)})", f"from step {r['steady_from_step']}"
         cells.append([row_name(r), r["batch"], *speed, *busy, *resources, hours, first, steady])
     lines += table(
-        "recipe | batch | img/s | step ms | GPU busy | NVML | loader wait | peak GiB | GFLOPs/img | MFU "
-        "| COCO recipe (h) | first step (s) | steady steps",
+        "recipe | batch | img/s | step ms | GPU busy | GPU work / step | NVML | loader wait | peak GiB | GFLOPs/img "
+        "| MFU | COCO recipe (h) | first step (s) | steady steps",
         cells,
     )
     done = [r for r in rows if "error" not in r]
+    recorded = [f"{row_name(r)} {r['profile']['compile_s']:.1f} s" for r in done if profile_recorded(r)]
+    if recorded:
+        lines += [
+            "",
+            f"* The profiled steps compiled or recorded graphs ({', '.join(recorded)}): their idle time, and the "
+            "idle part below, include those waits, which steady steps do not have.",
+        ]
     broken_down = [r for r in done if r.get("parts_ms")]
     if broken_down:
         lines += [
@@ -481,6 +510,11 @@ def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
         best = max(plain, key=lambda r: r["img_s"])
         busy, wait = cell(best["gpu_busy"], ".0%"), best["data_wait_share"]
         unknown = " (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""
+        if profile_recorded(best):
+            unknown = (
+                f" (its profiled steps recorded graphs for {best['profile']['compile_s']:.1f} s; the GPU's work is "
+                f"{work_per_steady_step(best):.0%} of a steady step)"
+            )
         checks += [
             (
                 f"coco_gpu: best {best['img_s']:.1f} img/s (batch {best['batch']}) >= {TARGETS['img_s']:.0f}",

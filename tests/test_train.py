@@ -6,6 +6,7 @@ checkpoints so that each adds only a few steps.
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -408,6 +409,27 @@ def test_profile_steps_writes_the_trace_and_summary_of_those_steps_up_to_the_epo
     assert profile["profiled_steps"] == [2, STEPS_PER_EPOCH] and profile["steps"] == STEPS_PER_EPOCH - 1
     assert profile["trace"] == f"profile_steps_2-{STEPS_PER_EPOCH}.json"
     assert profile["gpu_busy"] is None  # no GPU
+    assert profile["graphs_compiled"] == 0 and profile["compile_s"] == 0  # the CPU runs eagerly
+
+
+def test_a_profile_says_when_its_steps_compiled_or_recorded_graphs(data_root, tmp_path, caplog):
+    """A graph recorded inside the profiled steps makes them unlike the steady steps: the summary gives its seconds
+    (Inductor's CUDA-graph trees record without a new Dynamo graph, so seconds are all they show) and the log says
+    so. The recording here is one the compile clock is told of, as the eager model's CUDA graphs tell it."""
+    from engine.compile.clock import CompileClock
+    from engine.train.hooks.base import Hook
+
+    class RecordsInStepTwo(Hook):
+        def after_step(self, run, done):
+            if done.number == 2:
+                CompileClock.get().record_capture("graphed_probe", 0.25)
+
+    with caplog.at_level(logging.INFO):
+        result = trainer.train(compose_run(data_root, tmp_path, "profile_steps=[2,3]"), hooks=[RecordsInStepTwo()])
+    profile = result["timing"]["profile"]
+    assert profile["profiled_steps"] == [2, 3]
+    assert profile["graphs_compiled"] == 1 and profile["compile_s"] == pytest.approx(0.25)
+    assert "these steps compiled or recorded graphs for 0.2 s, unlike the steady steps" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

@@ -23,6 +23,8 @@ from .base import Ending, EpochEnd, Hook, StepDone
 log = logging.getLogger(__name__)
 # KINETO_LOG_LEVEL above kineto's highest level (its USDT markers): it prints nothing.
 QUIET_KINETO = "6"
+# Compile-clock seconds inside a profile from which it says the profiled steps compiled or recorded graphs.
+RECORDED_S = 0.01
 
 
 def is_device_work(event) -> bool:
@@ -131,6 +133,7 @@ class StepProfiler(Hook):
             self._give_up(run, f"profiling steps {first}-{last} failed: {error}")
             return True
         steps = last - first + 1
+        compiled = CompileClock.get().totals().since(self._compiled_before)
         busy = device_activity(events) if cuda else []
         work_us = busy_time(busy, min(a for a, _ in busy), max(b for _, b in busy)) if busy else None
         self.summary = {
@@ -139,7 +142,10 @@ class StepProfiler(Hook):
             "step_ms": wall_us / steps / 1e3,
             "gpu_busy": None if work_us is None else min(1.0, work_us / wall_us),
             "gpu_work_ms": None if work_us is None else work_us / steps / 1e3,
-            "graphs_compiled": CompileClock.get().totals().since(self._compiled_before).graphs,
+            "graphs_compiled": compiled.graphs,
+            # Inductor's CUDA-graph trees record a graph for each new size and call path without a new Dynamo graph:
+            # they show here as seconds alone.
+            "compile_s": compiled.seconds,
             "trace": trace.name,
         }
         run.timing.profile = self.summary
@@ -153,10 +159,11 @@ class StepProfiler(Hook):
         text = f"profile of steps {first}-{last}: {summary['step_ms']:.1f} ms per step"
         if summary["gpu_busy"] is not None:
             text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
-        if summary["graphs_compiled"]:
+        if summary["graphs_compiled"] or summary["compile_s"] >= RECORDED_S:
             text += (
-                f"; {summary['graphs_compiled']} graphs compiled or recorded in these steps: not like the "
-                "steady steps, and in these figures"
+                f"; these steps compiled or recorded graphs for {summary['compile_s']:.1f} s, unlike the steady "
+                "steps (a CUDA graph's recording waits for the GPU and empties the device's and the pinned-memory "
+                "caches), and these figures include it"
             )
         log.info("%s; trace %s", text, summary["trace"])
         if cuda and summary["gpu_busy"] is None:
