@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.report import ROOT, cell, header_lines, out_dir, run_header, table, write_report
 from bench.step_profile import PARTS, gpu_time_by_part
 from bench.train_runs import compose_config, environment_without_cache_choice, run_train_py
-from engine.train.hooks.profiling import RECORDED_S
+from engine.train.hooks.profiling import compiled_inside
 
 COCO_TRAIN_IMAGES = 118_287
 # The recipes' epochs (configs/experiment/), for the hours each takes on COCO at a row's rate.
@@ -414,12 +414,6 @@ def how_to_read() -> str:
     )
 
 
-def profile_recorded(r: dict) -> bool:
-    """Whether a row's profiled steps compiled or recorded graphs (train.py's profile summary)."""
-    profile = r.get("profile") or {}
-    return bool(profile.get("graphs_compiled")) or profile.get("compile_s", 0.0) >= RECORDED_S
-
-
 def work_per_steady_step(r: dict) -> float | None:
     """The GPU's busy time per profiled step over the steady step's wall time, or None without a GPU profile."""
     work = (r.get("profile") or {}).get("gpu_work_ms")
@@ -457,7 +451,7 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
             continue
         speed = [f"{r['img_s']:.1f}", f"{r['step_ms']:.0f}"]
         busy = [
-            cell(r["gpu_busy"], ".0%") + ("*" if profile_recorded(r) else ""),
+            cell(r["gpu_busy"], ".0%") + ("*" if compiled_inside(r["profile"]) else ""),
             cell(work_per_steady_step(r), ".0%"),
             cell(r.get("gpu_busy_nvml"), ".0%"),
             f"{r['data_wait_share']:.1%}",
@@ -472,7 +466,9 @@ def report_lines(header: dict, rows: list[dict]) -> list[str]:
         cells,
     )
     done = [r for r in rows if "error" not in r]
-    recorded = [f"{row_name(r)} {r['profile']['compile_s']:.1f} s" for r in done if profile_recorded(r)]
+    recorded = [
+        f"{row_name(r)} {r['profile'].get('compile_s', 0.0):.1f} s" for r in done if compiled_inside(r["profile"])
+    ]
     if recorded:
         lines += [
             "",
@@ -509,11 +505,11 @@ def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
     if plain:
         best = max(plain, key=lambda r: r["img_s"])
         busy, wait = cell(best["gpu_busy"], ".0%"), best["data_wait_share"]
-        unknown = " (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""
-        if profile_recorded(best):
-            unknown = (
-                f" (its profiled steps recorded graphs for {best['profile']['compile_s']:.1f} s; the GPU's work is "
-                f"{work_per_steady_step(best):.0%} of a steady step)"
+        note = " (unknown: no GPU activity profiled)" if best["gpu_busy"] is None else ""
+        if best["gpu_busy"] is not None and compiled_inside(best["profile"]):
+            note = (
+                f" (its profiled steps recorded graphs for {best['profile'].get('compile_s', 0.0):.1f} s; the GPU's "
+                f"work is {work_per_steady_step(best):.0%} of a steady step)"
             )
         checks += [
             (
@@ -521,7 +517,7 @@ def targets(done: list[dict]) -> list[tuple[str, bool | None]]:
                 best["img_s"] >= TARGETS["img_s"],
             ),
             (
-                f"coco_gpu: GPU busy {busy} at the best batch >= {TARGETS['gpu_busy']:.0%}{unknown}",
+                f"coco_gpu: GPU busy {busy} at the best batch >= {TARGETS['gpu_busy']:.0%}{note}",
                 (best["gpu_busy"] or 0) >= TARGETS["gpu_busy"],
             ),
             (

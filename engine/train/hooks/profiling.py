@@ -27,6 +27,12 @@ QUIET_KINETO = "6"
 RECORDED_S = 0.01
 
 
+def compiled_inside(summary: dict) -> bool:
+    """Whether a profile's steps compiled or recorded graphs, from its summary (one written before ``compile_s``
+    existed says so by its graph count alone)."""
+    return bool(summary.get("graphs_compiled")) or summary.get("compile_s", 0.0) >= RECORDED_S
+
+
 def is_device_work(event) -> bool:
     """Whether a profiler event is work the GPU did: a kernel, copy or memset. Every named range on the host also has
     a GPU-side twin spanning the kernels launched inside it, marked as a user annotation: counting it would count
@@ -159,7 +165,7 @@ class StepProfiler(Hook):
         text = f"profile of steps {first}-{last}: {summary['step_ms']:.1f} ms per step"
         if summary["gpu_busy"] is not None:
             text += f", GPU busy {summary['gpu_busy']:.1%} ({summary['gpu_work_ms']:.1f} ms of work)"
-        if summary["graphs_compiled"] or summary["compile_s"] >= RECORDED_S:
+        if compiled_inside(summary):
             text += (
                 f"; these steps compiled or recorded graphs for {summary['compile_s']:.1f} s, unlike the steady "
                 "steps (a CUDA graph's recording waits for the GPU and empties the device's and the pinned-memory "
