@@ -126,18 +126,21 @@ class SetCriterion(CompiledRegions, nn.Module):
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
         groups = _prediction_groups(outputs, targets, self.one_to_many, self.k_one2many)
         # Named for torch.profiler: the host waits for the GPU here, then the GPU waits for the host.
+        device = outputs["pred_logits"].device
+        sizes = [len(t["labels"]) for t in targets]
+        inputs = [(g.logits, g.boxes, g.targets, g.repeats) for g in groups]
         with torch.profiler.record_function("step.matching"):
-            matched = self.matcher.match_groups([(g.logits, g.boxes, g.targets, g.repeats) for g in groups])
+            if self.matcher.solves_on(device):
+                matches = [matches_from_assignment(*solved) for solved in self.matcher.match_groups_on_device(inputs)]
+                tgt_lengths = to_device_async(torch.tensor(sizes, dtype=torch.int64), device)
+            else:
+                matched = self.matcher.match_groups(inputs)
         if callable(num_boxes):
             num_boxes = num_boxes()
-        device = outputs["pred_logits"].device
-        matches, tgt_lengths = _matches_on_device(
-            matched,
-            [len(t["labels"]) for t in targets],
-            device,
-            [g.logits.shape[2] for g in groups],
-            [g.repeats for g in groups],
-        )
+        if not self.matcher.solves_on(device):
+            matches, tgt_lengths = matches_from_pairs(
+                matched, sizes, device, [g.logits.shape[2] for g in groups], [g.repeats for g in groups]
+            )
         losses = {}
         for group, group_matches in zip(groups, matches):
             # H-DETR divides the one-to-many losses by the count of the repeated targets.
@@ -335,7 +338,7 @@ def _repeated(values: torch.Tensor, repeats: int) -> torch.Tensor:
     return values if repeats == 1 else values.repeat(repeats, *[1] * (values.dim() - 1))
 
 
-def _matches_on_device(
+def matches_from_pairs(
     matched: list[list[list]], tgt_lengths: list[int], device, num_queries: list[int], repeats: list[int]
 ) -> tuple[list[_Matches], torch.Tensor]:
     """The matcher's host indices of every group, padded (``_Matches``; ``num_queries``: each group's predictions
@@ -372,6 +375,48 @@ def _matches_on_device(
         for i, (per_layer, slots) in enumerate(layouts)
     ]
     return matches, flat[-1]
+
+
+def matches_from_assignment(assignment: torch.Tensor, layout: tuple) -> _Matches:
+    """``matches_from_pairs``'s pairs, in its order, from the device solve of one group
+    (HungarianMatcher.match_groups_on_device: ``assignment`` (G, B, R), ``layout`` (G, B, Q, sizes, r)), made on the
+    device with nothing read back."""
+    G, B, Q, sizes, r = layout
+    R = assignment.shape[2]
+    device = assignment.device
+    repeated = [n * r for n in sizes]
+    starts = np.cumsum([0] + repeated)
+    slots = target_slots(int(starts[-1]))
+    count = sum(min(Q, n) for n in repeated)
+    per_image = torch.tensor([[min(Q, n) for n in repeated], [n < Q for n in repeated], starts[:-1].tolist()])
+    pairs, targets_first, start = to_device_async(per_image.to(torch.int64), device)[:, :, None]  # (B, 1) each
+    k = torch.arange(R, device=device)
+    column = assignment.long()
+    # An image's rows are its targets (each row's column its query) or, with more targets than queries, its queries.
+    query = torch.where(targets_first.bool(), column, k)  # (G, B, R)
+    target = torch.where(targets_first.bool(), k, column) + start
+    batch = torch.arange(B, device=device)[:, None].expand(B, R)
+    # Each layer's pairs image after image, queries increasing, then the rows past each image's pairs.
+    key = torch.where(k < pairs, batch * (Q + 1) + query, torch.iinfo(torch.int64).max)
+    width = min(slots, B * R)
+    order = key.view(G, B * R).argsort(dim=1)[:, :width]
+    real = torch.arange(width, device=device) < count
+
+    def padded(values: torch.Tensor, padding: int) -> torch.Tensor:
+        taken = values.expand(G, B, R).reshape(G, B * R).gather(1, order)
+        column = torch.full((G, slots), padding, dtype=torch.int64, device=device)
+        column[:, :width] = torch.where(real, taken, padding)
+        return column.flatten()
+
+    layer = torch.arange(G, device=device)[:, None].expand(G, slots).flatten()
+    return _Matches(
+        layer,
+        padded(batch, 0),
+        padded(query, Q),
+        padded(target, int(starts[-1])),
+        per_layer=[count] * G,
+        slots=slots,
+    )
 
 
 def _loss_boxes(boxes, tgt_boxes, layer, batch, query, target, *, num_layers: int) -> dict[str, torch.Tensor]:

@@ -18,10 +18,19 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torchvision.ops import box_convert
 
+from models import assignment
+from models.host_copy import to_device_async
+
 # Every coordinate of a padding target's box (normalized cxcywh): a box of positive area, so that its GIoU with a
 # prediction is finite. It pads the cost matrices' columns, never matched, and the criterion's targets, where the
 # padding's zero contribution has a zero gradient.
 PADDING_BOX = 0.5
+
+
+# Where the assignments are solved: "auto" on the predictions' device if it is a GPU (models/assignment.py, which gives
+# scipy's pairs with no host sync), else on the host with scipy; "device" on the predictions' device whatever it is
+# (Triton's interpreter on the CPU, for tests), "host" on the host.
+SOLVERS = ("auto", "device", "host")
 
 
 class HungarianMatcher(nn.Module):
@@ -45,8 +54,12 @@ class HungarianMatcher(nn.Module):
         cost_giou: float = 2.0,
         focal_alpha: float = 0.25,
         focal_gamma: float = 2.0,
+        solver: str = "auto",
     ):
         super().__init__()
+        if solver not in SOLVERS:
+            raise ValueError(f"HungarianMatcher: solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
+        self.solver = solver
         for name, value in (("cost_class", cost_class), ("cost_bbox", cost_bbox), ("cost_giou", cost_giou)):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"HungarianMatcher: {name} must be a finite number >= 0, got {value!r}")
@@ -61,6 +74,10 @@ class HungarianMatcher(nn.Module):
         self.cost_giou = cost_giou
         self.focal_alpha = focal_alpha
         self.focal_gamma = focal_gamma
+
+    def solves_on(self, device: torch.device) -> bool:
+        """Whether predictions on ``device`` are matched there (``match_groups_on_device``) or on the host."""
+        return self.solver == "device" or (self.solver == "auto" and device.type == "cuda")
 
     def cost_matrix(self, outputs: dict, targets: list[dict]) -> torch.Tensor:
         """Each image's cost matrix, padded: (B, Q, T_max), T_max the most targets of an image in the batch.
@@ -107,22 +124,11 @@ class HungarianMatcher(nn.Module):
         cost_giou = -pairwise_giou(box_convert(out_bbox, "cxcywh", "xyxy"), box_convert(tgt, "cxcywh", "xyxy"))
         return self.cost_bbox * cost_bbox + self.cost_giou * cost_giou + self.cost_class * cost_class
 
-    @torch.no_grad()
-    def match_groups(self, groups: list[tuple]) -> list[list[list]]:
-        """Match every layer of every group, with one device->host transfer for all cost matrices.
-
-        groups: [(logits (G, B, Q, K), boxes (G, B, Q, 4), targets[, repeats])], e.g. the decoder layers stacked and
-        the two-stage encoder proposals with their class-agnostic targets. Returns, per group, per layer,
-        per image, (index_i, index_j) as int64 CPU tensors of length min(Q, n_i * r): prediction index_i[k]
-        is assigned to target index_j[k], index_i increasing. Images without targets get two empty tensors.
-
-        repeats r (default 1): each image's n_i targets are matched as r copies of them, n_i * r targets where copy
-        c of target j is target c * n_i + j (hybrid matching's one-to-many queries, as H-DETR repeats the targets).
-        Their costs are computed and copied once and repeated on the host.
-
-        Non-finite predictions (a diverging run) are matched as if they cost the most, so that the loss,
-        which they make non-finite, is what reports them.
-        """
+    def stacked_costs(self, groups: list[tuple]) -> tuple[torch.Tensor, list[tuple]]:
+        """Every group's cost matrices in one flat float32 tensor on the predictions' device, each image's block as
+        (targets, queries), and each group's layout (G, B, Q, sizes, r): the input of both solvers (``match_groups``).
+        Non-finite costs (a diverging run) become the largest float32, so that they are matched as costing the most
+        and the loss, which they make non-finite, is what reports them."""
         costs, layouts = [], []
         for logits, boxes, targets, *repeats in groups:
             r = repeats[0] if repeats else 1
@@ -134,12 +140,29 @@ class HungarianMatcher(nn.Module):
             sizes = [len(t["boxes"]) for t in targets]
             layouts.append((G, B, Q, sizes, r))
             if sum(sizes):
-                # Each image's block is copied as (targets, queries): linear_sum_assignment solves a problem with
-                # fewer rows than columns as given, and would otherwise copy every block into that layout.
+                # Each image's block as (targets, queries): linear_sum_assignment solves a problem with fewer rows
+                # than columns as given, and would otherwise copy every block into that layout.
                 costs.append(self.image_costs(logits, boxes, targets).transpose(2, 3).flatten())
+        device = groups[0][0].device if groups else torch.device("cpu")
         worst = torch.finfo(torch.float32).max
-        # linear_sum_assignment needs float64-compatible numbers on the host: one transfer for everything.
-        flat = torch.cat(costs).float().nan_to_num_(nan=worst, posinf=worst).cpu() if costs else torch.empty(0)
+        flat = torch.cat(costs).float().nan_to_num_(nan=worst, posinf=worst) if costs else torch.empty(0, device=device)
+        return flat, layouts
+
+    @torch.no_grad()
+    def match_groups(self, groups: list[tuple]) -> list[list[list]]:
+        """Match every layer of every group on the host (scipy), with one device->host transfer for all costs.
+
+        groups: [(logits (G, B, Q, K), boxes (G, B, Q, 4), targets[, repeats])], e.g. the decoder layers stacked and
+        the two-stage encoder proposals with their class-agnostic targets. Returns, per group, per layer,
+        per image, (index_i, index_j) as int64 CPU tensors of length min(Q, n_i * r): prediction index_i[k]
+        is assigned to target index_j[k], index_i increasing. Images without targets get two empty tensors.
+
+        repeats r (default 1): each image's n_i targets are matched as r copies of them, n_i * r targets where copy
+        c of target j is target c * n_i + j (hybrid matching's one-to-many queries, as H-DETR repeats the targets).
+        Their costs are computed and copied once and repeated on the host.
+        """
+        flat, layouts = self.stacked_costs(groups)
+        flat = flat.cpu()
         blocks, offset = [], 0
         for G, B, Q, sizes, r in layouts:
             T = max(sizes, default=0)
@@ -153,6 +176,37 @@ class HungarianMatcher(nn.Module):
             [[next(solved) if max(sizes, default=0) else empty for _ in range(B)] for _ in range(G)]
             for G, B, Q, sizes, r in layouts
         ]
+
+    @torch.no_grad()
+    def match_groups_on_device(self, groups: list[tuple]) -> list[tuple[torch.Tensor, tuple]]:
+        """``match_groups``' pairs, solved where the predictions are (models/assignment.py): nothing is read back.
+
+        Returns per group (assignment, layout): assignment (G, B, R) int32 on the device, where each image's
+        problem has min(Q, n_i * r) rows and max(Q, n_i * r) columns and row k holds its column (-1 past the rows):
+        the query of target k where n_i * r < Q, else the target of query k (scipy's orientation of the host
+        solve, so that ties fall alike); layout (G, B, Q, sizes, r).
+        """
+        flat, layouts = self.stacked_costs(groups)
+        problems, offset = [], 0
+        for G, B, Q, sizes, r in layouts:
+            T = max(sizes, default=0)
+            for g in range(G):
+                for b, n in enumerate(sizes):
+                    base = offset + (g * B + b) * T * Q
+                    if n * r < Q:  # rows: the targets (row k is target k % n's block row), columns: the queries
+                        problems.append((base, n * r, Q, max(n, 1), Q, Q, 1))
+                    else:  # rows: the queries, columns: the repeated targets
+                        problems.append((base, Q, n * r, Q, 1, n, Q))
+            offset += G * B * T * Q
+        table = to_device_async(torch.tensor(problems, dtype=torch.int64).view(-1, 7), flat.device)
+        rows = max((p[1] for p in problems), default=0)
+        cols = max((p[2] for p in problems), default=0)
+        solved = assignment.solve(flat, table, max_rows=rows, max_cols=max(cols, rows))
+        results, start = [], 0
+        for G, B, Q, sizes, r in layouts:
+            results.append((solved[start : start + G * B].view(G, B, -1), (G, B, Q, sizes, r)))
+            start += G * B
+        return results
 
     @torch.no_grad()
     def forward(self, outputs: dict, targets: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
