@@ -32,11 +32,11 @@ def gpu_time_by_part(trace: dict, *, steps: int) -> dict[str, float]:
     being every pixel of the feature maps (a far larger grid); the optimizer's and the EMA's kernels (fused AdamW,
     foreach) are the update; copies and memsets are copies. The rest falls between those anchors in the step's order:
     before the encoder's first attention the backbone, up to the decoder's first attention the encoder, up to the
-    matching's copy to the host the decoder, then the matching and losses up to the decoder's first attention
-    backward, the decoder's backward up to the encoder's, the encoder's up to its last attention backward, and the
-    backbone's backward after it. A layer's first and last kernels around its attention can fall to its neighbour:
-    the figures are the parts' sizes, not an exact account. Idle: the time in the profiled work's span in which the GPU
-    ran nothing.
+    matching's copy to the host (or its solve on the device) the decoder, then the matching and losses up to the
+    decoder's first attention backward, the decoder's backward up to the encoder's, the encoder's up to its last
+    attention backward, and the backbone's backward after it. A layer's first and last kernels around its attention
+    can fall to its neighbour: the figures are the parts' sizes, not an exact account. Idle: the time in the profiled
+    work's span in which the GPU ran nothing.
     """
     work = sorted(
         (e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
@@ -60,6 +60,8 @@ def gpu_time_by_part(trace: dict, *, steps: int) -> dict[str, float]:
 
 # The chrome trace's categories of GPU work: kernels, copies, memsets.
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# The matching's solve on the device (models/assignment.py), by its kernel's name.
+ASSIGNMENT_KERNEL = "_assignment_kernel"
 
 
 def _is_attention(event) -> bool:
@@ -112,8 +114,12 @@ def _parts_of_step(step: list[dict], split: dict[str, float]) -> dict[str, list[
     units = _units(step)
     kinds = [_unit_kind(unit, split) for unit in units]
     decoder = [i for i, kind in enumerate(kinds) if kind == "decoder attention"]
-    # The matching's copy to the host ends the forward: the first after the decoder's first attention.
-    matching = next((i for i, kind in enumerate(kinds) if kind == "to host" and decoder and i > decoder[0]), len(units))
+    # The matching ends the forward: its copy to the host, or its solve on the device, the first after the decoder's
+    # first attention.
+    matching = next(
+        (i for i, kind in enumerate(kinds) if kind in ("to host", "assignment") and decoder and i > decoder[0]),
+        len(units),
+    )
     backward_encoder = [i for i, kind in enumerate(kinds) if kind == "encoder attention" and i > matching]
     backward_decoder = [i for i in decoder if i > matching]
     parts = {part: [] for part in PARTS}
@@ -168,6 +174,8 @@ def _unit_kind(unit: list[dict], split: dict[str, float]) -> str:
         return "encoder attention" if any(_grid(e) >= split[e["name"]] for e in attention) else "decoder attention"
     if all(_is_update(e) for e in unit):
         return "update"
+    if any(ASSIGNMENT_KERNEL in e["name"] for e in unit):
+        return "assignment"
     if all(e.get("cat") != "kernel" for e in unit):
         return (
             "to host"

@@ -408,9 +408,9 @@ def how_to_read() -> str:
         "memory caches); NVML is the GPU's utilization counter over the steady steps (coarse: sampled); MFU "
         "counts the model's matmul and convolution FLOPs (forward and backward) against the GPU's dense bf16 "
         "peak; hours are the recipe's epochs of COCO (118,287 images each) at that rate; the first step is from "
-        "the process's start, compilation included (cold: into the empty cache). A row marked [graphs] ran "
-        "compile.mode=graphs (the eager model's CUDA graphs, no Inductor) and is compared only with rows of the "
-        "same mode."
+        "the process's start, compilation included (cold: into the empty cache). A row marked [MODE] ran another "
+        "compile.mode (graphs: the eager model's CUDA graphs, no Inductor; eager: neither) and is compared only "
+        "with rows of the same mode."
     )
 
 

@@ -228,10 +228,15 @@ def _kernel(name, ts, dur, grid=(1, 1, 1), correlation=None, cat="kernel"):
     }
 
 
-def test_the_gpu_time_of_a_step_is_charged_to_its_parts_by_what_each_piece_is_and_where_it_falls():
+@pytest.mark.parametrize(
+    "matching",
+    [("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy"), ("_assignment_kernel", "kernel")],
+    ids=["solved on the host", "solved on the device"],
+)
+def test_the_gpu_time_of_a_step_is_charged_to_its_parts_by_what_each_piece_is_and_where_it_falls(matching):
     """Two steps of hand-made GPU work, 10 us a piece, in a step's order: the backbone, the encoder (its attention
-    on a large grid), the decoder (on a small one), the matching's copy to the host, the losses, the backward in
-    reverse, the update; a graph replay's kernels (one correlation id) stay together."""
+    on a large grid), the decoder (on a small one), the matching (its copy to the host, or its solve on the device),
+    the losses, the backward in reverse, the update; a graph replay's kernels (one correlation id) stay together."""
     events, t = [], 0.0
 
     def add(name, grid=(1, 1, 1), correlation=None, cat="kernel"):
@@ -246,7 +251,7 @@ def test_the_gpu_time_of_a_step_is_charged_to_its_parts_by_what_each_piece_is_an
         add("ffn_gemm")  # encoder rest
         add("msda_forward_kernel", grid=(60, 8, 1))  # decoder attention
         add("heads_gemm")  # decoder rest
-        add("Memcpy DtoH (Device -> Pinned)", cat="gpu_memcpy")  # the matching's copy
+        add(matching[0], cat=matching[1])  # the matching
         add("focal_loss_kernel")  # losses
         add("msda_backward_kernel", grid=(60, 8, 1))  # decoder attention backward
         add("ffn_gemm_backward")  # decoder rest
