@@ -125,22 +125,22 @@ class SetCriterion(CompiledRegions, nn.Module):
         if num_boxes is None:
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
         groups = _prediction_groups(outputs, targets, self.one_to_many, self.k_one2many)
-        # Named for torch.profiler: the host waits for the GPU here, then the GPU waits for the host.
         device = outputs["pred_logits"].device
         sizes = [len(t["labels"]) for t in targets]
         inputs = [(g.logits, g.boxes, g.targets, g.repeats) for g in groups]
+        on_device = self.matcher.solves_on(device)
+        # Named for torch.profiler. Solved on the host, the host waits for the GPU here, then the GPU for the host.
         with torch.profiler.record_function("step.matching"):
-            if self.matcher.solves_on(device):
+            if on_device:
                 matches = [matches_from_assignment(*solved) for solved in self.matcher.match_groups_on_device(inputs)]
                 tgt_lengths = to_device_async(torch.tensor(sizes, dtype=torch.int64), device)
             else:
-                matched = self.matcher.match_groups(inputs)
+                pairs = self.matcher.match_groups(inputs)
         if callable(num_boxes):
             num_boxes = num_boxes()
-        if not self.matcher.solves_on(device):
-            matches, tgt_lengths = matches_from_pairs(
-                matched, sizes, device, [g.logits.shape[2] for g in groups], [g.repeats for g in groups]
-            )
+        if not on_device:
+            queries, repeats = [g.logits.shape[2] for g in groups], [g.repeats for g in groups]
+            matches, tgt_lengths = matches_from_pairs(pairs, sizes, device, queries, repeats)
         losses = {}
         for group, group_matches in zip(groups, matches):
             # H-DETR divides the one-to-many losses by the count of the repeated targets.
