@@ -2,10 +2,9 @@
 
 On a GPU nothing is read back to the host (the matching is solved there, models/assignment.py; on the CPU scipy
 solves it): the step's values stay on the device for engine/train/hooks/interval_report.py to read once per log
-interval. A step whose gradient norm is not
-finite (a NaN/inf loss) is skipped on the device, as GradScaler skips fp16 overflows: the fused AdamW gets a
-``found_inf`` flag and leaves weights, moments and step count untouched. The gradients are averaged over processes
-before the norm, so every rank decides alike.
+interval. A step whose gradient norm is not finite (a NaN/inf loss) is skipped on the device, as GradScaler skips
+fp16 overflows: the fused AdamW gets a ``found_inf`` flag and leaves weights, moments and step count untouched. The
+gradients are averaged over processes before the norm, so every rank decides alike.
 """
 
 from __future__ import annotations
