@@ -124,8 +124,10 @@ def _assignment_kernel(
 def solve(costs: torch.Tensor, problems: torch.Tensor, *, max_rows: int, max_cols: int) -> torch.Tensor:
     """Each problem's least-cost assignment: (P, R) int32, row i's column (-1 past the problem's rows), R >= max_rows.
 
-    costs: a flat float32 tensor. problems: (P, 7) int64 on the costs' device, each row PROBLEM_FIELDS with
-    rows <= cols; max_rows and max_cols: their largest rows and cols (host ints, which choose the kernel's block).
+    costs: a flat float32 tensor of finite values (checking them would read them back; where scipy refuses a
+    non-finite cost, this returns some assignment: the matcher replaces them first). problems: (P, 7) int64 on the
+    costs' device, each row PROBLEM_FIELDS with rows <= cols; max_rows and max_cols: their largest rows and cols (host
+    ints, which choose the kernel's block).
     """
     if costs.dtype != torch.float32 or costs.dim() != 1:
         got = f"{costs.dtype} {tuple(costs.shape)}"

@@ -204,7 +204,7 @@ class HungarianMatcher(nn.Module):
         solved = assignment.solve(flat, table, max_rows=rows, max_cols=max(cols, rows))
         results, start = [], 0
         for G, B, Q, sizes, r in layouts:
-            results.append((solved[start : start + G * B].view(G, B, -1), (G, B, Q, sizes, r)))
+            results.append((solved[start : start + G * B].view(G, B, solved.shape[1]), (G, B, Q, sizes, r)))
             start += G * B
         return results
 

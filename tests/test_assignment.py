@@ -29,13 +29,23 @@ def random_costs(rng: np.random.Generator, rows: int, cols: int, kind: str) -> n
     return np.zeros((rows, cols), dtype=np.float32)
 
 
-@pytest.mark.parametrize("kind", ["continuous", "small integers", "repeated rows", "constant"])
-def test_the_kernel_gives_scipys_pairs_ties_included(kind):
-    rng = np.random.default_rng()  # fresh problems each run
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    """A generator of fresh problems each run, and its seed, which a failure names so that it can be rerun."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    return np.random.default_rng(seed), seed
+
+
+@pytest.mark.parametrize(
+    "kind, most_cols",
+    [("continuous", 37), ("small integers", 37), ("repeated rows", 37), ("constant", 37), ("continuous", 2100)],
+    ids=["continuous", "small integers", "repeated rows", "constant", "wide"],  # wide: the kernel's widest blocks
+)
+def test_the_kernel_gives_scipys_pairs_ties_included(kind, most_cols):
+    rng, seed = fresh_rng()
     blocks, problems, offset = [], [], 0
-    for _ in range(12):
-        rows = int(rng.integers(1, 14))
-        cols = int(rng.integers(rows, 37))
+    for _ in range(12 if most_cols < 100 else 2):
+        rows = int(rng.integers(1, 14 if most_cols < 100 else 5))
+        cols = int(rng.integers(rows, most_cols))
         block = random_costs(rng, rows, cols, kind)
         blocks.append(block)
         problems.append((offset, rows, cols, rows, cols, cols, 1))
@@ -45,14 +55,25 @@ def test_the_kernel_gives_scipys_pairs_ties_included(kind):
     solved = assignment.solve(costs, table, max_rows=max(p[1] for p in problems), max_cols=max(p[2] for p in problems))
     for block, columns in zip(blocks, solved.cpu()):
         rows, expected = linear_sum_assignment(block)
-        assert columns[: len(rows)].tolist() == expected.tolist(), block
+        assert columns[: len(rows)].tolist() == expected.tolist(), f"seed {seed}: {block}"
         assert (columns[len(rows) :] == -1).all()
+
+
+def test_the_kernel_sums_the_costs_in_scipys_order():
+    """Costs far apart in size: float64 sums in another order round differently, and scipy's pairs here are only
+    those of its order (((min_val + cost) - u) - v)."""
+    block = np.array(
+        [[1e8, 1e8, 1e8, 0.2], [3e38, 1e8, 3e38, 0.1], [1e8, 0.3, 0.7, 0.3], [0.1, 0.3, 0.1, 0.2]], dtype=np.float32
+    )
+    table = torch.tensor([[0, 4, 4, 4, 4, 4, 1]], device=DEVICE)
+    solved = assignment.solve(torch.from_numpy(block.ravel()).to(DEVICE), table, max_rows=4, max_cols=4)
+    assert solved[0, :4].tolist() == linear_sum_assignment(block)[1].tolist() == [2, 3, 1, 0]
 
 
 def test_the_kernel_reads_a_strided_block_with_wrapped_rows_and_columns():
     """A (targets, queries) block read transposed, its targets repeated by wrapping the target index: the problem
     of hybrid matching's images with more repeated targets than queries."""
-    rng = np.random.default_rng()
+    rng, seed = fresh_rng()
     targets, queries, repeats = 3, 7, 4
     block = rng.standard_normal((targets, queries)).astype(np.float32)
     padding = rng.standard_normal(5).astype(np.float32)  # the block starts past other costs
@@ -60,7 +81,7 @@ def test_the_kernel_reads_a_strided_block_with_wrapped_rows_and_columns():
     table = torch.tensor([[5, queries, targets * repeats, queries, 1, targets, queries]], device=DEVICE)
     solved = assignment.solve(costs, table, max_rows=queries, max_cols=targets * repeats)
     _, expected = linear_sum_assignment(np.tile(block, (repeats, 1)).T)
-    assert solved[0, :queries].tolist() == expected.tolist()
+    assert solved[0, :queries].tolist() == expected.tolist(), f"seed {seed}"
 
 
 def test_solve_refuses_what_it_cannot_solve():
@@ -99,6 +120,7 @@ def groups_of(gen: torch.Generator, sizes: list[int], shapes) -> list[tuple]:
         ([5, 5], [(3, 5, 1)]),  # as many targets as queries
         ([0, 0], [(2, 6, 1), (2, 9, 3)]),  # no target in the batch
         ([1, 9, 4, 2], [(3, 16, 1), (3, 30, 4)]),
+        ([], [(2, 6, 1), (2, 9, 3)]),  # an empty batch
     ],
 )
 def test_the_device_solve_gives_the_criterions_matches_of_the_host_solve(sizes, shapes):
