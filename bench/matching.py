@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import models.matcher as matcher_module  # noqa: E402
 from bench.report import header_lines, out_dir, run_header, table, write_report  # noqa: E402
-from models.criterion import matches_from_assignment, matches_from_pairs  # noqa: E402
+from models.criterion import matched  # noqa: E402
 
 NAME = "matching_h200"
+SOLVERS = ("host", "device")
 CLASSES = 91
 
 
@@ -59,7 +60,7 @@ def recipe_groups(recipe: str, batch: int, gen: torch.Generator, device: str) ->
             torch.rand(layers, batch, queries, 4, generator=gen).to(device),
         )
 
-    groups = [(*predictions(6, 300), targets), (*predictions(1, 300), proposal_targets)]
+    groups = [(*predictions(6, 300), targets, 1), (*predictions(1, 300), proposal_targets, 1)]
     if recipe == "hybrid":
         groups.append((*predictions(6, 1500), targets, 6))
     return groups
@@ -68,17 +69,6 @@ def recipe_groups(recipe: str, batch: int, gen: torch.Generator, device: str) ->
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def host_matches(matcher, groups: list[tuple]) -> list:
-    device = groups[0][0].device
-    sizes = [len(t["labels"]) for t in groups[0][2]]
-    queries, repeats = [g[0].shape[2] for g in groups], [g[3] if len(g) > 3 else 1 for g in groups]
-    return matches_from_pairs(matcher.match_groups(groups), sizes, device, queries, repeats)[0]
-
-
-def device_matches(matcher, groups: list[tuple]) -> list:
-    return [matches_from_assignment(*solved) for solved in matcher.match_groups_on_device(groups)]
 
 
 def timed_call(call, threads: int | None, repeats: int) -> tuple[float, list, int]:
@@ -125,12 +115,12 @@ def main() -> None:
     args = build_parser().parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     batches, repeats = ([2], 2) if args.smoke else (args.batches, args.repeats)
-    matcher = matcher_module.HungarianMatcher(cost_class=2, cost_bbox=5, cost_giou=2)
+    host, on_gpu = (matcher_module.HungarianMatcher(solver=s, cost_class=2, cost_bbox=5, cost_giou=2) for s in SOLVERS)
     rows, record, failed = [], [], False
     for batch in batches:
         for recipe in ("coco_gpu", "hybrid"):
             groups = recipe_groups(recipe, batch, torch.Generator().manual_seed(batch), device)
-            on_host, on_device = (lambda: host_matches(matcher, groups)), (lambda: device_matches(matcher, groups))
+            on_host, on_device = (lambda: matched(host, groups)[0]), (lambda: matched(on_gpu, groups)[0])
             timed_call(on_host, None, 2)  # warm-up: the device's kernels and the host's pages
             timed_call(on_device, None, 1)  # and the solve's kernel compiled
             one_ms, one_matches, _ = timed_call(on_host, 1, repeats)

@@ -125,22 +125,9 @@ class SetCriterion(CompiledRegions, nn.Module):
         if num_boxes is None:
             num_boxes = max(1.0, float(sum(len(t["labels"]) for t in targets)))
         groups = _prediction_groups(outputs, targets, self.one_to_many, self.k_one2many)
-        device = outputs["pred_logits"].device
-        sizes = [len(t["labels"]) for t in targets]
-        inputs = [(g.logits, g.boxes, g.targets, g.repeats) for g in groups]
-        on_device = self.matcher.solves_on(device)
-        # Named for torch.profiler. Solved on the host, the host waits for the GPU here, then the GPU for the host.
-        with torch.profiler.record_function("step.matching"):
-            if on_device:
-                matches = [matches_from_assignment(*solved) for solved in self.matcher.match_groups_on_device(inputs)]
-                tgt_lengths = to_device_async(torch.tensor(sizes, dtype=torch.int64), device)
-            else:
-                pairs = self.matcher.match_groups(inputs)
+        matches, tgt_lengths = matched(self.matcher, [(g.logits, g.boxes, g.targets, g.repeats) for g in groups])
         if callable(num_boxes):
             num_boxes = num_boxes()
-        if not on_device:
-            queries, repeats = [g.logits.shape[2] for g in groups], [g.repeats for g in groups]
-            matches, tgt_lengths = matches_from_pairs(pairs, sizes, device, queries, repeats)
         losses = {}
         for group, group_matches in zip(groups, matches):
             # H-DETR divides the one-to-many losses by the count of the repeated targets.
@@ -338,8 +325,24 @@ def _repeated(values: torch.Tensor, repeats: int) -> torch.Tensor:
     return values if repeats == 1 else values.repeat(repeats, *[1] * (values.dim() - 1))
 
 
-def matches_from_pairs(
-    matched: list[list[list]], tgt_lengths: list[int], device, num_queries: list[int], repeats: list[int]
+def matched(matcher: HungarianMatcher, groups: list[tuple]) -> tuple[list[_Matches], torch.Tensor]:
+    """Every group's matches (groups as ``HungarianMatcher.match_groups`` takes them, repeats given) and the targets
+    per image, on the predictions' device, solved where ``matcher`` solves them."""
+    device = groups[0][0].device
+    sizes = [len(t["labels"]) for t in groups[0][2]]
+    on_device = matcher.solves_on(device)
+    # Named for torch.profiler. Solved on the host, the host waits for the GPU here, then the GPU for the host.
+    with torch.profiler.record_function("step.matching"):
+        solved = matcher.match_groups_on_device(groups) if on_device else matcher.match_groups(groups)
+    if on_device:
+        matches = [_matches_from_assignment(*group) for group in solved]
+        return matches, to_device_async(torch.tensor(sizes, dtype=torch.int64), device)
+    queries, repeats = [logits.shape[2] for logits, *_ in groups], [r for *_, r in groups]
+    return _matches_from_pairs(solved, sizes, device, queries, repeats)
+
+
+def _matches_from_pairs(
+    pairs: list[list[list]], tgt_lengths: list[int], device, num_queries: list[int], repeats: list[int]
 ) -> tuple[list[_Matches], torch.Tensor]:
     """The matcher's host indices of every group, padded (``_Matches``; ``num_queries``: each group's predictions
     per image, the query of its padding pairs; ``repeats``: how many times each group's targets are repeated),
@@ -349,7 +352,7 @@ def matches_from_pairs(
     them into one buffer makes a single asynchronous copy (models.host_copy).
     """
     arrays, layouts = [], []
-    for layers, queries, r in zip(matched, num_queries, repeats, strict=True):
+    for layers, queries, r in zip(pairs, num_queries, repeats, strict=True):
         starts = np.cumsum([0] + [n * r for n in tgt_lengths])  # where each image's (repeated) targets start
         slots = target_slots(int(starts[-1]))
         columns = np.empty((4, len(layers), slots), dtype=np.int64)  # layer, batch, query, target
@@ -377,8 +380,8 @@ def matches_from_pairs(
     return matches, flat[-1]
 
 
-def matches_from_assignment(assignment: torch.Tensor, layout: tuple) -> _Matches:
-    """``matches_from_pairs``'s pairs, in its order, from the device solve of one group
+def _matches_from_assignment(assignment: torch.Tensor, layout: tuple) -> _Matches:
+    """``_matches_from_pairs``'s pairs, in its order, from the device solve of one group
     (HungarianMatcher.match_groups_on_device: ``assignment`` (G, B, R), ``layout`` (G, B, Q, sizes, r)), made on the
     device with nothing read back."""
     G, B, Q, sizes, r = layout

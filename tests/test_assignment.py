@@ -11,7 +11,7 @@ from helpers import RAND_CLASSES, make_criterion, rand_boxes, rand_outputs, rand
 from scipy.optimize import linear_sum_assignment
 
 from models import assignment
-from models.criterion import matches_from_assignment, matches_from_pairs
+from models.criterion import matched
 from models.matcher import HungarianMatcher
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on the CPU (tests/conftest.py)
@@ -128,12 +128,10 @@ def test_the_device_solve_gives_the_criterions_matches_of_the_host_solve(sizes, 
     criterion makes from scipy's pairs."""
     gen = torch.Generator().manual_seed(sum(sizes) + len(shapes))
     groups = groups_of(gen, sizes, shapes)
-    host, device = HungarianMatcher(solver="host"), HungarianMatcher(solver="device")
-    expected, _ = matches_from_pairs(
-        host.match_groups(groups), sizes, torch.device(DEVICE), [Q for _, Q, _ in shapes], [r for *_, r in shapes]
-    )
-    for want, solved in zip(expected, device.match_groups_on_device(groups), strict=True):
-        got = matches_from_assignment(*solved)
+    expected, expected_lengths = matched(HungarianMatcher(solver="host"), groups)
+    matches, lengths = matched(HungarianMatcher(solver="device"), groups)
+    assert lengths.tolist() == expected_lengths.tolist() == sizes
+    for want, got in zip(expected, matches, strict=True):
         assert (got.per_layer, got.slots) == (want.per_layer, want.slots)
         for name in ("layer", "batch", "query", "target"):
             assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
