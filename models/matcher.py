@@ -199,13 +199,16 @@ class HungarianMatcher(nn.Module):
                         problems.append((base, Q, n * r, Q, 1, n, Q))
             offset += G * B * T * Q
         table = to_device_async(torch.tensor(problems, dtype=torch.int64).view(-1, 7), flat.device)
-        rows = max((p[1] for p in problems), default=0)
-        cols = max((p[2] for p in problems), default=0)
-        solved = assignment.solve(flat, table, max_rows=rows, max_cols=max(cols, rows))
         results, start = [], 0
-        for G, B, Q, sizes, r in layouts:
-            results.append((solved[start : start + G * B].view(G, B, solved.shape[1]), (G, B, Q, sizes, r)))
-            start += G * B
+        for layout in layouts:
+            count = layout[0] * layout[1]
+            # A launch per group, its block the size of the group's own widest problem: one launch for all would
+            # scan the two-stage proposals' 20k columns in every decoder layer's program too.
+            rows = max((p[1] for p in problems[start : start + count]), default=0)
+            cols = max((p[2] for p in problems[start : start + count]), default=0)
+            solved = assignment.solve(flat, table[start : start + count], max_rows=rows, max_cols=max(cols, rows))
+            results.append((solved.view(*layout[:2], solved.shape[1]), layout))
+            start += count
         return results
 
     @torch.no_grad()

@@ -121,6 +121,7 @@ def groups_of(gen: torch.Generator, sizes: list[int], shapes) -> list[tuple]:
         ([0, 0], [(2, 6, 1), (2, 9, 3)]),  # no target in the batch
         ([1, 9, 4, 2], [(3, 16, 1), (3, 30, 4)]),
         ([], [(2, 6, 1), (2, 9, 3)]),  # an empty batch
+        ([4, 7], [(2, 8, 1), (1, 300, 1)]),  # a group far wider than the other, as the two-stage proposals are
     ],
 )
 def test_the_device_solve_gives_the_criterions_matches_of_the_host_solve(sizes, shapes):
@@ -135,6 +136,16 @@ def test_the_device_solve_gives_the_criterions_matches_of_the_host_solve(sizes, 
         assert (got.per_layer, got.slots) == (want.per_layer, want.slots)
         for name in ("layer", "batch", "query", "target"):
             assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+def test_each_group_is_solved_in_a_block_of_its_own_size():
+    """A group of many queries (the two-stage proposals) does not widen the other groups' launch: each group's
+    assignment has the rows of its own largest problem, rounded up to a power of two."""
+    gen = torch.Generator().manual_seed(11)
+    groups = groups_of(gen, [4, 7], [(2, 8, 1), (1, 300, 1), (2, 12, 3)])
+    solved = HungarianMatcher(solver="device").match_groups_on_device(groups)
+    # Largest rows: 7 targets; 7 targets; 12 queries (fewer than the 12 and 21 repeated targets).
+    assert [group.shape for group, _ in solved] == [(2, 2, 8), (1, 2, 8), (2, 2, 16)]
 
 
 @pytest.mark.parametrize("one_to_many", ["none", "hybrid"])
