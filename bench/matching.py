@@ -124,10 +124,10 @@ def main() -> None:
             timed_call(on_host, None, 2)  # warm-up: the device's kernels and the host's pages
             timed_call(on_device, None, 1)  # and the solve's kernel compiled
             one_ms, one_matches, _ = timed_call(on_host, 1, repeats)
-            host_ms, host_matches_, threads = timed_call(on_host, None, repeats)
-            device_ms, device_matches_, _ = timed_call(on_device, None, repeats)
+            host_ms, host_matches, threads = timed_call(on_host, None, repeats)
+            device_ms, device_matches, _ = timed_call(on_device, None, repeats)
             blocks = sum(g[0].shape[0] * batch for g in groups)
-            same = same_matches(one_matches, host_matches_) and same_matches(one_matches, device_matches_)
+            same = same_matches(one_matches, host_matches) and same_matches(one_matches, device_matches)
             failed |= not same
             row = {"recipe": recipe, "batch": batch, "blocks": blocks, "threads": threads}
             times = {"one_thread_ms": one_ms, "host_ms": host_ms, "device_ms": device_ms}
